@@ -1,0 +1,90 @@
+"""Stream utterances to a running token2mel server and save the mel (.npy) and a picture (.png).
+
+Examples::
+
+    # one ~5 s utterance of seeded random tokens
+    .venv/bin/python -m s3flow_client --url 127.0.0.1:8001 --seconds 5 --out-dir out/
+
+    # four utterances at once, a bigger first chunk, 2 Euler steps
+    .venv/bin/python -m s3flow_client --utterances 4 --first-chunk 20 --steps 2
+
+    # real tokens from an .npz (speech_tokens, prompt_tokens, prompt_feat, embedding)
+    .venv/bin/python -m s3flow_client --inputs utt.npz
+
+Prints first-chunk latency, per-chunk latency and the real-time factor; exits non-zero on any error
+(a server error, a frame gap or duplicate, or a frame count other than 2 per token).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from . import StreamError, StreamingClient, chunk_schedule, save_mel_png
+from .demo import demo_utterance, load_utterance
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m s3flow_client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address (default: %(default)s)")
+    p.add_argument("--model", default="token2mel", help="(default: %(default)s)")
+    src = p.add_argument_group("input")
+    src.add_argument("--inputs", type=Path, help=".npz with speech_tokens, prompt_tokens, prompt_feat, embedding")
+    src.add_argument("--seconds", type=float, default=5.0, help="random tokens: utterance length (default: 5)")
+    src.add_argument("--utterances", type=int, default=1, help="utterances streamed at once (default: 1)")
+    src.add_argument("--seed", type=int, default=0, help="noise seed; utterance i uses seed + i (default: 0)")
+    opt = p.add_argument_group("synthesis options")
+    opt.add_argument("--steps", type=int, help="Euler steps (default: the server's)")
+    opt.add_argument("--guidance-rate", type=float, help="guidance w (default: the server's)")
+    ch = p.add_argument_group("chunk schedule")
+    ch.add_argument("--first-chunk", type=int, default=10, help="tokens in the first chunk (default: 10)")
+    ch.add_argument("--growth", type=float, default=2.0, help="chunk growth factor (default: 2)")
+    ch.add_argument("--max-chunk", type=int, default=100, help="largest chunk (default: 100)")
+    p.add_argument("--out-dir", type=Path, default=Path("out"), help="(default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for responses")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+
+    utts = []
+    for i in range(args.utterances):
+        u = load_utterance(args.inputs) if args.inputs else demo_utterance(args.seconds, seed=i)
+        u.seed, u.n_timesteps, u.guidance_rate = args.seed + i, args.steps, args.guidance_rate
+        u.chunks = chunk_schedule(len(u.speech_tokens), args.first_chunk, args.growth, args.max_chunk)
+        utts.append(u)
+    total_chunks = sum(len(u.chunks) for u in utts)
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=total_chunks, unit="chunk", desc="streaming")
+    client = StreamingClient(args.url, args.model, timeout_s=args.timeout)
+    code = 0
+    try:
+        results = client.synthesize(utts, progress=bar.update if bar else None)
+    except StreamError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        results, code = exc.results, 1
+    finally:
+        if bar:
+            bar.close()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for i, (u, r) in enumerate(zip(utts, results)):
+        stem = args.out_dir / f"mel_{i}"
+        if r.mel.size:
+            np.save(stem.with_suffix(".npy"), r.mel)
+            save_mel_png(r.mel, stem.with_suffix(".png"), title=f"utterance {i}: {r.mel.shape[1]} frames, "
+                         f"{len(u.chunks)} chunks, seed {u.seed}")
+        lat = ", ".join(f"{x * 1000:.0f}" for x in r.chunk_latencies_s)
+        print(f"utterance {i}: {len(u.speech_tokens)} tokens in chunks {u.chunks} -> {r.mel.shape[-1]} frames "
+              f"({r.audio_s:.2f} s audio)" + (f"  ERROR: {r.error}" if r.error else ""))
+        print(f"  first chunk {r.first_chunk_s * 1000:.0f} ms; per-chunk ms [{lat}]; "
+              f"wall {r.wall_s:.2f} s; real-time factor {r.rtf:.2f}")
+        if r.mel.size:
+            print(f"  wrote {stem.with_suffix('.npy')} and {stem.with_suffix('.png')}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The streaming protocol's tensors, limits and request validation (no Triton imports: unit-testable).
+
+One Triton sequence (correlation id) per utterance. Every request carries the next chunk of speech
+tokens; the START request also carries the speaker prompt and options; the END request finalises.
+
+Request tensors (client -> ``token2mel``; every tensor has a leading batch dimension of 1):
+
+=================  =======  ==========  ==========================================================
+name               dtype    shape       meaning
+=================  =======  ==========  ==========================================================
+speech_tokens      INT64    [1, N]      next chunk of S3 speech tokens, ids in [0, 6561); N >= 1,
+                                        except that an END request may carry N = 0 (finalise only)
+prompt_tokens      INT64    [1, Np]     START only: the speaker prompt's tokens (Np >= 1)
+prompt_mel         FP32     [1, 2Np, 80] START only: the prompt's mel, frames-major
+speaker_embedding  FP32     [1, 192]    START only: the speaker x-vector (any scale: L2-normalised)
+n_timesteps        INT32    [1, 1]      START only, optional: Euler steps (default from the config)
+guidance_rate      FP32     [1, 1]      START only, optional: classifier-free guidance w
+seed               INT64    [1, 1]      START only, optional: noise seed (default 0)
+=================  =======  ==========  ==========================================================
+
+Response tensors: ``mel`` FP32 [1, 80, F] the frames that became final with this request, and
+``frame_offset`` INT64 [1, 1] the index of the first of them among the utterance's generated frames
+(the prompt region excluded). Offsets continue without gap; after END the total is 2 per speech token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Mapping, Optional
+
+import numpy as np
+
+VOCAB_SIZE = 6561
+XVECTOR_DIM = 192
+
+INPUT_DTYPES = {
+    "speech_tokens": np.int64,
+    "prompt_tokens": np.int64,
+    "prompt_mel": np.float32,
+    "speaker_embedding": np.float32,
+    "n_timesteps": np.int32,
+    "guidance_rate": np.float32,
+    "seed": np.int64,
+}
+START_ONLY = ("prompt_tokens", "prompt_mel", "speaker_embedding", "n_timesteps", "guidance_rate", "seed")
+OUTPUTS = ("mel", "frame_offset")
+
+
+class RequestError(ValueError):
+    """A client's request is invalid; the message names the bad value. Maps to INVALID_ARG."""
+
+
+@dataclass
+class Limits:
+    """Server-side limits and defaults; each is a ``parameters`` entry of the cfm_solver config."""
+    max_steps: int = 50
+    max_guidance_rate: float = 10.0
+    max_utterance_frames: int = 3000      # generated frames (60 s of audio)
+    max_prompt_tokens: int = 500          # 20 s of prompt
+    max_chunk_tokens: int = 1500
+    max_request_bytes: int = 1 << 20      # all tensors of one request together
+    max_live_sequences: int = 256
+    idle_timeout_s: float = 60.0
+    holdback_frames: int = 0              # generated frames withheld until the next chunk (or END)
+    default_steps: int = 0                # 0: the checkpoint's default (10, or 2 for meanflow)
+    default_guidance_rate: float = 0.7
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str]) -> "Limits":
+        """Build from Triton config ``parameters`` (string values); unknown keys are ignored here."""
+        kwargs = {}
+        for f in fields(cls):
+            if f.name in params:
+                raw = params[f.name]
+                try:
+                    kwargs[f.name] = type(f.default)(float(raw)) if f.type in ("int", int) else type(f.default)(raw)
+                except ValueError:
+                    raise ValueError(f"config parameter {f.name} must be a number, got {raw!r}") from None
+        limits = cls(**kwargs)
+        limits.check()
+        return limits
+
+    def check(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            lowest = 0 if f.name in ("holdback_frames", "default_steps", "default_guidance_rate") else 1e-9
+            if not value >= lowest:
+                raise ValueError(f"limit {f.name} must be >= {lowest}, got {value}")
+        if self.default_steps > self.max_steps:
+            raise ValueError(f"default_steps {self.default_steps} exceeds max_steps {self.max_steps}")
+
+
+@dataclass
+class ChunkRequest:
+    """One validated request. Prompt fields are set only on START."""
+    speech_tokens: np.ndarray                       # (N,) int64
+    start: bool
+    end: bool
+    prompt_tokens: Optional[np.ndarray] = None      # (Np,) int64
+    prompt_mel: Optional[np.ndarray] = None         # (n_feats, 2 Np) float32, channels-major
+    speaker_embedding: Optional[np.ndarray] = None  # (192,) float32
+    n_timesteps: Optional[int] = None
+    guidance_rate: Optional[float] = None
+    seed: int = 0
+
+
+def _array(inputs: Mapping[str, np.ndarray], name: str, ndim: int) -> Optional[np.ndarray]:
+    value = inputs.get(name)
+    if value is None:
+        return None
+    value = np.asarray(value)
+    want = INPUT_DTYPES[name]
+    if value.dtype != want:
+        raise RequestError(f"{name} must be {np.dtype(want).name}, got {value.dtype.name}")
+    if value.ndim != ndim:
+        raise RequestError(f"{name} must have {ndim} dimensions (batch first), got shape {list(value.shape)}")
+    if value.shape[0] != 1:
+        raise RequestError(f"{name} must have batch size 1 (one utterance per request), got {value.shape[0]}")
+    return value[0]
+
+
+def _scalar(inputs, name):
+    value = _array(inputs, name, 2)
+    if value is None:
+        return None
+    if value.size != 1:
+        raise RequestError(f"{name} must hold one value, got shape {[1] + list(value.shape)}")
+    return value.reshape(()).item()
+
+
+def _tokens(name: str, tokens: np.ndarray) -> np.ndarray:
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= VOCAB_SIZE):
+        bad = int(tokens.max()) if tokens.max() >= VOCAB_SIZE else int(tokens.min())
+        raise RequestError(f"{name} must be in [0, {VOCAB_SIZE}), got {bad}")
+    return tokens.astype(np.int64, copy=False)
+
+
+def parse_request(inputs: Mapping[str, np.ndarray], *, start: bool, end: bool, limits: Limits,
+                  n_feats: int = 80) -> ChunkRequest:
+    """Validate one request's tensors; raise RequestError naming the bad value."""
+    unknown = set(inputs) - set(INPUT_DTYPES)
+    if unknown:
+        raise RequestError(f"unknown input tensors: {sorted(unknown)}")
+    size = sum(np.asarray(v).nbytes for v in inputs.values())
+    if size > limits.max_request_bytes:
+        raise RequestError(f"request holds {size} bytes, above the limit of {limits.max_request_bytes}")
+    tokens = _array(inputs, "speech_tokens", 2)
+    if tokens is None:
+        raise RequestError("speech_tokens is required in every request")
+    tokens = _tokens("speech_tokens", tokens)
+    if tokens.size == 0 and not end:
+        raise RequestError("speech_tokens is empty; an empty chunk is allowed only on the END request")
+    if tokens.size > limits.max_chunk_tokens:
+        raise RequestError(f"speech_tokens chunk has {tokens.size} tokens, above max_chunk_tokens "
+                           f"{limits.max_chunk_tokens}")
+    req = ChunkRequest(speech_tokens=tokens, start=start, end=end)
+    if not start:
+        given = [n for n in START_ONLY if n in inputs]
+        if given:
+            raise RequestError(f"{given} may only be sent with the sequence's START request")
+        return req
+
+    prompt = _array(inputs, "prompt_tokens", 2)
+    mel = _array(inputs, "prompt_mel", 3)
+    emb = _array(inputs, "speaker_embedding", 2)
+    missing = [n for n, v in (("prompt_tokens", prompt), ("prompt_mel", mel), ("speaker_embedding", emb))
+               if v is None]
+    if missing:
+        raise RequestError(f"the START request needs the speaker prompt: missing {missing}")
+    prompt = _tokens("prompt_tokens", prompt)
+    if not 1 <= prompt.size <= limits.max_prompt_tokens:
+        raise RequestError(f"prompt_tokens must hold 1 to {limits.max_prompt_tokens} tokens, got {prompt.size}")
+    if mel.shape != (2 * prompt.size, n_feats):
+        raise RequestError(f"prompt_mel must have shape [1, {2 * prompt.size}, {n_feats}] "
+                           f"(2 frames per prompt token, frames-major), got {[1] + list(mel.shape)}")
+    if not np.isfinite(mel).all():
+        raise RequestError(f"prompt_mel holds {int((~np.isfinite(mel)).sum())} NaN or Inf values")
+    if emb.shape != (XVECTOR_DIM,):
+        raise RequestError(f"speaker_embedding must have shape [1, {XVECTOR_DIM}], got {[1] + list(emb.shape)}")
+    if not np.isfinite(emb).all():
+        raise RequestError("speaker_embedding holds NaN or Inf values")
+    if not np.any(emb):
+        raise RequestError("speaker_embedding is all zeros (it is L2-normalised, so it needs a direction)")
+    req.prompt_tokens, req.prompt_mel, req.speaker_embedding = prompt, np.ascontiguousarray(mel.T), emb
+
+    steps = _scalar(inputs, "n_timesteps")
+    if steps is not None and not 1 <= steps <= limits.max_steps:
+        raise RequestError(f"n_timesteps must be in [1, {limits.max_steps}], got {steps}")
+    rate = _scalar(inputs, "guidance_rate")
+    if rate is not None and not (np.isfinite(rate) and 0.0 <= rate <= limits.max_guidance_rate):
+        raise RequestError(f"guidance_rate must be in [0, {limits.max_guidance_rate}], got {rate}")
+    seed = _scalar(inputs, "seed")
+    if seed is not None and seed < 0:
+        raise RequestError(f"seed must be >= 0, got {seed}")
+    req.n_timesteps, req.guidance_rate = steps, rate
+    req.seed = 0 if seed is None else int(seed)
+    return req

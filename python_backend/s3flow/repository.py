@@ -1,0 +1,223 @@
+"""Generate the Triton model repository for a target (``cpu`` or ``gpu``).
+
+Layout written (``config.pbtxt`` is the contract; the models check it in ``initialize``)::
+
+    token2mel/     ensemble: the public entry point clients call
+    cfm_solver/    python backend, sequence batching: per-utterance state + Euler loop, BLS to the two below
+    flow_encoder/  stateless: tokens -> mu, mask, spks   (cpu: ONNX Runtime in python; gpu: tensorrt_plan)
+    estimator/     stateless ConditionalDecoder          (cpu: ONNX Runtime in python; gpu: tensorrt_plan)
+
+Each python model's ``model.py`` is one line importing its class from ``s3flow.serving``, so the server's
+Python environment must have this package installed (the README's set-up does it; the Docker image too).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+from .protocol import INPUT_DTYPES, XVECTOR_DIM, Limits
+
+Target = Literal["cpu", "gpu"]
+
+TRITON_DTYPES = {"int64": "TYPE_INT64", "int32": "TYPE_INT32", "float32": "TYPE_FP32"}
+
+
+@dataclass
+class Batching:
+    """Server-side batching knobs of the solver (see the README's batching section)."""
+    strategy: Literal["oldest", "direct"] = "oldest"
+    max_batch_size: int = 8                 # chunks of different utterances in one execute
+    preferred_batch_sizes: tuple = ()
+    max_queue_delay_us: int = 2000          # how long a chunk may wait for others to join its batch
+    max_candidate_sequences: int = 64       # oldest: sequences that may be live in the batcher at once
+    solver_instances: int = 1
+    estimator_instances: int = 1
+    encoder_instances: int = 1
+
+    def check(self) -> None:
+        if self.strategy not in ("oldest", "direct"):
+            raise ValueError(f"strategy must be 'oldest' or 'direct', got {self.strategy!r}")
+        for name in ("max_batch_size", "max_candidate_sequences", "solver_instances", "estimator_instances",
+                     "encoder_instances"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if any(not 1 <= p <= self.max_batch_size for p in self.preferred_batch_sizes):
+            raise ValueError(f"preferred_batch_sizes must lie in [1, {self.max_batch_size}], "
+                             f"got {list(self.preferred_batch_sizes)}")
+
+
+@dataclass
+class RepositorySettings:
+    target: Target = "cpu"
+    limits: Limits = field(default_factory=Limits)
+    batching: Batching = field(default_factory=Batching)
+    ort_threads: int = 0                    # ONNX Runtime intra-op threads (0: all cores)
+    torch_threads: int = 1                  # the solver's own torch work is small
+
+
+def _param(key: str, value) -> str:
+    return f'  {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+
+
+def _tensor(name: str, dtype: str, dims: list, optional: bool = False, ragged: bool = False) -> str:
+    extra = (" optional: true" if optional else "") + (" allow_ragged_batch: true" if ragged else "")
+    return f'  {{ name: "{name}" data_type: {dtype} dims: {json.dumps(dims)}{extra} }}'
+
+
+def _block(title: str, items: list[str]) -> str:
+    return f"{title} [\n" + ",\n".join(items) + "\n]\n"
+
+
+def _request_tensors(n_feats: int, optional_start: bool) -> list[str]:
+    dims = {"speech_tokens": [-1], "prompt_tokens": [-1], "prompt_mel": [-1, n_feats],
+            "speaker_embedding": [XVECTOR_DIM], "n_timesteps": [1], "guidance_rate": [1], "seed": [1]}
+    return [_tensor(name, TRITON_DTYPES[dtype.__name__], dims[name],
+                    optional=optional_start and name != "speech_tokens", ragged=True)
+            for name, dtype in INPUT_DTYPES.items()]
+
+
+def _response_tensors(n_feats: int) -> list[str]:
+    return [_tensor("mel", "TYPE_FP32", [n_feats, -1]), _tensor("frame_offset", "TYPE_INT64", [1])]
+
+
+def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> str:
+    b, lim = s.batching, s.limits
+    idle_us = int(lim.idle_timeout_s * 1e6)
+    if b.strategy == "oldest":
+        pref = "".join(f" preferred_batch_size: {p}" for p in b.preferred_batch_sizes)
+        strategy = (f"  oldest {{ max_candidate_sequences: {b.max_candidate_sequences}"
+                    f" max_queue_delay_microseconds: {b.max_queue_delay_us}{pref} }}\n")
+    else:
+        strategy = f"  direct {{ max_queue_delay_microseconds: {b.max_queue_delay_us} }}\n"
+    controls = (
+        '  control_input [\n'
+        '    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },\n'
+        '    { name: "END" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] },\n'
+        '    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] },\n'
+        '    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }\n'
+        '  ]\n')
+    params = [_param("n_feats", n_feats), _param("meanflow", str(meanflow).lower()),
+              _param("encoder_model", "flow_encoder"), _param("estimator_model", "estimator"),
+              _param("torch_threads", s.torch_threads)]
+    params += [_param(f.name, getattr(lim, f.name)) for f in dataclasses.fields(lim)]
+    return (f'name: "cfm_solver"\nbackend: "python"\nmax_batch_size: {b.max_batch_size}\n'
+            f"sequence_batching {{\n  max_sequence_idle_microseconds: {idle_us}\n{strategy}{controls}}}\n"
+            + _block("input", _request_tensors(n_feats, optional_start=True))
+            + _block("output", _response_tensors(n_feats))
+            + f"instance_group [ {{ count: {b.solver_instances} kind: KIND_CPU }} ]\n"
+            + _block("parameters", params))
+
+
+def ensemble_config(n_feats: int, s: RepositorySettings) -> str:
+    names = list(INPUT_DTYPES)
+    maps_in = "\n".join(f'      input_map {{ key: "{n}" value: "{n}" }}' for n in names)
+    maps_out = "\n".join(f'      output_map {{ key: "{n}" value: "{n}" }}' for n in ("mel", "frame_offset"))
+    return (f'name: "token2mel"\nplatform: "ensemble"\nmax_batch_size: {s.batching.max_batch_size}\n'
+            + _block("input", _request_tensors(n_feats, optional_start=True))
+            + _block("output", _response_tensors(n_feats))
+            + "ensemble_scheduling {\n  step [\n    {\n      model_name: \"cfm_solver\"\n      model_version: -1\n"
+            + maps_in + "\n" + maps_out + "\n    }\n  ]\n}\n")
+
+
+def estimator_tensors(n_feats: int, meanflow: bool) -> tuple[list[str], list[str]]:
+    ins = [_tensor("x", "TYPE_FP32", [-1, n_feats, -1]), _tensor("mask", "TYPE_FP32", [-1, 1, -1]),
+           _tensor("mu", "TYPE_FP32", [-1, n_feats, -1]), _tensor("t", "TYPE_FP32", [-1]),
+           _tensor("spks", "TYPE_FP32", [-1, n_feats]), _tensor("cond", "TYPE_FP32", [-1, n_feats, -1])]
+    if meanflow:
+        ins.append(_tensor("r", "TYPE_FP32", [-1]))
+    return ins, [_tensor("velocity", "TYPE_FP32", [-1, n_feats, -1])]
+
+
+def encoder_tensors(n_feats: int) -> tuple[list[str], list[str]]:
+    ins = [_tensor("tokens", "TYPE_INT64", [-1, -1]), _tensor("token_len", "TYPE_INT64", [-1]),
+           _tensor("embedding", "TYPE_FP32", [-1, XVECTOR_DIM])]
+    outs = [_tensor("mu", "TYPE_FP32", [-1, n_feats, -1]), _tensor("mask", "TYPE_FP32", [-1, 1, -1]),
+            _tensor("spks", "TYPE_FP32", [-1, n_feats])]
+    return ins, outs
+
+
+def stateless_config(name: str, tensors: tuple[list[str], list[str]], s: RepositorySettings,
+                     instances: int) -> str:
+    ins, outs = tensors
+    if s.target == "gpu":
+        head = f'name: "{name}"\nplatform: "tensorrt_plan"\nmax_batch_size: 0\n'
+        group = f"instance_group [ {{ count: {instances} kind: KIND_GPU }} ]\n"
+        params = ""
+    else:
+        head = f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+        group = f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]\n"
+        params = _block("parameters", [_param("intra_op_threads", s.ort_threads)])
+    return head + _block("input", ins) + _block("output", outs) + group + params
+
+
+MODEL_PY = {
+    "cfm_solver": "from s3flow.serving.cfm_solver import TritonPythonModel  # noqa: F401\n",
+    "onnx": "from s3flow.serving.onnx_model import TritonPythonModel  # noqa: F401\n",
+}
+
+
+@dataclass
+class RepositorySummary:
+    path: Path
+    target: str
+    meanflow: bool
+    n_feats: int
+    files: list = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = [f"model repository at {self.path} (target {self.target}, "
+                 f"{'meanflow' if self.meanflow else 'regular, guided'}, n_feats {self.n_feats}):"]
+        for f in self.files:
+            p = Path(f)
+            size = p.stat().st_size if p.exists() else 0
+            lines.append(f"  {p.relative_to(self.path)}  ({size / 1e6:.1f} MB)" if size > 1e6 else
+                         f"  {p.relative_to(self.path)}")
+        return "\n".join(lines)
+
+
+def write_repository(out: str | Path, flow, settings: Optional[RepositorySettings] = None,
+                     opset: int = 17) -> RepositorySummary:
+    """Write configs, model.py files and (cpu target) the ONNX exports of ``flow`` into ``out``.
+
+    For the gpu target the ``model.plan`` engines are built on the GPU host (scripts/build_engines.py);
+    this writes their configs and the ONNX files the engines are built from (``<model>/model.onnx``).
+    """
+    from .encoder import export_encoder
+    from .onnx_export import export_estimator
+
+    s = settings or RepositorySettings()
+    s.limits.check()
+    s.batching.check()
+    out = Path(out)
+    n_feats, meanflow = flow.config.n_feats, flow.config.meanflow
+    for name in ("token2mel", "cfm_solver", "flow_encoder", "estimator"):
+        if (out / name).exists():
+            shutil.rmtree(out / name)
+        (out / name / "1").mkdir(parents=True)
+    summary = RepositorySummary(path=out, target=s.target, meanflow=meanflow, n_feats=n_feats)
+
+    def write(rel: str, text: str):
+        (out / rel).write_text(text)
+        summary.files.append(out / rel)
+
+    write("token2mel/config.pbtxt", ensemble_config(n_feats, s))
+    write("cfm_solver/config.pbtxt", solver_config(n_feats, meanflow, s))
+    write("cfm_solver/1/model.py", MODEL_PY["cfm_solver"])
+    write("flow_encoder/config.pbtxt", stateless_config("flow_encoder", encoder_tensors(n_feats), s,
+                                                        s.batching.encoder_instances))
+    write("estimator/config.pbtxt", stateless_config("estimator", estimator_tensors(n_feats, meanflow), s,
+                                                     s.batching.estimator_instances))
+    # ONNX files: the served models on cpu; the engines' source on gpu
+    onnx_dir = "1" if s.target == "cpu" else "."
+    export_encoder(flow.encoder, out / "flow_encoder" / onnx_dir / "model.onnx", opset=opset)
+    export_estimator(flow.estimator, out / "estimator" / onnx_dir / "model.onnx", opset=opset)
+    summary.files += [out / "flow_encoder" / onnx_dir / "model.onnx", out / "estimator" / onnx_dir / "model.onnx"]
+    if s.target == "cpu":
+        write("flow_encoder/1/model.py", MODEL_PY["onnx"])
+        write("estimator/1/model.py", MODEL_PY["onnx"])
+    (out / "token2mel" / "1" / ".keep").write_text("")
+    return summary

@@ -1,0 +1,63 @@
+"""A stateless python-backend model that runs one ONNX file with ONNX Runtime (CPU hosts).
+
+It serves the ``estimator`` and the ``flow_encoder`` where no TensorRT / ONNX Runtime backend exists
+(the pytriton wheel's server). Inputs and outputs are the config's, by name; the file is
+``<version>/model.onnx``. Config parameters: ``intra_op_threads`` (default: all cores).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnxruntime as ort
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        path = os.path.join(args["model_repository"], args["model_version"], "model.onnx")
+        if not os.path.isfile(path):
+            raise pb_utils.TritonModelException(f"{self.name}: ONNX file not found at {path}")
+        opts = ort.SessionOptions()
+        threads = int(params.get("intra_op_threads", "0") or 0)
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
+        self.inputs = [i["name"] for i in config["input"]]
+        self.outputs = [o["name"] for o in config["output"]]
+        onnx_in = {i.name for i in self.session.get_inputs()}
+        onnx_out = {o.name for o in self.session.get_outputs()}
+        if set(self.inputs) - onnx_in or set(self.outputs) - onnx_out:
+            raise pb_utils.TritonModelException(
+                f"{self.name}: config tensors {self.inputs} -> {self.outputs} do not match the ONNX file's "
+                f"{sorted(onnx_in)} -> {sorted(onnx_out)}")
+        self.optional = {i["name"] for i in config["input"] if i.get("optional")}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                feeds = {}
+                for name in self.inputs:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    if tensor is None:
+                        if name in self.optional:
+                            continue
+                        raise ValueError(f"{self.name}: missing input {name}")
+                    feeds[name] = tensor.as_numpy()
+                values = self.session.run(self.outputs, feeds)
+                tensors = [pb_utils.Tensor(n, np.ascontiguousarray(v)) for n, v in zip(self.outputs, values)]
+                responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
+            except Exception as exc:  # one bad request must not fail the others
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"{self.name}: {exc}")))
+        return responses
+
+    def finalize(self):
+        self.session = None

@@ -1,0 +1,71 @@
+"""Shared test utilities: a small seeded flow and an in-process streaming driver."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from s3flow.checkpoint import random_flow
+from s3flow.flow import FlowConfig, TorchEstimator, synthesize
+from s3flow.protocol import Limits, parse_request
+from s3flow.streaming import StreamingEngine
+from s3flow_client import Utterance
+
+
+@functools.lru_cache(maxsize=4)
+def small_flow(meanflow: bool = False, seed: int = 0):
+    return random_flow(FlowConfig.small(meanflow), seed=seed)
+
+
+def torch_encoder(flow):
+    def encode(tokens, token_len, embedding):
+        with torch.inference_mode():
+            return flow.encoder(tokens, token_len, embedding)
+    return encode
+
+
+def make_engine(flow, limits: Limits | None = None) -> StreamingEngine:
+    return StreamingEngine(torch_encoder(flow), TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
+                           meanflow=flow.config.meanflow, limits=limits or Limits())
+
+
+def request_inputs(u: Utterance, lo: int, hi: int, first: bool) -> dict:
+    inputs = {"speech_tokens": u.speech_tokens[lo:hi][None].astype(np.int64)}
+    if first:
+        inputs.update(prompt_tokens=u.prompt_tokens[None], prompt_mel=u.prompt_mel[None],
+                      speaker_embedding=u.speaker_embedding[None], seed=np.array([[u.seed]], dtype=np.int64))
+        if u.n_timesteps is not None:
+            inputs["n_timesteps"] = np.array([[u.n_timesteps]], dtype=np.int32)
+        if u.guidance_rate is not None:
+            inputs["guidance_rate"] = np.array([[u.guidance_rate]], dtype=np.float32)
+    return inputs
+
+
+def stream_in_process(engine: StreamingEngine, utts: list[Utterance], sizes: list[list[int]]):
+    """Drive several utterances chunk by chunk; chunks of the same round go in one engine.run batch.
+    Returns per utterance the list of ChunkResults."""
+    out = [[] for _ in utts]
+    rounds = max(len(s) for s in sizes)
+    for k in range(rounds):
+        items, who = [], []
+        for i, (u, s) in enumerate(zip(utts, sizes)):
+            if k >= len(s):
+                continue
+            lo = sum(s[:k])
+            end = k == len(s) - 1
+            req = parse_request(request_inputs(u, lo, lo + s[k], k == 0), start=k == 0, end=end,
+                                limits=engine.limits, n_feats=engine.n_feats)
+            items.append((100 + i, engine.admit(100 + i, req), end))
+            who.append(i)
+        for i, res in zip(who, engine.run(items)):
+            out[i].append(res)
+    return out
+
+
+def offline(flow, u: Utterance, n_tokens: int | None = None, finalize: bool = True, **kw):
+    """Offline synthesis of the first n_tokens speech tokens of u, same noise seed."""
+    n = len(u.speech_tokens) if n_tokens is None else n_tokens
+    return synthesize(flow, torch.from_numpy(u.speech_tokens[:n])[None], torch.from_numpy(u.prompt_tokens)[None],
+                      torch.from_numpy(u.prompt_mel)[None], torch.from_numpy(u.speaker_embedding)[None],
+                      finalize=finalize, seed=u.seed, **kw).mel[0].numpy()
