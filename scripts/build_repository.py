@@ -82,8 +82,7 @@ def main(argv=None) -> int:
     summary = write_repository(args.output, flow, settings)
     print(summary.describe())
     if not args.no_check:
-        from s3flow.encoder import check_encoder_onnx
-        from s3flow.onnx_export import check_estimator_onnx
+        from s3flow.onnx_export import check_encoder_onnx, check_estimator_onnx
         sub = "1" if args.target == "cpu" else "."
         err_e = check_estimator_onnx(flow.estimator, args.output / "estimator" / sub / "model.onnx")
         err_c = check_encoder_onnx(flow.encoder, args.output / "flow_encoder" / sub / "model.onnx")

@@ -186,8 +186,7 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
     For the gpu target the ``model.plan`` engines are built on the GPU host (scripts/build_engines.py);
     this writes their configs and the ONNX files the engines are built from (``<model>/model.onnx``).
     """
-    from .encoder import export_encoder
-    from .onnx_export import export_estimator
+    from .onnx_export import export_encoder, export_estimator
 
     s = settings or RepositorySettings()
     s.limits.check()

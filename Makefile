@@ -1,0 +1,33 @@
+# One command for the main job, one for the tests. Both set everything up first.
+#   make demo   build the repository on seeded random weights, start tritonserver, stream a ~5 s utterance,
+#               write out/mel_0.npy and out/mel_0.png, stop the server   (SIZE=small for a fast run)
+#   make test   set up and run the test suite (what .ci/run calls)
+PY311   ?= /usr/bin/python3.11
+VENV    ?= .venv
+PYTHON  := $(VENV)/bin/python
+SIZE    ?= full
+SECONDS ?= 5
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast benchmark clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY311) || { echo "need the system Python 3.11 at $(PY311) (the Triton stub embeds it): apt-get install python3.11-venv"; exit 1; }
+	test -x $(PYTHON) || $(PY311) -m venv $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q $$(test -d /opt/wheels && echo --find-links /opt/wheels) -e ".[server,test]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS)
+
+test: setup
+	$(PYTHON) -m pytest -q -rs
+
+test-fast: setup
+	$(PYTHON) -m pytest -q -m "not server and not fullsize"
+
+clean:
+	rm -rf $(VENV) model_repository/*/ out/ checkpoints/
