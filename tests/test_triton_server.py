@@ -1,0 +1,607 @@
+"""The tritonserver launcher against a real server (from the nvidia-pytriton wheel), on CPU.
+
+A tiny model repository is written into a temporary folder: a python model (``add_one``), a BLS caller,
+a sequence-batched running sum keyed by correlation id, and ensembles over both. Every ``model.py`` imports
+numpy and torch and ``add_one`` reports its ``sys.prefix``: the models must run in this venv.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from s3flow import triton_server
+from s3flow.triton_server import TritonServer, TritonServerError
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+try:
+    PATHS = triton_server.find_tritonserver()
+    NO_SERVER = None
+except TritonServerError as err:  # pragma: no cover - only without nvidia-pytriton
+    PATHS, NO_SERVER = None, str(err)
+
+needs_server = pytest.mark.skipif(NO_SERVER is not None, reason=f"no tritonserver: {NO_SERVER}")
+
+# ---------------------------------------------------------------------------------------------- models
+
+ADD_ONE_CONFIG = """
+name: "add_one"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [
+  { name: "OUTPUT" data_type: TYPE_FP32 dims: [ -1 ] },
+  { name: "PYTHON_PREFIX" data_type: TYPE_STRING dims: [ 1 ] }
+]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+
+ADD_ONE_MODEL = """
+import sys
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = torch.from_numpy(pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy())
+            y = (x + 1).numpy().astype(np.float32)
+            prefix = np.array([sys.prefix.encode()], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUTPUT", y), pb_utils.Tensor("PYTHON_PREFIX", prefix)]))
+        return responses
+"""
+
+BLS_CONFIG = """
+name: "bls_caller"
+backend: "python"
+max_batch_size: 0
+input [
+  { name: "INPUT" data_type: TYPE_FP32 dims: [ -1 ] },
+  { name: "TARGET" data_type: TYPE_STRING dims: [ 1 ] optional: true }
+]
+output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+
+# OUTPUT = 2 * add_one(INPUT); TARGET (default "add_one") lets a test make the BLS call fail.
+BLS_MODEL = """
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT")
+            target = pb_utils.get_input_tensor_by_name(request, "TARGET")
+            name = target.as_numpy().reshape(-1)[0].decode() if target is not None else "add_one"
+            bls = pb_utils.InferenceRequest(
+                model_name=name, requested_output_names=["OUTPUT"],
+                inputs=[pb_utils.Tensor("INPUT", x.as_numpy())]).exec()
+            if bls.has_error():
+                responses.append(pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(f"BLS call to {name!r} failed: {bls.error().message()}")))
+                continue
+            y = torch.from_numpy(pb_utils.get_output_tensor_by_name(bls, "OUTPUT").as_numpy()) * 2
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", y.numpy())]))
+        return responses
+"""
+
+ACCUMULATE_CONFIG = """
+name: "accumulate"
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [
+  { name: "SUM" data_type: TYPE_FP32 dims: [ 1 ] },
+  { name: "CORRID_OUT" data_type: TYPE_UINT64 dims: [ 1 ] },
+  { name: "BATCH" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+sequence_batching {
+  max_sequence_idle_microseconds: 30000000
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] },
+    { name: "END" control [ { kind: CONTROL_SEQUENCE_END fp32_false_true: [ 0, 1 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+  ]
+  oldest { max_candidate_sequences: 8 preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 2000 }
+}
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+
+# Running sum per correlation id. With the oldest strategy one execute() gets requests of several
+# sequences; BATCH reports how many, so a test can see that batching across sequences happened.
+ACCUMULATE_MODEL = """
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+
+def flag(request, name):
+    return float(pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)[0])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            corrid = int(pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy().reshape(-1)[0])
+            if corrid != request.correlation_id():
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                    f"CORRID {corrid} != correlation_id() {request.correlation_id()}")))
+                continue
+            if flag(request, "READY") == 0:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[]))
+                continue
+            if flag(request, "START"):
+                self.sums[corrid] = torch.zeros(1)
+            if corrid not in self.sums:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                    f"sequence {corrid} has no state: send sequence_start first")))
+                continue
+            x = torch.from_numpy(pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy().reshape(1))
+            self.sums[corrid] = self.sums[corrid] + x
+            total = self.sums[corrid].numpy().reshape(1, 1).astype(np.float32)
+            if flag(request, "END"):
+                del self.sums[corrid]
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("SUM", total),
+                pb_utils.Tensor("CORRID_OUT", np.array([[corrid]], dtype=np.uint64)),
+                pb_utils.Tensor("BATCH", np.array([[len(requests)]], dtype=np.int32)),
+            ]))
+        return responses
+"""
+
+ADD_TWO_ENSEMBLE = """
+name: "add_two"
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "add_one" model_version: -1
+      input_map { key: "INPUT" value: "INPUT" } output_map { key: "OUTPUT" value: "plus_one" } },
+    { model_name: "add_one" model_version: -1
+      input_map { key: "INPUT" value: "plus_one" } output_map { key: "OUTPUT" value: "OUTPUT" } }
+  ]
+}
+"""
+
+# An ensemble has no sequence_batching of its own: sequence id/start/end pass through to the member.
+ACCUMULATE_ENSEMBLE = """
+name: "accumulate_ensemble"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "SUM" data_type: TYPE_FP32 dims: [ 1 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "accumulate" model_version: -1
+      input_map { key: "INPUT" value: "INPUT" } output_map { key: "SUM" value: "SUM" } }
+  ]
+}
+"""
+
+BROKEN_CONFIG = """
+name: "broken"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+
+BROKEN_MODEL = """
+import numpy as np
+import torch
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("deliberately broken model for the launcher test")
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def write_model(repo: pathlib.Path, name: str, config: str, model_py: str | None = None) -> None:
+    (repo / name).mkdir(parents=True, exist_ok=True)
+    (repo / name / "config.pbtxt").write_text(textwrap.dedent(config).lstrip())
+    (repo / name / "1").mkdir(exist_ok=True)  # ensembles need an (empty) version folder too
+    if model_py is not None:
+        (repo / name / "1" / "model.py").write_text(textwrap.dedent(model_py).lstrip())
+
+
+def make_repository(repo: pathlib.Path) -> pathlib.Path:
+    write_model(repo, "add_one", ADD_ONE_CONFIG, ADD_ONE_MODEL)
+    write_model(repo, "bls_caller", BLS_CONFIG, BLS_MODEL)
+    write_model(repo, "accumulate", ACCUMULATE_CONFIG, ACCUMULATE_MODEL)
+    write_model(repo, "add_two", ADD_TWO_ENSEMBLE)
+    write_model(repo, "accumulate_ensemble", ACCUMULATE_ENSEMBLE)
+    return repo
+
+
+def fp32_input(name: str, array: np.ndarray) -> grpcclient.InferInput:
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    tensor = grpcclient.InferInput(name, list(array.shape), "FP32")
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def bytes_input(name: str, values: list[str]) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, [len(values)], "BYTES")
+    tensor.set_data_from_numpy(np.array([v.encode() for v in values], dtype=np.object_))
+    return tensor
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if NO_SERVER is not None:
+        pytest.skip(f"no tritonserver: {NO_SERVER}")
+    tmp = tmp_path_factory.mktemp("triton")
+    srv = TritonServer(make_repository(tmp / "repo"), log_file=tmp / "server.log")
+    srv.start()
+    try:
+        srv.ready_s = srv.wait_ready(timeout=180)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    yield c
+    c.close()
+
+
+# ---------------------------------------------------------------------------------------------- no server
+
+
+@needs_server
+def test_find_tritonserver_wheel_layout(tmp_path):
+    assert os.access(PATHS.binary, os.X_OK)
+    assert (PATHS.backend_dir / "python" / "libtriton_python.so").is_file()
+    version = "%d.%d" % sys.version_info[:2]
+    if PATHS.source == "pytriton":
+        assert PATHS.lib_dirs and all(p.is_dir() for p in PATHS.lib_dirs)
+        assert version in PATHS.stub_versions()
+    backend_dir = triton_server.prepare_backend_dir(PATHS, version, cache_dir=tmp_path)
+    assert (backend_dir / "python" / "triton_python_backend_stub").resolve().is_file()
+    assert (backend_dir / "python" / "triton_python_backend_utils.py").is_file()
+    # Built once, then reused.
+    assert triton_server.prepare_backend_dir(PATHS, version, cache_dir=tmp_path) == backend_dir
+
+
+@needs_server
+def test_prepare_backend_dir_rejects_missing_stub(tmp_path):
+    if PATHS.stubs_dir is None:
+        pytest.skip("backend folder already has its stub")
+    with pytest.raises(TritonServerError, match="no python-backend stub for Python 2.7"):
+        triton_server.prepare_backend_dir(PATHS, "2.7", cache_dir=tmp_path)
+
+
+def test_find_tritonserver_env_override(tmp_path, monkeypatch):
+    fake = tmp_path / "opt" / "tritonserver" / "bin" / "tritonserver"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    (tmp_path / "opt" / "tritonserver" / "backends").mkdir()
+    monkeypatch.setenv("TRITONSERVER", str(fake))
+    monkeypatch.delenv("TRITONSERVER_BACKEND_DIR", raising=False)
+    paths = triton_server.find_tritonserver()
+    assert (paths.source, paths.binary, paths.backend_dir) == ("env", fake, tmp_path / "opt/tritonserver/backends")
+    assert paths.lib_dirs == () and paths.stubs_dir is None
+    monkeypatch.setenv("TRITONSERVER", str(tmp_path / "missing"))
+    with pytest.raises(TritonServerError, match="not found"):
+        triton_server.find_tritonserver()
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = triton_server.free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_stop_pid_kills_a_process_that_ignores_sigterm():
+    proc = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 60 & wait"], start_new_session=True)
+    time.sleep(0.3)
+    assert triton_server.is_running(proc.pid)
+    t0 = time.monotonic()
+    assert triton_server.stop_pid(proc.pid, timeout=0.5) is False  # needed SIGKILL
+    assert time.monotonic() - t0 < 5
+    assert proc.wait(5) == -signal.SIGKILL
+    assert not triton_server.is_running(proc.pid)
+
+
+@needs_server
+def test_command_line_has_the_required_flags(tmp_path):
+    srv = TritonServer(tmp_path, grpc_port=1, http_port=2, metrics_port=3, model_control_mode="explicit",
+                       load_models=["a"], extra_args=["--log-verbose=1"])
+    cmd = srv.command()
+    for flag in (f"--model-repository={tmp_path}", "--disable-auto-complete-config", "--exit-on-error=true",
+                 "--model-control-mode=explicit", "--grpc-address=127.0.0.1", "--grpc-port=1",
+                 "--http-address=127.0.0.1", "--http-port=2", "--metrics-address=127.0.0.1",
+                 "--metrics-port=3", "--load-model=a", "--log-verbose=1"):
+        assert flag in cmd
+    env = srv.environment()
+    assert env["PATH"].split(os.pathsep)[0] == str(pathlib.Path(sys.prefix) / "bin")
+    with pytest.raises(ValueError, match="model_control_mode"):
+        TritonServer(tmp_path, model_control_mode="sometimes")
+
+
+# ---------------------------------------------------------------------------------------------- real server
+
+
+@pytest.mark.server
+def test_server_ready_and_models_loaded(server, client):
+    assert client.is_server_live() and client.is_server_ready()
+    for name in ("add_one", "bls_caller", "accumulate", "add_two", "accumulate_ensemble"):
+        assert client.is_model_ready(name), name
+    print(f"start-to-ready {server.ready_s:.1f} s")
+
+
+@pytest.mark.server
+def test_python_model_runs_in_this_venv(client):
+    x = np.arange(5, dtype=np.float32) - 2.5
+    result = client.infer("add_one", [fp32_input("INPUT", x)])
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT"), x + 1)
+    prefix = result.as_numpy("PYTHON_PREFIX")[0].decode()
+    assert pathlib.Path(prefix).resolve() == pathlib.Path(sys.prefix).resolve()
+
+
+@pytest.mark.server
+def test_bls_call(client):
+    x = np.array([0.5, -3.0, 10.0], dtype=np.float32)
+    result = client.infer("bls_caller", [fp32_input("INPUT", x)])
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT"), 2 * (x + 1))
+
+
+@pytest.mark.server
+def test_bls_error_becomes_a_request_error(client):
+    x = np.ones(2, dtype=np.float32)
+    with pytest.raises(InferenceServerException, match="BLS call to 'no_such_model' failed"):
+        client.infer("bls_caller", [fp32_input("INPUT", x), bytes_input("TARGET", ["no_such_model"])])
+    # The model survives the failed request.
+    np.testing.assert_array_equal(client.infer("bls_caller", [fp32_input("INPUT", x)]).as_numpy("OUTPUT"), 4 * x)
+
+
+@pytest.mark.server
+def test_ensemble_chains_add_one_twice(client):
+    x = np.linspace(-1, 1, 7, dtype=np.float32)
+    expected = (x + np.float32(1)) + np.float32(1)  # two float32 steps, not x + 2
+    np.testing.assert_array_equal(client.infer("add_two", [fp32_input("INPUT", x)]).as_numpy("OUTPUT"), expected)
+
+
+def run_sequence(client, model: str, seq_id: int, values, outputs=("SUM", "CORRID_OUT")):
+    """Send ``values`` as one sequence; return the list of per-step output dicts."""
+    results = []
+    for i, v in enumerate(values):
+        res = client.infer(model, [fp32_input("INPUT", np.array([[v]]))], sequence_id=seq_id,
+                           sequence_start=i == 0, sequence_end=i == len(values) - 1,
+                           outputs=[grpcclient.InferRequestedOutput(o) for o in outputs])
+        results.append({o: res.as_numpy(o).reshape(-1)[0] for o in outputs})
+    return results
+
+
+@pytest.mark.server
+def test_sequences_keep_separate_state_by_correlation_id(client):
+    a, b = [1.0, 2.0, 3.0], [10.0, 20.0, 30.0, 40.0]
+    out = {}
+    # Interleave two sequences step by step.
+    for i in range(max(len(a), len(b))):
+        for seq_id, values in ((101, a), (202, b)):
+            if i < len(values):
+                res = client.infer("accumulate", [fp32_input("INPUT", np.array([[values[i]]]))],
+                                   sequence_id=seq_id, sequence_start=i == 0, sequence_end=i == len(values) - 1)
+                out.setdefault(seq_id, []).append((res.as_numpy("SUM")[0, 0], res.as_numpy("CORRID_OUT")[0, 0]))
+    assert out[101] == [(1.0, 101), (3.0, 101), (6.0, 101)]
+    assert out[202] == [(10.0, 202), (30.0, 202), (60.0, 202), (100.0, 202)]
+    # After END the id starts from zero again.
+    assert [r["SUM"] for r in run_sequence(client, "accumulate", 101, [5.0, 5.0])] == [5.0, 10.0]
+
+
+@pytest.mark.server
+def test_sequence_without_start_is_rejected_by_triton(client):
+    # Triton itself refuses it, before the model (whose own "no state" check is only a safety net).
+    with pytest.raises(InferenceServerException, match="must specify the START flag"):
+        client.infer("accumulate", [fp32_input("INPUT", np.array([[1.0]]))], sequence_id=999)
+
+
+@pytest.mark.server
+def test_concurrent_sequences_are_batched_by_oldest_strategy(server):
+    n_seq, n_steps = 6, 8
+    results, errors = {}, []
+
+    def worker(seq_id):
+        c = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            values = [float(seq_id * 100 + k) for k in range(n_steps)]
+            results[seq_id] = (values, run_sequence(c, "accumulate", seq_id, values,
+                                                    outputs=("SUM", "CORRID_OUT", "BATCH")))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=worker, args=(1000 + s,)) for s in range(n_seq)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    batch_sizes = []
+    for seq_id, (values, steps) in results.items():
+        assert [s["SUM"] for s in steps] == list(np.cumsum(np.array(values, dtype=np.float32)))
+        assert {int(s["CORRID_OUT"]) for s in steps} == {seq_id}
+        batch_sizes += [int(s["BATCH"]) for s in steps]
+    assert len(results) == n_seq
+    assert max(batch_sizes) > 1, "oldest strategy never put two sequences into one execute()"
+
+
+@pytest.mark.server
+def test_ensemble_passes_sequence_controls_through(client):
+    steps = run_sequence(client, "accumulate_ensemble", 4242, [1.5, 2.5, 3.0], outputs=("SUM",))
+    assert [s["SUM"] for s in steps] == [1.5, 4.0, 7.0]
+
+
+@pytest.mark.server
+def test_stop_ends_the_process(tmp_path):
+    repo = tmp_path / "repo"
+    write_model(repo, "add_one", ADD_ONE_CONFIG, ADD_ONE_MODEL)
+    srv = TritonServer(repo, log_file=tmp_path / "server.log")
+    with srv:
+        pid = srv.pid
+        assert triton_server.is_running(pid)
+        assert list(pathlib.Path("/dev/shm").glob(f"{srv.shm_prefix}*")), "python backend shm not found"
+    assert srv.process.returncode == 0
+    assert not triton_server.is_running(pid)
+    assert not list(pathlib.Path("/dev/shm").glob(f"{srv.shm_prefix}*"))
+
+
+@pytest.mark.server
+def test_explicit_model_control_loads_and_unloads(tmp_path):
+    repo = tmp_path / "repo"
+    write_model(repo, "add_one", ADD_ONE_CONFIG, ADD_ONE_MODEL)
+    with TritonServer(repo, model_control_mode="explicit", log_file=tmp_path / "server.log") as srv:
+        c = srv.client()
+        assert c.is_server_ready() and not c.is_model_ready("add_one")
+        c.load_model("add_one")
+        assert c.is_model_ready("add_one")
+        x = np.array([41.0], dtype=np.float32)
+        np.testing.assert_array_equal(c.infer("add_one", [fp32_input("INPUT", x)]).as_numpy("OUTPUT"), [42.0])
+        c.unload_model("add_one")
+        deadline = time.monotonic() + 30
+        while c.is_model_ready("add_one") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not c.is_model_ready("add_one")
+        c.close()
+
+
+@pytest.mark.server
+def test_broken_model_fails_start_fast_with_log_tail(tmp_path):
+    repo = tmp_path / "repo"
+    write_model(repo, "broken", BROKEN_CONFIG, BROKEN_MODEL)
+    srv = TritonServer(repo, log_file=tmp_path / "server.log").start()
+    t0 = time.monotonic()
+    with pytest.raises(TritonServerError) as info:
+        srv.wait_ready(timeout=120)
+    assert time.monotonic() - t0 < 60, "should fail on exit, not on the timeout"
+    message = str(info.value)
+    assert "exited with code 1" in message
+    assert "deliberately broken model for the launcher test" in message
+    assert not triton_server.is_running(srv.pid)
+    srv.stop()
+
+
+@pytest.mark.server
+def test_wait_ready_timeout_stops_the_server(tmp_path):
+    repo = tmp_path / "repo"
+    write_model(repo, "add_one", ADD_ONE_CONFIG, ADD_ONE_MODEL)  # takes about a second to load
+    srv = TritonServer(repo, log_file=tmp_path / "server.log").start()
+    with pytest.raises(TritonServerError, match="not ready after 0 s"):
+        srv.wait_ready(timeout=0)
+    assert srv.process.returncode is not None
+    assert not triton_server.is_running(srv.pid)
+
+
+def test_venv_with_numpy_2_is_refused(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python3").symlink_to(sys.executable)
+    (venv / "lib" / "python3.11" / "site-packages" / "numpy-2.1.0.dist-info").mkdir(parents=True)
+    assert triton_server.venv_numpy_version(venv) == "2.1.0"
+    paths = triton_server.TritonPaths(binary=pathlib.Path("/bin/false"), backend_dir=tmp_path)
+    with pytest.raises(TritonServerError, match="numpy<2"):
+        TritonServer(tmp_path, venv=venv, paths=paths).start()
+
+
+@pytest.mark.server
+def test_port_clash_is_retried_with_new_ports(tmp_path, monkeypatch):
+    import socket
+
+    (tmp_path / "empty_repo").mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        real = triton_server.free_port
+        calls = iter([busy])
+        monkeypatch.setattr(triton_server, "free_port", lambda host="127.0.0.1": next(calls, None) or real(host))
+        with TritonServer(tmp_path / "empty_repo", log_file=tmp_path / "server.log") as srv:
+            assert srv.grpc_port != busy
+            assert srv.client().is_server_ready()
+    assert "already in use" in (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.server
+def test_cli_start_status_stop(tmp_path):
+    repo = tmp_path / "repo"
+    write_model(repo, "add_one", ADD_ONE_CONFIG, ADD_ONE_MODEL)
+    pid_file = tmp_path / "run" / "triton.pid"
+    script = [sys.executable, str(ROOT / "scripts" / "server.py")]
+
+    def cli(*args, check=True):
+        proc = subprocess.run(script + list(args), capture_output=True, text=True, timeout=240)
+        if check:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc
+
+    started = cli("start", str(repo), "--pid-file", str(pid_file), "--log-file", str(tmp_path / "t.log"))
+    match = re.search(r"grpc=(\S+) .*pid=(\d+)", started.stdout)
+    assert match, started.stdout
+    url, pid = match.group(1), int(match.group(2))
+    try:
+        assert int(pid_file.read_text()) == pid
+        assert "add_one" in cli("status", "--pid-file", str(pid_file)).stdout
+        c = grpcclient.InferenceServerClient(url)
+        x = np.array([1.0, 2.0], dtype=np.float32)
+        np.testing.assert_array_equal(c.infer("add_one", [fp32_input("INPUT", x)]).as_numpy("OUTPUT"), x + 1)
+        c.close()
+        again = cli("start", str(repo), "--pid-file", str(pid_file), check=False)
+        assert again.returncode == 1 and "still running" in again.stderr
+    finally:
+        stopped = cli("stop", "--pid-file", str(pid_file))
+    assert "stopped" in stopped.stdout
+    assert not triton_server.is_running(pid)
+    assert not pid_file.exists()
+    assert cli("status", "--pid-file", str(pid_file), check=False).returncode == 1
+
+
+def test_cli_help_has_an_example():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "server.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "scripts/server.py start model_repository" in out.stdout
