@@ -306,9 +306,10 @@ def test_check_estimator_onnx_detects_mismatch(tmp_path) -> None:
 
 
 @pytest.mark.fullsize
-def test_onnx_full_size_matches_torch(tmp_path) -> None:
+@pytest.mark.parametrize("meanflow", [False, True])
+def test_onnx_full_size_matches_torch(tmp_path, meanflow) -> None:
     torch.manual_seed(0)
-    model = perturb_all_(ConditionalDecoder(EstimatorConfig.full()), seed=0).eval()
+    model = perturb_all_(ConditionalDecoder(EstimatorConfig.full(meanflow=meanflow)), seed=0).eval()
     t0 = time.perf_counter()
     path = export_estimator(model, tmp_path / "estimator.onnx")
     t_export = time.perf_counter() - t0
