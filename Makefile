@@ -9,7 +9,7 @@ SIZE    ?= full
 SECONDS ?= 5
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast benchmark clean
+.PHONY: setup demo test test-fast benchmark clean train
 
 $(STAMP): pyproject.toml
 	@test -x $(PY311) || { echo "need the system Python 3.11 at $(PY311) (the Triton stub embeds it): apt-get install python3.11-venv"; exit 1; }
@@ -30,4 +30,13 @@ test-fast: setup
 	$(PYTHON) -m pytest -q -m "not server and not fullsize"
 
 clean:
-	rm -rf $(VENV) model_repository/*/ out/ checkpoints/
+	rm -rf $(VENV) model_repository/*/ out/
+	find checkpoints -mindepth 1 -maxdepth 1 ! -name trained -exec rm -rf {} + 2>/dev/null || true
+
+# Retrain the small demo models (checkpoints/trained/) from scratch: espeak-ng corpus, CFM teacher,
+# meanflow student (scripts/train_small.py). Installs espeak-ng when missing. Figures: scripts/evaluate_small.py.
+train: setup
+	@command -v espeak-ng >/dev/null || { echo "installing espeak-ng (apt-get)"; \
+	  apt-get update -qq && apt-get install -y -qq espeak-ng >/dev/null; } || \
+	  { echo "espeak-ng is needed: apt-get install -y espeak-ng (as root)"; exit 1; }
+	$(PYTHON) scripts/train_small.py

@@ -12,8 +12,16 @@ Examples::
     # configs for a GPU host (TensorRT plans are built there by scripts/build_engines.py)
     .venv/bin/python scripts/build_repository.py --target gpu
 
-It writes model_repository/{token2mel,cfm_solver,flow_encoder,estimator}, exports ONNX, checks the
-exports against torch, and prints what it made. Exits non-zero on any failure.
+    # a GPU host without TensorRT: the estimator and encoder as torch on CUDA (bf16 autocast)
+    .venv/bin/python scripts/build_repository.py --target gpu --gpu-backend torch --torch-dtype bf16
+
+    # mel only (no token2wav / vocoder)
+    .venv/bin/python scripts/build_repository.py --no-vocoder
+
+It writes model_repository/{token2mel,cfm_solver,flow_encoder,estimator} and, unless --no-vocoder,
+{token2wav,vocoder} (the HiFT vocoder from the checkpoint's mel2wav.* tensors, or seeded random weights of
+the flow's size where the checkpoint has none), exports ONNX, checks the exports against torch, and prints what it made. Exits non-zero
+on any failure.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ from s3flow.checkpoint import load_flow, write_random_checkpoint  # noqa: E402
 from s3flow.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402
 from s3flow.repository import Batching, RepositorySettings, write_repository  # noqa: E402
+from s3flow.vocoder_stream import StreamSettings  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -39,9 +48,21 @@ def parse_args(argv=None):
     w.add_argument("--size", choices=["full", "small"], default="full", help="random weights' size (default: full)")
     w.add_argument("--meanflow", action="store_true", help="random weights: a meanflow (Turbo) model")
     w.add_argument("--seed", type=int, default=0, help="random weights' seed (default: 0)")
+    v = p.add_argument_group("vocoder (token2wav)")
+    v.add_argument("--vocoder", action=argparse.BooleanOptionalAction, default=True,
+                   help="write token2wav and the vocoder (default: on)")
+    v.add_argument("--vocoder-checkpoint", type=Path, help="file with the mel2wav.* tensors (default: "
+                   "--checkpoint; seeded random weights when neither is given)")
+    v.add_argument("--vocoder-lookahead-frames", type=int, default=StreamSettings().lookahead_frames,
+                   help="mel frames of audio held back for the right context; 20 streams exactly, fewer "
+                        "lowers latency (default: %(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--output", type=Path, default=ROOT / "model_repository", help="(default: %(default)s)")
     o.add_argument("--target", choices=["cpu", "gpu"], default="cpu", help="(default: %(default)s)")
+    o.add_argument("--gpu-backend", choices=["tensorrt", "torch"], default="tensorrt",
+                   help="gpu target: TensorRT plans (scripts/build_engines.py) or torch on CUDA (default: %(default)s)")
+    o.add_argument("--torch-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="--gpu-backend torch: the estimator's compute dtype (default: %(default)s)")
     o.add_argument("--no-check", action="store_true", help="skip the ONNX Runtime vs torch check")
     b = p.add_argument_group("batching")
     d = Batching()
@@ -78,8 +99,30 @@ def main(argv=None) -> int:
                         max_queue_delay_us=args.max_queue_delay_us,
                         max_candidate_sequences=args.max_candidate_sequences,
                         solver_instances=args.solver_instances, estimator_instances=args.estimator_instances)
-    settings = RepositorySettings(target=args.target, limits=limits, batching=batching, ort_threads=args.ort_threads)
-    summary = write_repository(args.output, flow, settings)
+    settings = RepositorySettings(target=args.target, limits=limits, batching=batching, ort_threads=args.ort_threads,
+                                  gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype)
+    hift, voc_ckpt, voc_settings = None, None, None
+    if args.vocoder:
+        from s3flow.checkpoint import read_tensors
+        from s3flow.vocoder import VOCODER_PREFIX, VocoderConfig, load_vocoder, write_random_vocoder_checkpoint
+        voc_ckpt = args.vocoder_checkpoint
+        if voc_ckpt is None and args.checkpoint is not None:
+            try:  # an S3Gen checkpoint holds mel2wav.* beside flow.*; a flow-only file does not
+                read_tensors(args.checkpoint, VOCODER_PREFIX)
+                voc_ckpt = args.checkpoint
+            except ValueError:
+                print(f"{args.checkpoint} holds no mel2wav.* tensors: the vocoder gets seeded random weights")
+        if voc_ckpt is None:
+            small = flow.config.to_dict() != FlowConfig.full(flow.config.meanflow).to_dict()
+            size = "small" if (small if args.checkpoint is not None else args.size == "small") else "full"
+            voc_ckpt = (args.output.resolve().parent / "checkpoints" / f"hift_random_{size}_seed{args.seed}.safetensors")
+            write_random_vocoder_checkpoint(voc_ckpt, VocoderConfig.small() if size == "small" else VocoderConfig.full(),
+                                            seed=args.seed)
+            print(f"wrote seeded random vocoder checkpoint {voc_ckpt}")
+        hift = load_vocoder(voc_ckpt)
+        voc_settings = StreamSettings(lookahead_frames=args.vocoder_lookahead_frames)
+    summary = write_repository(args.output, flow, settings, vocoder=hift,
+                               vocoder_settings=voc_settings)
     print(summary.describe())
     if not args.no_check:
         from s3flow.onnx_export import check_encoder_onnx, check_estimator_onnx
@@ -90,6 +133,16 @@ def main(argv=None) -> int:
         if not (err_e < 1e-3 and err_c < 1e-3):
             print("ONNX check FAILED", file=sys.stderr)
             return 1
+        if hift is not None:
+            from s3flow.vocoder import check_vocoder_onnx
+            err = check_vocoder_onnx(hift, args.output / "vocoder" / "1")
+            print(f"ONNX Runtime vs torch, vocoder: audio {err['audio']:.2e} (rms {err['audio_rms']:.2e}), "
+                  f"f0 {err['f0']:.2e} Hz")
+            if not (err["audio"] < 1e-4 and err["f0"] < 1e-6):
+                print("vocoder ONNX check FAILED", file=sys.stderr)
+                return 1
+    if voc_ckpt is not None:
+        print(f"vocoder checkpoint {voc_ckpt}")
     print(f"checkpoint {ckpt}; done in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -7,7 +7,8 @@ Examples::
     .venv/bin/python scripts/demo.py --size small         # seconds instead of minutes
     .venv/bin/python scripts/demo.py --checkpoint s3gen.safetensors --inputs utt.npz
 
-Writes ``out/mel_0.npy`` (80 x frames) and ``out/mel_0.png`` and prints first-chunk latency, per-chunk
+Writes ``out/mel_0.npy`` (80 x frames), ``out/mel_0.png``, ``out/audio_0.wav`` (24 kHz, written as it streams)
+and ``out/audio_0.png`` (waveform over spectrogram), and prints first-chunk latency, per-chunk
 latency and the real-time factor. The server listens on 127.0.0.1 only and is stopped (by PID) at the end.
 Exits non-zero if any step fails.
 """
@@ -31,6 +32,7 @@ def main(argv=None) -> int:
     p.add_argument("--repository", type=Path, default=ROOT / "model_repository", help="(default: %(default)s)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "out", help="(default: %(default)s)")
     p.add_argument("--reuse", action="store_true", help="serve the existing repository as it is")
+    p.add_argument("--no-audio", action="store_true", help="mel only: no vocoder, token2mel instead of token2wav")
     args = p.parse_args(argv)
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -45,6 +47,8 @@ def main(argv=None) -> int:
             build += ["--checkpoint", str(args.checkpoint)]
         if args.meanflow:
             build.append("--meanflow")
+        if args.no_audio:
+            build.append("--no-vocoder")
         print(f"== building the model repository ({'checkpoint' if args.checkpoint else args.size + ' random'})")
         if build_repository.main(build) != 0:
             return 1
@@ -53,8 +57,9 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with TritonServer(args.repository, log_file=log) as server:
         print(f"   ready: gRPC {server.grpc_url}, pid {server.pid}, log {log}")
-        print(f"== streaming a {args.seconds:g} s utterance to token2mel")
-        client = ["--url", server.grpc_url, "--out-dir", str(args.out_dir), "--seconds", str(args.seconds)]
+        print(f"== streaming a {args.seconds:g} s utterance to {'token2mel' if args.no_audio else 'token2wav'}")
+        client = ["--url", server.grpc_url, "--out-dir", str(args.out_dir), "--seconds", str(args.seconds),
+                  "--model", "token2mel" if args.no_audio else "token2wav"]
         if args.inputs:
             client += ["--inputs", str(args.inputs)]
         code = client_main(client)

@@ -11,6 +11,9 @@ Examples::
     # real tokens from an .npz (speech_tokens, prompt_tokens, prompt_feat, embedding)
     .venv/bin/python -m s3flow_client --inputs utt.npz
 
+    # audio: the token2wav ensemble; writes out/audio_0.wav (as it streams) and out/audio_0.png
+    .venv/bin/python -m s3flow_client --model token2wav --seconds 5
+
 Prints first-chunk latency, per-chunk latency and the real-time factor; exits non-zero on any error
 (a server error, a frame gap or duplicate, or a frame count other than 2 per token).
 """
@@ -30,7 +33,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m s3flow_client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address (default: %(default)s)")
-    p.add_argument("--model", default="token2mel", help="(default: %(default)s)")
+    p.add_argument("--model", default="token2mel",
+                   help="token2mel (mel) or token2wav (mel and 24 kHz audio) (default: %(default)s)")
     src = p.add_argument_group("input")
     src.add_argument("--inputs", type=Path, help=".npz with speech_tokens, prompt_tokens, prompt_feat, embedding")
     src.add_argument("--seconds", type=float, default=5.0, help="random tokens: utterance length (default: 5)")
@@ -61,14 +65,21 @@ def main(argv=None) -> int:
         bar = tqdm(total=total_chunks, unit="chunk", desc="streaming")
     client = StreamingClient(args.url, args.model, timeout_s=args.timeout)
     code = 0
+    wavs = []
+    if client.audio:  # each .wav grows as its samples arrive
+        from .audio import WavWriter
+        wavs = [WavWriter(args.out_dir / f"audio_{i}.wav") for i in range(len(utts))]
     try:
-        results = client.synthesize(utts, progress=bar.update if bar else None)
+        results = client.synthesize(utts, progress=bar.update if bar else None,
+                                    on_audio=(lambda i, samples: wavs[i].write(samples)) if wavs else None)
     except StreamError as exc:
         print(f"error: {exc}", file=sys.stderr)
         results, code = exc.results, 1
     finally:
         if bar:
             bar.close()
+        for wav in wavs:
+            wav.close()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for i, (u, r) in enumerate(zip(utts, results)):
         stem = args.out_dir / f"mel_{i}"
@@ -83,6 +94,13 @@ def main(argv=None) -> int:
               f"wall {r.wall_s:.2f} s; real-time factor {r.rtf:.2f}")
         if r.mel.size:
             print(f"  wrote {stem.with_suffix('.npy')} and {stem.with_suffix('.png')}")
+        if wavs:
+            from .audio import save_audio_png
+            png = args.out_dir / f"audio_{i}.png"
+            save_audio_png(r.audio, r.mel, png, seams=np.cumsum(r.chunk_samples)[:-1],
+                           title=f"utterance {i}: {r.audio.size} samples (24 kHz), {len(u.chunks)} chunks, seed {u.seed}")
+            print(f"  first audio {r.first_audio_s * 1000:.0f} ms; samples per response {r.chunk_samples}; "
+                  f"wrote {wavs[i].path} and {png}")
     return code
 
 

@@ -12,6 +12,13 @@ Example::
     [result] = client.synthesize([Utterance(speech_tokens, prompt_tokens, prompt_mel, xvector, seed=0)])
     result.mel            # (80, 2 * len(speech_tokens))
     result.first_chunk_s, result.rtf
+
+The ``token2wav`` ensemble answers audio as well: each response's newly final samples and their
+``sample_offset``, checked like the frames (no gap, no duplicate, 480 samples per frame after END)::
+
+    client = StreamingClient("127.0.0.1:8001", model="token2wav")
+    [result] = client.synthesize([utt], on_audio=lambda i, samples: wav.write(samples))
+    result.audio          # (480 * 2 * len(speech_tokens),) float32, 24 kHz
 """
 from __future__ import annotations
 
@@ -24,10 +31,15 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 FRAMES_PER_TOKEN = 2
 FRAMES_PER_SECOND = 50.0
+SAMPLES_PER_FRAME = 480                # 24 kHz audio from token2wav
 _corr_ids = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
+#: gRPC metadata naming the stream's first sequence id: a load balancer hashing on it (docker/k8s/) keeps
+#: every chunk of the stream's utterances on one server, which sequence batching requires.
+SEQUENCE_HEADER = "x-sequence-id"
 
 
 def chunk_schedule(n_tokens: int, first: int = 10, growth: float = 2.0, largest: int = 100) -> list[int]:
@@ -64,6 +76,9 @@ class StreamResult:
     wall_s: float
     error: Optional[str] = None
     frames_expected: int = 0
+    audio: Optional[np.ndarray] = None  # (samples,) assembled, token2wav only
+    chunk_samples: list = field(default_factory=list)
+    first_audio_s: float = float("nan")  # from the first request to the first non-empty audio
 
     @property
     def first_chunk_s(self) -> float:
@@ -101,6 +116,9 @@ class _Stream:
         self.latencies: list[float] = []
         self.error: Optional[str] = None
         self.done = False
+        self.audio_parts: list[np.ndarray] = []
+        self.samples = 0
+        self.first_audio_at = float("nan")
 
     def inputs(self) -> list:
         i, u = self.next_chunk, self.utt
@@ -123,6 +141,11 @@ class _Stream:
             out.append(t)
         return out
 
+    def where(self) -> str:
+        """Where this utterance stopped, for error messages."""
+        return (f"sequence {self.corr_id} reached frame {self.frames} of {2 * sum(self.sizes)} "
+                f"(chunk {self.next_chunk + 1} of {len(self.sizes)} in flight)")
+
     def accept(self, mel: np.ndarray, offset: int) -> None:
         if offset != self.frames:
             raise ValueError(f"sequence {self.corr_id}: frame offset {offset} does not continue the "
@@ -130,70 +153,118 @@ class _Stream:
         self.parts.append(mel)
         self.frames += mel.shape[1]
 
+    def accept_audio(self, audio: np.ndarray, offset: int, now: float) -> None:
+        if offset != self.samples:
+            raise ValueError(f"sequence {self.corr_id}: sample offset {offset} does not continue the "
+                             f"{self.samples} samples received (gap or duplicate)")
+        self.audio_parts.append(audio)
+        self.samples += audio.size
+        if audio.size and self.first_audio_at != self.first_audio_at:
+            self.first_audio_at = now - self.t0
+
 
 class StreamingClient:
-    """A gRPC streaming client of the ``token2mel`` model."""
+    """A gRPC streaming client of the ``token2mel`` model.
 
-    def __init__(self, url: str = "127.0.0.1:8001", model: str = "token2mel", timeout_s: float = 120.0):
+    Args:
+        url: the server's gRPC ``host:port``.
+        model: the entry model.
+        timeout_s: bound on one ``synthesize`` call as a whole (also the gRPC stream's deadline).
+        response_timeout_s: bound on the wait for the next response while chunks are in flight (a hung
+            server is reported after this long, not only at ``timeout_s``); None: only ``timeout_s``.
+    """
+
+    def __init__(self, url: str = "127.0.0.1:8001", model: str = "token2mel", timeout_s: float = 120.0,
+                 response_timeout_s: Optional[float] = None, audio: Optional[bool] = None):
         self.url, self.model, self.timeout_s = url, model, timeout_s
+        self.audio = model.startswith("token2wav") if audio is None else audio  # ask for audio + sample_offset
+        self.response_timeout_s = response_timeout_s
 
     def synthesize(self, utterances: Sequence[Utterance],
-                   progress: Optional[Callable[[int], None]] = None) -> list[StreamResult]:
+                   progress: Optional[Callable[[int], None]] = None,
+                   on_audio: Optional[Callable[[int, np.ndarray], None]] = None) -> list[StreamResult]:
         """Stream all utterances at once over one gRPC stream; return one result per utterance.
 
-        Raises StreamError (with the partial results) if any utterance failed.
+        ``on_audio(i, samples)`` (audio models) gets utterance i's newly final samples as they arrive.
+
+        Raises StreamError (with the partial results) if any utterance failed, the server went away or
+        stopped answering; each message says at which frame (and chunk) its utterance stopped, and each
+        result keeps the frames that arrived before.
         """
         streams = {next(_corr_ids): None for _ in utterances}
         streams = {cid: _Stream(u, cid) for cid, u in zip(streams, utterances)}
         events: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(self.url)
         client.start_stream(callback=lambda result, error: events.put((result, error)),
-                            stream_timeout=self.timeout_s)
+                            stream_timeout=self.timeout_s, headers={SEQUENCE_HEADER: str(next(iter(streams), 0))})
         lock = threading.Lock()
 
-        def send(s: _Stream):
+        def send(s: _Stream) -> bool:
+            """Send s's next chunk; False (s failed) if the stream broke already (server gone)."""
             i = s.next_chunk
             s.sent_at = time.perf_counter()
-            client.async_stream_infer(self.model, s.inputs(), request_id=f"{s.corr_id}:{i}",
-                                      sequence_id=s.corr_id, sequence_start=(i == 0),
-                                      sequence_end=(i == len(s.sizes) - 1),
-                                      outputs=[grpcclient.InferRequestedOutput("mel"),
-                                               grpcclient.InferRequestedOutput("frame_offset")])
+            try:
+                client.async_stream_infer(self.model, s.inputs(), request_id=f"{s.corr_id}:{i}",
+                                          sequence_id=s.corr_id, sequence_start=(i == 0),
+                                          sequence_end=(i == len(s.sizes) - 1),
+                                          outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
+            except InferenceServerException as exc:  # the cause comes through the callback: see below
+                s.error, s.done = f"{s.where()}: {exc}", True
+                broken.append(s)
+                return False
+            return True
+
+        broken: list[_Stream] = []
+
+        outputs = ["mel", "frame_offset"] + (["audio", "sample_offset"] if self.audio else [])
+        index = {cid: i for i, cid in enumerate(streams)}
 
         try:
             start = time.perf_counter()
+            pending = 0
             for s in streams.values():
                 s.t0 = start
-                send(s)
-            pending = len(streams)
+                pending += send(s)
             deadline = start + self.timeout_s
+            last_event = start
             while pending:
+                wait = deadline - time.perf_counter()
+                if self.response_timeout_s is not None:
+                    wait = min(wait, last_event + self.response_timeout_s - time.perf_counter())
                 try:
-                    result, error = events.get(timeout=max(deadline - time.perf_counter(), 0.01))
+                    result, error = events.get(timeout=max(wait, 0.01))
                 except queue.Empty:
+                    bound = (f"{self.timeout_s} s in all" if time.perf_counter() >= deadline
+                             else f"{self.response_timeout_s} s since the last one")
                     for s in streams.values():
                         if not s.done:
-                            s.error = (f"no response within {self.timeout_s} s (chunk {s.next_chunk}, "
-                                       f"{s.frames} frames received)")
+                            s.error = f"{s.where()}: no response within {bound}"
                             s.done = True
                     break
-                now = time.perf_counter()
-                if result is None:  # a stream-level error: we cannot tell which request, fail the rest
+                now = last_event = time.perf_counter()
+                if result is None:
+                    # tritonclient hands over stream errors and failed requests alike without the request
+                    # id, so we cannot tell which utterance it was: fail all that are still open
                     for s in streams.values():
                         if not s.done:
-                            s.error, s.done = f"stream error after {s.frames} frames: {error}", True
+                            s.error, s.done = f"{s.where()}: {error}", True
                     break
                 rid = result.get_response().id
                 cid = int(rid.split(":")[0])
                 s = streams[cid]
                 with lock:
                     if error is not None:
-                        s.error, s.done = f"chunk {s.next_chunk} failed after {s.frames} frames: {error}", True
+                        s.error, s.done = f"{s.where()}: {error}", True
                         pending -= 1
                         continue
                     s.latencies.append(now - s.sent_at)
                     try:
                         s.accept(result.as_numpy("mel")[0], int(result.as_numpy("frame_offset").reshape(-1)[0]))
+                        if self.audio:
+                            audio = result.as_numpy("audio").reshape(-1)
+                            s.accept_audio(audio, int(result.as_numpy("sample_offset").reshape(-1)[0]), now)
+                            if on_audio and audio.size:
+                                on_audio(index[cid], audio)
                     except ValueError as exc:
                         s.error, s.done = str(exc), True
                         pending -= 1
@@ -202,14 +273,19 @@ class StreamingClient:
                         progress(1)
                     s.next_chunk += 1
                     if s.next_chunk < len(s.sizes):
-                        send(s)
+                        if not send(s):
+                            pending -= 1
                     else:
                         s.done = True
                         s.wall = now - s.t0
                         pending -= 1
         finally:
-            client.stop_stream(cancel_requests=True)
+            client.stop_stream(cancel_requests=True)  # joins the response thread: every callback is in
             client.close()
+        causes = [error for result, error in _drain(events) if result is None and error is not None]
+        for s in broken:
+            if causes:
+                s.error = f"{s.where()}: {causes[0]}"
 
         results = []
         for s in streams.values():
@@ -217,14 +293,29 @@ class StreamingClient:
             mel = np.concatenate(s.parts, axis=1) if s.parts else np.zeros((0, 0), np.float32)
             if s.error is None and s.frames != expected:
                 s.error = f"sequence {s.corr_id}: got {s.frames} frames, expected {expected} (2 per token)"
+            if self.audio and s.error is None and s.samples != SAMPLES_PER_FRAME * s.frames:
+                s.error = (f"sequence {s.corr_id}: got {s.samples} samples for {s.frames} frames, expected "
+                           f"{SAMPLES_PER_FRAME * s.frames} ({SAMPLES_PER_FRAME} per frame)")
+            audio = (np.concatenate(s.audio_parts) if s.audio_parts else np.zeros(0, np.float32)) if self.audio else None
             results.append(StreamResult(mel=mel, chunk_latencies_s=s.latencies,
                                         chunk_frames=[p.shape[1] for p in s.parts],
                                         wall_s=getattr(s, "wall", time.perf_counter() - s.t0),
-                                        error=s.error, frames_expected=expected))
+                                        error=s.error, frames_expected=expected, audio=audio,
+                                        chunk_samples=[p.size for p in s.audio_parts],
+                                        first_audio_s=s.first_audio_at))
         failed = [r.error for r in results if r.error]
         if failed:
             raise StreamError("; ".join(failed), results)
         return results
+
+
+def _drain(events: queue.Queue) -> list:
+    out = []
+    while True:
+        try:
+            out.append(events.get_nowait())
+        except queue.Empty:
+            return out
 
 
 def save_mel_png(mel: np.ndarray, path, title: str = "") -> None:

@@ -24,6 +24,7 @@ Response tensors: ``mel`` FP32 [1, 80, F] the frames that became final with this
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Mapping, Optional
 
@@ -72,9 +73,14 @@ class Limits:
             if f.name in params:
                 raw = params[f.name]
                 try:
-                    kwargs[f.name] = type(f.default)(float(raw)) if f.type in ("int", int) else type(f.default)(raw)
+                    value = float(raw)
                 except ValueError:
                     raise ValueError(f"config parameter {f.name} must be a number, got {raw!r}") from None
+                if isinstance(f.default, int):
+                    if not value.is_integer():  # also NaN and Inf
+                        raise ValueError(f"config parameter {f.name} must be an integer, got {raw!r}")
+                    value = int(value)
+                kwargs[f.name] = value
         limits = cls(**kwargs)
         limits.check()
         return limits
@@ -85,8 +91,13 @@ class Limits:
             lowest = 0 if f.name in ("holdback_frames", "default_steps", "default_guidance_rate") else 1e-9
             if not value >= lowest:
                 raise ValueError(f"limit {f.name} must be >= {lowest}, got {value}")
+            if not math.isfinite(value):
+                raise ValueError(f"limit {f.name} must be finite, got {value}")
         if self.default_steps > self.max_steps:
             raise ValueError(f"default_steps {self.default_steps} exceeds max_steps {self.max_steps}")
+        if self.default_guidance_rate > self.max_guidance_rate:
+            raise ValueError(f"default_guidance_rate {self.default_guidance_rate} exceeds max_guidance_rate "
+                             f"{self.max_guidance_rate}")
 
 
 @dataclass

@@ -7,6 +7,15 @@ Layout written (``config.pbtxt`` is the contract; the models check it in ``initi
     flow_encoder/  stateless: tokens -> mu, mask, spks   (cpu: ONNX Runtime in python; gpu: tensorrt_plan)
     estimator/     stateless ConditionalDecoder          (cpu: ONNX Runtime in python; gpu: tensorrt_plan)
 
+Given a vocoder (``write_repository(..., vocoder=hift)``) it also writes::
+
+    token2wav/     ensemble: cfm_solver -> vocoder; outputs audio + sample_offset (and mel + frame_offset)
+    vocoder/       python backend, sequence batching: per-utterance HiFT state (s3flow.vocoder_stream),
+                   f0.onnx and decoder.onnx in ONNX Runtime (CPU, on both targets)
+
+On the gpu target every instance group is ``KIND_GPU``; ``gpu_backend="torch"`` serves the two stateless
+models with ``s3flow.serving.torch_model`` (torch on CUDA, ``model.pt``) where no TensorRT engine is built.
+
 Each python model's ``model.py`` is one line importing its class from ``s3flow.serving``, so the server's
 Python environment must have this package installed (the README's set-up does it; the Docker image too).
 """
@@ -37,6 +46,7 @@ class Batching:
     solver_instances: int = 1
     estimator_instances: int = 1
     encoder_instances: int = 1
+    length_bucket_ratio: float = 0.0        # >= 1: split a batch where a prefix is > this x the shortest; 0: off
 
     def check(self) -> None:
         if self.strategy not in ("oldest", "direct"):
@@ -45,6 +55,8 @@ class Batching:
                      "encoder_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.length_bucket_ratio and self.length_bucket_ratio < 1:
+            raise ValueError(f"length_bucket_ratio must be 0 (off) or >= 1, got {self.length_bucket_ratio}")
         if any(not 1 <= p <= self.max_batch_size for p in self.preferred_batch_sizes):
             raise ValueError(f"preferred_batch_sizes must lie in [1, {self.max_batch_size}], "
                              f"got {list(self.preferred_batch_sizes)}")
@@ -57,6 +69,8 @@ class RepositorySettings:
     batching: Batching = field(default_factory=Batching)
     ort_threads: int = 0                    # ONNX Runtime intra-op threads (0: all cores)
     torch_threads: int = 1                  # the solver's own torch work is small
+    gpu_backend: Literal["tensorrt", "torch"] = "tensorrt"  # gpu target: TensorRT plans or torch on CUDA
+    torch_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"   # gpu_backend torch: the estimator's compute dtype
 
 
 def _param(key: str, value) -> str:
@@ -102,13 +116,13 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> str:
         '  ]\n')
     params = [_param("n_feats", n_feats), _param("meanflow", str(meanflow).lower()),
               _param("encoder_model", "flow_encoder"), _param("estimator_model", "estimator"),
-              _param("torch_threads", s.torch_threads)]
+              _param("torch_threads", s.torch_threads), _param("length_bucket_ratio", b.length_bucket_ratio)]
     params += [_param(f.name, getattr(lim, f.name)) for f in dataclasses.fields(lim)]
     return (f'name: "cfm_solver"\nbackend: "python"\nmax_batch_size: {b.max_batch_size}\n'
             f"sequence_batching {{\n  max_sequence_idle_microseconds: {idle_us}\n{strategy}{controls}}}\n"
             + _block("input", _request_tensors(n_feats, optional_start=True))
             + _block("output", _response_tensors(n_feats))
-            + f"instance_group [ {{ count: {b.solver_instances} kind: KIND_CPU }} ]\n"
+            + f"instance_group [ {{ count: {b.solver_instances} kind: {_instance_kind(s)} }} ]\n"
             + _block("parameters", params))
 
 
@@ -143,7 +157,13 @@ def encoder_tensors(n_feats: int) -> tuple[list[str], list[str]]:
 def stateless_config(name: str, tensors: tuple[list[str], list[str]], s: RepositorySettings,
                      instances: int) -> str:
     ins, outs = tensors
-    if s.target == "gpu":
+    if s.target == "gpu" and s.gpu_backend == "torch":  # s3flow.serving.torch_model on CUDA
+        from .serving.torch_model import default_dtype
+        head = f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+        group = f"instance_group [ {{ count: {instances} kind: KIND_GPU }} ]\n"
+        params = _block("parameters", [_param("dtype", default_dtype(name, s.torch_dtype)),
+                                       _param("FORCE_CPU_ONLY_INPUT_TENSORS", "no")])
+    elif s.target == "gpu":  # model.plan written by scripts/build_engines.py on the serving GPU
         head = f'name: "{name}"\nplatform: "tensorrt_plan"\nmax_batch_size: 0\n'
         group = f"instance_group [ {{ count: {instances} kind: KIND_GPU }} ]\n"
         params = ""
@@ -154,10 +174,87 @@ def stateless_config(name: str, tensors: tuple[list[str], list[str]], s: Reposit
     return head + _block("input", ins) + _block("output", outs) + group + params
 
 
+SEQUENCE_CONTROLS = (
+    '  control_input [\n'
+    '    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },\n'
+    '    { name: "END" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] },\n'
+    '    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] },\n'
+    '    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }\n'
+    '  ]\n')
+
+
+def vocoder_config(n_feats: int, s: RepositorySettings, stream, source) -> str:
+    """The stateful ``vocoder``: same sequence controls and idle eviction as the solver, no queue delay."""
+    b = s.batching
+    strategy = (f"  oldest {{ max_candidate_sequences: {b.max_candidate_sequences}"
+                f" max_queue_delay_microseconds: 0 }}\n")
+    ins = [_tensor("mel", "TYPE_FP32", [n_feats, -1], ragged=True), _tensor("frame_offset", "TYPE_INT64", [1]),
+           _tensor("seed", "TYPE_INT64", [1], optional=True)]
+    outs = [_tensor("audio", "TYPE_FP32", [-1]), _tensor("sample_offset", "TYPE_INT64", [1])]
+    params = [_param("n_feats", n_feats), _param("intra_op_threads", s.ort_threads)]
+    params += [_param(f.name, getattr(stream, f.name)) for f in dataclasses.fields(stream)]
+    params += [_param(f.name, getattr(source, f.name)) for f in dataclasses.fields(source)]
+    return (f'name: "vocoder"\nbackend: "python"\nmax_batch_size: {b.max_batch_size}\n'
+            f"sequence_batching {{\n  max_sequence_idle_microseconds: {int(stream.idle_timeout_s * 1e6)}\n"
+            f"{strategy}{SEQUENCE_CONTROLS}}}\n"
+            + _block("input", ins) + _block("output", outs)
+            + "instance_group [ { count: 1 kind: KIND_CPU } ]\n" + _block("parameters", params))
+
+
+def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> str:
+    """``token2wav``: token2mel's inputs; cfm_solver's mel feeds the vocoder; both steps' outputs out."""
+    maps_in = "\n".join(f'      input_map {{ key: "{n}" value: "{n}" }}' for n in INPUT_DTYPES)
+    solver_out = "\n".join(f'      output_map {{ key: "{n}" value: "{n}" }}' for n in ("mel", "frame_offset"))
+    voc_in = "\n".join(f'      input_map {{ key: "{n}" value: "{n}" }}' for n in ("mel", "frame_offset", "seed"))
+    voc_out = "\n".join(f'      output_map {{ key: "{n}" value: "{n}" }}' for n in ("audio", "sample_offset"))
+    outs = [_tensor("audio", "TYPE_FP32", [-1]), _tensor("sample_offset", "TYPE_INT64", [1])]
+    return (f'name: "token2wav"\nplatform: "ensemble"\nmax_batch_size: {s.batching.max_batch_size}\n'
+            + _block("input", _request_tensors(n_feats, optional_start=True))
+            + _block("output", outs + _response_tensors(n_feats))
+            + "ensemble_scheduling {\n  step [\n"
+            + "    {\n      model_name: \"cfm_solver\"\n      model_version: -1\n" + maps_in + "\n" + solver_out
+            + "\n    },\n    {\n      model_name: \"vocoder\"\n      model_version: -1\n" + voc_in + "\n" + voc_out
+            + "\n    }\n  ]\n}\n")
+
+
+def write_vocoder_models(out: Path, vocoder, n_feats: int, s: RepositorySettings, stream_settings=None,
+                         opset: int = 17) -> list:
+    """Write ``token2wav`` and ``vocoder`` (configs, model.py, the two ONNX graphs); return the files.
+
+    The vocoder's idle timeout, live-sequence cap and utterance length follow the solver's limits.
+    """
+    from .vocoder import export_vocoder
+    from .vocoder_stream import StreamSettings
+
+    if vocoder.config.in_channels != n_feats:
+        raise ValueError(f"the vocoder takes {vocoder.config.in_channels} mel bins, the flow makes {n_feats}")
+    stream = dataclasses.replace(stream_settings or StreamSettings(), idle_timeout_s=s.limits.idle_timeout_s,
+                                 max_live_sequences=s.limits.max_live_sequences,
+                                 max_utterance_frames=s.limits.max_utterance_frames)
+    stream.check()
+    for name in ("token2wav", "vocoder"):
+        if (out / name).exists():
+            shutil.rmtree(out / name)
+        (out / name / "1").mkdir(parents=True)
+    files = [out / "token2wav/config.pbtxt", out / "vocoder/config.pbtxt", out / "vocoder/1/model.py"]
+    files[0].write_text(wav_ensemble_config(n_feats, s))
+    files[1].write_text(vocoder_config(n_feats, s, stream, vocoder.config.source_params()))
+    files[2].write_text(MODEL_PY["vocoder"])
+    (out / "token2wav" / "1" / ".keep").write_text("")
+    return files + list(export_vocoder(vocoder, out / "vocoder" / "1", opset=opset))
+
+
 MODEL_PY = {
+    "vocoder": "from s3flow.serving.vocoder_model import TritonPythonModel  # noqa: F401\n",
     "cfm_solver": "from s3flow.serving.cfm_solver import TritonPythonModel  # noqa: F401\n",
     "onnx": "from s3flow.serving.onnx_model import TritonPythonModel  # noqa: F401\n",
+    "torch": "from s3flow.serving.torch_model import TritonPythonModel  # noqa: F401\n",
 }
+
+
+def _instance_kind(s: RepositorySettings) -> str:
+    """The solver's instance kind: on GPU hosts it runs on the device its BLS tensors live on."""
+    return "KIND_GPU" if s.target == "gpu" else "KIND_CPU"
 
 
 @dataclass
@@ -180,8 +277,11 @@ class RepositorySummary:
 
 
 def write_repository(out: str | Path, flow, settings: Optional[RepositorySettings] = None,
-                     opset: int = 17) -> RepositorySummary:
+                     opset: int = 17, vocoder=None, vocoder_settings=None) -> RepositorySummary:
     """Write configs, model.py files and (cpu target) the ONNX exports of ``flow`` into ``out``.
+
+    With ``vocoder`` (an ``s3flow.vocoder.HiFTGenerator``) also ``token2wav`` and ``vocoder``
+    (``vocoder_settings``: an ``s3flow.vocoder_stream.StreamSettings``, default exact streaming).
 
     For the gpu target the ``model.plan`` engines are built on the GPU host (scripts/build_engines.py);
     this writes their configs and the ONNX files the engines are built from (``<model>/model.onnx``).
@@ -191,6 +291,8 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
     s = settings or RepositorySettings()
     s.limits.check()
     s.batching.check()
+    if s.gpu_backend not in ("tensorrt", "torch"):
+        raise ValueError(f"gpu_backend must be 'tensorrt' or 'torch', got {s.gpu_backend!r}")
     out = Path(out)
     n_feats, meanflow = flow.config.n_feats, flow.config.meanflow
     for name in ("token2mel", "cfm_solver", "flow_encoder", "estimator"):
@@ -218,5 +320,16 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
     if s.target == "cpu":
         write("flow_encoder/1/model.py", MODEL_PY["onnx"])
         write("estimator/1/model.py", MODEL_PY["onnx"])
+    elif s.gpu_backend == "torch":
+        from .serving.torch_model import WEIGHTS_FILE, save_module
+        for name, module in (("flow_encoder", flow.encoder), ("estimator", flow.estimator)):
+            write(f"{name}/1/model.py", MODEL_PY["torch"])
+            summary.files.append(save_module(out / name / "1" / WEIGHTS_FILE, name, module))
     (out / "token2mel" / "1" / ".keep").write_text("")
+    if vocoder is not None:
+        summary.files += write_vocoder_models(out, vocoder, n_feats, s, vocoder_settings, opset=opset)
+    else:  # a token2wav left from an earlier build would serve another model's vocoder
+        for name in ("token2wav", "vocoder"):
+            if (out / name).exists():
+                shutil.rmtree(out / name)
     return summary

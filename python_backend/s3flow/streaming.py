@@ -107,7 +107,10 @@ class StreamingEngine:
     """Turns a batch of validated chunk requests into newly final mel frames."""
 
     def __init__(self, encode: EncodeFn, estimator, *, n_feats: int, meanflow: bool, limits: Limits,
-                 store: Optional[SequenceStore] = None):
+                 store: Optional[SequenceStore] = None, bucket_ratio: float = 0.0):
+        if bucket_ratio and bucket_ratio < 1:
+            raise ValueError(f"bucket_ratio must be 0 (off) or >= 1, got {bucket_ratio}")
+        self.bucket_ratio = float(bucket_ratio)
         self.encode, self.estimator = encode, estimator
         self.n_feats, self.meanflow, self.limits = n_feats, meanflow, limits
         self.store = store or SequenceStore(limits)
@@ -143,20 +146,44 @@ class StreamingEngine:
             on_step: Optional[Callable[[int], None]] = None) -> list[ChunkResult]:
         """Advance each (corr_id, state, finalize) by its newest chunk; same order out.
 
-        Items are grouped by (steps, guidance rate); each group is one padded batch.
+        Items are grouped by (steps, guidance rate); each group is one padded batch, or, with
+        ``bucket_ratio`` r >= 1 (length bucketing), several: rows sorted by frames, a new batch begun where
+        a row is more than r times as long as the batch's shortest, so short prefixes do not pay for the
+        padding of long ones.
         """
         results: list[Optional[ChunkResult]] = [None] * len(items)
         groups: dict[tuple, list[int]] = {}
         for i, (_, state, _) in enumerate(items):
             groups.setdefault((state.n_steps, state.guidance_rate), []).append(i)
         for (steps, rate), idx in groups.items():
-            outs = self._run_group([items[i] for i in idx], steps, rate, on_step)
-            for i, out in zip(idx, outs):
-                results[i] = out
-        for corr_id, _, finalize in items:
+            for part in self._buckets(items, idx):
+                outs = self._run_group([items[i] for i in part], steps, rate, on_step)
+                for i, out in zip(part, outs):
+                    results[i] = out
+        for corr_id, state, finalize in items:
             if finalize:
                 self.store.drop(corr_id)
+            else:
+                state.last_seen = self.store.clock()  # idle time counts from the answer, not the request
         return results
+
+    def _frames(self, state: SequenceState, finalize: bool) -> int:
+        """Estimator frames of the state's next solve (prompt + tokens so far, less the lookahead)."""
+        frames = TOKEN_MEL_RATIO * (len(state.prompt_tokens) + state.n_tokens)
+        return frames if finalize else max(frames - self.lookahead_frames, state.prompt_frames)
+
+    def _buckets(self, items, idx: list[int]) -> list[list[int]]:
+        if not self.bucket_ratio or len(idx) < 2:
+            return [idx]
+        order = sorted(idx, key=lambda i: self._frames(items[i][1], items[i][2]))
+        parts, shortest = [], None
+        for i in order:
+            frames = self._frames(items[i][1], items[i][2])
+            if shortest is None or frames > self.bucket_ratio * shortest:
+                parts.append([])
+                shortest = frames
+            parts[-1].append(i)
+        return parts
 
     def _run_group(self, items, steps: int, rate: float, on_step) -> list[ChunkResult]:
         b, c = len(items), self.n_feats
@@ -177,7 +204,8 @@ class StreamingEngine:
         not_final = torch.tensor([not f for f in finals])
         lengths = torch.where(not_final, (lengths - self.lookahead_frames).clamp(min=prompt), lengths)
         t = int(lengths.max())
-        mask = (torch.arange(t)[None, :] < lengths[:, None]).float()[:, None, :]
+        dev = mu_full.device  # GPU hosts: the encoder's output is on the GPU; the solve stays there
+        mask = (torch.arange(t)[None, :] < lengths[:, None]).float()[:, None, :].to(dev)
         mu = mu_full[:, :, :t].float() * mask
         cond = torch.zeros(b, c, t)
         z = torch.zeros(b, c, t)
@@ -192,10 +220,11 @@ class StreamingEngine:
             z[i, :, :tp] = torch.from_numpy(s.prompt_noise)
             z[i, :, tp:tp + g] = torch.from_numpy(s.noised_mels)
 
-        grid = time_grid(steps, "linear" if self.meanflow else "cosine")
+        cond, z = cond.to(dev), z.to(dev)  # filled on the host row by row, moved once
+        grid = time_grid(steps, "linear" if self.meanflow else "cosine", device=dev)
         field_ = make_field(self.estimator, mu, mask, spks.float(), cond, meanflow=self.meanflow,
                             guidance_rate=rate)
-        x = euler_solve(field_, z, grid, on_step=on_step).x
+        x = euler_solve(field_, z, grid, on_step=on_step).x.float().cpu()  # one copy back per chunk
         self.estimator_calls += steps
 
         out = []

@@ -2,7 +2,9 @@
 
 It serves the ``estimator`` and the ``flow_encoder`` where no TensorRT / ONNX Runtime backend exists
 (the pytriton wheel's server). Inputs and outputs are the config's, by name; the file is
-``<version>/model.onnx``. Config parameters: ``intra_op_threads`` (default: all cores).
+``<version>/model.onnx``. Config parameters: ``intra_op_threads`` (default: all cores), ``allow_spinning``
+(default true), ``graph_optimization`` (all | extended | basic | disable; default all), ``graph_rewrite``
+(default true: ``s3flow.ort_runtime.rewrite_for_cpu`` at load, the file is not changed).
 """
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import json
 import os
 
 import numpy as np
-import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
+
+from s3flow.ort_runtime import OrtModel, OrtSettings
 
 
 class TritonPythonModel:
@@ -22,13 +25,16 @@ class TritonPythonModel:
         path = os.path.join(args["model_repository"], args["model_version"], "model.onnx")
         if not os.path.isfile(path):
             raise pb_utils.TritonModelException(f"{self.name}: ONNX file not found at {path}")
-        opts = ort.SessionOptions()
-        threads = int(params.get("intra_op_threads", "0") or 0)
-        if threads:
-            opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
+        try:  # session settings live in s3flow.ort_runtime, shared with the in-process path
+            settings = OrtSettings(threads=int(params.get("intra_op_threads", "0") or 0),
+                                   spinning=params.get("allow_spinning", "true").lower() != "false",
+                                   optimization=params.get("graph_optimization", "all") or "all",
+                                   rewrite=params.get("graph_rewrite", "true").lower() != "false")
+            # plain run(), no IO binding: on CPU, binding per call measured no faster (tests/test_flops.py
+            # covers both ways of OrtModel.run)
+            self.session = OrtModel(path, settings, io_binding=False).session
+        except ValueError as exc:
+            raise pb_utils.TritonModelException(f"{self.name}: bad config parameter: {exc}") from None
         self.inputs = [i["name"] for i in config["input"]]
         self.outputs = [o["name"] for o in config["output"]]
         onnx_in = {i.name for i in self.session.get_inputs()}

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Container start: model repository -> TensorRT engines for this GPU (if missing) -> tritonserver.
+#
+# Environment (defaults in brackets):
+#   S3FLOW_CHECKPOINT           S3Gen checkpoint (.safetensors/.pt: flow.* and mel2wav.*) mounted in the
+#                               container; empty: seeded random weights of S3FLOW_RANDOM_SIZE [full] (a demo)
+#   S3FLOW_GPU_BACKEND          tensorrt | torch [tensorrt]
+#   S3FLOW_TORCH_DTYPE          torch backend estimator dtype: fp32 | bf16 | fp16 [bf16]
+#   S3FLOW_ESTIMATOR_PRECISION  auto | fp16 | fp32 [auto: fp16 if it passes its parity check, else fp32]
+#   S3FLOW_FALLBACK_TO_TORCH    1: a model whose engine cannot be built is served by the torch backend [1]
+#   S3FLOW_REPOSITORY_ARGS      extra scripts/build_repository.py flags (batching, limits) []
+#   S3FLOW_STATE                where the repository, random checkpoint and engines live [/var/lib/s3flow]
+#   S3FLOW_CUDA_POOL_BYTES      CUDA memory pool per GPU for GPU tensors between models [2147483648]
+#   S3FLOW_EXIT_TIMEOUT_S       how long tritonserver waits for in-flight requests on SIGTERM [90]
+# Arguments are appended to the tritonserver command line.
+set -euo pipefail
+cd "${S3FLOW_HOME:-/opt/s3flow}"
+STATE=${S3FLOW_STATE:-/var/lib/s3flow}
+REPO=$STATE/model_repository
+ENGINES=$STATE/engines
+BACKEND=${S3FLOW_GPU_BACKEND:-tensorrt}
+DTYPE=${S3FLOW_TORCH_DTYPE:-bf16}
+mkdir -p "$STATE" "$ENGINES"
+log() { echo "[s3flow $(date +%H:%M:%S)] $*"; }
+
+CKPT=${S3FLOW_CHECKPOINT:-}
+if [ -n "$CKPT" ]; then
+    [ -f "$CKPT" ] || { echo "S3FLOW_CHECKPOINT=$CKPT does not exist" >&2; exit 1; }
+    WEIGHTS=(--checkpoint "$CKPT")
+    WEIGHTS_ID=$(stat -c '%n %s %Y' "$CKPT")
+else  # build_repository.py writes seeded random flow and vocoder checkpoints under $STATE/checkpoints
+    SIZE=${S3FLOW_RANDOM_SIZE:-full}
+    log "no S3FLOW_CHECKPOINT: seeded random weights ($SIZE; a demo: the output is not speech)"
+    WEIGHTS=(--size "$SIZE" --seed 0)
+    WEIGHTS_ID="random $SIZE"
+    CKPT=$STATE/checkpoints/s3gen_random_${SIZE}_seed0.safetensors
+fi
+
+build_repository() {  # $1: gpu backend; skipped when the same weights, settings and code built it before
+    local stamp
+    stamp="$WEIGHTS_ID $1 $DTYPE ${S3FLOW_REPOSITORY_ARGS:-} $(find python_backend scripts -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16)"
+    if [ -f "$REPO/.s3flow-stamp" ] && [ "$(cat "$REPO/.s3flow-stamp")" = "$stamp" ]; then
+        log "model repository up to date ($REPO, $1)"
+        return
+    fi
+    log "building the model repository ($1) ..."
+    # shellcheck disable=SC2086
+    python3 scripts/build_repository.py --target gpu --gpu-backend "$1" --torch-dtype "$DTYPE" \
+        "${WEIGHTS[@]}" --output "$REPO" ${S3FLOW_REPOSITORY_ARGS:-}
+    echo "$stamp" > "$REPO/.s3flow-stamp"
+}
+
+build_repository "$BACKEND"
+if [ "$BACKEND" = tensorrt ]; then
+    log "TensorRT engines for this GPU (cached in $ENGINES) ..."
+    # a model whose engine cannot be built (or fails its check) is switched to the torch backend in place,
+    # unless S3FLOW_FALLBACK_TO_TORCH=0; a later start that builds it switches it back
+    FALLBACK=torch
+    [ "${S3FLOW_FALLBACK_TO_TORCH:-1}" = 1 ] || FALLBACK=none
+    python3 scripts/build_engines.py --repository "$REPO" --cache "$ENGINES" --checkpoint "$CKPT" \
+        --estimator-precision "${S3FLOW_ESTIMATOR_PRECISION:-auto}" --fallback "$FALLBACK" --torch-dtype "$DTYPE" \
+        || { log "build_engines.py failed (see above; S3FLOW_FALLBACK_TO_TORCH=$FALLBACK): not starting"; exit 1; }
+fi
+
+POOL=${S3FLOW_CUDA_POOL_BYTES:-2147483648}
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+POOL_ARGS=()
+for ((i = 0; i < GPUS; i++)); do POOL_ARGS+=("--cuda-memory-pool-byte-size=$i:$POOL"); done
+log "starting tritonserver on $GPUS GPU(s)"
+exec tritonserver --model-repository="$REPO" --model-control-mode=none --disable-auto-complete-config \
+    --http-port=8000 --grpc-port=8001 --metrics-port=8002 --allow-metrics=true --allow-gpu-metrics=true \
+    --backend-config=python,shm-default-byte-size=67108864 \
+    --backend-config=python,shm-growth-byte-size=67108864 \
+    "${POOL_ARGS[@]}" --exit-timeout-secs="${S3FLOW_EXIT_TIMEOUT_S:-90}" "$@"

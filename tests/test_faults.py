@@ -1,0 +1,338 @@
+"""Faults and sequence lifecycle against a real tritonserver; security checks of loading and binding.
+
+One server per module (``model_control_mode='explicit'``, so models can be unloaded and loaded back), small
+seeded model, idle timeout 2 s, at most 3 live sequences. The solver's live-sequence count is read from its
+Prometheus gauge ``s3flow_live_sequences`` on the server's metrics port (``s3flow_sequences_dropped`` counts
+states dropped before their END, by reason).
+
+Measured with Triton 2.51 (the pytriton 0.7.0 wheel): ``request.is_cancelled()`` works in the python
+backend for a request sent to ``cfm_solver`` directly, but the ensemble does not pass a client's
+cancellation on to a step already running (it checks between steps only, triton-inference-server/core
+PR #263), so through ``token2mel`` a vanished client's chunk runs to its end and the state is freed by the
+idle eviction; both paths are tested.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from load_test import metric_sum, read_metrics  # noqa: E402
+from s3flow.checkpoint import load_flow, read_checkpoint, write_random_checkpoint  # noqa: E402
+from s3flow.flow import FlowConfig  # noqa: E402
+from s3flow.protocol import Limits  # noqa: E402
+from s3flow.repository import Batching, RepositorySettings, write_repository  # noqa: E402
+from s3flow.triton_server import TritonServer, free_port  # noqa: E402
+from s3flow_client import StreamError, StreamingClient  # noqa: E402
+from s3flow_client.demo import demo_utterance  # noqa: E402
+
+IDLE_S = 2.0
+LIMITS = Limits(max_steps=20, max_utterance_frames=1000, max_live_sequences=3, idle_timeout_s=IDLE_S)
+MODELS = ["token2mel", "cfm_solver", "flow_encoder", "estimator"]
+DTYPES = {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32"}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=3))
+    settings = RepositorySettings(limits=LIMITS, batching=Batching(max_queue_delay_us=2000), ort_threads=1)
+    write_repository(root / "repo", flow, settings)
+    return root / "repo"
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    with TritonServer(repo, log_file=repo.parent / "server.log", model_control_mode="explicit",
+                      load_models=MODELS) as srv:
+        yield srv
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def solver_metrics(server) -> tuple[float, dict]:
+    """(live sequences, {reason: dropped count}) from the solver's metrics."""
+    metrics = read_metrics(f"127.0.0.1:{server.metrics_port}")
+    dropped = {dict(labels)["reason"]: v for (name, labels), v in metrics.items()
+               if name == "s3flow_sequences_dropped"}
+    return metric_sum(metrics, "s3flow_live_sequences"), dropped
+
+
+def wait_live(server, want: float, timeout: float) -> float:
+    """Poll the live gauge until it equals ``want``; return the seconds it took (fail after ``timeout``)."""
+    t0 = time.monotonic()
+    while True:
+        live, _ = solver_metrics(server)
+        if live == want:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, f"live sequences {live}, expected {want} within {timeout} s"
+        time.sleep(0.1)
+
+
+def tensors(u, lo: int, hi: int, start: bool, steps: int | None = None) -> dict:
+    out = {"speech_tokens": u.speech_tokens[None, lo:hi]}
+    if start:
+        out.update(prompt_tokens=u.prompt_tokens[None], prompt_mel=u.prompt_mel[None],
+                   speaker_embedding=u.speaker_embedding[None])
+        if steps is not None:
+            out["n_timesteps"] = np.array([[steps]], np.int32)
+    return out
+
+
+def infer_inputs(values: dict) -> list:
+    out = []
+    for name, value in values.items():
+        t = grpcclient.InferInput(name, list(value.shape), DTYPES[value.dtype.type])
+        t.set_data_from_numpy(np.ascontiguousarray(value))
+        out.append(t)
+    return out
+
+
+def infer(server, seq_id: int, start: bool, end: bool, values: dict, model: str = "token2mel"):
+    return server.client().infer(model, infer_inputs(values), sequence_id=seq_id, sequence_start=start,
+                                 sequence_end=end)
+
+
+class RawStream:
+    """One gRPC stream driven by hand, to vanish in the middle of a chunk."""
+
+    def __init__(self, server, model: str):
+        self.model, self.events = model, queue.Queue()
+        self.client = server.client()
+        self.client.start_stream(callback=lambda result, error: self.events.put((result, error)))
+
+    def send(self, seq_id: int, start: bool, values: dict) -> None:
+        self.client.async_stream_infer(self.model, infer_inputs(values), sequence_id=seq_id, sequence_start=start)
+
+    def response(self, timeout: float = 30.0):
+        result, error = self.events.get(timeout=timeout)
+        assert error is None, error
+        return result
+
+    def vanish(self) -> None:
+        self.client.stop_stream(cancel_requests=True)
+        self.client.close()
+
+
+def estimator_calls(server) -> int:
+    return int(server.client().get_inference_statistics("estimator").model_stats[0].inference_count)
+
+
+# ------------------------------------------------------------------------------------------ models unloaded
+@pytest.mark.server
+@pytest.mark.parametrize("model", ["estimator", "flow_encoder"])
+def test_unloaded_model_gives_a_clear_error_and_loading_it_back_recovers(server, model):
+    u = demo_utterance(1.2, seed=50, noise_seed=1)
+    u.chunks, u.n_timesteps = [10, 20], 3
+    client = StreamingClient(server.grpc_url, timeout_s=30)
+    [before] = client.synthesize([u])
+    server.client().unload_model(model)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StreamError) as info:
+            client.synthesize([u])
+        elapsed = time.monotonic() - t0
+        assert f"model '{model}'" in str(info.value) and "not ready" in str(info.value), str(info.value)
+        assert elapsed < 5, f"the error took {elapsed:.1f} s"
+        assert info.value.results[0].mel.size == 0
+        wait_live(server, 0, 2)  # the failed sequence's state was dropped
+    finally:
+        server.client().load_model(model)
+    [after] = client.synthesize([u])
+    np.testing.assert_allclose(after.mel, before.mel, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------ lifecycle
+@pytest.mark.server
+def test_cancel_mid_chunk_stops_the_solver_between_steps_and_drops_the_state(server):
+    """Sent to cfm_solver directly, a cancelled request is seen between Euler steps."""
+    wait_live(server, 0, IDLE_S + 3)
+    u = demo_utterance(10.0, seed=51)
+    stream = RawStream(server, "cfm_solver")
+    stream.send(801, True, tensors(u, 0, 10, True, steps=20))
+    stream.response()
+    _, dropped = solver_metrics(server)
+    calls = estimator_calls(server)
+    stream.send(801, False, tensors(u, 10, 240, False))   # 20 steps over ~530 frames: most of a second
+    time.sleep(0.25)
+    stream.vanish()
+    took = wait_live(server, 0, 5)
+    _, dropped_after = solver_metrics(server)
+    assert dropped_after.get("cancelled", 0) == dropped.get("cancelled", 0) + 1
+    ran = estimator_calls(server) - calls
+    print(f"\ncancelled after {ran} of 20 Euler steps; state freed {took:.2f} s after the client left")
+    assert ran < 20, "the solver ran every step of a cancelled request"
+
+
+@pytest.mark.server
+def test_client_vanishing_through_the_ensemble_frees_the_state_after_the_idle_timeout(server):
+    wait_live(server, 0, IDLE_S + 3)
+    u = demo_utterance(10.0, seed=52)
+    stream = RawStream(server, "token2mel")
+    stream.send(802, True, tensors(u, 0, 10, True, steps=20))
+    stream.response()
+    _, dropped = solver_metrics(server)
+    stream.send(802, False, tensors(u, 10, 240, False))
+    time.sleep(0.25)
+    stream.vanish()
+    assert solver_metrics(server)[0] == 1
+    took = wait_live(server, 0, IDLE_S + 6)   # with no other request coming: the reaper thread evicts it
+    _, dropped_after = solver_metrics(server)
+    freed = {k: dropped_after.get(k, 0) - dropped.get(k, 0) for k in ("idle", "cancelled")}
+    print(f"\nstate freed {took:.1f} s after the client left ({freed})")
+    assert sum(freed.values()) == 1
+
+
+@pytest.mark.server
+def test_idle_sequence_is_evicted_and_a_later_chunk_is_refused(server):
+    wait_live(server, 0, IDLE_S + 3)
+    u = demo_utterance(1.0, seed=53)
+    infer(server, 803, True, False, tensors(u, 0, 10, True, steps=2))
+    assert solver_metrics(server)[0] == 1
+    took = wait_live(server, 0, IDLE_S + 3)
+    assert took > IDLE_S - 0.5
+    with pytest.raises(InferenceServerException) as info:
+        infer(server, 803, False, True, tensors(u, 10, 20, False))
+    # Triton forgets the sequence at the same idle timeout and answers first; the solver's own message
+    # ("sequence 803 is not active: ... evicted after 2.0 s idle") comes when Triton still routes it
+    message = str(info.value)
+    assert ("sequence 803" in message and "must specify the START flag" in message) or \
+        "sequence 803 is not active" in message, message
+
+
+@pytest.mark.server
+def test_live_sequences_beyond_the_maximum_get_a_clear_error(server):
+    wait_live(server, 0, IDLE_S + 3)
+    u = demo_utterance(1.0, seed=54)
+    start, more = tensors(u, 0, 10, True, steps=1), tensors(u, 10, 25, False)
+    for seq in (811, 812, 813):
+        infer(server, seq, True, False, start)
+    with pytest.raises(InferenceServerException, match=r"too many live sequences \(3, max_live_sequences 3\)"):
+        infer(server, 814, True, False, start)
+    infer(server, 811, False, True, more)      # one ends: room for another
+    infer(server, 814, True, False, start)
+    for seq in (812, 813, 814):
+        assert infer(server, seq, False, True, more).as_numpy("mel").shape == (1, 80, 2 * 25 - 14)
+    assert solver_metrics(server)[0] == 0
+
+
+# ------------------------------------------------------------------------------------------ server gone
+def after_chunks(n: int, action):
+    """A StreamingClient progress callback that runs ``action`` once ``n`` chunks have arrived."""
+    count = iter(range(1, 1 << 30))
+    return lambda _: action() if next(count) == n else None
+
+
+def long_utterance():
+    u = demo_utterance(4.0, seed=55, noise_seed=2)
+    u.chunks, u.n_timesteps = [10] * 10, 4
+    return u
+
+
+@pytest.mark.server
+def test_hung_server_is_reported_within_the_response_timeout(server):
+    """SIGSTOP the server mid-stream: the client gives up after response_timeout_s, keeping its frames."""
+    wait_live(server, 0, IDLE_S + 3)
+    u = long_utterance()
+    [full] = StreamingClient(server.grpc_url, timeout_s=60).synthesize([u])
+
+    client = StreamingClient(server.grpc_url, timeout_s=60, response_timeout_s=2.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StreamError) as info:
+            client.synthesize([u], progress=after_chunks(3, lambda: os.kill(server.pid, signal.SIGSTOP)))
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    got = info.value.results[0]
+    reached = sum(got.chunk_frames)
+    assert reached == 14 + 20 + 20 and got.mel.shape[1] == reached
+    assert f"reached frame {reached} of 200" in str(info.value) and "no response within 2.0 s" in str(info.value)
+    assert elapsed < 2.0 + 5, f"gave up after {elapsed:.1f} s"
+    np.testing.assert_array_equal(got.mel, full.mel[:, :reached])
+    wait_live(server, 0, IDLE_S + 6)   # the server recovers and evicts the abandoned sequence
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_server_stopped_mid_stream_is_reported_with_the_frames_received(repo, tmp_path, how):
+    """A second server on the same repository, stopped (SIGTERM) or killed with its stubs (SIGKILL)."""
+    with TritonServer(repo, log_file=tmp_path / "server.log", extra_args=["--exit-timeout-secs=5"]) as srv:
+        u = long_utterance()
+        [full] = StreamingClient(srv.grpc_url, timeout_s=60).synthesize([u])
+        stopped = {}
+
+        def stop():
+            stopped["t"] = time.monotonic()
+            if how == "SIGKILL":
+                os.killpg(srv.pid, signal.SIGKILL)   # the server leads its own process group: stubs too
+            else:
+                os.kill(srv.pid, signal.SIGTERM)
+
+        with pytest.raises(StreamError) as info:
+            StreamingClient(srv.grpc_url, timeout_s=60).synthesize([u], progress=after_chunks(3, stop))
+        elapsed = time.monotonic() - stopped["t"]
+        srv.process.wait(30)
+    got = info.value.results[0]
+    reached = sum(got.chunk_frames)
+    print(f"\n{how}: error after {elapsed:.2f} s: {info.value}")
+    assert reached == 54 and got.mel.shape[1] == reached
+    assert f"reached frame {reached} of 200" in str(info.value)
+    assert elapsed < 10
+    np.testing.assert_array_equal(got.mel, full.mel[:, :reached])
+
+
+def test_no_server_at_the_address_is_a_stream_error_not_a_crash():
+    u = demo_utterance(0.6, seed=56)
+    t0 = time.monotonic()
+    with pytest.raises(StreamError, match=r"reached frame 0 of 30 .*UNAVAILABLE") as info:
+        StreamingClient(f"127.0.0.1:{free_port('127.0.0.1')}", timeout_s=20).synthesize([u])
+    assert time.monotonic() - t0 < 10 and info.value.results[0].mel.size == 0
+
+
+# ------------------------------------------------------------------------------------------ security
+class _RunsCode:
+    """Unpickling this calls exec(): what a malicious checkpoint does."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('ran')",)
+
+
+def test_checkpoint_with_pickled_code_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "code_ran"
+    path = tmp_path / "s3gen.pt"
+    torch.save({"flow.encoder_proj.weight": torch.zeros(80, 512), "payload": _RunsCode(marker)}, path)
+    with pytest.raises(pickle.UnpicklingError, match="exec"):
+        read_checkpoint(path)
+    assert not marker.exists()
+    # the payload is real: an unrestricted load runs it
+    torch.load(path, weights_only=False)
+    assert marker.read_text() == "ran"
+
+
+def test_servers_bind_loopback_unless_told_otherwise(tmp_path):
+    server = TritonServer(tmp_path, grpc_port=1, http_port=2, metrics_port=3)
+    cmd = server.command()
+    for endpoint in ("grpc", "http", "metrics"):
+        assert f"--{endpoint}-address=127.0.0.1" in cmd
+    assert "--grpc-address=0.0.0.0" in TritonServer(tmp_path, host="0.0.0.0", grpc_port=1, http_port=2,
+                                                    metrics_port=3).command()
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "server.py"), "start", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "(default: 127.0.0.1)" in out.stdout, out.stdout

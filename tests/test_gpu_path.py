@@ -1,0 +1,579 @@
+"""The GPU fleet path, checked on a CPU host: repository configs for the gpu target, engine naming and
+profiles, the fp16 graph (run in ONNX Runtime), the torch backend's logic, the container and cluster files,
+and scripts/gpu_check.py's code paths (``--device cpu --quick``).
+
+What needs a GPU (building and running TensorRT engines, the served GPU repository) is exercised by
+scripts/gpu_check.py and scripts/build_engines.py on a GPU host.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import small_flow
+from s3flow import tensorrt_build as tb
+from s3flow.protocol import Limits
+from s3flow.repository import (Batching, RepositorySettings, encoder_tensors, estimator_tensors, solver_config,
+                               stateless_config, write_repository)
+from s3flow.serving.torch_model import TorchModelSettings, TorchRunner, load_module, save_module
+from s3flow_client.stream import SEQUENCE_HEADER
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+LIMITS = Limits(max_utterance_frames=600, max_prompt_tokens=100)
+
+
+# ---------------------------------------------------------------------------------------------------
+# repository: gpu target
+
+
+@pytest.fixture(scope="module")
+def gpu_repos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_repos")
+    flow = small_flow()
+    batching = Batching(max_batch_size=4, estimator_instances=2)
+    trt = write_repository(root / "trt", flow, RepositorySettings(target="gpu", limits=LIMITS, batching=batching))
+    torch_repo = write_repository(root / "torch", flow, RepositorySettings(
+        target="gpu", limits=LIMITS, batching=batching, gpu_backend="torch", torch_dtype="bf16"))
+    return trt.path, torch_repo.path, flow, batching
+
+
+def _blocks(config: str) -> tuple[str, str]:
+    """The input [...] and output [...] blocks of a config.pbtxt."""
+    ins = re.search(r"^input \[\n.*?\n\]", config, re.S | re.M).group(0)
+    outs = re.search(r"^output \[\n.*?\n\]", config, re.S | re.M).group(0)
+    return ins, outs
+
+
+def test_gpu_repository_writes_tensorrt_plan_configs_with_the_cpu_targets_tensors(gpu_repos):
+    trt, _, flow, batching = gpu_repos
+    cpu = RepositorySettings(target="cpu", limits=LIMITS, batching=batching)
+    n_feats = flow.config.n_feats
+    for name, tensors, instances in (("estimator", estimator_tensors(n_feats, False), 2),
+                                     ("flow_encoder", encoder_tensors(n_feats), 1)):
+        config = (trt / name / "config.pbtxt").read_text()
+        assert 'platform: "tensorrt_plan"' in config and "backend:" not in config
+        assert f"instance_group [ {{ count: {instances} kind: KIND_GPU }} ]" in config
+        assert "max_batch_size: 0" in config
+        assert _blocks(config) == _blocks(stateless_config(name, tensors, cpu, instances)), name
+        assert (trt / name / "model.onnx").is_file(), "the engines' ONNX source sits beside the version folder"
+        assert not (trt / name / "1" / "model.py").exists()
+    solver = (trt / "cfm_solver" / "config.pbtxt").read_text()
+    assert "kind: KIND_GPU" in solver
+    assert _blocks(solver) == _blocks(solver_config(n_feats, False, cpu))
+
+
+def test_gpu_repository_tensor_names_match_the_onnx_sources(gpu_repos):
+    onnx = pytest.importorskip("onnx")
+    trt = gpu_repos[0]
+    for name in ("estimator", "flow_encoder"):
+        config = (trt / name / "config.pbtxt").read_text()
+        ins, outs = (re.findall(r'name: "(\w+)"', b) for b in _blocks(config))
+        graph = onnx.load(str(trt / name / "model.onnx"), load_external_data=False).graph
+        assert ins == [i.name for i in graph.input] and outs == [o.name for o in graph.output]
+        profile = tb.profiles_for(tb.read_solver_settings(trt))[name]
+        assert list(profile.input_shapes()) == ins, "the profile covers exactly the engine's inputs"
+
+
+def test_engine_install_places_model_plan_and_records_its_name(gpu_repos, tmp_path):
+    import shutil
+    trt = shutil.copytree(gpu_repos[0], tmp_path / "repo")
+    plan = tmp_path / "x.plan"
+    plan.write_bytes(b"not really an engine")
+    prof = tb.profiles_for(tb.read_solver_settings(trt))["estimator"]
+    res = tb.BuildResult(plan, "estimator__X__trt10.0.0__fp16__b__src0123456789ab.plan", "fp16", prof, "python",
+                         "10.0.0", 1.0, False)
+    parity = [tb.Parity("estimator fp16 B=2 T=300", 1e-3, 1e-2, True, 2e-2)]
+    target = tb.install_engine(res, trt, "estimator", parity)
+    assert target == trt / "estimator" / "1" / "model.plan" and target.read_bytes() == plan.read_bytes()
+    assert tb.installed_engine(trt, "estimator") == res.name
+    assert tb.installed_engine(trt, "flow_encoder") is None
+    meta = json.loads((trt / "estimator" / "1" / "engine.json").read_text())
+    assert meta["precision"] == "fp16" and meta["parity"][0]["rel_error"] == 1e-3
+    assert not list((trt / "estimator" / "1").glob("*.tmp"))
+
+
+def test_solver_settings_and_profiles_follow_the_repository(gpu_repos):
+    st = tb.read_solver_settings(gpu_repos[0])
+    assert (st.max_batch, st.n_feats, st.meanflow) == (4, 80, False)
+    assert st.limits.max_utterance_frames == 600 and st.limits.max_prompt_tokens == 100
+    profs = tb.profiles_for(st)
+    # guided: one 2B estimator call per step; B = 1 for guidance rate 0; frames = prompt + generated
+    assert profs["estimator"].batch == (1, 2, 8) and profs["estimator"].length == (2, 300, 800)
+    assert profs["flow_encoder"].batch == (1, 1, 4) and profs["flow_encoder"].length == (1, 150, 400)
+
+
+def test_torch_backend_repository(gpu_repos):
+    _, repo, flow, _ = gpu_repos
+    for name, dtype in (("estimator", "bf16"), ("flow_encoder", "fp32")):
+        config = (repo / name / "config.pbtxt").read_text()
+        assert 'backend: "python"' in config and "tensorrt_plan" not in config
+        assert "kind: KIND_GPU" in config
+        assert f'key: "dtype" value: {{ string_value: "{dtype}" }}' in config
+        assert 'key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: { string_value: "no" }' in config
+        assert "s3flow.serving.torch_model" in (repo / name / "1" / "model.py").read_text()
+    kind, module = load_module(repo / "estimator" / "1" / "model.pt")
+    assert kind == "estimator"
+    from s3flow.onnx_export import make_estimator_inputs
+    inputs = make_estimator_inputs(flow.estimator, 2, 40, seed=3)
+    with torch.inference_mode():
+        assert torch.equal(module(**inputs), flow.estimator(**inputs))
+    kind, enc = load_module(repo / "flow_encoder" / "1" / "model.pt")
+    assert kind == "flow_encoder" and type(enc).__name__ == "FlowEncoder"
+
+
+def test_bad_gpu_backend_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="gpu_backend"):
+        write_repository(tmp_path, small_flow(), RepositorySettings(target="gpu", gpu_backend="onnx"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# engine names and profiles
+
+
+def _name(**change):
+    prof = tb.estimator_profile(80, False, 8, 4000)
+    kw = dict(gpu="NVIDIA H200", compute_capability=(9, 0), trt_version="10.13.3", precision="fp16",
+              profile=prof, source_digest="3f2a9c1b7d4e5f60718293a4b5c6d7e8f9a0b1c2d3e4f5a6b7c8d9e0f1a2b3c4")
+    kw.update(change)
+    return tb.engine_name(kw.pop("model", "estimator"), **kw)
+
+
+def test_engine_name_encodes_gpu_tensorrt_precision_profile_and_source():
+    base = _name()
+    assert base == "estimator__NVIDIA-H200-sm90__trt10.13.3__fp16__b1-2-16_t2-300-4000__src3f2a9c1b7d4e.plan"
+    assert base == _name(), "a pure function"
+    variants = [_name(gpu="NVIDIA H100 80GB HBM3"), _name(compute_capability=(8, 0)), _name(trt_version="10.13.4"),
+                _name(precision="fp32"), _name(profile=tb.estimator_profile(80, False, 4, 4000)),
+                _name(profile=tb.estimator_profile(80, False, 8, 4000, opt_frames=600)),
+                _name(source_digest="0" * 64), _name(model="flow_encoder",
+                                                     profile=tb.encoder_profile(8, 2000))]
+    assert len({base, *variants}) == len(variants) + 1, "every field changes the name"
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", v) for v in variants), "safe file names"
+    with pytest.raises(ValueError, match="precision"):
+        _name(precision="int8")
+    with pytest.raises(ValueError, match="source_digest"):
+        _name(source_digest="not-hex")
+    with pytest.raises(ValueError, match="trt_version"):
+        _name(trt_version="latest")
+
+
+def test_profiles():
+    guided = tb.estimator_profile(80, False, max_batch=8, max_frames=4000)
+    assert guided.input_shapes()["x"] == ((1, 80, 2), (2, 80, 300), (16, 80, 4000))
+    assert guided.input_shapes()["t"] == ((1,), (2,), (16,)) and "r" not in guided.input_shapes()
+    mean = tb.estimator_profile(80, True, max_batch=8, max_frames=4000)
+    assert mean.batch == (1, 1, 8) and mean.input_shapes()["r"] == ((1,), (1,), (8,))
+    enc = tb.encoder_profile(8, 2000)
+    assert enc.input_shapes() == {"tokens": ((1, 1), (1, 150), (8, 2000)), "token_len": ((1,), (1,), (8,)),
+                                  "embedding": ((1, 192), (1, 192), (8, 192))}
+    assert enc.tag() == "b1-1-8_n1-150-2000"
+    assert guided.covers(16, 4000) and not guided.covers(17, 300) and not guided.covers(2, 4001)
+    assert tb.max_frames(Limits()) == 4000 and tb.max_tokens(Limits()) == 2000
+    with pytest.raises(ValueError, match="positional table"):
+        tb.encoder_profile(8, 4000)
+    with pytest.raises(ValueError, match="min <= opt <= max"):
+        tb.Profile("estimator", (1, 2, 16), (10, 5, 100))
+
+
+def test_trtexec_command_and_version():
+    prof = tb.estimator_profile(80, True, 2, 1000)
+    cmd = tb.trtexec_command("/usr/bin/trtexec", "m.onnx", "e.plan", prof, "fp32", workspace_mb=1024)
+    assert "--stronglyTyped" in cmd and "--noTF32" in cmd and "--saveEngine=e.plan" in cmd
+    assert "--minShapes=x:1x80x2,mask:1x1x2,mu:1x80x2,t:1,spks:1x80,cond:1x80x2,r:1" in cmd
+    assert "--maxShapes=x:2x80x1000,mask:2x1x1000,mu:2x80x1000,t:2,spks:2x80,cond:2x80x1000,r:2" in cmd
+    assert "--noTF32" not in tb.trtexec_command("t", "m.onnx", "e.plan", prof, "fp16")
+    assert tb.parse_trtexec_version("&&&& RUNNING TensorRT.trtexec [TensorRT v101303] # trtexec") == "10.13.3"
+    assert tb.parse_trtexec_version("no banner") is None
+
+
+def test_build_engines_without_tensorrt_says_so(gpu_repos):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: build_engines.py would build for real")
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engines.py"), "--repository",
+                          str(gpu_repos[0]), "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "estimator: profile b1-2-8_t2-300-800" in run.stdout
+    assert "cannot build engines here" in run.stderr
+
+
+def test_build_engines_falls_back_to_torch_per_model_and_back(gpu_repos, tmp_path):
+    """No TensorRT here: --fallback torch switches both models to the torch backend in place (the configs
+    then equal the torch target's); set_backend('tensorrt') restores the plan config."""
+    import shutil
+
+    from s3flow.checkpoint import write_checkpoint
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: build_engines.py would build for real")
+    trt, torch_repo, flow, _ = gpu_repos
+    repo = tmp_path / "repo"
+    shutil.copytree(trt, repo)
+    ckpt = write_checkpoint(flow, tmp_path / "ckpt.safetensors")
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engines.py"), "--repository", str(repo),
+                          "--checkpoint", str(ckpt), "--fallback", "torch", "--torch-dtype", "bf16"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for model in ("estimator", "flow_encoder"):
+        assert (repo / model / "config.pbtxt").read_text() == (torch_repo / model / "config.pbtxt").read_text()
+        kind, _ = load_module(repo / model / "1" / "model.pt")
+        assert kind == model and (repo / model / "1" / "model.py").is_file()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import build_engines
+    build_engines.set_backend(repo, "estimator", "tensorrt")
+    assert (repo / "estimator" / "config.pbtxt").read_text() == (trt / "estimator" / "config.pbtxt").read_text()
+    assert sorted(p.name for p in (repo / "estimator" / "1").iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# fp16 graph and parity arithmetic
+
+
+def test_fp16_policy_and_clamp():
+    assert tb.is_fp32_node("/mid_blocks.0.1.0/attn1/Softmax", "Softmax")
+    assert tb.is_fp32_node("/down_blocks.0.0/block1/block/block.2/LayerNormalization", "LayerNormalization")
+    assert tb.is_fp32_node("/time_embeddings/Sin", "Sin") and tb.is_fp32_node("/time_mlp/linear_1/Gemm", "Gemm")
+    assert not tb.is_fp32_node("/mid_blocks.0.1.0/attn1/MatMul", "MatMul")
+    v = tb.clamp_for_fp16(np.array([-1e10, 1e5, -5.0, np.inf, -np.inf], np.float32))
+    assert v.tolist() == [-3e4, 3e4, -5.0, np.inf, -np.inf]
+
+
+@pytest.mark.parametrize("meanflow", [False, True])
+def test_fp16_estimator_graph_runs_without_nan_and_within_bound(tmp_path, meanflow):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from s3flow.onnx_export import export_estimator, make_estimator_inputs
+
+    flow = small_flow(meanflow)
+    src = export_estimator(flow.estimator, tmp_path / "est.onnx")
+    fp16 = tb.prepare_onnx(src, "fp16", tmp_path)
+    model = onnx.load(str(fp16))
+    onnx.checker.check_model(model, full_check=True)
+    typed = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    types = {v.name: v.type.tensor_type.elem_type for v in list(typed.graph.value_info) + list(typed.graph.input)}
+    types.update({i.name: i.data_type for i in typed.graph.initializer})
+    float_types = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16}
+    kept = [n for n in typed.graph.node if tb.is_fp32_node(n.name, n.op_type)]
+    assert {n.op_type for n in kept} >= {"LayerNormalization", "Softmax", "Sin", "Cos"}
+    for node in kept:  # the fp32 islands really read fp32
+        assert all(types[i] == onnx.TensorProto.FLOAT for i in node.input if i and types.get(i) in float_types), node.name
+    matmuls = [n for n in typed.graph.node if n.op_type == "MatMul" and not tb.is_fp32_node(n.name, n.op_type)]
+    assert matmuls and all(types[n.input[0]] == onnx.TensorProto.FLOAT16 for n in matmuls)
+    assert [i.type.tensor_type.elem_type for i in typed.graph.output] == [onnx.TensorProto.FLOAT]
+
+    inputs = make_estimator_inputs(flow.estimator, 3, 97, seed=5)
+    with torch.inference_mode():
+        ref = flow.estimator(**inputs)
+    feed = {k: v.numpy() for k, v in inputs.items()}
+    out = ort.InferenceSession(str(fp16), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    parity = tb.compare(torch.from_numpy(out), ref, tb.PARITY_BOUNDS["fp16"], "fp16", mask=inputs["mask"])
+    assert parity.ok, parity.describe()
+    assert parity.rel_error > 1e-6, "the graph really computes in fp16"
+    # the trap the clamp avoids: the -1e10 mask bias is -inf in fp16, and (1 - mask) * -inf is NaN
+    naive, report = tb.convert_to_fp16(onnx.load(str(src)), limit=float("inf"))
+    assert not report.clamped
+    onnx.save(naive, str(tmp_path / "naive.onnx"))
+    bad = ort.InferenceSession(str(tmp_path / "naive.onnx"), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    assert not np.isfinite(bad).all()
+
+
+def test_fp16_encoder_graph(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from s3flow.encoder import export_encoder, random_encoder_inputs
+
+    flow = small_flow()
+    fp16 = tb.prepare_onnx(export_encoder(flow.encoder, tmp_path / "enc.onnx"), "fp16", tmp_path)
+    onnx.shape_inference.infer_shapes(onnx.load(str(fp16)), check_type=True, strict_mode=True)
+    tokens, token_len, emb = random_encoder_inputs(flow.encoder.config, 3, 29, seed=2)
+    with torch.inference_mode():
+        mu, mask, spks = flow.encoder(tokens, token_len, emb)
+    got = ort.InferenceSession(str(fp16), providers=["CPUExecutionProvider"]).run(
+        None, {"tokens": tokens.numpy(), "token_len": token_len.numpy(), "embedding": emb.numpy()})
+    assert tb.compare(torch.from_numpy(got[0]), mu, 2e-2, mask=mask).ok
+    assert torch.equal(torch.from_numpy(got[1]), mask)
+    assert tb.compare(torch.from_numpy(got[2]), spks, 2e-2).ok
+
+
+def test_compare_fails_on_nan_and_measures_valid_frames_only():
+    ref = torch.ones(1, 2, 4)
+    mask = torch.tensor([[[1.0, 1.0, 0.0, 0.0]]])
+    out = ref.clone()
+    out[..., 3] = 100.0  # padding: ignored
+    p = tb.compare(out, ref, 1e-3, "x", mask=mask)
+    assert p.ok and p.rel_error == 0.0
+    out[0, 0, 0] = 1.1
+    assert tb.compare(out, ref, 1e-3, mask=mask).rel_error == pytest.approx(0.1 / 2, rel=1e-4)
+    out[0, 1, 3] = float("nan")
+    p = tb.compare(out, ref, 1.0, mask=mask)
+    assert not p.finite and not p.ok and "NaN" in p.describe()
+    with pytest.raises(ValueError, match="shape"):
+        tb.compare(torch.ones(2), torch.ones(3), 1.0)
+
+
+def test_parity_checks_run_against_any_engine_callable():
+    """check_estimator_engine / check_encoder_engine with the torch module standing in for an engine
+    (identical -> 0 error) and a broken one (NaN -> fail)."""
+    flow = small_flow()
+    prof = tb.estimator_profile(80, False, 2, 100, opt_frames=32)
+    ref = lambda **i: flow.estimator(**i)  # noqa: E731
+    same = lambda **i: {"velocity": flow.estimator(**i)}  # noqa: E731
+    with torch.inference_mode():
+        good = tb.check_estimator_engine(same, ref, prof, "fp16")
+        bad = tb.check_estimator_engine(lambda **i: {"velocity": flow.estimator(**i) * float("nan")}, ref, prof, "fp16")
+    assert [(c.rel_error, c.ok) for c in good] == [(0.0, True)] * 2
+    assert [c.ok for c in bad] == [False, False]
+    assert [c.what for c in good] == ["estimator fp16 B=2 T=32", "estimator fp16 B=3 T=81"]
+    eprof = tb.encoder_profile(2, 40, opt_tokens=12)
+    enc_ref = lambda **i: flow.encoder(i["tokens"], i["token_len"], i["embedding"])  # noqa: E731
+
+    def enc_engine(**i):
+        mu, mask, spks = enc_ref(**i)
+        return {"mu": mu, "mask": mask, "spks": spks}
+    with torch.inference_mode():
+        assert all(c.ok for c in tb.check_encoder_engine(enc_engine, enc_ref, eprof, "fp32"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch backend logic
+
+
+def test_torch_model_settings():
+    assert TorchModelSettings.from_args({"dtype": "bf16"}, "GPU", "1") == TorchModelSettings("bf16", "cuda:1")
+    assert TorchModelSettings.from_args({}, "CPU", 0) == TorchModelSettings("fp32", "cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        TorchModelSettings.from_args({"dtype": "int8"}, "GPU", 0)
+    with pytest.raises(ValueError, match="instance kind"):
+        TorchModelSettings.from_args({}, "TPU", 0)
+
+
+def test_torch_runner_modes_against_fp32(tmp_path):
+    flow = small_flow(meanflow=True)
+    from s3flow.onnx_export import make_estimator_inputs
+    inputs = make_estimator_inputs(flow.estimator, 2, 50, seed=7)
+    with torch.inference_mode():
+        ref = flow.estimator(**inputs)
+    path = save_module(tmp_path / "model.pt", "estimator", flow.estimator)
+    _, module = load_module(path)
+    for dtype, bound in (("fp32", 0.0), ("bf16", 5e-2), ("fp16", 2e-2)):
+        runner = TorchRunner(module, "estimator", "cpu", dtype)
+        assert runner.input_names[-1] == "r"
+        p = tb.compare(runner(**inputs)["velocity"], ref, bound, dtype, mask=inputs["mask"])
+        assert p.ok, p.describe()
+        assert (p.rel_error == 0.0) == (dtype == "fp32"), "autocast really lowers the precision"
+    with pytest.raises(ValueError, match="missing inputs"):
+        runner(**{k: v for k, v in inputs.items() if k != "r"})
+    enc = TorchRunner(flow.encoder, "flow_encoder", "cpu")
+    out = enc(tokens=torch.randint(0, 6561, (2, 9)), token_len=torch.tensor([9, 5]), embedding=torch.randn(2, 192))
+    assert set(out) == {"mu", "mask", "spks"} and out["mu"].shape == (2, 80, 18)
+
+
+# ---------------------------------------------------------------------------------------------------
+# container and cluster files
+
+
+def _yaml():
+    return pytest.importorskip("yaml", reason="pyyaml is needed to validate docker/ (test extra)")
+
+
+def test_dockerfile_pins_the_ngc_image_and_installs_what_serving_needs():
+    text = (DOCKER / "Dockerfile").read_text()
+    tag = re.search(r"^ARG TRITON_TAG=(\S+)$", text, re.M)
+    assert tag and re.fullmatch(r"\d\d\.\d\d", tag.group(1)), "a pinned yy.mm release"
+    assert re.search(r"^FROM nvcr\.io/nvidia/tritonserver:\$\{TRITON_TAG\}-py3$", text, re.M)
+    assert '"numpy<2"' in text and "torch==${TORCH_VERSION}" in text
+    assert "install_tensorrt_python.sh" in text and 'ENTRYPOINT ["/opt/s3flow/docker/entrypoint.sh"]' in text
+    for port in ("8000", "8001", "8002"):
+        assert port in re.search(r"^EXPOSE (.*)$", text, re.M).group(1)
+    compose = _yaml().safe_load((DOCKER / "compose.yaml").read_text())
+    assert compose["services"]["triton"]["build"]["args"]["TRITON_TAG"] == tag.group(1)
+    ignore = (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+    for line in re.findall(r"^COPY (.+) \S+$", text, re.M):
+        for src in line.split():
+            assert (ROOT / src).exists(), f"COPY {src}: missing from the repository"
+            assert f"!{src.split('/')[0]}" in " ".join(ignore), f"COPY {src}: excluded from the build context"
+
+
+def test_entrypoint_scripts_are_valid_and_use_existing_flags():
+    for script in ("entrypoint.sh", "install_tensorrt_python.sh"):
+        path = DOCKER / script
+        assert os.access(path, os.X_OK), f"{script} must be executable"
+        subprocess.run(["bash", "-n", str(path)], check=True)
+    text = (DOCKER / "entrypoint.sh").read_text()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import build_engines
+    import build_repository
+    build_repository.parse_args(["--target", "gpu", "--gpu-backend", "torch", "--torch-dtype", "bf16",
+                                 "--checkpoint", "c.safetensors", "--output", "r"])
+    build_engines.parse_args(["--repository", "r", "--cache", "e", "--checkpoint", "c", "--estimator-precision", "auto"])
+    scripts = (ROOT / "scripts" / "build_repository.py").read_text() + (ROOT / "scripts" / "build_engines.py").read_text()
+    calls = re.findall(r"python3 scripts/\w+\.py(?:[^\n]*\\\n)*[^\n]*", text)
+    assert len(calls) == 2
+    for flag in re.findall(r"(--[a-z][a-z-]+)", " ".join(calls)):
+        assert f'"{flag}"' in scripts, f"entrypoint passes {flag}, which no script defines"
+    for flag in ("--model-repository", "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002",
+                 "shm-default-byte-size", "--cuda-memory-pool-byte-size", "--exit-timeout-secs"):
+        assert flag in text
+
+
+def test_entrypoint_on_a_host_without_tensorrt(tmp_path):
+    """docker/entrypoint.sh end to end with a stand-in tritonserver that prints its command line: random
+    weights, the gpu repository, no TensorRT here -> both stateless models fall back to the torch backend;
+    a second start reuses the repository."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the entrypoint would build engines for real")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "tritonserver").write_text('#!/usr/bin/env bash\necho "TRITONSERVER $*"\n')
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "S3FLOW_HOME": str(ROOT),
+           "S3FLOW_STATE": str(tmp_path / "state"), "S3FLOW_RANDOM_SIZE": "small",
+           "S3FLOW_REPOSITORY_ARGS": "--max-batch-size 4 --no-vocoder --no-check"}
+    runs = [subprocess.run(["bash", str(DOCKER / "entrypoint.sh"), "--log-verbose=1"], capture_output=True,
+                           text=True, timeout=600, env=env, cwd=tmp_path) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        [cmd] = [line for line in run.stdout.splitlines() if line.startswith("TRITONSERVER ")]
+        assert f"--model-repository={tmp_path / 'state' / 'model_repository'}" in cmd
+        assert "--metrics-port=8002" in cmd and cmd.endswith("--log-verbose=1")
+        assert "estimator: now served by the torch backend (bf16)" in run.stdout
+    assert "building the model repository" in runs[0].stdout
+    assert "model repository up to date" in runs[1].stdout
+    repo = tmp_path / "state" / "model_repository"
+    assert 'backend: "python"' in (repo / "estimator" / "config.pbtxt").read_text()
+    assert (repo / "flow_encoder" / "1" / "model.pt").is_file()
+
+
+def test_compose_reserves_a_gpu_shm_and_health():
+    svc = _yaml().safe_load((DOCKER / "compose.yaml").read_text())["services"]["triton"]
+    assert (DOCKER / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve() == (DOCKER / "Dockerfile").resolve()
+    [dev] = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"] and dev["count"] == 1
+    shm = svc["shm_size"]
+    assert re.fullmatch(r"\d+gb", shm) and int(shm[:-2]) >= 1
+    assert "/v2/health/ready" in " ".join(svc["healthcheck"]["test"]) and ":8000/" in " ".join(svc["healthcheck"]["test"])
+    assert {"8000:8000", "8001:8001", "8002:8002"} <= set(svc["ports"])
+    assert any(v.endswith(":/var/lib/s3flow") for v in svc["volumes"]), "engines survive restarts"
+
+
+def _k8s():
+    yaml = _yaml()
+    docs = {}
+    for path in sorted((DOCKER / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            docs[(doc["kind"], doc.get("metadata", {}).get("name"))] = doc
+    return docs
+
+
+def test_k8s_deployment():
+    docs = _k8s()
+    dep = docs[("Deployment", "s3flow-triton")]
+    pod = dep["spec"]["template"]
+    [c] = pod["spec"]["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    for probe, path in (("readinessProbe", "/v2/health/ready"), ("startupProbe", "/v2/health/ready"),
+                        ("livenessProbe", "/v2/health/live")):
+        assert c[probe]["httpGet"]["path"] == path and ports[c[probe]["httpGet"]["port"]] == 8000
+    ann = pod["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8002"
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert vols[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in vols.values() if "persistentVolumeClaim" in v}
+    assert claims <= {n for k, n in docs if k == "PersistentVolumeClaim"}
+    assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+
+
+def test_k8s_services_monitoring_and_kustomization():
+    docs = _k8s()
+    pod_labels = docs[("Deployment", "s3flow-triton")]["spec"]["template"]["metadata"]["labels"]
+    svc, headless = docs[("Service", "s3flow")], docs[("Service", "s3flow-headless")]
+    assert headless["spec"]["clusterIP"] == "None"
+    for s in (svc, headless):
+        assert s["spec"]["selector"].items() <= pod_labels.items()
+    mon = docs[("ServiceMonitor", "s3flow")]
+    assert mon["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert mon["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    kust = _yaml().safe_load((DOCKER / "k8s" / "kustomization.yaml").read_text())
+    assert all((DOCKER / "k8s" / r).is_file() for r in kust["resources"])
+
+
+def test_k8s_router_pins_sequences_by_the_clients_header():
+    docs = _k8s()
+    envoy = _yaml().safe_load(docs[("ConfigMap", "s3flow-router")]["data"]["envoy.yaml"])
+    [listener] = envoy["static_resources"]["listeners"]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    [route] = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert route["route"]["hash_policy"] == [{"header": {"header_name": SEQUENCE_HEADER}}]
+    assert route["route"]["timeout"] == "0s", "streams must not be cut by a route timeout"
+    [cluster] = envoy["static_resources"]["clusters"]
+    assert cluster["lb_policy"] in ("RING_HASH", "MAGLEV") and cluster["type"] == "STRICT_DNS"
+    [ep] = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert ep["endpoint"]["address"]["socket_address"]["address"].startswith("s3flow-headless.")
+    assert ep["endpoint"]["address"]["socket_address"]["port_value"] == 8001
+    assert cluster["health_checks"][0]["http_health_check"]["path"] == "/v2/health/ready"
+    router = docs[("Deployment", "s3flow-router")]["spec"]["template"]["spec"]
+    assert router["volumes"][0]["configMap"]["name"] == "s3flow-router"
+    assert docs[("Service", "s3flow-router")]["spec"]["ports"][0]["port"] == 8001
+
+
+# ---------------------------------------------------------------------------------------------------
+# the one-shot GPU check, on the CPU
+
+
+def test_gpu_check_quick_on_cpu_writes_its_results(tmp_path):
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # it finds the package by itself
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--quick",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    names = [c["name"] for c in report["checks"]]
+    assert report["ok"] and len(names) == 8, names  # 2 models x 3 modes on the CPU + 2 streamed rows
+    assert any("bf16" in n for n in names) and any("fp16" in n for n in names) and any("meanflow" in n for n in names)
+    assert any("streaming engine" in n for n in names)
+    md = (out / "gpu_check.md").read_text()
+    assert "not GPU figures" in md and "## Verdict" in md and "**PASS**" in md
+    for section in ("Whole flow", "Streaming engine", "Estimator forward", "Throughput", "TensorRT"):
+        assert f"## {section}" in md, section
+
+
+# ---------------------------------------------------------------------------------------------------
+# the torch backend served by a real tritonserver (CPU host: the GPU instance groups turned into CPU ones)
+
+
+@pytest.mark.server
+def test_torch_backend_served_equals_offline(tmp_path):
+    from helpers import offline
+    from s3flow.triton_server import TritonServer
+    from s3flow_client import StreamingClient, chunk_schedule
+    from s3flow_client.demo import demo_utterance
+
+    flow = small_flow()
+    limits = Limits(max_steps=20, max_utterance_frames=400, max_request_bytes=200_000, max_live_sequences=8)
+    write_repository(tmp_path / "repo", flow, RepositorySettings(
+        target="gpu", limits=limits, gpu_backend="torch", torch_dtype="fp32",
+        batching=Batching(max_queue_delay_us=20_000)))
+    for config in (tmp_path / "repo").glob("*/config.pbtxt"):  # no GPU here: same models, CPU instances
+        config.write_text(config.read_text().replace("kind: KIND_GPU", "kind: KIND_CPU"))
+    u = demo_utterance(1.6, seed=31, noise_seed=5)
+    u.chunks = chunk_schedule(len(u.speech_tokens), 10, 2.0, 40)
+    with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log") as server:
+        [got] = StreamingClient(server.grpc_url).synthesize([u])
+        stats = server.client().get_inference_statistics("estimator").model_stats[0]
+    assert got.mel.shape == (80, 2 * len(u.speech_tokens))
+    assert int(stats.inference_count) > 0, "the estimator ran as the torch python model"
+    # the last chunk re-integrates the whole utterance: its frames match offline synthesis
+    last = got.chunk_frames[-1]
+    np.testing.assert_allclose(got.mel[:, -last:], offline(flow, u)[:, -last:], atol=5e-4, rtol=0)

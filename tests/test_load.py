@@ -1,0 +1,89 @@
+"""Short versions of ``scripts/load_test.py`` against a real tritonserver: bounded load and a memory soak.
+
+The full run (16 streams x 20 utterances, 1,000 utterances for memory) is ``scripts/load_test.py``; its
+figures are in ``results/load_test.md``.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import load_test  # noqa: E402
+from load_test import check_chunks, load_utterance, memory_utterance, run_load, run_memory  # noqa: E402
+from s3flow.triton_server import TritonServer  # noqa: E402
+from s3flow_client import StreamResult  # noqa: E402
+
+#: allowed growth of the solver's RSS over 150 short utterances after warm-up; a leak of each utterance's
+#: state (prompt mel, prompt noise, noised_mels: about 20 KB for these) would add about 3 MiB
+RSS_BOUND_MB = 2.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("load")
+    repo = load_test.build_small_repository(root, streams=4)
+    with TritonServer(repo, log_file=root / "server.log") as srv:
+        srv.stub_pid = load_test.solver_stub_pid(srv.pid)
+        srv.metrics_url = f"127.0.0.1:{srv.metrics_port}"
+        assert srv.stub_pid is not None, "no cfm_solver stub among the server's children"
+        yield srv
+
+
+@pytest.mark.server
+def test_short_load_loses_nothing_and_matches_outputs_alone(server):
+    report = run_load(server.grpc_url, streams=4, utterances=3, steps=2, time_limit_s=120, check_outputs=2,
+                      stub_pid=server.stub_pid, metrics_url=server.metrics_url)
+    assert report.ok, (report.errors, report.frame_errors, report.output_mismatches, report.not_run)
+    assert report.done == 12 and report.chunks == sum(len(load_utterance(i, 2).chunks) for i in range(12))
+    assert report.live_after == 0, "sequences left live after every utterance ended"
+    print(f"\nshort load: chunk latency p50 {report.percentile_ms('chunk_latencies', 50):.0f} ms, "
+          f"p99 {report.percentile_ms('chunk_latencies', 99):.0f} ms, {report.chunks / report.wall_s:.1f} chunks/s")
+
+
+@pytest.mark.server
+def test_solver_memory_stays_flat_over_150_utterances(server):
+    report = run_memory(server.grpc_url, server.stub_pid, utterances=150, steps=1, warmup=30, samples=5,
+                        metrics_url=server.metrics_url)
+    assert not report.errors, report.errors[:3]
+    assert report.live_after == 0
+    print(f"\nsolver RSS over 150 utterances: {report.start_mb:.1f} -> {report.end_mb:.1f} MiB "
+          f"(growth {report.growth_mb:+.2f}, peak {report.peak_growth_mb:+.2f} MiB)")
+    assert report.growth_mb <= RSS_BOUND_MB, report.samples
+
+
+def _result(u, chunk_frames):
+    frames = sum(chunk_frames)
+    return StreamResult(mel=np.zeros((80, frames), np.float32), chunk_latencies_s=[0.0] * len(chunk_frames),
+                        chunk_frames=list(chunk_frames), wall_s=0.0)
+
+
+def test_frame_accounting_catches_missing_and_extra_frames():
+    u = memory_utterance(0, 1)                       # 8 tokens in chunks 4 + 4
+    assert check_chunks(u, _result(u, [2, 14])) is None
+    assert "chunk 0" in check_chunks(u, _result(u, [3, 13]))
+    assert "chunk 1" in check_chunks(u, _result(u, [2, 12]))
+    assert "responses" in check_chunks(u, _result(u, [16]))
+    v = load_utterance(3, 2)
+    good = []
+    tokens = made = 0
+    for k, size in enumerate(v.chunks):
+        tokens += size
+        now = 2 * tokens if k == len(v.chunks) - 1 else max(2 * tokens - 6, made)
+        good.append(now - made)
+        made = now
+    assert check_chunks(v, _result(v, good)) is None
+    assert check_chunks(v, _result(v, good[:-1] + [good[-1] + 2])) is not None
+
+
+def test_load_test_help_has_a_runnable_example():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "load_test.py"), "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "scripts/load_test.py --streams 4 --utterances 3" in out.stdout and "--memory-utterances" in out.stdout

@@ -1,0 +1,233 @@
+"""The small-model training code and the shipped trained checkpoints (no espeak-ng needed, seconds).
+
+* mel: S3Gen's settings (frames per sample count, silence floor, a tone in the right band), resampling.
+* the CFM loss and the student's distillation loss go down over a few steps on a tiny fixed batch;
+* an untrained student (mixer at [I | 0]) is exactly the teacher, whatever r is;
+* the shipped checkpoints load without flags and beat stated error bounds on shipped held-out utterances,
+  and the 2-step student is closer to the guided 10-step teacher than the teacher cut to 2 steps.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from s3flow.checkpoint import load_flow, random_flow
+from s3flow.flow import FlowConfig
+from s3flow.training.data import DataSettings, Dataset, Utterance, make_sentences, make_xvectors
+from s3flow.training.evaluate import load_heldout, synthesize_one
+from s3flow.training.mel import S3GEN_MEL, hz_to_mel_slaney, log_mel, mel_filterbank, mel_to_hz_slaney, resample
+from s3flow.training.train import (Batch, cfm_loss, distill_grid, guided_trajectory, make_batch, make_student,
+                                   masked_mse, trained_config)
+
+TRAINED = Path(__file__).resolve().parents[1] / "checkpoints" / "trained"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is faster, and two threads on a shared 2-core host spin at barriers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------------------------- mel
+
+
+def test_log_mel_frame_count_and_silence_floor():
+    mel = log_mel(torch.zeros(24000))
+    assert mel.shape == (80, 50)  # 50 frames per second, hop 480
+    assert torch.allclose(mel, torch.full_like(mel, math.log(1e-5)))  # clamp at 1e-5
+    assert log_mel(torch.zeros(3, 960 * 7)).shape == (3, 80, 14)  # 2 frames per token
+
+
+def test_log_mel_tone_lands_in_its_band():
+    f0 = 1000.0
+    t = torch.arange(24000) / 24000.0
+    mel = log_mel(0.5 * torch.sin(2 * math.pi * f0 * t))
+    # band centres: 80 points evenly spaced on the Slaney mel scale between fmin and fmax (edges excluded)
+    top = float(hz_to_mel_slaney(S3GEN_MEL.fmax))
+    centres = mel_to_hz_slaney(np.linspace(0.0, top, 82))[1:-1]
+    assert int(mel[:, 10:40].mean(1).argmax()) == int(np.argmin(np.abs(centres - f0)))
+
+
+def test_filterbank_is_slaney_normalised():
+    fb = mel_filterbank()
+    assert fb.shape == (80, 961)
+    # Slaney normalisation: every triangle has area 1 over its width in Hz -> sum * bin width == 1
+    bin_hz = S3GEN_MEL.sampling_rate / S3GEN_MEL.n_fft
+    np.testing.assert_allclose(fb.sum(1) * bin_hz, 1.0, rtol=0.05)
+    assert (fb[:, (np.arange(961) * bin_hz) > S3GEN_MEL.fmax + 1] == 0).all()
+
+
+def test_resample_is_band_limited_exact_on_a_tone():
+    t_in = np.arange(22050) / 22050
+    y = resample(np.sin(2 * np.pi * 440 * t_in), 22050, 24000)
+    t_out = np.arange(24000) / 24000
+    assert len(y) == 24000
+    np.testing.assert_allclose(y, np.sin(2 * np.pi * 440 * t_out), atol=1e-4)
+
+
+def test_sentences_are_seeded_and_distinct():
+    a, b = make_sentences(50, seed=3), make_sentences(50, seed=3)
+    assert a == b and len(set(a)) == 50 and make_sentences(50, seed=4) != a
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def tiny_dataset(seed: int = 0, n: int = 12, vocab: int = 16) -> Dataset:
+    """Utterances whose mel is a fixed function of the tokens plus a little noise, 2 voices."""
+    rng = np.random.default_rng(seed)
+    table = rng.normal(-5, 2, (vocab, 80, 2)).astype(np.float32)
+    stats = rng.normal(0, 1, (2, 2, 80)).astype(np.float32)
+    utts = []
+    for i in range(n):
+        tokens = rng.integers(0, vocab, int(rng.integers(8, 14)))
+        mel = np.concatenate([table[t] for t in tokens], axis=1) + 0.1 * rng.standard_normal((80, 2 * len(tokens)))
+        utts.append(Utterance(f"u{i}", i % 2, tokens.astype(np.int64), mel.astype(np.float32), heldout=i >= n - 2))
+    return Dataset(utts, np.zeros((vocab, 160), np.float32), stats, make_xvectors(stats, seed), DataSettings())
+
+
+def test_cfm_loss_decreases_on_a_tiny_batch():
+    torch.manual_seed(0)
+    ds = tiny_dataset()
+    flow = random_flow(FlowConfig.small(), seed=0).train()
+    batch = make_batch(ds, ds.split(heldout=False)[:4], np.random.default_rng(0), prompt_prob=0.5,
+                       prompt_tokens=(3, 5))
+    opt = torch.optim.Adam(flow.parameters(), lr=2e-3)
+    losses = []
+    for _ in range(12):
+        loss = cfm_loss(flow, batch, torch.Generator().manual_seed(1))  # same t, z, dropout every step
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_make_batch_layout():
+    ds = tiny_dataset()
+    b = make_batch(ds, [0, 1, 2], np.random.default_rng(1), prompt_prob=1.0, prompt_tokens=(3, 4))
+    assert b.mel.shape == b.cond.shape == (3, 80, 2 * b.tokens.shape[1])
+    for k in range(3):
+        tp, n = int(b.prompt_frames[k]), int(b.token_len[k])
+        assert tp in (6, 8)
+        assert torch.equal(b.cond[k, :, :tp], b.mel[k, :, :tp])       # the prompt region is the cond
+        assert not b.cond[k, :, tp:].any()                            # zeros after it
+        assert b.mask[k, 0, :2 * n].all() and not b.mask[k, 0, 2 * n:].any()
+        u = ds.utterances[k]
+        assert torch.equal(b.tokens[k, tp // 2:n], torch.from_numpy(u.tokens))
+
+
+def test_untrained_student_is_the_teacher_whatever_r():
+    teacher = random_flow(FlowConfig.small(), seed=3)  # perturbed biases and norms
+    student = make_student(teacher)
+    assert student.config.meanflow and not teacher.config.meanflow
+    w = student.estimator.time_embed_mixer.weight
+    d = w.shape[0]
+    assert torch.equal(w[:, :d], torch.eye(d)) and not w[:, d:].any()
+    g = torch.Generator().manual_seed(0)
+    b, t = 2, 30
+    x, mu, cond = (torch.randn(b, 80, t, generator=g) for _ in range(3))
+    spks, mask = torch.randn(b, 80, generator=g), torch.ones(b, 1, t)
+    mask[1, :, 20:] = 0
+    tt = torch.tensor([0.1, 0.6])
+    with torch.no_grad():
+        v_teacher = teacher.estimator(x, mask, mu, tt, spks, cond)
+        for r in (tt, torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.3]), torch.tensor([0.9, -2.0])):
+            assert torch.equal(student.estimator(x, mask, mu, tt, spks, cond, r), v_teacher)
+    # and it really is a copy: the encoders agree too
+    for (k1, v1), (k2, v2) in zip(teacher.encoder.state_dict().items(), student.encoder.state_dict().items()):
+        assert k1 == k2 and torch.equal(v1, v2)
+
+
+def test_student_distillation_loss_decreases():
+    torch.manual_seed(0)
+    ds = tiny_dataset()
+    teacher = random_flow(FlowConfig.small(), seed=1)
+    student = make_student(teacher)
+    batch = make_batch(ds, [0, 1, 2], np.random.default_rng(2), prompt_prob=1.0, prompt_tokens=(3, 4))
+    grid, keep = distill_grid(4, (0.0, 0.5, 1.0))
+    assert torch.allclose(grid[keep], torch.tensor([0.0, 0.5, 1.0]))
+    with torch.no_grad():
+        mu, mask, spks = teacher.encoder(batch.tokens, batch.token_len, batch.xvector)
+        z = torch.randn(batch.mel.shape, generator=torch.Generator().manual_seed(0)) * mask
+        states = guided_trajectory(teacher.estimator, z, mu, mask, spks, batch.cond, 0.7, grid, keep)
+    assert states.shape == (3,) + tuple(z.shape) and torch.equal(states[0], z)
+    times = grid[keep]
+    target = (states[2] - states[0]) / (times[2] - times[0])
+    opt = torch.optim.Adam(student.estimator.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(10):
+        pred = student.estimator(states[0], mask, mu, times[0].expand(3), spks, batch.cond, times[2].expand(3))
+        loss = masked_mse(pred, target, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+# --------------------------------------------------------------------------------------------- shipped
+
+
+needs_trained = pytest.mark.skipif(not (TRAINED / "teacher.safetensors").is_file(),
+                                   reason="checkpoints/trained/ not present (run `make train`)")
+
+#: Bounds on the mean absolute log-mel error over the first 3 shipped held-out utterances, measured on
+#: the shipped checkpoints (see results/small_model.md) with a margin.
+TEACHER10_MAX_ERROR = 1.0
+STUDENT2_MAX_ERROR = 1.0
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return (load_flow(TRAINED / "teacher.safetensors"), load_flow(TRAINED / "student.safetensors"),
+            load_heldout(TRAINED / "heldout.npz"))
+
+
+@needs_trained
+def test_shipped_checkpoints_record_their_config(trained):
+    teacher, student, utts = trained
+    assert teacher.config.to_dict() == trained_config().to_dict()
+    assert student.config.to_dict() == trained_config(meanflow=True).to_dict()
+    assert len(utts) >= 3 and all(u.speech_tokens.max() < 6561 for u in utts)
+
+
+@needs_trained
+def test_shipped_checkpoints_beat_error_bounds(trained):
+    teacher, student, utts = trained
+    err = {"t10": [], "t2": [], "s2": [], "t2_ref": [], "s2_ref": []}
+    for k, u in enumerate(utts[:3]):
+        t10, n10 = synthesize_one(teacher, u, 10, 0.7, seed=k)
+        t2, _ = synthesize_one(teacher, u, 2, 0.7, seed=k)
+        s2, n2 = synthesize_one(student, u, 2, None, seed=k)
+        assert (n10, n2) == (10, 2)
+        err["t10"].append(np.abs(t10 - u.mel).mean())
+        err["t2"].append(np.abs(t2 - u.mel).mean())
+        err["s2"].append(np.abs(s2 - u.mel).mean())
+        err["t2_ref"].append(np.abs(t2 - t10).mean())
+        err["s2_ref"].append(np.abs(s2 - t10).mean())
+    e = {k: float(np.mean(v)) for k, v in err.items()}
+    assert e["t10"] < TEACHER10_MAX_ERROR, e
+    assert e["s2"] < STUDENT2_MAX_ERROR, e
+    # the claim the design rests on: 2 distilled steps keep the guided 10-step teacher's output,
+    # 2 plain teacher steps do not
+    assert e["s2_ref"] < 0.8 * e["t2_ref"], e
+
+
+@needs_trained
+def test_demo_input_is_in_client_format():
+    from s3flow_client.demo import load_utterance
+    u = load_utterance(TRAINED / "demo_utt.npz")
+    d = np.load(TRAINED / "demo_utt.npz")
+    assert 100 <= len(u.speech_tokens) <= 150  # about 5 s
+    assert u.prompt_mel.shape == (2 * len(u.prompt_tokens), 80)
+    assert u.speaker_embedding.shape == (192,)
+    assert d["z"].shape == (1, 80, 2 * (len(u.prompt_tokens) + len(u.speech_tokens)))
+    assert d["mel"].shape == (1, 80, 2 * len(u.speech_tokens))
