@@ -56,7 +56,9 @@ from s3flow.triton_server import TritonServer, TritonServerError  # noqa: E402
 
 KNOBS = [f.name for f in dataclasses.fields(Batching)] + ["ort_threads"]
 
-#: One knob at a time around the defaults.
+#: One knob at a time around the defaults. Not here: max_candidate_sequences below the number of streams,
+#: which failed on this server (2.51, oldest, behind the ensemble): sequences that waited in the backlog were
+#: answered "must specify the START flag on the first request of the sequence" after about 60 s.
 DEFAULT_SETTINGS = [
     {},
     {"max_batch_size": 1},
@@ -64,7 +66,6 @@ DEFAULT_SETTINGS = [
     {"max_queue_delay_us": 20000},
     {"preferred_batch_sizes": (4,)},
     {"strategy": "direct"},
-    {"max_candidate_sequences": 4},
     {"length_bucket_ratio": 1.5},
     {"solver_instances": 2},
     {"estimator_instances": 2, "ort_threads": 1},
@@ -173,7 +174,8 @@ def main(argv=None) -> int:
         config = FlowConfig.full(args.meanflow) if args.size == "full" else FlowConfig.small(args.meanflow)
         flow = random_flow(config, seed=0).eval()
     n_feats, meanflow = flow.config.n_feats, flow.config.meanflow
-    limits = Limits(max_live_sequences=max(256, 4 * args.streams))
+    # the solver may hold as many live sequences as Triton's oldest batcher keeps candidates (64 by default)
+    limits = Limits(max_live_sequences=min(Batching().max_candidate_sequences, max(8, 4 * args.streams)))
     repo = work / "repo"
     base = repository_settings({}, limits)
     write_repository(repo, flow, base)

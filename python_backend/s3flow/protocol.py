@@ -59,7 +59,7 @@ class Limits:
     max_prompt_tokens: int = 500          # 20 s of prompt
     max_chunk_tokens: int = 1500
     max_request_bytes: int = 1 << 20      # all tensors of one request together
-    max_live_sequences: int = 256
+    max_live_sequences: int = 64        # per solver instance; at most the batcher's max_candidate_sequences
     idle_timeout_s: float = 60.0
     holdback_frames: int = 0              # generated frames withheld until the next chunk (or END)
     default_steps: int = 0                # 0: the checkpoint's default (10, or 2 for meanflow)

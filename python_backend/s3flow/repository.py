@@ -32,6 +32,9 @@ from .protocol import INPUT_DTYPES, XVECTOR_DIM, Limits
 
 Target = Literal["cpu", "gpu"]
 
+#: Seconds Triton keeps an idle sequence after the solver has evicted its state.
+TRITON_IDLE_GRACE_S = 5.0
+
 TRITON_DTYPES = {"int64": "TYPE_INT64", "int32": "TYPE_INT32", "float32": "TYPE_FP32"}
 
 
@@ -100,7 +103,9 @@ def _response_tensors(n_feats: int) -> list[str]:
 
 def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> str:
     b, lim = s.batching, s.limits
-    idle_us = int(lim.idle_timeout_s * 1e6)
+    # Triton forgets an idle sequence a little after the solver evicts it, so that a late chunk reaches the
+    # solver and gets its clear "evicted after N s idle" error rather than Triton's "must specify START".
+    idle_us = int((lim.idle_timeout_s + TRITON_IDLE_GRACE_S) * 1e6)
     if b.strategy == "oldest":
         pref = "".join(f" preferred_batch_size: {p}" for p in b.preferred_batch_sizes)
         strategy = (f"  oldest {{ max_candidate_sequences: {b.max_candidate_sequences}"
@@ -291,6 +296,11 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
     s = settings or RepositorySettings()
     s.limits.check()
     s.batching.check()
+    if s.batching.strategy == "oldest" and s.limits.max_live_sequences > s.batching.max_candidate_sequences:
+        raise ValueError(
+            f"max_live_sequences ({s.limits.max_live_sequences}) exceeds max_candidate_sequences "
+            f"({s.batching.max_candidate_sequences}): Triton would queue the extra utterances silently instead "
+            f"of the solver refusing them; raise max_candidate_sequences or lower max_live_sequences")
     if s.gpu_backend not in ("tensorrt", "torch"):
         raise ValueError(f"gpu_backend must be 'tensorrt' or 'torch', got {s.gpu_backend!r}")
     out = Path(out)
