@@ -29,6 +29,9 @@ test: setup
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not server and not fullsize"
 
+benchmark: setup
+	$(PYTHON) scripts/benchmark.py
+
 clean:
 	rm -rf $(VENV) model_repository/*/ out/
 	find checkpoints -mindepth 1 -maxdepth 1 ! -name trained -exec rm -rf {} + 2>/dev/null || true

@@ -21,7 +21,8 @@ eager, served first chunk against in-process) and exits non-zero when one is off
 
 Examples::
 
-    # the full run: ~15-20 min on a quiet 2-core host (the 10 s utterance, 10 steps, streamed, takes minutes)
+    # the full run: ~10-15 min on a quiet 2-core host (15 min at --threads 1 on a loaded one); the 10 s
+    # utterance, 10 steps, streamed, alone takes about a minute
     .venv/bin/python scripts/benchmark.py
 
     # a short run, ~3 min: 2 and 5 s utterances, one repeat, batching measured on the small config
@@ -34,7 +35,9 @@ Examples::
     .venv/bin/python scripts/benchmark.py --checkpoint ~/models/s3gen.safetensors
 
 Timings on a shared host are noisy: every figure is the best of ``--repeats`` runs, and the ratios, measured
-side by side in one run, are what to compare. The load average before and after is recorded.
+side by side in one run, are what to compare. The load average before and after is recorded. Where another
+process holds a core, multi-threaded torch (OpenMP) slows down many times over (eager estimator 8.5 s
+instead of 0.68 s, measured here), which flatters every ratio against eager: run with ``--threads 1`` there.
 """
 from __future__ import annotations
 
@@ -656,7 +659,7 @@ def parse_args(argv=None):
     w.add_argument("--modes", nargs="+", choices=list(STEPS), default=list(STEPS), help="(default: both)")
     w.add_argument("--seconds", type=float, nargs="+", help="utterance lengths (default: 2 5 10; quick: 2 5)")
     w.add_argument("--prompt-seconds", type=float, default=1.0, help="speaker prompt length (default: %(default)s)")
-    w.add_argument("--repeats", type=int, help="best of this many (default: 2; quick: 1)")
+    w.add_argument("--repeats", type=int, help="best of this many (default: 3; quick: 1)")
     w.add_argument("--no-micro", action="store_true", help="skip the estimator-alone figures (B=2, T=300 and 64)")
     b = p.add_argument_group("batching across utterances")
     b.add_argument("--no-batching", action="store_true", help="skip the batching section")
@@ -677,7 +680,7 @@ def parse_args(argv=None):
     m.add_argument("--out", type=Path, default=ROOT / "results" / "benchmark.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     args.seconds = args.seconds or ([2.0, 5.0] if args.quick else [2.0, 5.0, 10.0])
-    args.repeats = args.repeats or (1 if args.quick else 2)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     args.batching_size = args.batching_size or ("small" if args.quick else "full")
     if args.repository is not None and args.checkpoint is None:
         p.error("--repository needs the --checkpoint it was built from (the in-process paths load its weights)")

@@ -148,6 +148,10 @@ def test_cpu_rewrite_replaces_every_mish_and_attention_and_keeps_the_function(on
     plain = OrtEstimator(est_path, OrtSettings(threads=1, rewrite=False))
     fast = OrtEstimator(est_path, OrtSettings(threads=1))
     assert fast.model.rewrites == counts and plain.model.rewrites.attention == 0
+    # attention is fused by default only in 1-thread sessions; Mish always
+    two = OrtEstimator(est_path, OrtSettings(threads=2))
+    assert (two.model.rewrites.mish, two.model.rewrites.attention) == (counts.mish, 0)
+    assert OrtEstimator(est_path, OrtSettings(threads=2, fuse_attention=True)).model.rewrites == counts
     inputs = make_estimator_inputs(flow.estimator, 3, 41, seed=5)   # padded rows: the key mask matters
     with torch.no_grad():
         ref = flow.estimator(**inputs)

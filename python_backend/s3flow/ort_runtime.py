@@ -43,13 +43,22 @@ class OrtSettings:
         (called once per chunk, between estimator calls) turns it off.
     optimization: graph optimisation level: "all", "extended", "basic" or "disable".
     rewrite: apply :func:`rewrite_for_cpu` when the session is made (the file on disk is not changed):
-        Mish in exp form, attention as one MultiHeadAttention node. Same function in fp32; the full-size
-        estimator runs 4-10 % faster (most at short T, where the attention's transposes weigh most).
+        Mish in exp form, and attention as one MultiHeadAttention node where ``fuse_attention`` says.
+        Same function in fp32. Measured on the full-size estimator at B = 2 (results/benchmark.md):
+        1 thread 1.14x at T = 300 and 1.05x at T = 64; 2 threads (attention fused) 1.05x at T = 300 but
+        0.92x at T = 64, where MultiHeadAttention's CPU kernel splits the work across threads worse
+        than the separate MatMul / Softmax nodes do.
+    fuse_attention: None (default) fuses attention only for a 1-thread session; True / False force it.
     """
     threads: int = 0
     spinning: bool = True
     optimization: str = "all"
     rewrite: bool = True
+    fuse_attention: Optional[bool] = None
+
+    @property
+    def attention_fused(self) -> bool:
+        return self.rewrite and (self.threads == 1 if self.fuse_attention is None else self.fuse_attention)
 
     def check(self) -> None:
         if self.threads < 0:
@@ -97,7 +106,7 @@ class OrtModel:
         if self.settings.rewrite:
             import onnx
             model = onnx.load(str(path))
-            self.rewrites = rewrite_for_cpu(model)
+            self.rewrites = rewrite_for_cpu(model, attention=self.settings.attention_fused)
             if self.rewrites.mish or self.rewrites.attention:
                 source = model.SerializeToString()
             del model

@@ -4,7 +4,8 @@ It serves the ``estimator`` and the ``flow_encoder`` where no TensorRT / ONNX Ru
 (the pytriton wheel's server). Inputs and outputs are the config's, by name; the file is
 ``<version>/model.onnx``. Config parameters: ``intra_op_threads`` (default: all cores), ``allow_spinning``
 (default true), ``graph_optimization`` (all | extended | basic | disable; default all), ``graph_rewrite``
-(default true: ``s3flow.ort_runtime.rewrite_for_cpu`` at load, the file is not changed).
+(default true: ``s3flow.ort_runtime.rewrite_for_cpu`` at load, the file is not changed), ``fuse_attention``
+(auto | true | false; auto: only in 1-thread sessions, see ``OrtSettings``).
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ class TritonPythonModel:
             settings = OrtSettings(threads=int(params.get("intra_op_threads", "0") or 0),
                                    spinning=params.get("allow_spinning", "true").lower() != "false",
                                    optimization=params.get("graph_optimization", "all") or "all",
-                                   rewrite=params.get("graph_rewrite", "true").lower() != "false")
+                                   rewrite=params.get("graph_rewrite", "true").lower() != "false",
+                                   fuse_attention={"true": True, "false": False}.get(
+                                       params.get("fuse_attention", "auto").lower()))
             # plain run(), no IO binding: on CPU, binding per call measured no faster (tests/test_flops.py
             # covers both ways of OrtModel.run)
             self.session = OrtModel(path, settings, io_binding=False).session
