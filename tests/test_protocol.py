@@ -306,9 +306,12 @@ def mutated_request(draw):
             i = draw(st.integers(0, flat.size - 1))
             if value.dtype.kind == "f":
                 flat[i] = draw(st.sampled_from([np.nan, np.inf, -np.inf, 3e38, -3e38, 0.0]))
-            else:
+            elif value.dtype.kind in "iu":
                 info = np.iinfo(value.dtype)
-                flat[i] = draw(st.sampled_from([info.min, info.max, -1, VOCAB_SIZE, 0]))
+                flat[i] = draw(st.sampled_from([v for v in (info.min, info.max, -1, VOCAB_SIZE, 0)
+                                                if info.min <= v <= info.max]))
+            else:  # bool and other kinds: flip the element
+                flat[i] = not bool(flat[i])
             inputs[name] = value
     return inputs, start, draw(st.booleans())
 
@@ -336,7 +339,7 @@ def check_parsed(req: ChunkRequest, start: bool, end: bool) -> None:
     assert 0 <= req.seed < 2 ** 63
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(case=st.one_of(random_request(), mutated_request()), corr_id=st.sampled_from([1, 2]))
 def test_random_tensors_give_a_request_or_a_request_error(case, corr_id):
     inputs, start, end = case
