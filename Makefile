@@ -1,11 +1,13 @@
 # One command for the main job, one for the tests. Both set everything up first.
-#   make demo   build the repository on seeded random weights, start tritonserver, stream a ~5 s utterance,
-#               write out/mel_0.npy and out/mel_0.png, stop the server   (SIZE=small for a fast run)
+#   make demo   build the repository for the small model trained here (checkpoints/trained/), start
+#               tritonserver, stream its ~5 s held-out demo utterance, write out/mel_0.npy and
+#               out/mel_0.png (ground truth above the streamed mel), stop the server.
+#               MEANFLOW=1: the 2-step student; SIZE=full: full-size seeded random weights (cost only)
 #   make test   set up and run the test suite (what .ci/run calls)
 PY311   ?= /usr/bin/python3.11
 VENV    ?= .venv
 PYTHON  := $(VENV)/bin/python
-SIZE    ?= full
+SIZE    ?= small
 SECONDS ?= 5
 STAMP   := $(VENV)/.installed
 
@@ -21,7 +23,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS)
+	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS) $(if $(MEANFLOW),--meanflow)
 
 test: setup
 	$(PYTHON) -m pytest -q -rs

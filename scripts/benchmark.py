@@ -169,7 +169,7 @@ def engine_chunk(engine: StreamingEngine, u: Utterance, n_tokens: int, final: bo
     t0 = time.perf_counter()
     req = parse_request(request_inputs(u, 0, n_tokens, True), start=True, end=final, limits=engine.limits,
                         n_feats=engine.n_feats)
-    [res] = engine.run([(corr_id, engine.admit(corr_id, req), final)])
+    [res] = engine.run([engine.admit(corr_id, req)])
     seconds = time.perf_counter() - t0
     engine.store.drop(corr_id)
     return seconds, res.mel

@@ -3,14 +3,21 @@
 
 Examples::
 
-    .venv/bin/python scripts/demo.py                      # full size, seeded random weights, ~5 s utterance
-    .venv/bin/python scripts/demo.py --size small         # seconds instead of minutes
+    .venv/bin/python scripts/demo.py                      # the small model trained here, its held-out demo
+    .venv/bin/python scripts/demo.py --meanflow           # the same with its 2-step meanflow student
+    .venv/bin/python scripts/demo.py --size full          # full size (71 M estimator), seeded random weights
     .venv/bin/python scripts/demo.py --checkpoint s3gen.safetensors --inputs utt.npz
+
+``--size small`` (the default) serves ``checkpoints/trained/teacher.safetensors`` (``student.safetensors``
+with ``--meanflow``) and streams ``checkpoints/trained/demo_utt.npz``, a held-out sentence whose ground
+truth mel is drawn above the streamed one. ``--size full`` serves seeded random weights of the real
+size (for cost measurements: the spectrogram is noise).
 
 Writes ``out/mel_0.npy`` (80 x frames), ``out/mel_0.png``, ``out/audio_0.wav`` (24 kHz, written as it streams)
 and ``out/audio_0.png`` (waveform over spectrogram), and prints first-chunk latency, per-chunk
-latency and the real-time factor. The server listens on 127.0.0.1 only and is stopped (by PID) at the end.
-Exits non-zero if any step fails.
+latency and the real-time factor. The small model's audio comes from a vocoder with seeded random
+weights (no vocoder is trained here): only the mel is meaningful. The server listens on 127.0.0.1
+only and is stopped (by PID) at the end. Exits non-zero if any step fails.
 """
 from __future__ import annotations
 
@@ -20,13 +27,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TRAINED = ROOT / "checkpoints" / "trained"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, help="S3Gen checkpoint; default: seeded random weights")
-    p.add_argument("--size", choices=["full", "small"], default="full", help="random weights (default: full)")
-    p.add_argument("--meanflow", action="store_true", help="random weights: meanflow (2 steps, no guidance)")
+    p.add_argument("--size", choices=["full", "small"], default="small",
+                   help="small: the model trained here; full: seeded random weights (default: small)")
+    p.add_argument("--meanflow", action="store_true", help="the meanflow (2-step) model: the trained student, "
+                   "or random meanflow weights")
     p.add_argument("--seconds", type=float, default=5.0, help="utterance length (default: 5)")
     p.add_argument("--inputs", type=Path, help=".npz with real tokens (see python -m s3flow_client --help)")
     p.add_argument("--repository", type=Path, default=ROOT / "model_repository", help="(default: %(default)s)")
@@ -34,6 +44,12 @@ def main(argv=None) -> int:
     p.add_argument("--reuse", action="store_true", help="serve the existing repository as it is")
     p.add_argument("--no-audio", action="store_true", help="mel only: no vocoder, token2mel instead of token2wav")
     args = p.parse_args(argv)
+    if args.size == "small" and args.checkpoint is None:
+        args.checkpoint = TRAINED / ("student.safetensors" if args.meanflow else "teacher.safetensors")
+        if not args.checkpoint.is_file():
+            print(f"error: {args.checkpoint} is missing (`make train` makes it)", file=sys.stderr)
+            return 1
+        args.inputs = args.inputs or TRAINED / "demo_utt.npz"
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import build_repository
@@ -45,11 +61,11 @@ def main(argv=None) -> int:
         build = ["--output", str(args.repository), "--size", args.size]
         if args.checkpoint:
             build += ["--checkpoint", str(args.checkpoint)]
-        if args.meanflow:
+        if args.meanflow and not args.checkpoint:
             build.append("--meanflow")
         if args.no_audio:
             build.append("--no-vocoder")
-        print(f"== building the model repository ({'checkpoint' if args.checkpoint else args.size + ' random'})")
+        print(f"== building the model repository ({args.checkpoint or args.size + ' random weights'})")
         if build_repository.main(build) != 0:
             return 1
     print("== starting tritonserver on 127.0.0.1")
@@ -57,7 +73,8 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with TritonServer(args.repository, log_file=log) as server:
         print(f"   ready: gRPC {server.grpc_url}, pid {server.pid}, log {log}")
-        print(f"== streaming a {args.seconds:g} s utterance to {'token2mel' if args.no_audio else 'token2wav'}")
+        what = args.inputs or f"a {args.seconds:g} s utterance of random tokens"
+        print(f"== streaming {what} to {'token2mel' if args.no_audio else 'token2wav'}")
         client = ["--url", server.grpc_url, "--out-dir", str(args.out_dir), "--seconds", str(args.seconds),
                   "--model", "token2mel" if args.no_audio else "token2wav"]
         if args.inputs:

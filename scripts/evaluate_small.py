@@ -162,6 +162,15 @@ def write_report(args, results, spread, base, streams, info, n_utts, seconds, so
                  f"{r.detail_ratio:.2f} | {r.calls} | {r.evaluations} | {r.wall_s:.1f} s | "
                  f"{r.wall_s / ref.wall_s:.2f} |")
     L.append("")
+    s2 = next(r for r in results if r.method.model == "student" and r.method.n_steps == 2)
+    t2 = next(r for r in results if r.method.model == "teacher" and r.method.n_steps == 2)
+    holds = s2.mae_ref < t2.mae_ref and s2.mae_gt <= t2.mae_gt
+    L.append(f"**Verdict on the claim** (a 2-step meanflow student distilled from the guided 10-step teacher keeps "
+             f"the teacher's quality where the teacher cut to 2 steps does not): "
+             f"{'it holds' if holds else 'it does not hold'} here: the 2-step student is {s2.mae_ref:.3f} from "
+             f"teacher-10 against {t2.mae_ref:.3f} for teacher-2, and {s2.mae_gt:.3f} from the ground truth "
+             f"against {t2.mae_gt:.3f} for teacher-2 and {ref.mae_gt:.3f} for teacher-10 itself, at "
+             f"{s2.evaluations} network evaluations instead of {ref.evaluations}.\n")
     L.append(f"- Reference spread: the guided 10-step teacher from *another* noise seed is {spread:.3f} (mean abs) "
              f"from the same teacher's output: the distance between two equally good samples.")
     if base is not None:
@@ -212,7 +221,9 @@ def write_report(args, results, spread, base, streams, info, n_utts, seconds, so
                  f"the checkpoints' metadata.")
         L.append(f"- Teacher: {s['teacher_steps']} AdamW steps of {s['batch_size']} examples (up to "
                  f"{s['max_tokens']} tokens each, a same-voice prompt with probability {s['prompt_prob']}), "
-                 f"peak lr {s['teacher_lr']}, condition dropout 0.2, cosine-warped t, sigma_min 1e-6.")
+                 f"peak lr {s['teacher_lr']}, condition dropout 0.2 (1.0 for the first {s.get('uncond_steps', 0)} "
+                 f"steps), cosine-warped t, sigma_min 1e-6; residual branches start at zero, the output bias at the "
+                 f"mean log-mel; the shipped weights are an EMA (decay {s.get('ema_decay')}).")
         L.append(f"- Student: {s['student_rounds']} rounds; each integrates the guided teacher (w = "
                  f"{s['guidance_rate']}) over the cosine {s['fine_steps']}-step grid with {s['keep_times']} "
                  f"inserted, and takes one AdamW step (peak lr {s['student_lr']}) on the mean velocities over "

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))
 
 from s3flow.checkpoint import load_flow  # noqa: E402
-from s3flow.flow import PRE_LOOKAHEAD_TOKENS, TOKEN_MEL_RATIO, synthesize  # noqa: E402
+from s3flow.chunks import LOOKAHEAD_FRAMES, TOKEN_MEL_RATIO  # noqa: E402
+from s3flow.flow import synthesize  # noqa: E402
 
 REQUIRED = ("speech_tokens", "prompt_tokens", "prompt_feat", "embedding", "z", "n_timesteps", "finalize")
 
@@ -41,7 +42,7 @@ REQUIRED = ("speech_tokens", "prompt_tokens", "prompt_feat", "embedding", "z", "
 def make_example(path: Path, n_feats: int = 80, batch: int = 1, tokens: int = 50, prompt: int = 25,
                  finalize: bool = True, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
-    t = TOKEN_MEL_RATIO * (prompt + tokens) - (0 if finalize else PRE_LOOKAHEAD_TOKENS * TOKEN_MEL_RATIO)
+    t = TOKEN_MEL_RATIO * (prompt + tokens) - (0 if finalize else LOOKAHEAD_FRAMES)
     np.savez(path, speech_tokens=rng.integers(0, 6561, (batch, tokens), dtype=np.int64),
              prompt_tokens=rng.integers(0, 6561, (1, prompt), dtype=np.int64),
              prompt_feat=(-3 + 1.5 * rng.standard_normal((1, 2 * prompt, n_feats))).astype(np.float32),

@@ -331,7 +331,7 @@ def run_batch(engine: StreamingEngine, utts: list[Utterance], base_id: int, step
     items = []
     for i, u in enumerate(utts):
         req = parse_request(request(u, steps), start=True, end=True, limits=engine.limits, n_feats=engine.n_feats)
-        items.append((base_id + i, engine.admit(base_id + i, req), True))
+        items.append(engine.admit(base_id + i, req))
     return engine.run(items)
 
 

@@ -56,7 +56,7 @@ def stream_in_process(engine: StreamingEngine, utts: list[Utterance], sizes: lis
             end = k == len(s) - 1
             req = parse_request(request_inputs(u, lo, lo + s[k], k == 0), start=k == 0, end=end,
                                 limits=engine.limits, n_feats=engine.n_feats)
-            items.append((100 + i, engine.admit(100 + i, req), end))
+            items.append(engine.admit(100 + i, req))
             who.append(i)
         for i, res in zip(who, engine.run(items)):
             out[i].append(res)

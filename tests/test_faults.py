@@ -13,6 +13,7 @@ idle eviction; both paths are tested.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import queue
@@ -153,6 +154,46 @@ def test_unloaded_model_gives_a_clear_error_and_loading_it_back_recovers(server,
         server.client().load_model(model)
     [after] = client.synthesize([u])
     np.testing.assert_allclose(after.mel, before.mel, atol=1e-5, rtol=0)
+
+
+@pytest.mark.server
+def test_a_failed_chunk_leaves_the_sequence_as_before_and_can_be_sent_again(tmp_path):
+    """The estimator goes away in the middle of an utterance (bounded-context mode): that chunk fails with
+    UNAVAILABLE, the sequence stays as before it, and once the estimator is back the same chunk, sent
+    again, continues the utterance exactly as an undisturbed one (and as the in-process engine)."""
+    from helpers import make_engine, stream_in_process
+    limits = dataclasses.replace(LIMITS, idle_timeout_s=60.0, context_frames=20)
+    flow = load_flow(write_random_checkpoint(tmp_path / "ckpt.safetensors", FlowConfig.small(), seed=3))
+    write_repository(tmp_path / "repo", flow, RepositorySettings(limits=limits, ort_threads=1))
+    u = demo_utterance(1.6, seed=51, noise_seed=2)
+    u.n_timesteps = 3
+    bounds = [(0, 10), (10, 22), (22, 40)]
+
+    def send(srv, seq_id, k):
+        lo, hi = bounds[k]
+        values = tensors(u, lo, hi, k == 0, steps=3)
+        if k == 0:
+            values["seed"] = np.array([[u.seed]], np.int64)
+        r = infer(srv, seq_id, k == 0, k == len(bounds) - 1, values)
+        return int(r.as_numpy("frame_offset")[0, 0]), r.as_numpy("mel")[0]
+
+    with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", model_control_mode="explicit",
+                      load_models=MODELS) as srv:
+        undisturbed = [send(srv, 11, k) for k in range(3)]
+        got = [send(srv, 12, 0)]
+        srv.client().unload_model("estimator")
+        with pytest.raises(InferenceServerException) as info:
+            send(srv, 12, 1)
+        assert "UNAVAILABLE" in str(info.value.status()) and "send it again" in str(info.value), str(info.value)
+        srv.client().load_model("estimator")
+        got += [send(srv, 12, 1), send(srv, 12, 2)]
+    assert [o for o, _ in got] == [o for o, _ in undisturbed] == [0, 14, 38]
+    for (_, a), (_, b) in zip(got, undisturbed):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    u.chunks = [hi - lo for lo, hi in bounds]
+    [local] = stream_in_process(make_engine(flow, limits), [u], [u.chunks])
+    for (_, a), r in zip(got, local):
+        np.testing.assert_allclose(a, r.mel, atol=5e-4, rtol=0)
 
 
 # ------------------------------------------------------------------------------------------ lifecycle

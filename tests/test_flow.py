@@ -10,7 +10,8 @@ import torch
 from helpers import small_flow
 from s3flow.checkpoint import (CheckpointMismatch, flow_state_dict, is_meanflow, load_flow, read_checkpoint,
                                write_checkpoint, write_random_checkpoint)
-from s3flow.flow import FlowConfig, S3Flow, build_condition, synthesize
+from s3flow.chunks import condition, solve_frames
+from s3flow.flow import FlowConfig, S3Flow, synthesize
 from s3flow.solver import CountingEstimator
 from s3flow.flow import TorchEstimator
 
@@ -132,8 +133,8 @@ def test_not_finalised_drops_exactly_six_frames_and_builds_mask_from_trimmed_len
     # the condition: mask length = trimmed frames (the reference builds it untrimmed and crashes)
     tokens = torch.cat([x["prompt_tokens"], x["speech_tokens"][:1]], 1)
     mu, mask, spks = flow.encoder(tokens, torch.tensor([tokens.shape[1]]), x["embedding"])
-    c = build_condition(mu, mask, spks, torch.tensor([tokens.shape[1]]), x["prompt_feat"].transpose(1, 2),
-                        finalize=False)
+    lengths = solve_frames(torch.tensor([tokens.shape[1]]), 20, finalize=False)
+    c = condition(mu, spks, lengths, [x["prompt_feat"][0].T])
     assert c.mu.shape[-1] == c.mask.shape[-1] == c.cond.shape[-1] == 2 * 35 - 6
     torch.testing.assert_close(c.cond[0, :, :20], x["prompt_feat"][0].T)
     assert torch.all(c.cond[0, :, 20:] == 0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from s3flow.solver import (ClassifierFreeGuidance, ConditionalField, CountingEstimator, FrameNoise,
-                           euler_solve, initial_noise, solve_cfm, time_grid)
+                           euler_solve, solve_cfm, time_grid)
 
 
 def np_grid(n, schedule):
@@ -147,17 +147,6 @@ def test_zero_guidance_runs_the_conditional_batch_only():
     assert [c["x"].shape[0] for c in est.calls] == [z.shape[0]] * 3
     field = ConditionalField(est, mu, mask, spks, cond)
     assert field(z, torch.tensor(0.1), torch.tensor(0.2)).shape == z.shape
-
-
-def test_noised_mels_lands_in_the_tail_and_wrong_length_is_an_error():
-    g = torch.Generator().manual_seed(0)
-    nm = torch.full((2, 4, 6), 7.0)
-    z = initial_noise((2, 4, 10), generator=g, noised_mels=nm, prompt_frames=4)
-    assert torch.all(z[..., 4:] == 7.0) and not torch.any(z[..., :4] == 7.0)
-    with pytest.raises(ValueError, match=r"noised_mels must have shape \(2, 4, 6\).*got \(2, 4, 5\)"):
-        initial_noise((2, 4, 10), noised_mels=nm[..., :5], prompt_frames=4)
-    with pytest.raises(ValueError, match="noised_mels"):
-        initial_noise((2, 4, 10), noised_mels=nm, prompt_frames=3)
 
 
 def test_frame_noise_is_a_function_of_seed_and_frame():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from helpers import make_engine, offline, small_flow, stream_in_process
+from s3flow.flow import synthesize
 from s3flow.protocol import Limits, RequestError, parse_request
 from s3flow.streaming import SequenceStore
 from s3flow_client import chunk_schedule
@@ -127,7 +128,8 @@ def test_utterance_frame_limit_ends_the_sequence():
     engine = make_engine(flow, Limits(max_utterance_frames=40))
     u = demo_utterance(2.0, seed=1)
     from helpers import request_inputs
-    engine.admit(1, parse_request(request_inputs(u, 0, 15, True), start=True, end=False, limits=engine.limits))
+    engine.run([engine.admit(1, parse_request(request_inputs(u, 0, 15, True), start=True, end=False,
+                                              limits=engine.limits))])
     with pytest.raises(RequestError, match="42 frames, above max_utterance_frames 40"):
         engine.admit(1, parse_request(request_inputs(u, 15, 21, False), start=False, end=False, limits=engine.limits))
     assert 1 not in engine.store
@@ -145,3 +147,127 @@ def test_idle_sequences_are_evicted():
     assert 1 not in store and 2 in store
     now[0] = 20.0
     assert store.evict_idle() == [2] and len(store) == 0
+
+
+# ------------------------------------------------------------------------------- bounded context
+
+
+def _offline_window(flow, u, prompt_frames_ctx, c0, e, n, final):
+    """Offline synthesis of a bounded-context chunk as an independent call: the prompt extended by the
+    context (tokens [c0/2, e/2) and their emitted mel), speech tokens [e/2, n), the same starting point."""
+    from s3flow.solver import FrameNoise
+    ctx_tokens = u.speech_tokens[c0 // 2:e // 2]
+    prompt_tokens = np.concatenate([u.prompt_tokens, ctx_tokens])
+    prompt_feat = np.concatenate([u.prompt_mel, prompt_frames_ctx.T], axis=0)  # frames-major
+    noise = FrameNoise(u.seed, 80)
+    g = 2 * n if final else 2 * n - 6
+    z = np.concatenate([noise.prompt(u.prompt_mel.shape[0]), noise.frames(c0, g)], axis=1)
+    return synthesize(flow, torch.from_numpy(u.speech_tokens[e // 2:n])[None], torch.from_numpy(prompt_tokens)[None],
+                      torch.from_numpy(prompt_feat)[None], torch.from_numpy(u.speaker_embedding)[None],
+                      finalize=final, z=torch.from_numpy(z)[None]).mel[0].numpy()
+
+
+@pytest.mark.parametrize("meanflow", [False, True])
+def test_bounded_context_chunk_equals_offline_synthesis_with_the_context_as_prompt(meanflow):
+    """A bounded-context chunk is offline synthesis with prompt := prompt ++ the last C emitted frames
+    (their tokens and mel) and the chunk's tokens, from the same frame noise."""
+    from helpers import offline
+    flow = small_flow(meanflow)
+    u = demo_utterance(2.4, seed=4, noise_seed=6)
+    sizes, context = [8, 12, 20, 20], 16
+    [results] = stream_in_process(make_engine(flow, Limits(context_frames=context)), [u], [sizes])
+    emitted = np.zeros((80, 0), np.float32)
+    for k, res in enumerate(results):
+        n, final, e = sum(sizes[:k + 1]), k == len(sizes) - 1, emitted.shape[1]
+        assert res.frame_offset == e
+        c0 = max(0, e - context) // 2 * 2
+        if k == 0:  # nothing emitted yet: exactly prefix mode's first chunk
+            np.testing.assert_allclose(res.mel, offline(flow, u, n, finalize=False), atol=2e-4, rtol=0)
+        ref = _offline_window(flow, u, emitted[:, c0:e], c0, e, n, final)
+        np.testing.assert_allclose(res.mel, ref[:, :res.mel.shape[1]], atol=2e-4, rtol=0)
+        emitted = np.concatenate([emitted, res.mel], axis=1)
+    assert emitted.shape[1] == 2 * len(u.speech_tokens)
+
+
+def test_bounded_context_cost_per_chunk_does_not_grow_with_the_utterance():
+    flow = small_flow()
+    u = demo_utterance(8.0, seed=2)
+    sizes = [10] + [19] * 10
+    u.n_timesteps = 1
+    costs = {}
+    for context in (-1, 24):
+        engine = make_engine(flow, Limits(context_frames=context))
+        per_chunk, last = [], 0
+        driver = _Driver(engine, u, sizes)
+        for k in range(len(sizes)):
+            driver.send(k)
+            per_chunk.append(engine.solved_frames - last)
+            last = engine.solved_frames
+        costs[context] = per_chunk
+    prefix, bounded = costs[-1], costs[24]
+    # prompt 50 + context <= 25 + 38 new + 6 re-solved lookahead frames, whatever the position
+    assert max(bounded[1:]) <= 50 + 25 + 38 + 6 and bounded[2] == bounded[-2], bounded
+    assert prefix[-1] > 2.5 * prefix[2], prefix
+    assert sum(bounded) < 0.5 * sum(prefix), (sum(bounded), sum(prefix))
+
+
+class _Driver:
+    """Send one utterance's chunks one call at a time (the engine API a Triton execute uses)."""
+
+    def __init__(self, engine, u, sizes):
+        self.engine, self.u, self.sizes = engine, u, sizes
+
+    def send(self, k, cid=7):
+        from helpers import request_inputs
+        lo = sum(self.sizes[:k])
+        end = k == len(self.sizes) - 1
+        req = parse_request(request_inputs(self.u, lo, lo + self.sizes[k], k == 0), start=k == 0, end=end,
+                            limits=self.engine.limits)
+        return self.engine.run([self.engine.admit(cid, req)])[0]
+
+
+class _FailingEstimator:
+    def __init__(self, inner):
+        self.inner, self.fail = inner, False
+
+    def __call__(self, *args, **kwargs):
+        if self.fail:
+            raise RuntimeError("estimator went away")
+        return self.inner(*args, **kwargs)
+
+
+@pytest.mark.parametrize("context", [-1, 12])
+def test_a_failed_chunk_leaves_the_state_as_before_and_a_retry_continues_exactly(context):
+    from helpers import torch_encoder
+    from s3flow.flow import TorchEstimator
+    from s3flow.streaming import StreamingEngine
+    flow = small_flow()
+    u = demo_utterance(1.6, seed=8, noise_seed=2)
+    u.n_timesteps = 3
+    sizes = [10, 12, 18]
+    limits = Limits(context_frames=context, holdback_frames=3)
+    [undisturbed] = stream_in_process(make_engine(flow, limits), [u], [sizes])
+    est = _FailingEstimator(TorchEstimator(flow.estimator))
+    engine = StreamingEngine(torch_encoder(flow), est, n_feats=80, meanflow=False, limits=limits)
+    d = _Driver(engine, u, sizes)
+    got = [d.send(0)]
+    state = engine.store.get(7)
+    before = (state.tokens.copy(), state.noised_mels.values.copy(), state.noised_mels.start, state.emitted,
+              None if state.mel_tail is None else state.mel_tail.copy())
+    est.fail = True
+    with pytest.raises(RuntimeError, match="went away"):
+        d.send(1)
+    after = engine.store.get(7)
+    assert after is state and np.array_equal(after.tokens, before[0]) and after.emitted == before[3]
+    assert np.array_equal(after.noised_mels.values, before[1]) and after.noised_mels.start == before[2]
+    assert (after.mel_tail is None and before[4] is None) or np.array_equal(after.mel_tail, before[4])
+    est.fail = False
+    got += [d.send(1), d.send(2)]
+    assert [r.frame_offset for r in got] == [r.frame_offset for r in undisturbed]
+    for a, b in zip(got, undisturbed):
+        np.testing.assert_array_equal(a.mel, b.mel)
+    # a START whose solve fails leaves no state behind
+    est.fail = True
+    with pytest.raises(RuntimeError):
+        d.send(0, cid=8)
+    assert 8 not in engine.store

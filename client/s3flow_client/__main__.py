@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from . import StreamError, StreamingClient, chunk_schedule, save_mel_png
-from .demo import demo_utterance, load_utterance
+from .demo import demo_utterance, load_truth, load_utterance
 
 
 def main(argv=None) -> int:
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
-    utts = []
+    utts, truth = [], load_truth(args.inputs) if args.inputs else None
     for i in range(args.utterances):
         u = load_utterance(args.inputs) if args.inputs else demo_utterance(args.seconds, seed=i)
         u.seed, u.n_timesteps, u.guidance_rate = args.seed + i, args.steps, args.guidance_rate
@@ -83,17 +83,22 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for i, (u, r) in enumerate(zip(utts, results)):
         stem = args.out_dir / f"mel_{i}"
+        same = truth is not None and truth.shape == r.mel.shape
         if r.mel.size:
             np.save(stem.with_suffix(".npy"), r.mel)
-            save_mel_png(r.mel, stem.with_suffix(".png"), title=f"utterance {i}: {r.mel.shape[1]} frames, "
-                         f"{len(u.chunks)} chunks, seed {u.seed}")
+            save_mel_png(r.mel, stem.with_suffix(".png"), title=f"streamed, utterance {i}: {r.mel.shape[1]} frames, "
+                         f"{len(u.chunks)} chunks, seed {u.seed}", truth=truth if same else None)
         lat = ", ".join(f"{x * 1000:.0f}" for x in r.chunk_latencies_s)
         print(f"utterance {i}: {len(u.speech_tokens)} tokens in chunks {u.chunks} -> {r.mel.shape[-1]} frames "
               f"({r.audio_s:.2f} s audio)" + (f"  ERROR: {r.error}" if r.error else ""))
         print(f"  first chunk {r.first_chunk_s * 1000:.0f} ms; per-chunk ms [{lat}]; "
               f"wall {r.wall_s:.2f} s; real-time factor {r.rtf:.2f}")
+        if same:
+            print(f"  mean abs error vs the ground truth mel in {args.inputs.name}: "
+                  f"{np.abs(r.mel - truth).mean():.3f} (mel std {truth.std():.3f})")
         if r.mel.size:
-            print(f"  wrote {stem.with_suffix('.npy')} and {stem.with_suffix('.png')}")
+            print(f"  wrote {stem.with_suffix('.npy')} and {stem.with_suffix('.png')}"
+                  + (" (ground truth above the streamed mel)" if same else ""))
         if wavs:
             from .audio import save_audio_png
             png = args.out_dir / f"audio_{i}.png"

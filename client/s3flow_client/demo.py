@@ -33,3 +33,10 @@ def load_utterance(path, noise_seed: int = 0) -> Utterance:
                      prompt_tokens=d["prompt_tokens"].reshape(-1).astype(np.int64),
                      prompt_mel=d["prompt_feat"][0].astype(np.float32),
                      speaker_embedding=d["embedding"].reshape(-1).astype(np.float32), seed=noise_seed)
+
+
+def load_truth(path) -> "np.ndarray | None":
+    """The ground-truth mel (n_feats, 2 N) an input .npz may carry as ``mel`` (1, n_feats, 2 N), else None
+    (the trained model's held-out files carry it)."""
+    with np.load(path) as d:
+        return d["mel"][0].astype(np.float32) if "mel" in d.files else None

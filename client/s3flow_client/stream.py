@@ -318,19 +318,26 @@ def _drain(events: queue.Queue) -> list:
             return out
 
 
-def save_mel_png(mel: np.ndarray, path, title: str = "") -> None:
-    """Write a spectrogram picture of mel (n_feats, frames)."""
+def save_mel_png(mel: np.ndarray, path, title: str = "", truth: Optional[np.ndarray] = None) -> None:
+    """Write a spectrogram picture of mel (n_feats, frames); with ``truth`` (n_feats, frames), the ground
+    truth above it on the same colour scale."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6.0, mel.shape[1] / 50.0), 3.2))
-    im = ax.imshow(mel, origin="lower", aspect="auto", interpolation="nearest", cmap="magma",
-                   extent=[0, mel.shape[1] / FRAMES_PER_SECOND, 0, mel.shape[0]])
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("mel bin")
-    ax.set_title(title or f"mel {mel.shape[0]} x {mel.shape[1]} frames")
-    fig.colorbar(im, ax=ax)
+    panels = [("ground truth", truth)] if truth is not None else []
+    panels.append((title or f"mel {mel.shape[0]} x {mel.shape[1]} frames", mel))
+    lo = min(float(m.min()) for _, m in panels)
+    hi = max(float(m.max()) for _, m in panels)
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False,
+                             figsize=(max(6.0, mel.shape[1] / 50.0), 0.4 + 2.8 * len(panels)))
+    for ax, (name, m) in zip(axes[:, 0], panels):
+        im = ax.imshow(m, origin="lower", aspect="auto", interpolation="nearest", cmap="magma", vmin=lo, vmax=hi,
+                       extent=[0, m.shape[1] / FRAMES_PER_SECOND, 0, m.shape[0]])
+        ax.set_ylabel("mel bin")
+        ax.set_title(name)
+        fig.colorbar(im, ax=ax)
+    axes[-1, 0].set_xlabel("time (s)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,18 +1,20 @@
 """s3flow: Chatterbox S3Gen's flow-matching token-to-mel decoder, packaged for serving on Triton.
 
 Modules: ``estimator`` (ConditionalDecoder U-Net), ``encoder`` (token encoder), ``solver`` (Euler CFM
-solver, guidance, time grid, noise), ``flow`` (in-process synthesis), ``checkpoint`` (upstream layout),
-``onnx_export``, ``streaming`` (per-sequence state), ``triton_server`` (launching tritonserver).
+solver, guidance, time grid, noise), ``chunks`` (how every solve's condition and starting point are
+built), ``flow`` (in-process synthesis), ``checkpoint`` (upstream layout), ``onnx_export``, ``streaming``
+(per-sequence state, the chunk engine), ``session`` (the solver model's request handling),
+``triton_server`` (launching tritonserver).
 """
 from .solver import (ClassifierFreeGuidance, ConditionalField, CountingEstimator, FrameNoise, SolveResult,
-                     euler_solve, initial_noise, solve_cfm, time_grid)
+                     euler_solve, solve_cfm, time_grid)
 
 __all__ = ["ClassifierFreeGuidance", "ConditionalField", "CountingEstimator", "FrameNoise", "SolveResult",
-           "euler_solve", "initial_noise", "solve_cfm", "time_grid"]
+           "euler_solve", "solve_cfm", "time_grid"]
 
 
 def __getattr__(name):  # lazy: the torch modules are heavy and not every user needs them
-    if name in ("FlowConfig", "S3Flow", "synthesize", "SynthesisResult", "build_condition"):
+    if name in ("FlowConfig", "S3Flow", "synthesize", "SynthesisResult"):
         from . import flow
         return getattr(flow, name)
     if name in ("load_flow", "write_random_checkpoint", "random_flow"):

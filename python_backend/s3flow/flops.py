@@ -21,8 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+import torch
+
+from .chunks import TOKEN_MEL_RATIO, solve_frames
 from .estimator import EstimatorConfig
-from .flow import PRE_LOOKAHEAD_TOKENS, TOKEN_MEL_RATIO
 
 
 @dataclass
@@ -124,8 +126,7 @@ def chunk_calls(config: EstimatorConfig, prompt_tokens: int, chunks: list[int], 
     calls, have = [], 0
     for k, n in enumerate(chunks):
         have += n
-        frames = TOKEN_MEL_RATIO * (prompt_tokens + have)
-        if k < len(chunks) - 1:
-            frames = max(frames - PRE_LOOKAHEAD_TOKENS * TOKEN_MEL_RATIO, TOKEN_MEL_RATIO * prompt_tokens)
+        frames = int(solve_frames(torch.tensor([prompt_tokens + have]), TOKEN_MEL_RATIO * prompt_tokens,
+                                  k == len(chunks) - 1)[0])
         calls += [(2 if guided and not config.meanflow else 1, frames)] * steps
     return calls

@@ -1,8 +1,8 @@
 """The whole S3Gen flow (tokens -> mel) in process: encoder, conditioning, CFM solver.
 
 This is the eager reference path and the offline synthesis that streamed, served output is compared
-against. The served path (Triton ``cfm_solver``) uses the same ``build_condition`` and ``solve_cfm``
-with the encoder and estimator reached over BLS.
+against. It builds its solve with ``s3flow.chunks`` and integrates with ``solve_cfm``, exactly as the
+served streaming engine does (there with the encoder and estimator reached over BLS).
 
 Example::
 
@@ -23,12 +23,9 @@ from torch import nn
 
 from .encoder import EncoderConfig, FlowEncoder
 from .estimator import ConditionalDecoder, EstimatorConfig
+from .chunks import (LOOKAHEAD_FRAMES, PRE_LOOKAHEAD_TOKENS, TOKEN_MEL_RATIO, condition,  # noqa: F401
+                     solve_frames, stack_rows, starting_point)
 from .solver import DEFAULT_GUIDANCE_RATE, FrameNoise, solve_cfm
-
-#: Mel frames per speech token (25 tokens/s -> 50 frames/s).
-TOKEN_MEL_RATIO = 2
-#: Tokens the encoder's pre-lookahead layer needs after a frame before the frame is valid.
-PRE_LOOKAHEAD_TOKENS = 3
 
 
 @dataclass
@@ -52,10 +49,6 @@ class FlowConfig:
     @property
     def n_feats(self) -> int:
         return self.estimator.out_channels
-
-    @property
-    def lookahead_frames(self) -> int:
-        return PRE_LOOKAHEAD_TOKENS * TOKEN_MEL_RATIO
 
     def to_dict(self) -> dict:
         return {"encoder": dataclasses.asdict(self.encoder), "estimator": dataclasses.asdict(self.estimator)}
@@ -81,26 +74,6 @@ class S3Flow(nn.Module):
         self.estimator = ConditionalDecoder(config.estimator)
 
 
-@dataclass
-class Condition:
-    """What the solver needs for one padded batch of utterances.
-
-    mu, cond: (B, n_feats, T); mask: (B, 1, T); spks: (B, n_feats); lengths: (B,) valid frames per row
-    (prompt included); prompt_frames: frames of the prompt region at the start of every row.
-    """
-    mu: torch.Tensor
-    mask: torch.Tensor
-    spks: torch.Tensor
-    cond: torch.Tensor
-    lengths: torch.Tensor
-    prompt_frames: int
-
-    @property
-    def generated(self) -> torch.Tensor:
-        """(B,) generated (non-prompt) frames per row."""
-        return (self.lengths - self.prompt_frames).clamp(min=0)
-
-
 def join_tokens(speech_tokens: torch.Tensor, speech_token_len: torch.Tensor,
                 prompt_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``prompt ++ speech`` per row: (B, Np + N) int64 and lengths (B,). Padding stays at the end."""
@@ -108,45 +81,6 @@ def join_tokens(speech_tokens: torch.Tensor, speech_token_len: torch.Tensor,
     prompt = prompt_tokens.reshape(1, -1).expand(b, -1).to(torch.int64)
     tokens = torch.cat([prompt, speech_tokens.to(torch.int64)], dim=1)
     return tokens, speech_token_len.to(torch.int64) + prompt.shape[1]
-
-
-def build_condition(mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, token_len: torch.Tensor,
-                    prompt_feat: torch.Tensor, *, finalize: bool,
-                    lookahead_frames: int = PRE_LOOKAHEAD_TOKENS * TOKEN_MEL_RATIO) -> Condition:
-    """Turn encoder output into solver inputs.
-
-    Args:
-        mu: (B, n_feats, T_enc) encoder output for prompt + speech tokens; mask: (B, 1, T_enc).
-        spks: (B, n_feats) projected speaker embedding.
-        token_len: (B,) prompt + speech tokens per row.
-        prompt_feat: (1 or B, n_feats, Tp) prompt mel, channels-major.
-        finalize: False while more tokens will come: the last ``lookahead_frames`` frames of each row
-            are not valid yet and are dropped, and the mask is built from the trimmed length (the
-            reference builds it from the untrimmed one and crashes).
-    """
-    n_feats, tp = prompt_feat.shape[1], prompt_feat.shape[2]
-    lengths = token_len.to(torch.int64) * TOKEN_MEL_RATIO
-    if not finalize:
-        lengths = (lengths - lookahead_frames).clamp(min=tp)
-    t = int(lengths.max())
-    frame_mask = (torch.arange(t, device=mu.device)[None, :] < lengths[:, None]).to(mu.dtype)
-    frame_mask = frame_mask[:, None, :]
-    mu = mu[:, :, :t] * frame_mask
-    cond = torch.zeros(mu.shape[0], n_feats, t, dtype=mu.dtype, device=mu.device)
-    cond[:, :, :tp] = prompt_feat.to(mu.dtype)
-    return Condition(mu=mu.contiguous(), mask=frame_mask, spks=spks, cond=cond, lengths=lengths,
-                     prompt_frames=tp)
-
-
-def noise_for(cond: Condition, seeds: list[int]) -> torch.Tensor:
-    """(B, n_feats, T) initial noise from ``FrameNoise``: a function of (seed, frame) per row."""
-    b, c, t = cond.mu.shape
-    z = torch.zeros(b, c, t)
-    for i, seed in enumerate(seeds):
-        gen = int(cond.generated[i])
-        z[i, :, :cond.prompt_frames + gen] = torch.from_numpy(
-            FrameNoise(seed, c).full(cond.prompt_frames, gen))
-    return z.to(cond.mu.dtype)
 
 
 @dataclass
@@ -190,17 +124,21 @@ def synthesize(flow: S3Flow, speech_tokens: torch.Tensor, prompt_tokens: torch.T
         speech_token_len = torch.full((b,), speech_tokens.shape[1], dtype=torch.int64)
     tokens, token_len = join_tokens(speech_tokens, speech_token_len, prompt_tokens)
     emb = embedding.reshape(-1, embedding.shape[-1]).expand(b, -1).float()
-    mu, mask, spks = flow.encoder(tokens, token_len, emb)
-    cond = build_condition(mu, mask, spks, token_len, prompt_feat.transpose(1, 2), finalize=finalize,
-                           lookahead_frames=flow.config.lookahead_frames)
+    mu, _, spks = flow.encoder(tokens, token_len, emb)
+    prompt_mel = prompt_feat.reshape(-1, prompt_feat.shape[-1]).T  # (n_feats, Tp)
+    tp = prompt_mel.shape[1]
+    cond = condition(mu, spks, solve_frames(token_len, tp, finalize), [prompt_mel])
     if z is None:
         seeds = [seed] * b if isinstance(seed, int) else list(seed)
-        z = noise_for(cond, seeds)
+        rows = []
+        for s, g in zip(seeds, cond.generated.tolist()):
+            noise = FrameNoise(s, flow.config.n_feats)
+            rows.append(starting_point(noise, noise.prompt(tp), 0, g))
+        z = stack_rows(rows, cond.mu.shape[2])
     elif tuple(z.shape) != tuple(cond.mu.shape):
         raise ValueError(f"z must have shape {tuple(cond.mu.shape)}, got {tuple(z.shape)}")
     est = estimator if estimator is not None else TorchEstimator(flow.estimator)
     result = solve_cfm(est, z.to(cond.mu.dtype), cond.mu, cond.mask, cond.spks, cond.cond,
                        meanflow=flow.config.meanflow, n_steps=n_steps, guidance_rate=guidance_rate)
-    tp = cond.prompt_frames
     mel = result.x[:, :, tp:] * cond.mask[:, :, tp:]
     return SynthesisResult(mel=mel, lengths=cond.generated, nfe=result.nfe)

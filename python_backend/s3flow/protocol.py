@@ -64,6 +64,10 @@ class Limits:
     holdback_frames: int = 0              # generated frames withheld until the next chunk (or END)
     default_steps: int = 0                # 0: the checkpoint's default (10, or 2 for meanflow)
     default_guidance_rate: float = 0.7
+    #: Streaming mode. -1: every chunk re-solves the whole prefix (cost grows with the utterance);
+    #: C >= 0: bounded context, each chunk solves prompt + the last C emitted frames (as conditioning)
+    #: + its new tokens (see s3flow.streaming).
+    context_frames: int = -1
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> "Limits":
@@ -88,8 +92,11 @@ class Limits:
     def check(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            lowest = 0 if f.name in ("holdback_frames", "default_steps", "default_guidance_rate") else 1e-9
-            if not value >= lowest:
+            lowest = {"holdback_frames": 0, "default_steps": 0, "default_guidance_rate": 0,
+                      "context_frames": -1}.get(f.name)
+            if lowest is None and not value > 0:
+                raise ValueError(f"limit {f.name} must be > 0, got {value}")
+            if lowest is not None and not value >= lowest:
                 raise ValueError(f"limit {f.name} must be >= {lowest}, got {value}")
             if not math.isfinite(value):
                 raise ValueError(f"limit {f.name} must be finite, got {value}")

@@ -183,7 +183,7 @@ def solve_cfm(estimator: Estimator, z: torch.Tensor, mu: torch.Tensor, mask: tor
 
     Args:
         estimator: the ConditionalDecoder callable.
-        z: (B, n_feats, T) initial noise (see ``initial_noise``).
+        z: (B, n_feats, T) initial noise (see ``s3flow.chunks.starting_point``).
         mu: (B, n_feats, T) encoder output; mask: (B, 1, T); spks: (B, n_feats); cond: (B, n_feats, T).
         meanflow: distilled checkpoint: linear grid, (t, r) to the estimator, no guidance.
         n_steps: Euler steps (default 2 for meanflow, 10 otherwise).
@@ -196,26 +196,7 @@ def solve_cfm(estimator: Estimator, z: torch.Tensor, mu: torch.Tensor, mask: tor
 
 
 # ---------------------------------------------------------------------------------------------------
-# Initial noise
-
-
-def initial_noise(shape: tuple[int, int, int], *, generator: Optional[torch.Generator] = None,
-                  noised_mels: Optional[torch.Tensor] = None, prompt_frames: int = 0,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """z ~ N(0, I) of ``shape`` = (B, n_feats, T), with ``noised_mels`` pinned into the tail.
-
-    ``noised_mels`` (B, n_feats, T - prompt_frames) covers exactly the generated region after the prompt.
-    Upstream infers the prompt length from the length difference and silently misplaces a wrong-length
-    input; here a length that does not fit is an error.
-    """
-    z = torch.randn(shape, generator=generator, dtype=dtype)
-    if noised_mels is not None:
-        want = shape[2] - prompt_frames
-        if tuple(noised_mels.shape) != (shape[0], shape[1], want):
-            raise ValueError(f"noised_mels must have shape {(shape[0], shape[1], want)} (the generated "
-                             f"frames after {prompt_frames} prompt frames), got {tuple(noised_mels.shape)}")
-        z[..., prompt_frames:] = noised_mels.to(dtype)
-    return z
+# Initial noise (pinned per chunk by ``s3flow.chunks.starting_point``)
 
 
 class FrameNoise:

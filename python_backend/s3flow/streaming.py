@@ -1,9 +1,22 @@
 """Per-utterance streaming state and the chunk engine that the Triton ``cfm_solver`` model runs.
 
-Each chunk re-runs the encoder and the solver over the whole prefix (prompt + all tokens so far). The
-ODE starting point of the frames made so far, ``noised_mels``, is carried from chunk to chunk and pinned,
-with fresh seeded noise for new frames, so that the re-integrated prefix starts where it started before.
-Only frames that became final are returned, with their frame offset.
+Two modes (``Limits.context_frames``):
+
+* **prefix** (``-1``): each chunk re-runs the encoder and the solver over the whole prefix (prompt + all
+  tokens so far). A chunk's frames equal offline synthesis of the tokens so far; the cost of a stream
+  grows with the square of its length.
+* **bounded context** (``C >= 0``): each chunk's solve covers the speaker prompt, then the last C frames
+  already emitted, used as conditioning exactly like the prompt (their mel in ``cond``, their tokens in the
+  encoder input), then the new tokens. A chunk costs prompt + C + chunk frames, whatever the utterance's
+  length.
+
+In both, the ODE starting point of the frames made so far, ``noised_mels``, is carried from chunk to chunk
+and pinned for the frames that are solved again (the lookahead and held-back frames, and in prefix mode
+everything), with fresh seeded noise for new frames. Only frames that became final are returned, with their
+frame offset. Every solve is built by ``s3flow.chunks``, as offline synthesis builds its own.
+
+A chunk changes its sequence's state only once its solve has succeeded: a failed chunk leaves tokens,
+``noised_mels`` and the emitted count as they were, so the client may send it again.
 
 Several utterances' chunks that arrive together (Triton's ``oldest`` sequence batching) run as one
 padded, masked batch per Euler step when they share step count and guidance rate.
@@ -23,9 +36,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .flow import PRE_LOOKAHEAD_TOKENS, TOKEN_MEL_RATIO
+from .chunks import TOKEN_MEL_RATIO, Carried, condition, solve_frames, stack_rows, starting_point
 from .protocol import ChunkRequest, Limits, RequestError
-from .solver import FrameNoise, default_steps, make_field, euler_solve, time_grid
+from .solver import FrameNoise, default_steps, solve_cfm
 
 EncodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 
@@ -40,15 +53,30 @@ class SequenceState:
     guidance_rate: float
     noise: FrameNoise
     prompt_noise: np.ndarray           # (n_feats, Tp): the prompt region's fixed starting point
-    tokens: list = field(default_factory=list)   # speech-token chunks so far
-    n_tokens: int = 0
-    noised_mels: Optional[np.ndarray] = None      # (n_feats, G): ODE start of the generated frames made
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # speech tokens so far
+    noised_mels: Optional[Carried] = None  # ODE start of generated frames made (prefix mode: from 0)
     emitted: int = 0                   # generated frames already returned
+    #: the last emitted frames, (n_feats, F) covering [emitted - F, emitted): bounded-context conditioning
+    mel_tail: Optional[np.ndarray] = None
     last_seen: float = field(default_factory=time.monotonic)
 
     @property
     def prompt_frames(self) -> int:
         return self.prompt_mel.shape[1]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.size)
+
+
+@dataclass
+class Chunk:
+    """An admitted request: its sequence's state (not yet changed by it), the new tokens, END."""
+    corr_id: object
+    state: SequenceState
+    tokens: np.ndarray                 # (N,) int64
+    finalize: bool
+    new: bool                          # START: the state was created for this chunk
 
 
 class SequenceStore:
@@ -97,10 +125,18 @@ class SequenceStore:
 
 
 @dataclass
-class ChunkResult:
-    """mel: (n_feats, F) the newly final frames; frame_offset: index of the first of them."""
-    mel: np.ndarray
-    frame_offset: int
+class _Row:
+    """One row of a solve, planned from a chunk without touching its state."""
+    tokens: np.ndarray                 # (Nq,) encoder input: prompt ++ context tokens ++ the rest
+    prefix_mel: np.ndarray             # (n_feats, P): prompt mel ++ context mel
+    start: np.ndarray                  # (n_feats, P + g - c0): the ODE starting point
+    c0: int                            # first generated frame in the solve (0 in prefix mode)
+    g: int                             # generated frames valid after this chunk
+    ready: int                         # generated frames final after this chunk
+
+    @property
+    def frames(self) -> int:
+        return self.start.shape[1]
 
 
 class StreamingEngine:
@@ -114,12 +150,15 @@ class StreamingEngine:
         self.encode, self.estimator = encode, estimator
         self.n_feats, self.meanflow, self.limits = n_feats, meanflow, limits
         self.store = store or SequenceStore(limits)
-        self.lookahead_frames = PRE_LOOKAHEAD_TOKENS * TOKEN_MEL_RATIO
+        #: None: prefix mode; C >= 0: bounded context of C emitted frames
+        self.context_frames = None if limits.context_frames < 0 else int(limits.context_frames)
         self.estimator_calls = 0
+        self.solved_frames = 0           # sum over solves of rows' frames x Euler steps (cost figures)
 
     # -- admission -------------------------------------------------------------------------------
-    def admit(self, corr_id, req: ChunkRequest) -> SequenceState:
-        """Create or fetch the sequence's state and append the chunk's tokens (validates limits)."""
+    def admit(self, corr_id, req: ChunkRequest) -> Chunk:
+        """Create (START) or fetch the sequence's state and check the chunk against the limits. The
+        state's tokens are not changed here: ``run`` applies the chunk once its solve has succeeded."""
         if req.start:
             steps = req.n_timesteps or self.limits.default_steps or default_steps(self.meanflow)
             rate = self.limits.default_guidance_rate if req.guidance_rate is None else req.guidance_rate
@@ -136,102 +175,110 @@ class StreamingEngine:
             self.store.drop(corr_id)
             raise RequestError(f"utterance grows to {frames} frames, above max_utterance_frames "
                                f"{self.limits.max_utterance_frames}; the sequence is ended")
-        if req.speech_tokens.size:
-            state.tokens.append(req.speech_tokens)
-            state.n_tokens += req.speech_tokens.size
-        return state
+        return Chunk(corr_id, state, req.speech_tokens, finalize=req.end, new=req.start)
 
     # -- one step for several sequences --------------------------------------------------------------
-    def run(self, items: list[tuple[object, SequenceState, bool]],
-            on_step: Optional[Callable[[int], None]] = None) -> list[ChunkResult]:
-        """Advance each (corr_id, state, finalize) by its newest chunk; same order out.
+    def run(self, chunks: list[Chunk], on_step: Optional[Callable[[int], None]] = None) -> list["ChunkResult"]:
+        """Advance each chunk's sequence by its tokens; same order out.
 
-        Items are grouped by (steps, guidance rate); each group is one padded batch, or, with
+        Chunks are grouped by (steps, guidance rate); each group is one padded batch, or, with
         ``bucket_ratio`` r >= 1 (length bucketing), several: rows sorted by frames, a new batch begun where
-        a row is more than r times as long as the batch's shortest, so short prefixes do not pay for the
-        padding of long ones.
+        a row is more than r times as long as the batch's shortest, so short rows do not pay for the
+        padding of long ones. States change only after every solve has succeeded; on an exception the
+        sequences are as before (a START's new state is dropped) and the exception propagates.
         """
-        results: list[Optional[ChunkResult]] = [None] * len(items)
+        rows = [self._plan(c) for c in chunks]
+        solved: list[Optional[np.ndarray]] = [None] * len(chunks)
         groups: dict[tuple, list[int]] = {}
-        for i, (_, state, _) in enumerate(items):
-            groups.setdefault((state.n_steps, state.guidance_rate), []).append(i)
-        for (steps, rate), idx in groups.items():
-            for part in self._buckets(items, idx):
-                outs = self._run_group([items[i] for i in part], steps, rate, on_step)
-                for i, out in zip(part, outs):
-                    results[i] = out
-        for corr_id, state, finalize in items:
-            if finalize:
-                self.store.drop(corr_id)
-            else:
-                state.last_seen = self.store.clock()  # idle time counts from the answer, not the request
-        return results
+        for i, c in enumerate(chunks):
+            groups.setdefault((c.state.n_steps, c.state.guidance_rate), []).append(i)
+        try:
+            for (steps, rate), idx in groups.items():
+                for part in self._buckets(rows, idx):
+                    xs = self._solve([chunks[i] for i in part], [rows[i] for i in part], steps, rate, on_step)
+                    for i, x in zip(part, xs):
+                        solved[i] = x
+        except BaseException:
+            for c in chunks:
+                if c.new:
+                    self.store.drop(c.corr_id)
+            raise
+        return [self._commit(c, row, x) for c, row, x in zip(chunks, rows, solved)]
 
-    def _frames(self, state: SequenceState, finalize: bool) -> int:
-        """Estimator frames of the state's next solve (prompt + tokens so far, less the lookahead)."""
-        frames = TOKEN_MEL_RATIO * (len(state.prompt_tokens) + state.n_tokens)
-        return frames if finalize else max(frames - self.lookahead_frames, state.prompt_frames)
+    def _plan(self, c: Chunk) -> _Row:
+        s = c.state
+        e = s.emitted
+        context = np.zeros((self.n_feats, 0), np.float32)
+        if self.context_frames is None:  # prefix mode: everything is solved again, the prompt alone conditions
+            c0 = 0
+        else:
+            c0 = max(0, e - self.context_frames)
+            c0 -= c0 % TOKEN_MEL_RATIO  # a whole number of tokens
+            if e > c0:
+                context = s.mel_tail[:, s.mel_tail.shape[1] - (e - c0):]
+        tokens = np.concatenate([s.prompt_tokens, s.tokens[c0 // TOKEN_MEL_RATIO:], c.tokens])
+        prefix_mel = np.concatenate([s.prompt_mel, context], axis=1)
+        length = int(solve_frames(torch.tensor([tokens.size]), prefix_mel.shape[1], c.finalize)[0])
+        g = c0 + length - s.prompt_frames
+        ready = g if c.finalize else max(g - self.limits.holdback_frames, e)
+        start = starting_point(s.noise, s.prompt_noise, c0, g, s.noised_mels)
+        return _Row(tokens, prefix_mel, start, c0, g, ready)
 
-    def _buckets(self, items, idx: list[int]) -> list[list[int]]:
+    def _buckets(self, rows: list[_Row], idx: list[int]) -> list[list[int]]:
         if not self.bucket_ratio or len(idx) < 2:
             return [idx]
-        order = sorted(idx, key=lambda i: self._frames(items[i][1], items[i][2]))
+        order = sorted(idx, key=lambda i: rows[i].frames)
         parts, shortest = [], None
         for i in order:
-            frames = self._frames(items[i][1], items[i][2])
-            if shortest is None or frames > self.bucket_ratio * shortest:
+            if shortest is None or rows[i].frames > self.bucket_ratio * shortest:
                 parts.append([])
-                shortest = frames
+                shortest = rows[i].frames
             parts[-1].append(i)
         return parts
 
-    def _run_group(self, items, steps: int, rate: float, on_step) -> list[ChunkResult]:
-        b, c = len(items), self.n_feats
-        states = [s for _, s, _ in items]
-        finals = [f for _, _, f in items]
-        # encoder over prompt + all tokens so far, one padded batch
-        seqs = [np.concatenate([s.prompt_tokens] + s.tokens) for s in states]
-        token_len = torch.tensor([len(q) for q in seqs], dtype=torch.int64)
+    def _solve(self, chunks: list[Chunk], rows: list[_Row], steps: int, rate: float, on_step) -> list[np.ndarray]:
+        """One padded batch: encoder, condition, Euler solve; per row the solved (n_feats, frames)."""
+        b = len(rows)
+        token_len = torch.tensor([r.tokens.size for r in rows], dtype=torch.int64)
         tokens = torch.zeros(b, int(token_len.max()), dtype=torch.int64)
-        for i, q in enumerate(seqs):
-            tokens[i, :len(q)] = torch.from_numpy(q)
-        emb = torch.from_numpy(np.stack([s.speaker_embedding for s in states]))
-        mu_full, _, spks = self.encode(tokens, token_len, emb)
-
-        # per-row lengths: drop the lookahead frames unless finalised; build mask, cond and noise
-        prompt = torch.tensor([s.prompt_frames for s in states], dtype=torch.int64)
-        lengths = token_len * TOKEN_MEL_RATIO
-        not_final = torch.tensor([not f for f in finals])
-        lengths = torch.where(not_final, (lengths - self.lookahead_frames).clamp(min=prompt), lengths)
-        t = int(lengths.max())
-        dev = mu_full.device  # GPU hosts: the encoder's output is on the GPU; the solve stays there
-        mask = (torch.arange(t)[None, :] < lengths[:, None]).float()[:, None, :].to(dev)
-        mu = mu_full[:, :, :t].float() * mask
-        cond = torch.zeros(b, c, t)
-        z = torch.zeros(b, c, t)
-        generated = (lengths - prompt).tolist()
-        for i, s in enumerate(states):
-            tp, g = s.prompt_frames, generated[i]
-            cond[i, :, :tp] = torch.from_numpy(s.prompt_mel)
-            have = 0 if s.noised_mels is None else s.noised_mels.shape[1]
-            fresh = s.noise.frames(have, g) if g > have else np.zeros((c, 0), np.float32)
-            start = s.noised_mels[:, :g] if have else np.zeros((c, 0), np.float32)
-            s.noised_mels = np.concatenate([start, fresh], axis=1)
-            z[i, :, :tp] = torch.from_numpy(s.prompt_noise)
-            z[i, :, tp:tp + g] = torch.from_numpy(s.noised_mels)
-
-        cond, z = cond.to(dev), z.to(dev)  # filled on the host row by row, moved once
-        grid = time_grid(steps, "linear" if self.meanflow else "cosine", device=dev)
-        field_ = make_field(self.estimator, mu, mask, spks.float(), cond, meanflow=self.meanflow,
-                            guidance_rate=rate)
-        x = euler_solve(field_, z, grid, on_step=on_step).x.float().cpu()  # one copy back per chunk
+        for i, r in enumerate(rows):
+            tokens[i, :r.tokens.size] = torch.from_numpy(r.tokens)
+        emb = torch.from_numpy(np.stack([c.state.speaker_embedding for c in chunks]))
+        mu, _, spks = self.encode(tokens, token_len, emb)
+        lengths = torch.tensor([r.frames for r in rows], dtype=torch.int64)
+        cond = condition(mu.float(), spks.float(), lengths, [torch.from_numpy(r.prefix_mel) for r in rows])
+        dev = mu.device  # GPU hosts: the encoder's output is on the GPU; the solve stays there
+        z = stack_rows([r.start for r in rows], cond.mu.shape[2]).to(dev)  # filled on the host, moved once
+        x = solve_cfm(self.estimator, z, cond.mu, cond.mask, cond.spks, cond.cond, meanflow=self.meanflow,
+                      n_steps=steps, guidance_rate=rate, on_step=on_step).x.float().cpu()
         self.estimator_calls += steps
+        self.solved_frames += steps * int(lengths.max()) * b
+        return [x[i, :, :r.frames].numpy() for i, r in enumerate(rows)]
 
-        out = []
-        for i, s in enumerate(states):
-            tp, g = s.prompt_frames, generated[i]
-            ready = g if finals[i] else max(g - self.limits.holdback_frames, s.emitted)
-            mel = x[i, :, tp + s.emitted:tp + ready].numpy().copy()
-            out.append(ChunkResult(mel=mel, frame_offset=s.emitted))
-            s.emitted = ready
-        return out
+    def _commit(self, c: Chunk, row: _Row, x: np.ndarray) -> "ChunkResult":
+        """Apply a solved chunk to its sequence's state; the newly final frames."""
+        s = c.state
+        tp, e = s.prompt_frames, s.emitted  # generated frame f sits at tp + f - c0 in the solve
+        mel = x[:, tp + e - row.c0:tp + row.ready - row.c0].copy()
+        if c.tokens.size:
+            s.tokens = np.concatenate([s.tokens, c.tokens])
+        keep_from = 0
+        if self.context_frames is not None:  # what a later chunk can still need: its context and on
+            keep_from = max(0, row.ready - self.context_frames - TOKEN_MEL_RATIO)
+            tail = mel if s.mel_tail is None else np.concatenate([s.mel_tail, mel], axis=1)
+            s.mel_tail = tail[:, max(0, tail.shape[1] - (row.ready - keep_from)):]
+        keep_from = max(keep_from, row.c0)
+        s.noised_mels = Carried(row.start[:, tp + keep_from - row.c0:], keep_from) if row.g > keep_from else None
+        s.emitted = row.ready
+        if c.finalize:
+            self.store.drop(c.corr_id)
+        else:
+            s.last_seen = self.store.clock()  # idle time counts from the answer, not the request
+        return ChunkResult(mel=mel, frame_offset=e)
+
+
+@dataclass
+class ChunkResult:
+    """mel: (n_feats, F) the newly final frames; frame_offset: index of the first of them."""
+    mel: np.ndarray
+    frame_offset: int

@@ -5,8 +5,9 @@ control inputs START / END / READY / CORRID arrive as tensors. The encoder (``fl
 estimator (``estimator``) are separate Triton models reached by BLS, so the same repository runs ONNX
 Runtime models on CPU hosts and TensorRT plans on GPU hosts. Tensors cross BLS by DLPack (no copy).
 
-All logic is in ``s3flow.protocol`` (validation) and ``s3flow.streaming`` (state, batching, solver);
-this file parses tensors, calls them, and builds responses.
+Validation, admission, state changes, cancellation and the mapping of failures to error codes are in
+``s3flow.session`` (over ``s3flow.streaming``), unit-tested without a server; this file holds the Triton
+glue: config checks, BLS calls, tensors in and out, the idle reaper thread and metrics.
 """
 from __future__ import annotations
 
@@ -18,18 +19,11 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
-from s3flow.protocol import INPUT_DTYPES, Limits, RequestError, parse_request
+from s3flow.protocol import INPUT_DTYPES, Limits
+from s3flow.session import CANCELLED, INVALID_ARG, Incoming, ModelCallError, SolverSession
 from s3flow.streaming import StreamingEngine
 
 CONTROLS = ("START", "END", "READY", "CORRID")
-
-
-class ModelCallError(RuntimeError):
-    """A BLS call to another model failed; the message names the model."""
-
-
-class Cancelled(RuntimeError):
-    pass
 
 
 def _to_triton(name: str, t: torch.Tensor):
@@ -45,13 +39,11 @@ class BlsModel:
 
     def __init__(self, model_name: str, outputs: list[str], device_id: int | None = None):
         self.model_name, self.outputs = model_name, outputs
-        self.calls = 0
         # on a GPU instance, ask for outputs in that GPU's memory: the Euler loop never leaves the device
         self.memory = ({} if device_id is None else
                        {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, device_id)})
 
     def __call__(self, **inputs: torch.Tensor) -> list[torch.Tensor]:
-        self.calls += 1
         if self.memory:  # the callee reads our device buffers on its own stream: finish writing them first
             torch.cuda.current_stream().synchronize()
         request = pb_utils.InferenceRequest(
@@ -97,12 +89,13 @@ class TritonPythonModel:
         self.estimator = BlsModel(params.get("estimator_model", "estimator"), ["velocity"], device_id)
         try:
             bucket_ratio = float(params.get("length_bucket_ratio", "0") or 0)
-            self.engine = StreamingEngine(self._encode, self._estimate, n_feats=self.n_feats,
-                                          meanflow=self.meanflow, limits=self.limits, bucket_ratio=bucket_ratio)
+            engine = StreamingEngine(self._encode, self._estimate, n_feats=self.n_feats,
+                                     meanflow=self.meanflow, limits=self.limits, bucket_ratio=bucket_ratio)
         except ValueError as exc:
             raise pb_utils.TritonModelException(f"{self.name}: bad config parameter: {exc}") from None
         self.logger = pb_utils.Logger
         self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name))
+        self.session = SolverSession(engine, on_drop=self._dropped, name=self.name)
         # Triton drops an idle sequence without telling the model: a reaper thread evicts idle states even
         # when no request comes; the lock keeps it and execute from touching the store at once.
         self._lock, self._stop = threading.Lock(), threading.Event()
@@ -120,7 +113,7 @@ class TritonPythonModel:
         return self.estimator(**inputs)[0]
 
     # -- execute ----------------------------------------------------------------------------------
-    def _parse(self, request):
+    def _incoming(self, request) -> Incoming:
         controls = {}
         for name in CONTROLS:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -130,93 +123,47 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
-        return controls, inputs
+        return Incoming(corr_id=int(controls["CORRID"]), start=bool(controls["START"]), end=bool(controls["END"]),
+                        inputs=inputs, ready=bool(controls["READY"]), is_cancelled=request.is_cancelled)
 
     def execute(self, requests):
         with self._lock:
             try:
-                return self._execute(requests)
+                outcomes = self.session.handle([self._incoming(r) for r in requests])
             finally:
-                self.metrics.live(len(self.engine.store))
+                self.metrics.live(self.session.live)
+        responses = []
+        for o in outcomes:
+            if o.error is not None:
+                responses.append(_error(o.error, _CODES[o.code]()))
+            elif o.result is None:  # an empty slot of the direct strategy
+                responses.append(pb_utils.InferenceResponse(output_tensors=[]))
+            else:
+                mel = o.result.mel[None].astype(np.float32, copy=False)
+                offset = np.array([[o.result.frame_offset]], dtype=np.int64)
+                responses.append(pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor("mel", mel), pb_utils.Tensor("frame_offset", offset)]))
+        return responses
 
     def _reap(self):
         period = min(max(self.limits.idle_timeout_s / 4, 0.05), 5.0)
         while not self._stop.wait(period):
             with self._lock:
-                if self.engine is not None and self._evict_idle():
-                    self.metrics.live(len(self.engine.store))
+                if self.session is not None and self.session.evict_idle():
+                    self.metrics.live(self.session.live)
 
-    def _evict_idle(self) -> list:
-        gone = self.engine.store.evict_idle()
-        for corr_id in gone:
-            self.metrics.dropped("idle")
-            self.logger.log_info(f"{self.name}: evicted sequence {corr_id} after "
-                                 f"{self.limits.idle_timeout_s} s idle; {len(self.engine.store)} live")
-        return gone
-
-    def _drop(self, corr_id, reason: str) -> None:
-        """Forget a sequence's state before its END; logged and counted (``s3flow_sequences_dropped``)."""
-        self.engine.store.drop(corr_id)
+    def _dropped(self, corr_id, reason: str) -> None:
+        """A sequence's state went before its END: logged and counted (``s3flow_sequences_dropped``)."""
         self.metrics.dropped(reason)
-        self.logger.log_info(f"{self.name}: dropped sequence {corr_id} ({reason}); "
-                             f"{len(self.engine.store)} live")
-
-    def _execute(self, requests):
-        self._evict_idle()
-        responses = [None] * len(requests)
-        items, where = [], []
-        for i, request in enumerate(requests):
-            controls, inputs = self._parse(request)
-            if not controls["READY"]:  # an empty slot of the direct strategy
-                responses[i] = pb_utils.InferenceResponse(output_tensors=[])
-                continue
-            corr_id = int(controls["CORRID"])
-            try:
-                chunk = parse_request(inputs, start=bool(controls["START"]), end=bool(controls["END"]),
-                                      limits=self.limits, n_feats=self.n_feats)
-                state = self.engine.admit(corr_id, chunk)
-            except RequestError as exc:
-                if controls["END"] and corr_id in self.engine.store:
-                    self._drop(corr_id, "invalid END request")
-                responses[i] = _error(str(exc), pb_utils.TritonError.INVALID_ARG)
-                continue
-            items.append((corr_id, state, bool(controls["END"])))
-            where.append(i)
-
-        if items:
-            live = [requests[i] for i in where]
-
-            def check_cancelled(step):
-                # Stop early only when every request of the batch is gone; a cancelled one among live
-                # ones rides along to the end of this chunk and is dropped below.
-                if all(r.is_cancelled() for r in live):
-                    raise Cancelled(f"cancelled by the client before Euler step {step}")
-
-            try:
-                results = self.engine.run(items, on_step=check_cancelled)
-            except (ModelCallError, Cancelled, RuntimeError) as exc:
-                cancelled = isinstance(exc, Cancelled)
-                code = pb_utils.TritonError.CANCELLED if cancelled else pb_utils.TritonError.UNAVAILABLE
-                for (corr_id, _, _), i in zip(items, where):
-                    # its noise/emitted state is now unreliable: the client must restart the utterance
-                    self._drop(corr_id, "cancelled" if cancelled else f"error: {exc}")
-                    responses[i] = _error(f"{self.name}: {exc}", code)
-                return responses
-            for (corr_id, _, final), i in zip(items, where):
-                if not final and requests[i].is_cancelled():
-                    self._drop(corr_id, "cancelled")
-            for result, i in zip(results, where):
-                mel = result.mel[None].astype(np.float32, copy=False)
-                offset = np.array([[result.frame_offset]], dtype=np.int64)
-                responses[i] = pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("mel", mel), pb_utils.Tensor("frame_offset", offset)])
-        return responses
+        what = f"evicted sequence {corr_id} after {self.limits.idle_timeout_s} s idle" if reason == "idle" \
+            else f"dropped sequence {corr_id} ({reason})"
+        self.logger.log_info(f"{self.name}: {what}; {self.session.live} live")
 
     def finalize(self):
         self._stop.set()
         self._reaper.join(10)
         with self._lock:
-            self.engine = None
+            self.session = None
             self.metrics.close()
 
 
@@ -225,7 +172,8 @@ class _SolverMetrics:
 
     * ``s3flow_live_sequences{model, instance}`` gauge: sequences whose state this instance holds;
     * ``s3flow_sequences_dropped{model, instance, reason}`` counter: states dropped before END
-      (``idle``, ``cancelled``, ``error``, ``invalid END request``).
+      (``idle``, ``cancelled``, ``invalid END request``; a failed model call keeps the state, so the
+      client can send the chunk again).
 
     A no-op where the stub has no custom-metric support.
     """
@@ -260,6 +208,10 @@ class _SolverMetrics:
         """Metrics must go before their families (the stub checks)."""
         self._live, self._dropped = None, {}
         self._live_family = self._dropped_family = None
+
+
+_CODES = {INVALID_ARG: lambda: pb_utils.TritonError.INVALID_ARG, CANCELLED: lambda: pb_utils.TritonError.CANCELLED,
+          "UNAVAILABLE": lambda: pb_utils.TritonError.UNAVAILABLE}
 
 
 def _error(message: str, code):

@@ -248,7 +248,7 @@ def stream_in_process(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], 
                 inputs["n_timesteps"] = np.array([[n_steps]], dtype=np.int32)
         end = k == len(chunks) - 1
         req = parse_request(inputs, start=k == 0, end=end, limits=limits, n_feats=engine.n_feats)
-        (res,) = engine.run([(1, engine.admit(1, req), end)])
+        (res,) = engine.run([engine.admit(1, req)])
         if k > 0 and res.mel.shape[1]:
             seams.append(res.frame_offset)
         pieces.append(res.mel)

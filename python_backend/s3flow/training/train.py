@@ -11,17 +11,20 @@ trained jointly with S3Gen's conditional flow-matching loss (``cfm_loss``, as up
 
 Each example is ``prompt ++ utterance`` where, with probability ``prompt_prob``, the prompt is a segment
 of another utterance of the same voice and ``cond`` holds its mel (zeros after), exactly the layout of
-inference; otherwise there is no prompt and ``cond`` is all zeros.
+inference; otherwise there is no prompt and ``cond`` is all zeros. Utterances longer than ``max_tokens``
+are cut to a random window (compute). The shipped weights are an exponential moving average (``EMA``).
 
 Student (``train_student``): a copy of the teacher whose estimator has the meanflow time mixer at
 ``[I | 0]`` (``make_student``), so it starts as exactly the teacher. The encoder is frozen (shared with the
-teacher). For a batch, the *guided* teacher (w = 0.7, one 2B call per step) integrates from noise with
-``fine_steps`` fine Euler steps (``guided_trajectory``), keeping its state at ``keep_times``
-(0, 1/4, ..., 1). The student learns the average velocity over [t, r] between kept states::
+teacher). For a batch, the *guided* teacher (w = 0.7, one 2B call per step) integrates from noise over
+its own cosine grid of ``fine_steps`` steps with ``keep_times`` (0, 1/2, 1) inserted
+(``guided_trajectory``), keeping its state there. The student learns the average velocity over [t, r]
+between kept states::
 
     student(x_t, t, r | mu, spks, cond)  ~  (x_r - x_t) / (r - t)
 
-with the pairs (0, 1), (0, 1/2), (1/2, 1) (the 1- and 2-step solver's intervals) drawn most often.
+for three pairs per example: (0, 1) (the 1-step solver), one of (0, 1/2) and (1/2, 1) (the 2-step
+solver's intervals), and a random pair.
 
 Everything is seeded (``TrainSettings.seed``): a rerun with the same settings and thread count gives the
 same weights.
@@ -31,6 +34,7 @@ Example::
     ds = Dataset.load("build/small_data/dataset.npz")
     teacher = train_teacher(ds, TrainSettings(teacher_steps=50))
     student = train_student(teacher, ds, TrainSettings(student_rounds=20))
+    write_checkpoint(student, "student.safetensors")   # records trained_config(meanflow=True)
 """
 from __future__ import annotations
 
@@ -55,13 +59,15 @@ CFG_DROPOUT = 0.2
 
 
 def trained_config(meanflow: bool = False) -> FlowConfig:
-    """The shipped small models' sizes: a 128-wide encoder (2 + 2 conformer blocks) and a 128-wide
-    estimator (1 transformer block per stage, 4 mid stages). The real 6561-token vocabulary is kept."""
-    enc = EncoderConfig(input_size=128, output_size=128, attention_heads=2, linear_units=256,
-                        num_blocks=2, num_up_blocks=2)
-    est = EstimatorConfig(channels=(128,), attention_head_dim=64, n_blocks=1, num_mid_blocks=4,
+    """The shipped small models' sizes: the small test encoder (64 wide, 2 + 2 conformer blocks, the real
+    6561-token vocabulary) and a 128-wide estimator (1 transformer block per stage, 2 mid stages).
+
+    The estimator must be wider than the 80 mel bins: at t = 0 the velocity is ``E[x1] - z``, and a
+    64-channel U-Net cannot carry the 80-dim noise z through, so its samples keep per-pixel noise.
+    """
+    est = EstimatorConfig(channels=(128,), attention_head_dim=64, n_blocks=1, num_mid_blocks=2,
                           num_heads=2, meanflow=meanflow)
-    return FlowConfig(enc, est)
+    return FlowConfig(EncoderConfig.small(), est)
 
 
 @dataclass
@@ -71,14 +77,26 @@ class TrainSettings:
     batch_size: int = 16
     prompt_prob: float = 0.5
     prompt_tokens: tuple[int, int] = (15, 50)
-    max_tokens: int = 100
+    max_tokens: int = 50
     # teacher
-    teacher_steps: int = 1500
+    teacher_steps: int = 800
     teacher_lr: float = 2e-3
     warmup_steps: int = 100
+    ema_decay: float = 0.995
+    #: Start the estimator's output bias at the training data's mean log-mel per bin (the mean of the
+    #: target velocity x1 - z), instead of 0: see ``train_teacher``.
+    init_output_bias: bool = True
+    #: Start the estimator's output projection weights at zero.
+    zero_init_output: bool = False
+    #: Start the estimator's residual branches at zero (``identity_init``).
+    identity_init: bool = True
+    #: Steps at the start with the condition always dropped (then 0.2): see ``train_teacher``.
+    uncond_steps: int = 200
     # student
-    student_rounds: int = 300
+    student_rounds: int = 150
+    student_batch_size: int = 8
     student_lr: float = 5e-4
+    student_ema_decay: float = 0.98
     guidance_rate: float = 0.7
     fine_steps: int = 10
     keep_times: tuple[float, ...] = (0.0, 0.5, 1.0)
@@ -168,6 +186,32 @@ def cfm_loss(flow: S3Flow, batch: Batch, gen: torch.Generator, sigma_min: float 
     return masked_mse(pred, u, mask)
 
 
+@torch.no_grad()
+def identity_init(estimator: torch.nn.Module) -> None:
+    """Start every residual branch of the estimator at zero (weights only; the architecture is upstream's).
+
+    Zero the output projections of each transformer block's attention and feed-forward, and the
+    LayerNorm scale of each resnet block's second causal block (so it outputs Mish(0) = 0): at the start
+    every stage passes its input on through its residual / 1x1 path. With upstream's Kaiming init every
+    branch adds a large random signal, and the small estimator does not learn to carry its input x
+    through to the output (the -z part of the velocity) in a CPU-sized run: it collapses its
+    dependence on x, and its samples keep the starting noise.
+    """
+    from ..estimator import BasicTransformerBlock, CausalResnetBlock1D
+    for m in estimator.modules():
+        if isinstance(m, BasicTransformerBlock):
+            m.attn1.to_out[0].weight.zero_()
+            m.ff.net[2].weight.zero_()
+        elif isinstance(m, CausalResnetBlock1D):
+            m.block2.block[2].weight.zero_()
+
+
+def mean_mel(ds: Dataset) -> torch.Tensor:
+    """(n_feats,) mean log-mel per bin over the training split."""
+    mel = np.concatenate([ds.utterances[i].mel for i in ds.split(heldout=False)], axis=1)
+    return torch.from_numpy(mel.mean(1).astype(np.float32))
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     """Linear warm-up, then cosine decay to 10 % of ``peak``."""
     if step < warmup:
@@ -185,27 +229,61 @@ def train_teacher(ds: Dataset, settings: TrainSettings = TrainSettings(), log: L
     s = settings
     torch.manual_seed(s.seed)
     flow = S3Flow(config or trained_config())
+    if s.identity_init:
+        identity_init(flow.estimator)
+    with torch.no_grad():
+        if s.zero_init_output:
+            flow.estimator.final_proj.weight.zero_()
+        if s.init_output_bias:
+            flow.estimator.final_proj.bias.copy_(mean_mel(ds))
     flow.train()
     opt = torch.optim.AdamW(flow.parameters(), lr=s.teacher_lr, betas=(0.9, 0.98), weight_decay=0.01)
     rng = np.random.default_rng([s.seed, 10])
     gen = torch.Generator().manual_seed(s.seed + 11)
     batches = length_batches(ds, ds.split(heldout=False), s.batch_size, rng)
     t0, recent = time.perf_counter(), []
+    ema = EMA(flow, s.ema_decay)
     for step in range(s.teacher_steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, s.teacher_steps, s.teacher_lr, s.warmup_steps)
         batch = make_batch(ds, next(batches), rng, s.prompt_prob, s.prompt_tokens, s.max_tokens)
-        loss = cfm_loss(flow, batch, gen)
+        loss = cfm_loss(flow, batch, gen, cfg_dropout=1.0 if step < s.uncond_steps else CFG_DROPOUT)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(flow.parameters(), s.grad_clip)
         opt.step()
+        ema.update(flow, step)
         recent.append(loss.item())
         if (step + 1) % s.log_every == 0 or step + 1 == s.teacher_steps:
             log(f"teacher step {step + 1}/{s.teacher_steps}: loss {np.mean(recent):.4f} "
                 f"({time.perf_counter() - t0:.0f} s)")
             recent = []
+    ema.copy_to(flow)
     return flow.eval()
+
+
+class EMA:
+    """Exponential moving average of a module's parameters (the weights that are shipped).
+
+    The decay ramps up as ``min(decay, (1 + step) / (10 + step))`` so early weights are forgotten fast.
+    """
+
+    def __init__(self, module: torch.nn.Module, decay: float):
+        self.decay = decay
+        self.shadow = {k: v.detach().clone() for k, v in module.state_dict().items() if v.is_floating_point()}
+
+    @torch.no_grad()
+    def update(self, module: torch.nn.Module, step: int) -> None:
+        d = min(self.decay, (1 + step) / (10 + step))
+        for k, v in module.state_dict().items():
+            if k in self.shadow:
+                self.shadow[k].mul_(d).add_(v.detach(), alpha=1 - d)
+
+    @torch.no_grad()
+    def copy_to(self, module: torch.nn.Module) -> None:
+        state = module.state_dict()
+        for k, v in self.shadow.items():
+            state[k].copy_(v)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -279,8 +357,9 @@ def train_student(teacher: S3Flow, ds: Dataset, settings: TrainSettings = TrainS
     gen = torch.Generator().manual_seed(s.seed + 21)
     grid, keep = distill_grid(s.fine_steps, s.keep_times)
     times = grid[keep]
-    batches = length_batches(ds, ds.split(heldout=False), s.batch_size, rng)
+    batches = length_batches(ds, ds.split(heldout=False), s.student_batch_size, rng)
     teacher_est = teacher.estimator.eval()
+    ema = EMA(student.estimator, s.student_ema_decay)
     t0, recent = time.perf_counter(), []
     for step in range(s.student_rounds):
         for g in opt.param_groups:
@@ -304,9 +383,11 @@ def train_student(teacher: S3Flow, ds: Dataset, settings: TrainSettings = TrainS
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         opt.step()
+        ema.update(student.estimator, step)
         recent.append(loss.item())
         if (step + 1) % s.log_every == 0 or step + 1 == s.student_rounds:
             log(f"student round {step + 1}/{s.student_rounds}: loss {np.mean(recent):.4f} "
                 f"({time.perf_counter() - t0:.0f} s)")
             recent = []
+    ema.copy_to(student.estimator)
     return student.eval()

@@ -1,0 +1,131 @@
+"""The solver's session layer: one ``execute`` batch of sequence requests in, one outcome per request out.
+
+Everything between Triton's tensors and the streaming engine that is not Triton glue lives here, so it is
+unit-tested with fake models and no server: skipping the empty slots of the ``direct`` strategy,
+validation (``protocol.parse_request``), admission, running the batch, cancellation, dropping a sequence's
+state (END, a bad END request, cancellation, idle) and mapping failures to error codes:
+
+=====================================  ===========  ==================================================
+what happened                          code         the sequence's state
+=====================================  ===========  ==================================================
+the request is invalid                 INVALID_ARG  unchanged (dropped when it was the END request)
+the encoder or estimator call failed   UNAVAILABLE  as before the chunk: the client may send it again
+every request of the batch cancelled   CANCELLED    dropped (the client has gone)
+=====================================  ===========  ==================================================
+
+Example::
+
+    session = SolverSession(engine, on_drop=lambda corr_id, reason: ...)
+    outcomes = session.handle([Incoming(corr_id=7, start=True, end=False, inputs=tensors)])
+    outcomes[0].result.mel, outcomes[0].error, outcomes[0].code
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+import numpy as np
+
+from .protocol import RequestError, parse_request
+from .streaming import Chunk, ChunkResult, StreamingEngine
+
+INVALID_ARG, UNAVAILABLE, CANCELLED = "INVALID_ARG", "UNAVAILABLE", "CANCELLED"
+
+
+class Cancelled(RuntimeError):
+    """Every request of the batch was cancelled by its client."""
+
+
+class ModelCallError(RuntimeError):
+    """A call to another model (the encoder or the estimator) failed; the message names the model."""
+
+
+@dataclass
+class Incoming:
+    """One request as the model received it: controls, input tensors, and a cancellation probe."""
+    corr_id: int
+    start: bool
+    end: bool
+    inputs: Mapping[str, np.ndarray]
+    ready: bool = True                                 # False: an empty slot of the direct strategy
+    is_cancelled: Callable[[], bool] = field(default=lambda: False)
+
+
+@dataclass
+class Outcome:
+    """The answer to one request: a result, an error with its code, or nothing (an empty slot)."""
+    result: Optional[ChunkResult] = None
+    error: Optional[str] = None
+    code: Optional[str] = None
+
+
+class SolverSession:
+    """Runs batches of requests through a ``StreamingEngine``.
+
+    ``on_drop(corr_id, reason)`` is called for each state dropped before its END (for logs and metrics):
+    reasons ``invalid END request``, ``cancelled``, ``idle``.
+    """
+
+    def __init__(self, engine: StreamingEngine, on_drop: Callable[[object, str], None] = lambda c, r: None,
+                 name: str = "cfm_solver"):
+        self.engine, self.on_drop, self.name = engine, on_drop, name
+
+    @property
+    def live(self) -> int:
+        return len(self.engine.store)
+
+    def evict_idle(self) -> list:
+        gone = self.engine.store.evict_idle()
+        for corr_id in gone:
+            self.on_drop(corr_id, "idle")
+        return gone
+
+    def _drop(self, corr_id, reason: str) -> None:
+        self.engine.store.drop(corr_id)
+        self.on_drop(corr_id, reason)
+
+    def handle(self, requests: list[Incoming]) -> list[Outcome]:
+        self.evict_idle()
+        out = [Outcome() for _ in requests]
+        chunks: list[Chunk] = []
+        where: list[int] = []
+        for i, req in enumerate(requests):
+            if not req.ready:
+                continue
+            try:
+                parsed = parse_request(req.inputs, start=req.start, end=req.end, limits=self.engine.limits,
+                                       n_feats=self.engine.n_feats)
+                chunks.append(self.engine.admit(req.corr_id, parsed))
+                where.append(i)
+            except RequestError as exc:
+                if req.end and req.corr_id in self.engine.store:
+                    self._drop(req.corr_id, "invalid END request")
+                msg = str(exc) if str(exc).startswith("sequence ") else f"sequence {req.corr_id}: {exc}"
+                out[i] = Outcome(error=msg, code=INVALID_ARG)
+        if not chunks:
+            return out
+        live = [requests[i] for i in where]
+
+        def check_cancelled(step: int) -> None:
+            # Stop early only when every request of the batch is gone; a cancelled one among live ones
+            # rides along to the end of this chunk and is dropped below.
+            if all(r.is_cancelled() for r in live):
+                raise Cancelled(f"cancelled by the client before Euler step {step}")
+
+        try:
+            results = self.engine.run(chunks, on_step=check_cancelled)
+        except Cancelled as exc:
+            for c, i in zip(chunks, where):
+                self._drop(c.corr_id, "cancelled")
+                out[i] = Outcome(error=f"{self.name}: sequence {c.corr_id}: {exc}", code=CANCELLED)
+            return out
+        except (ModelCallError, RuntimeError) as exc:  # the states are as before the chunk: retryable
+            for c, i in zip(chunks, where):
+                out[i] = Outcome(error=f"{self.name}: sequence {c.corr_id}: {exc}; the sequence is as before "
+                                       f"this chunk: send it again", code=UNAVAILABLE)
+            return out
+        for c, i, result in zip(chunks, where, results):
+            if not c.finalize and requests[i].is_cancelled():
+                self._drop(c.corr_id, "cancelled")
+            out[i] = Outcome(result=result)
+        return out

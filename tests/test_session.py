@@ -1,0 +1,141 @@
+"""The solver's session layer (s3flow.session) with a fake model: slots, errors, codes, drops, retries."""
+import numpy as np
+import pytest
+import torch
+
+from helpers import request_inputs
+from s3flow.protocol import Limits
+from s3flow.session import CANCELLED, INVALID_ARG, UNAVAILABLE, Incoming, SolverSession
+from s3flow.streaming import StreamingEngine
+from s3flow_client.demo import demo_utterance
+
+N_FEATS = 80
+
+
+class FakeModels:
+    """An encoder whose mu is the token id over two frames, and an estimator with velocity mu - x; either
+    can be told to fail."""
+
+    def __init__(self):
+        self.fail = False
+        self.calls = 0
+
+    def encode(self, tokens, token_len, emb):
+        if self.fail:
+            raise RuntimeError("model 'flow_encoder' failed: unavailable")
+        mu = tokens.float().repeat_interleave(2, dim=1)[:, None, :].expand(-1, N_FEATS, -1) / 1000
+        return mu, None, torch.zeros(tokens.shape[0], N_FEATS)
+
+    def estimate(self, x, mask, mu, t, spks, cond, r=None):
+        self.calls += 1
+        return mu - x
+
+
+def session(limits=Limits(), drops=None):
+    models = FakeModels()
+    engine = StreamingEngine(models.encode, models.estimate, n_feats=N_FEATS, meanflow=False, limits=limits)
+    on_drop = (lambda c, r: drops.append((c, r))) if drops is not None else (lambda c, r: None)
+    return SolverSession(engine, on_drop=on_drop), models
+
+
+def chunk(u, cid, lo, hi, start=False, end=False, **kw):
+    return Incoming(corr_id=cid, start=start, end=end, inputs=request_inputs(u, lo, hi, start), **kw)
+
+
+U = demo_utterance(1.0, seed=1)
+
+
+def test_a_stream_of_chunks_gives_consecutive_frames_and_end_drops_the_state():
+    s, _ = session()
+    outs = [s.handle([chunk(U, 1, 0, 10, start=True)]), s.handle([chunk(U, 1, 10, 25, end=True)])]
+    assert [o[0].result.frame_offset for o in outs] == [0, 14]
+    assert sum(o[0].result.mel.shape[1] for o in outs) == 50 and s.live == 0
+
+
+def test_empty_slots_get_an_empty_outcome_and_do_not_reach_the_engine():
+    s, models = session()
+    [o] = s.handle([Incoming(corr_id=0, start=False, end=False, inputs={}, ready=False)])
+    assert o.result is None and o.error is None and models.calls == 0
+
+
+def test_a_bad_request_is_invalid_arg_naming_the_sequence_and_the_others_in_the_batch_go_on():
+    s, _ = session()
+    bad = chunk(U, 2, 0, 5, start=True)
+    bad.inputs["speech_tokens"] = np.array([[1, 7000]], np.int64)
+    out = s.handle([chunk(U, 1, 0, 10, start=True), bad])
+    assert out[0].result is not None and out[0].result.mel.shape == (N_FEATS, 14)
+    assert out[1].code == INVALID_ARG and out[1].error == "sequence 2: speech_tokens must be in [0, 6561), got 7000"
+    [late] = s.handle([chunk(U, 9, 0, 5)])
+    assert late.code == INVALID_ARG and late.error.startswith("sequence 9 is not active")
+
+
+def test_an_invalid_end_request_drops_the_sequence():
+    drops = []
+    s, _ = session(drops=drops)
+    s.handle([chunk(U, 1, 0, 10, start=True)])
+    bad = chunk(U, 1, 10, 12, end=True)
+    bad.inputs["speech_tokens"] = bad.inputs["speech_tokens"].astype(np.int32)
+    [o] = s.handle([bad])
+    assert o.code == INVALID_ARG and "speech_tokens must be int64, got int32" in o.error
+    assert s.live == 0 and drops == [(1, "invalid END request")]
+
+
+def test_a_failed_model_call_is_unavailable_and_the_chunk_can_be_sent_again():
+    drops = []
+    s, models = session(drops=drops)
+    ref, _ = session()
+    first = s.handle([chunk(U, 1, 0, 10, start=True)])[0].result
+    ref.handle([chunk(U, 1, 0, 10, start=True)])
+    models.fail = True
+    [o] = s.handle([chunk(U, 1, 10, 20)])
+    assert o.code == UNAVAILABLE and "flow_encoder" in o.error and "send it again" in o.error
+    assert s.live == 1 and drops == []
+    models.fail = False
+    [again] = s.handle([chunk(U, 1, 10, 20)])
+    [want] = ref.handle([chunk(U, 1, 10, 20)])
+    assert first.frame_offset == 0 and again.result.frame_offset == want.result.frame_offset == 14
+    np.testing.assert_array_equal(again.result.mel, want.result.mel)
+
+
+def test_cancelled_batch_stops_before_a_step_and_drops_the_state():
+    drops = []
+    s, models = session(drops=drops)
+    s.handle([chunk(U, 1, 0, 10, start=True)])
+    calls = models.calls
+    [o] = s.handle([chunk(U, 1, 10, 20, is_cancelled=lambda: True)])
+    assert o.code == CANCELLED and "before Euler step 0" in o.error
+    assert models.calls == calls and s.live == 0 and drops == [(1, "cancelled")]
+
+
+def test_a_cancelled_request_among_live_ones_rides_along_then_is_dropped():
+    drops = []
+    s, _ = session(drops=drops)
+    s.handle([chunk(U, 1, 0, 10, start=True), chunk(U, 2, 0, 10, start=True)])
+    out = s.handle([chunk(U, 1, 10, 20, is_cancelled=lambda: True), chunk(U, 2, 10, 20)])
+    assert all(o.result is not None for o in out)
+    assert drops == [(1, "cancelled")] and s.live == 1
+
+
+def test_idle_sequences_are_evicted_with_a_reason():
+    now = [0.0]
+    drops = []
+    s, _ = session(Limits(idle_timeout_s=5.0), drops=drops)
+    s.engine.store.clock = lambda: now[0]
+    s.handle([chunk(U, 1, 0, 10, start=True)])
+    now[0] = 6.0
+    assert s.evict_idle() == [1] and drops == [(1, "idle")]
+    [o] = s.handle([chunk(U, 1, 10, 20)])
+    assert o.code == INVALID_ARG and "evicted after 5.0 s idle" in o.error
+
+
+@pytest.mark.parametrize("context", [-1, 0, 6])
+def test_every_frame_arrives_once_in_order_in_each_mode(context):
+    s, _ = session(Limits(context_frames=context, holdback_frames=5))
+    u = demo_utterance(2.0, seed=3)
+    sizes, done, lo = [3, 7, 11, 9, 20], 0, 0
+    for k, n in enumerate(sizes):
+        [o] = s.handle([chunk(u, 4, lo, lo + n, start=k == 0, end=k == len(sizes) - 1)])
+        assert o.result.frame_offset == done
+        done += o.result.mel.shape[1]
+        lo += n
+    assert done == 2 * len(u.speech_tokens) and s.live == 0
