@@ -58,7 +58,8 @@ def test_chunk_calls_are_the_shapes_the_engine_runs(meanflow):
         with torch.inference_mode():
             return flow.estimator(x, mask, mu, t, spks, cond, r)
 
-    engine = StreamingEngine(torch_encoder(flow), recording, n_feats=80, meanflow=meanflow, limits=Limits())
+    engine = StreamingEngine(torch_encoder(flow), recording, n_feats=80, meanflow=meanflow,
+                             limits=Limits(context_frames=-1))  # chunk_calls models the prefix re-run
     u = demo_utterance(1.2, seed=4)
     sizes = [7, 11, 12]
     u.n_timesteps = 3

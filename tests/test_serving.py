@@ -51,18 +51,6 @@ def test_streamed_served_equals_in_process_and_offline(served):
     assert got.chunk_frames[0] == 2 * 8 - 6, "first chunk holds back the 6 lookahead frames"
     [local] = stream_in_process(make_engine(flow, LIMITS), [u], [u.chunks])
     np.testing.assert_allclose(got.mel, np.concatenate([r.mel for r in local], 1), atol=5e-4, rtol=0)
-    # the last chunk's frames were made with every token: they match offline synthesis closely only if
-    # the model is local; report the whole-utterance figure, seams included
-    ref = offline(flow, u)
-    err = np.abs(got.mel - ref).max(axis=0)
-    seams = np.cumsum(got.chunk_frames)[:-1]
-    near = np.zeros(err.shape, bool)
-    for s in seams:
-        near[max(s - 2, 0):s + 2] = True
-    print(f"\nserved stream vs offline: worst frame error {err.max():.3f} at frame {err.argmax()} "
-          f"({'at' if near[err.argmax()] else 'away from'} a seam); mean {err.mean():.3f}; "
-          f"offline std {ref.std():.3f}; seams {list(seams)}")
-    assert np.isfinite(got.mel).all()
 
 
 def test_one_chunk_served_equals_offline(served):

@@ -5,7 +5,7 @@ import torch
 
 from helpers import request_inputs
 from s3flow.protocol import Limits
-from s3flow.session import CANCELLED, INVALID_ARG, UNAVAILABLE, Incoming, SolverSession
+from s3flow.session import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, Incoming, ModelCallError, SolverSession
 from s3flow.streaming import StreamingEngine
 from s3flow_client.demo import demo_utterance
 
@@ -18,11 +18,14 @@ class FakeModels:
 
     def __init__(self):
         self.fail = False
+        self.bug = False
         self.calls = 0
 
     def encode(self, tokens, token_len, emb):
         if self.fail:
-            raise RuntimeError("model 'flow_encoder' failed: unavailable")
+            raise ModelCallError("model 'flow_encoder' failed: unavailable")
+        if self.bug:
+            raise RuntimeError("shape mismatch")
         mu = tokens.float().repeat_interleave(2, dim=1)[:, None, :].expand(-1, N_FEATS, -1) / 1000
         return mu, None, torch.zeros(tokens.shape[0], N_FEATS)
 
@@ -95,6 +98,37 @@ def test_a_failed_model_call_is_unavailable_and_the_chunk_can_be_sent_again():
     [want] = ref.handle([chunk(U, 1, 10, 20)])
     assert first.frame_offset == 0 and again.result.frame_offset == want.result.frame_offset == 14
     np.testing.assert_array_equal(again.result.mel, want.result.mel)
+
+
+def test_a_failed_end_or_start_chunk_drops_the_sequence_and_says_so():
+    drops = []
+    s, models = session(drops=drops)
+    s.handle([chunk(U, 1, 0, 10, start=True)])
+    models.fail = True
+    [end] = s.handle([chunk(U, 1, 10, 20, end=True)])
+    [start] = s.handle([chunk(U, 2, 0, 10, start=True)])
+    assert end.code == start.code == UNAVAILABLE
+    assert "restart the utterance" in end.error and "send the START again" in start.error
+    assert s.live == 0 and drops == [(1, "failed END"), (2, "failed START")]
+
+
+def test_a_failed_restart_puts_the_live_utterance_back():
+    s, models = session()
+    s.handle([chunk(U, 1, 0, 10, start=True)])
+    before = s.engine.store.get(1)
+    models.fail = True
+    [o] = s.handle([chunk(U, 1, 0, 10, start=True)])
+    assert o.code == UNAVAILABLE and s.engine.store.get(1) is before
+
+
+def test_any_other_failure_is_internal_and_ends_the_sequence():
+    drops = []
+    s, models = session(drops=drops)
+    s.handle([chunk(U, 1, 0, 10, start=True)])
+    models.bug = True
+    [o] = s.handle([chunk(U, 1, 10, 20)])
+    assert o.code == INTERNAL and "RuntimeError: shape mismatch" in o.error and "ended" in o.error
+    assert s.live == 0 and drops == [(1, "error")]
 
 
 def test_cancelled_batch_stops_before_a_step_and_drops_the_state():

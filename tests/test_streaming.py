@@ -10,6 +10,9 @@ from s3flow.streaming import SequenceStore
 from s3flow_client import chunk_schedule
 from s3flow_client.demo import demo_utterance
 
+#: the prefix re-run mode, whatever the server's default
+PREFIX = Limits(context_frames=-1)
+
 
 @pytest.mark.parametrize("meanflow", [False, True])
 def test_each_chunk_equals_offline_synthesis_of_its_prefix(meanflow):
@@ -18,7 +21,7 @@ def test_each_chunk_equals_offline_synthesis_of_its_prefix(meanflow):
     flow = small_flow(meanflow)
     u = demo_utterance(2.0, seed=3, noise_seed=5)
     sizes = [7, 13, 20, 10]
-    [results] = stream_in_process(make_engine(flow), [u], [sizes])
+    [results] = stream_in_process(make_engine(flow, PREFIX), [u], [sizes])
     done = 0
     for k, res in enumerate(results):
         n = sum(sizes[:k + 1])
@@ -34,40 +37,37 @@ def test_each_chunk_equals_offline_synthesis_of_its_prefix(meanflow):
 def test_one_chunk_stream_equals_offline_exactly():
     flow = small_flow()
     u = demo_utterance(1.0, seed=1)
-    [[res]] = stream_in_process(make_engine(flow), [u], [[len(u.speech_tokens)]])
+    [[res]] = stream_in_process(make_engine(flow, PREFIX), [u], [[len(u.speech_tokens)]])
     np.testing.assert_allclose(res.mel, offline(flow, u), atol=2e-4, rtol=0)
 
 
-def test_streamed_vs_offline_whole_utterance_is_measured():
-    """Streamed frames are made with the context available at their chunk, offline ones with the whole
-    utterance. The encoder's and estimator's attention is full, so with random weights (every frame
-    attends to every token) the difference is of the order of the signal itself; with trained weights it
-    is local. This records the figure (run with -s) and bounds it; the exact contract is the per-chunk
-    test above."""
+def test_prefix_mode_last_chunk_equals_whole_utterance_offline_and_earlier_chunks_do_not():
+    """In prefix mode the last chunk solves the whole utterance, finalised: its frames are exactly offline
+    synthesis of the whole utterance. Frames emitted earlier were made before later tokens existed, and the
+    attention is global, so they differ (how much on a trained model: results/streaming.md)."""
     flow = small_flow()
     u = demo_utterance(3.0, seed=2)
     sizes = chunk_schedule(len(u.speech_tokens), 10, 2.0, 40)
-    [results] = stream_in_process(make_engine(flow), [u], [sizes])
-    streamed = np.concatenate([r.mel for r in results], axis=1)
+    [results] = stream_in_process(make_engine(flow, PREFIX), [u], [sizes])
     ref = offline(flow, u)
-    assert streamed.shape == ref.shape
-    err = np.abs(streamed - ref).max(axis=0)
-    assert np.isfinite(err).all()
-    last = results[-1].frame_offset
-    assert err.max() < 4 * ref.std(), f"streamed vs offline worst frame error {err.max():.3f}"
-    print(f"streamed vs offline: worst {err.max():.3f} at frame {err.argmax()}, mean {err.mean():.3f}, "
-          f"offline std {ref.std():.3f}, last-chunk frames from {last}")
+    last = results[-1]
+    np.testing.assert_allclose(last.mel, ref[:, last.frame_offset:], atol=2e-4, rtol=0)
+    first = results[0]
+    assert np.abs(first.mel - ref[:, :first.mel.shape[1]]).mean() > 1e-2
 
 
-def test_batched_chunks_equal_one_by_one():
-    """Several utterances' chunks in one padded batch give what each gives alone."""
+@pytest.mark.parametrize("context", [-1, 10])
+def test_batched_chunks_equal_one_by_one(context):
+    """Several utterances' chunks in one padded batch (different prompt and context lengths) give what
+    each gives alone, in both streaming modes."""
     flow = small_flow()
+    limits = Limits(context_frames=context)
     utts = [demo_utterance(s, seed=i, noise_seed=10 + i, prompt_seconds=p)
             for i, (s, p) in enumerate([(1.2, 0.6), (2.0, 1.0), (0.8, 0.4), (1.6, 0.8)])]
     sizes = [chunk_schedule(len(u.speech_tokens), 5 + i, 2.0, 30) for i, u in enumerate(utts)]
-    batched = stream_in_process(make_engine(flow), utts, sizes)
+    batched = stream_in_process(make_engine(flow, limits), utts, sizes)
     for u, s, got in zip(utts, sizes, batched):
-        [alone] = stream_in_process(make_engine(flow), [u], [s])
+        [alone] = stream_in_process(make_engine(flow, limits), [u], [s])
         for a, b in zip(got, alone):
             assert a.frame_offset == b.frame_offset
             np.testing.assert_allclose(a.mel, b.mel, atol=2e-4, rtol=0)

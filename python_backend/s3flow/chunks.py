@@ -67,9 +67,9 @@ def solve_frames(token_len: torch.Tensor, prefix_frames: torch.Tensor, finalize)
         finalize: bool, or (B,) bool: the row's last tokens have arrived.
     """
     lengths = token_len.to(torch.int64) * TOKEN_MEL_RATIO
-    prefix = torch.as_tensor(prefix_frames, dtype=torch.int64).expand_as(lengths)
+    prefix = torch.as_tensor(prefix_frames, dtype=torch.int64, device=lengths.device).expand_as(lengths)
     trimmed = torch.maximum(lengths - LOOKAHEAD_FRAMES, prefix)
-    return torch.where(torch.as_tensor(finalize).expand_as(lengths), lengths, trimmed)
+    return torch.where(torch.as_tensor(finalize, device=lengths.device).expand_as(lengths), lengths, trimmed)
 
 
 def condition(mu: torch.Tensor, spks: torch.Tensor, lengths: torch.Tensor,
@@ -93,7 +93,7 @@ def condition(mu: torch.Tensor, spks: torch.Tensor, lengths: torch.Tensor,
         prefix_mels = list(prefix_mels) * b
     for i, p in enumerate(prefix_mels):
         cond[i, :, :p.shape[1]] = torch.as_tensor(p).to(mu.dtype)
-    prefix = torch.tensor([p.shape[1] for p in prefix_mels], dtype=torch.int64)
+    prefix = torch.tensor([p.shape[1] for p in prefix_mels], dtype=torch.int64, device=lengths.device)
     return Condition(mu=mu.contiguous(), mask=mask, spks=spks, cond=cond, lengths=lengths, prefix_frames=prefix)
 
 

@@ -125,7 +125,10 @@ def synthesize(flow: S3Flow, speech_tokens: torch.Tensor, prompt_tokens: torch.T
     tokens, token_len = join_tokens(speech_tokens, speech_token_len, prompt_tokens)
     emb = embedding.reshape(-1, embedding.shape[-1]).expand(b, -1).float()
     mu, _, spks = flow.encoder(tokens, token_len, emb)
-    prompt_mel = prompt_feat.reshape(-1, prompt_feat.shape[-1]).T  # (n_feats, Tp)
+    if prompt_feat.shape[0] != 1:
+        raise ValueError(f"prompt_feat must hold one prompt shared by every row, (1, Tp, n_feats); got "
+                         f"{tuple(prompt_feat.shape)}")
+    prompt_mel = prompt_feat[0].T  # (n_feats, Tp)
     tp = prompt_mel.shape[1]
     cond = condition(mu, spks, solve_frames(token_len, tp, finalize), [prompt_mel])
     if z is None:
@@ -138,7 +141,7 @@ def synthesize(flow: S3Flow, speech_tokens: torch.Tensor, prompt_tokens: torch.T
     elif tuple(z.shape) != tuple(cond.mu.shape):
         raise ValueError(f"z must have shape {tuple(cond.mu.shape)}, got {tuple(z.shape)}")
     est = estimator if estimator is not None else TorchEstimator(flow.estimator)
-    result = solve_cfm(est, z.to(cond.mu.dtype), cond.mu, cond.mask, cond.spks, cond.cond,
+    result = solve_cfm(est, z.to(cond.mu), cond.mu, cond.mask, cond.spks, cond.cond,
                        meanflow=flow.config.meanflow, n_steps=n_steps, guidance_rate=guidance_rate)
     mel = result.x[:, :, tp:] * cond.mask[:, :, tp:]
     return SynthesisResult(mel=mel, lengths=cond.generated, nfe=result.nfe)

@@ -9,7 +9,10 @@ state (END, a bad END request, cancellation, idle) and mapping failures to error
 what happened                          code         the sequence's state
 =====================================  ===========  ==================================================
 the request is invalid                 INVALID_ARG  unchanged (dropped when it was the END request)
-the encoder or estimator call failed   UNAVAILABLE  as before the chunk: the client may send it again
+the encoder or estimator call failed   UNAVAILABLE  as before the chunk: the client may send it again;
+                                                    dropped when it was the END request (Triton ends
+                                                    the sequence at END whatever the answer)
+any other failure in the solve         INTERNAL     dropped: the client must restart the utterance
 every request of the batch cancelled   CANCELLED    dropped (the client has gone)
 =====================================  ===========  ==================================================
 
@@ -29,7 +32,7 @@ import numpy as np
 from .protocol import RequestError, parse_request
 from .streaming import Chunk, ChunkResult, StreamingEngine
 
-INVALID_ARG, UNAVAILABLE, CANCELLED = "INVALID_ARG", "UNAVAILABLE", "CANCELLED"
+INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL"
 
 
 class Cancelled(RuntimeError):
@@ -63,7 +66,7 @@ class SolverSession:
     """Runs batches of requests through a ``StreamingEngine``.
 
     ``on_drop(corr_id, reason)`` is called for each state dropped before its END (for logs and metrics):
-    reasons ``invalid END request``, ``cancelled``, ``idle``.
+    reasons ``invalid END request``, ``cancelled``, ``idle``, ``failed END``, ``failed START``, ``error``.
     """
 
     def __init__(self, engine: StreamingEngine, on_drop: Callable[[object, str], None] = lambda c, r: None,
@@ -119,10 +122,23 @@ class SolverSession:
                 self._drop(c.corr_id, "cancelled")
                 out[i] = Outcome(error=f"{self.name}: sequence {c.corr_id}: {exc}", code=CANCELLED)
             return out
-        except (ModelCallError, RuntimeError) as exc:  # the states are as before the chunk: retryable
+        except ModelCallError as exc:
             for c, i in zip(chunks, where):
-                out[i] = Outcome(error=f"{self.name}: sequence {c.corr_id}: {exc}; the sequence is as before "
-                                       f"this chunk: send it again", code=UNAVAILABLE)
+                if c.new:  # the engine dropped the state it had made (and put back any it replaced)
+                    self.on_drop(c.corr_id, "failed START")
+                    then = "send the START again"
+                elif c.finalize:
+                    self._drop(c.corr_id, "failed END")
+                    then = "the END request ends the sequence: restart the utterance"
+                else:
+                    then = "the sequence is as before this chunk: send it again"
+                out[i] = Outcome(error=f"{self.name}: sequence {c.corr_id}: {exc}; {then}", code=UNAVAILABLE)
+            return out
+        except Exception as exc:  # a bug, not a passing outage: retrying would fail the same way
+            for c, i in zip(chunks, where):
+                self._drop(c.corr_id, "error")
+                out[i] = Outcome(error=f"{self.name}: sequence {c.corr_id}: {type(exc).__name__}: {exc}; "
+                                       f"the sequence is ended", code=INTERNAL)
             return out
         for c, i, result in zip(chunks, where, results):
             if not c.finalize and requests[i].is_cancelled():

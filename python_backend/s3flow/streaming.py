@@ -77,6 +77,7 @@ class Chunk:
     tokens: np.ndarray                 # (N,) int64
     finalize: bool
     new: bool                          # START: the state was created for this chunk
+    replaced: Optional[SequenceState] = None  # the live state a START replaced (put back if it fails)
 
 
 class SequenceStore:
@@ -95,13 +96,16 @@ class SequenceStore:
     def __contains__(self, corr_id) -> bool:
         return corr_id in self._states
 
-    def create(self, corr_id, state: SequenceState) -> None:
-        self._states.pop(corr_id, None)  # a START on a live id restarts that utterance
-        if len(self._states) >= self.limits.max_live_sequences:
+    def create(self, corr_id, state: SequenceState):
+        """Store a new sequence's state; returns the state it replaced (a START on a live id restarts
+        that utterance), or None."""
+        old = self._states.pop(corr_id, None)
+        if len(self._states) >= self.limits.max_live_sequences:  # (never when it replaces one)
             raise RequestError(f"too many live sequences ({len(self._states)}, max_live_sequences "
                                f"{self.limits.max_live_sequences}); retry later")
         state.last_seen = self.clock()
         self._states[corr_id] = state
+        return old
 
     def get(self, corr_id) -> SequenceState:
         state = self._states.get(corr_id)
@@ -114,6 +118,10 @@ class SequenceStore:
 
     def drop(self, corr_id) -> None:
         self._states.pop(corr_id, None)
+
+    def put_back(self, corr_id, state: SequenceState) -> None:
+        """Restore a state exactly as it was (a failed chunk's rollback)."""
+        self._states[corr_id] = state
 
     def evict_idle(self) -> list:
         now, gone = self.clock(), []
@@ -167,15 +175,15 @@ class StreamingEngine:
                                   speaker_embedding=req.speaker_embedding, n_steps=int(steps),
                                   guidance_rate=0.0 if self.meanflow else float(rate), noise=noise,
                                   prompt_noise=noise.prompt(req.prompt_mel.shape[1]))
-            self.store.create(corr_id, state)
+            replaced = self.store.create(corr_id, state)
         else:
-            state = self.store.get(corr_id)
+            state, replaced = self.store.get(corr_id), None
         frames = TOKEN_MEL_RATIO * (state.n_tokens + req.speech_tokens.size)
         if frames > self.limits.max_utterance_frames:
             self.store.drop(corr_id)
             raise RequestError(f"utterance grows to {frames} frames, above max_utterance_frames "
                                f"{self.limits.max_utterance_frames}; the sequence is ended")
-        return Chunk(corr_id, state, req.speech_tokens, finalize=req.end, new=req.start)
+        return Chunk(corr_id, state, req.speech_tokens, finalize=req.end, new=req.start, replaced=replaced)
 
     # -- one step for several sequences --------------------------------------------------------------
     def run(self, chunks: list[Chunk], on_step: Optional[Callable[[int], None]] = None) -> list["ChunkResult"]:
@@ -185,14 +193,15 @@ class StreamingEngine:
         ``bucket_ratio`` r >= 1 (length bucketing), several: rows sorted by frames, a new batch begun where
         a row is more than r times as long as the batch's shortest, so short rows do not pay for the
         padding of long ones. States change only after every solve has succeeded; on an exception the
-        sequences are as before (a START's new state is dropped) and the exception propagates.
+        sequences are as before (a START's new state is dropped, a state it replaced put back) and the
+        exception propagates.
         """
-        rows = [self._plan(c) for c in chunks]
         solved: list[Optional[np.ndarray]] = [None] * len(chunks)
         groups: dict[tuple, list[int]] = {}
         for i, c in enumerate(chunks):
             groups.setdefault((c.state.n_steps, c.state.guidance_rate), []).append(i)
         try:
+            rows = [self._plan(c) for c in chunks]
             for (steps, rate), idx in groups.items():
                 for part in self._buckets(rows, idx):
                     xs = self._solve([chunks[i] for i in part], [rows[i] for i in part], steps, rate, on_step)
@@ -202,6 +211,8 @@ class StreamingEngine:
             for c in chunks:
                 if c.new:
                     self.store.drop(c.corr_id)
+                    if c.replaced is not None:
+                        self.store.put_back(c.corr_id, c.replaced)
             raise
         return [self._commit(c, row, x) for c, row, x in zip(chunks, rows, solved)]
 
@@ -265,7 +276,7 @@ class StreamingEngine:
         keep_from = 0
         if self.context_frames is not None:  # what a later chunk can still need: its context and on
             keep_from = max(0, row.ready - self.context_frames - TOKEN_MEL_RATIO)
-            tail = mel if s.mel_tail is None else np.concatenate([s.mel_tail, mel], axis=1)
+            tail = mel.copy() if s.mel_tail is None else np.concatenate([s.mel_tail, mel], axis=1)
             s.mel_tail = tail[:, max(0, tail.shape[1] - (row.ready - keep_from)):]
         keep_from = max(keep_from, row.c0)
         s.noised_mels = Carried(row.start[:, tp + keep_from - row.c0:], keep_from) if row.g > keep_from else None

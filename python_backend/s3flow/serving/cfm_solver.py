@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
 from s3flow.protocol import INPUT_DTYPES, Limits
-from s3flow.session import CANCELLED, INVALID_ARG, Incoming, ModelCallError, SolverSession
+from s3flow.session import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, Incoming, ModelCallError, SolverSession
 from s3flow.streaming import StreamingEngine
 
 CONTROLS = ("START", "END", "READY", "CORRID")
@@ -172,8 +172,8 @@ class _SolverMetrics:
 
     * ``s3flow_live_sequences{model, instance}`` gauge: sequences whose state this instance holds;
     * ``s3flow_sequences_dropped{model, instance, reason}`` counter: states dropped before END
-      (``idle``, ``cancelled``, ``invalid END request``; a failed model call keeps the state, so the
-      client can send the chunk again).
+      (``idle``, ``cancelled``, ``invalid END request``, ``failed END``, ``failed START``, ``error``; a failed
+      model call on a middle chunk keeps the state, so the client can send the chunk again).
 
     A no-op where the stub has no custom-metric support.
     """
@@ -211,7 +211,7 @@ class _SolverMetrics:
 
 
 _CODES = {INVALID_ARG: lambda: pb_utils.TritonError.INVALID_ARG, CANCELLED: lambda: pb_utils.TritonError.CANCELLED,
-          "UNAVAILABLE": lambda: pb_utils.TritonError.UNAVAILABLE}
+          UNAVAILABLE: lambda: pb_utils.TritonError.UNAVAILABLE, INTERNAL: lambda: pb_utils.TritonError.INTERNAL}
 
 
 def _error(message: str, code):

@@ -6,8 +6,9 @@
 * ``evaluate_methods`` runs each ``Method`` (teacher guided 10 / 2 steps, teacher unguided 10, student
   2 / 1 steps) from the same ``FrameNoise`` seed per utterance and reports mel error against the ground
   truth and against the guided 10-step teacher, a detail ratio, estimator calls and wall time.
-* ``stream_vs_offline`` streams utterances chunk by chunk through ``s3flow.streaming.StreamingEngine`` in
-  process and compares with offline synthesis of the same tokens and seed, near chunk seams and away.
+* ``stream_utterance`` streams one utterance chunk by chunk through ``s3flow.streaming.StreamingEngine`` in
+  process; ``stream_vs_offline`` compares that with offline synthesis of the same tokens and seed, near
+  chunk seams and away.
 
 Example::
 
@@ -225,10 +226,19 @@ class StreamingComparison:
     mae_vs_gt_offline: float
 
 
-def stream_in_process(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], seed: int = 0,
-                      n_steps: Optional[int] = None, limits: Optional[Limits] = None):
-    """Stream one utterance through a StreamingEngine (the served chunk logic, in process).
-    Returns the assembled mel (n_feats, 2 N) and the frame offsets where chunks 2, 3, ... began."""
+@dataclass
+class Streamed:
+    """One utterance streamed: mel (n_feats, 2 N) assembled, the frame offsets where chunks 2, 3, ...
+    began, each chunk's latency, and the estimator frames x NFE of all its solves."""
+    mel: np.ndarray
+    seams: list
+    latency_s: list
+    solved_frames: int
+
+
+def stream_utterance(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], seed: int = 0,
+                     n_steps: Optional[int] = None, limits: Optional[Limits] = None) -> Streamed:
+    """Stream one utterance through a StreamingEngine (the served chunk logic, in process)."""
     def encode(tokens, token_len, embedding):
         with torch.inference_mode():
             return flow.encoder(tokens, token_len, embedding)
@@ -236,7 +246,7 @@ def stream_in_process(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], 
     limits = limits or Limits()
     engine = StreamingEngine(encode, TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
                              meanflow=flow.config.meanflow, limits=limits)
-    pieces, seams, lo = [], [], 0
+    pieces, seams, latency, lo = [], [], [], 0
     for k, size in enumerate(chunks):
         inputs = {"speech_tokens": u.speech_tokens[lo:lo + size][None].astype(np.int64)}
         if k == 0:
@@ -248,25 +258,30 @@ def stream_in_process(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], 
                 inputs["n_timesteps"] = np.array([[n_steps]], dtype=np.int32)
         end = k == len(chunks) - 1
         req = parse_request(inputs, start=k == 0, end=end, limits=limits, n_feats=engine.n_feats)
+        t0 = time.perf_counter()
         (res,) = engine.run([engine.admit(1, req)])
+        latency.append(time.perf_counter() - t0)
         if k > 0 and res.mel.shape[1]:
             seams.append(res.frame_offset)
         pieces.append(res.mel)
         lo += size
-    return np.concatenate(pieces, axis=1), seams
+    return Streamed(np.concatenate(pieces, axis=1), seams, latency, engine.solved_frames)
 
 
 def stream_vs_offline(flow: S3Flow, utts: Sequence[HeldoutUtterance], name: str,
                       chunks_for=None, radius: int = 3, seed: int = 0,
-                      n_steps: Optional[int] = None) -> StreamingComparison:
+                      n_steps: Optional[int] = None, limits: Optional[Limits] = None) -> StreamingComparison:
     """Stream each utterance with ``chunks_for(n_tokens)`` chunk sizes and compare with offline synthesis
-    (same tokens, prompt and seed). Seam frames: within ``radius`` frames of a chunk boundary."""
+    (same tokens, prompt and seed). Seam frames: within ``radius`` frames of a chunk boundary. Default
+    ``limits``: the prefix re-run mode."""
+    limits = limits or Limits(context_frames=-1)
     from s3flow_client import chunk_schedule
     chunks_for = chunks_for or (lambda n: chunk_schedule(n, 10, 2.0, 100))
     seam_err, other_err, gt_s, gt_o, n_seams = [], [], [], [], 0
     for k, u in enumerate(utts):
-        streamed, seams = stream_in_process(flow, u, chunks_for(len(u.speech_tokens)), seed=seed + k,
-                                            n_steps=n_steps)
+        got = stream_utterance(flow, u, chunks_for(len(u.speech_tokens)), seed=seed + k, n_steps=n_steps,
+                               limits=limits)
+        streamed, seams = got.mel, got.seams
         offline, _ = synthesize_one(flow, u, n_steps or (2 if flow.config.meanflow else 10),
                                     None if flow.config.meanflow else 0.7, seed=seed + k)
         assert streamed.shape == offline.shape == u.mel.shape, (streamed.shape, offline.shape, u.mel.shape)

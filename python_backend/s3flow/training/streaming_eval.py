@@ -27,10 +27,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..flow import S3Flow, TorchEstimator
+from ..flow import S3Flow
 from ..protocol import Limits, parse_request
 from ..streaming import StreamingEngine
-from .evaluate import HeldoutUtterance, synthesize_one
+from .evaluate import HeldoutUtterance, stream_utterance, synthesize_one
 
 #: Frames per second of mel.
 FPS = 50
@@ -75,37 +75,14 @@ def measure(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], context_fr
         return Measurement(None, u.frames / FPS, frames * nfe, wall, [wall], [len(u.speech_tokens)],
                            float(np.abs(mel - u.mel).mean()), float("nan"), mel)
 
-    def encode(tokens, token_len, embedding):
-        with torch.inference_mode():
-            return flow.encoder(tokens, token_len, embedding)
-
     limits = Limits(context_frames=context_frames, max_utterance_frames=max(3000, u.frames),
                     max_chunk_tokens=max(chunks))
-    engine = StreamingEngine(encode, TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
-                             meanflow=flow.config.meanflow, limits=limits)
-    pieces, seams, lat, lo = [], [], [], 0
-    t_all = time.perf_counter()
-    for k, size in enumerate(chunks):
-        inputs = {"speech_tokens": u.speech_tokens[lo:lo + size][None].astype(np.int64)}
-        if k == 0:
-            inputs.update(prompt_tokens=u.prompt_tokens[None].astype(np.int64),
-                          prompt_mel=np.ascontiguousarray(u.prompt_mel.T)[None].astype(np.float32),
-                          speaker_embedding=u.xvector[None].astype(np.float32),
-                          seed=np.array([[seed]], np.int64), n_timesteps=np.array([[steps]], np.int32))
-        end = k == len(chunks) - 1
-        req = parse_request(inputs, start=k == 0, end=end, limits=limits, n_feats=engine.n_feats)
-        t0 = time.perf_counter()
-        (res,) = engine.run([engine.admit(1, req)])
-        lat.append(time.perf_counter() - t0)
-        if k > 0 and res.mel.shape[1]:
-            seams.append(res.frame_offset)
-        pieces.append(res.mel)
-        lo += size
-    wall = time.perf_counter() - t_all
-    mel = np.concatenate(pieces, axis=1)
-    assert mel.shape == u.mel.shape, (mel.shape, u.mel.shape)
-    return Measurement(context_frames, u.frames / FPS, engine.solved_frames, wall, lat, list(chunks),
-                       float(np.abs(mel - u.mel).mean()), seam_roughness(mel, seams), mel)
+    t0 = time.perf_counter()
+    got = stream_utterance(flow, u, chunks, seed=seed, n_steps=steps, limits=limits)
+    wall = time.perf_counter() - t0
+    assert got.mel.shape == u.mel.shape, (got.mel.shape, u.mel.shape)
+    return Measurement(context_frames, u.frames / FPS, got.solved_frames, wall, got.latency_s, list(chunks),
+                       float(np.abs(got.mel - u.mel).mean()), seam_roughness(got.mel, got.seams), got.mel)
 
 
 def long_utterances(utts: Sequence[HeldoutUtterance], seconds: Sequence[float]) -> list[HeldoutUtterance]:
@@ -132,3 +109,34 @@ def long_utterances(utts: Sequence[HeldoutUtterance], seconds: Sequence[float]) 
         out.append(HeldoutUtterance(tokens, prompt_src.speech_tokens[:np_].copy(), prompt_src.mel[:, :2 * np_].copy(),
                                     prompt_src.xvector, mel, f"{k} held-out sentences joined", voice))
     return out
+
+
+def dry_run_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
+                  meanflow: bool = False) -> list[tuple[int, int]]:
+    """The (batch rows, frames) of every estimator call of one utterance streamed in ``chunks`` (guided unless
+    ``meanflow``), planned by the real ``StreamingEngine`` over stand-in models (zeros): the cost of any model
+    size without running it."""
+    calls: list[tuple[int, int]] = []
+
+    def encode(tokens, token_len, embedding):
+        t = 2 * tokens.shape[1]
+        return torch.zeros(tokens.shape[0], n_feats, t), None, torch.zeros(tokens.shape[0], n_feats)
+
+    def estimate(x, mask, mu, t, spks, cond, r=None):
+        calls.append((x.shape[0], x.shape[2]))
+        return torch.zeros_like(x)
+
+    limits = Limits(context_frames=context_frames, max_utterance_frames=max(3000, 2 * sum(chunks)),
+                    max_chunk_tokens=max(chunks))
+    engine = StreamingEngine(encode, estimate, n_feats=n_feats, meanflow=meanflow, limits=limits)
+    rng = np.random.default_rng(0)
+    for k, size in enumerate(chunks):
+        inputs = {"speech_tokens": rng.integers(0, 6561, (1, size), dtype=np.int64)}
+        if k == 0:
+            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, prompt_tokens), dtype=np.int64),
+                          prompt_mel=np.zeros((1, 2 * prompt_tokens, n_feats), np.float32),
+                          speaker_embedding=np.ones((1, 192), np.float32), n_timesteps=np.array([[steps]], np.int32),
+                          guidance_rate=np.array([[0.7]], np.float32))
+        req = parse_request(inputs, start=k == 0, end=k == len(chunks) - 1, limits=limits, n_feats=n_feats)
+        engine.run([engine.admit(1, req)])
+    return calls

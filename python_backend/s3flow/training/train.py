@@ -79,7 +79,7 @@ class TrainSettings:
     prompt_tokens: tuple[int, int] = (15, 50)
     max_tokens: int = 50
     # teacher
-    teacher_steps: int = 800
+    teacher_steps: int = 1400
     teacher_lr: float = 2e-3
     warmup_steps: int = 100
     ema_decay: float = 0.995
