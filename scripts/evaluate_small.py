@@ -177,7 +177,9 @@ def write_report(args, results, spread, base, streams, info, n_utts, seconds, so
         L.append(f"- Baseline: the voice's mean log-mel spectrum in every frame is {base:.3f} (mean abs) from the "
                  f"ground truth.")
     L.append("- Detail ratio: mean absolute frame-to-frame change of the output over that of the ground truth "
-             "(1 = as much fine temporal structure as real mel; an over-smoothed, averaged output is below 1).")
+             "(1 = as much fine temporal structure as real mel; an over-smoothed, averaged output is below 1; above 1, "
+             "the output keeps per-pixel noise from its starting point, as this small model does: its 128-channel "
+             "U-Net learns the velocity's -z part only partly in a CPU-sized run).")
     L.append("- Estimator calls per utterance; network evaluations count batch rows (guidance runs the "
              "conditional and unconditional rows in one 2-row call). Wall time: all utterances one by one, "
              "batch of one, torch eager on this CPU, encoder included.")
