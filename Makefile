@@ -39,7 +39,8 @@ clean:
 	find checkpoints -mindepth 1 -maxdepth 1 ! -name trained -exec rm -rf {} + 2>/dev/null || true
 
 # Retrain the small demo models (checkpoints/trained/) from scratch: espeak-ng corpus, CFM teacher,
-# meanflow student (scripts/train_small.py). Installs espeak-ng when missing. Figures: scripts/evaluate_small.py.
+# meanflow student (scripts/train_small.py), about 31 minutes on 2 cores, seeded. Installs espeak-ng when
+# missing. Figures: scripts/evaluate_small.py (results/small_model.md).
 train: setup
 	@command -v espeak-ng >/dev/null || { echo "installing espeak-ng (apt-get)"; \
 	  apt-get update -qq && apt-get install -y -qq espeak-ng >/dev/null; } || \

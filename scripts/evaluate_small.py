@@ -208,10 +208,11 @@ def write_report(args, results, spread, base, streams, info, n_utts, seconds, so
         L.append("## Training (from `checkpoints/trained/training.json`)\n")
         L.append(f"- Retrain command: `make train` (= `.venv/bin/python scripts/train_small.py`), "
                  f"{info['threads']} torch thread(s): **{t['total']['wall_s'] / 60:.1f} min wall** "
-                 f"({t['total']['cpu_s'] / 60:.1f} min CPU): corpus {t['dataset']['wall_s']:.0f} s, teacher "
+                 f"({t['total']['cpu_s'] / 60:.1f} min CPU): corpus {t['dataset']['wall_s']:.0f} s"
+                 f"{' (reused from an earlier run; about 54 s when made)' if t['dataset']['wall_s'] < 5 else ''}, teacher "
                  f"{t['teacher']['wall_s']:.0f} s, student {t['student']['wall_s']:.0f} s. Load average at the end "
-                 f"{info['machine'].get('load_average_at_end')} on {info['machine']['cpus']} cores (other jobs "
-                 f"shared the machine).")
+                 f"{info['machine'].get('load_average_at_end')} on {info['machine']['cpus']} cores (above the "
+                 f"core count: other jobs shared the machine).")
         if ds is not None:
             tr, he = ds.split(False), ds.split(True)
             L.append(f"- Corpus: {d['n_sentences']} sentences x {d['voices_per_sentence']} of 8 espeak-ng voices "

@@ -4,7 +4,7 @@
 Examples::
 
     make train                                       # installs espeak-ng when missing, then runs this
-    .venv/bin/python scripts/train_small.py          # the shipped checkpoints/trained/ (bounded time)
+    .venv/bin/python scripts/train_small.py          # the shipped checkpoints/trained/ (about 31 min, 2 cores)
     .venv/bin/python scripts/train_small.py --quick --out /tmp/trained   # a smoke run of a minute or two
 
 Steps (all seeded; see ``s3flow.training``):

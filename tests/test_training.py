@@ -229,3 +229,26 @@ def test_demo_input_is_in_client_format():
     assert u.speaker_embedding.shape == (192,)
     assert d["z"].shape == (1, 80, 2 * (len(u.prompt_tokens) + len(u.speech_tokens)))
     assert d["mel"].shape == (1, 80, 2 * len(u.speech_tokens))
+
+
+@pytest.mark.server
+def test_main_job_streams_the_trained_demo_through_tritonserver(tmp_path):
+    """`make demo`'s script, as a user runs it: the trained teacher served by a real tritonserver through
+    token2wav, the held-out demo sentence streamed, the mel written beside the ground truth, and the streamed
+    mel far closer to the ground truth than the voice's mean spectrum."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "demo.py"), "--repository", str(tmp_path / "repo"),
+                           "--out-dir", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ground truth above the streamed mel" in proc.stdout, proc.stdout[-2000:]
+    for name in ("mel_0.npy", "mel_0.png", "audio_0.wav", "audio_0.png"):
+        assert (out / name).is_file(), name
+    mel = np.load(out / "mel_0.npy")
+    with np.load(TRAINED / "demo_utt.npz") as d:
+        truth, prompt = d["mel"][0], d["prompt_feat"][0].T
+    base = np.abs(prompt.mean(axis=1, keepdims=True) - truth).mean()
+    assert mel.shape == truth.shape
+    assert np.abs(mel - truth).mean() < MAX_ERROR_VS_BASELINE * base

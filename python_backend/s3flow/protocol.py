@@ -66,8 +66,8 @@ class Limits:
     default_guidance_rate: float = 0.7
     #: Streaming mode. -1: every chunk re-solves the whole prefix (cost grows with the utterance);
     #: C >= 0: bounded context, each chunk solves prompt + the last C emitted frames (as conditioning)
-    #: + its new tokens (see s3flow.streaming).
-    context_frames: int = -1
+    #: + its new tokens (see s3flow.streaming). 100 (2 s): see results/streaming.md and the README.
+    context_frames: int = 100
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> "Limits":
