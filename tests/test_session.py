@@ -121,6 +121,15 @@ def test_a_failed_restart_puts_the_live_utterance_back():
     assert o.code == UNAVAILABLE and s.engine.store.get(1) is before
 
 
+def test_a_start_on_a_live_id_restarts_the_utterance_and_is_counted():
+    drops = []
+    s, _ = session(drops=drops)
+    s.handle([chunk(U, 1, 0, 10, start=True)])
+    [again] = s.handle([chunk(U, 1, 0, 10, start=True)])
+    assert again.result.frame_offset == 0 and s.live == 1
+    assert drops == [(1, "replaced by a new START")]
+
+
 def test_any_other_failure_is_internal_and_ends_the_sequence():
     drops = []
     s, models = session(drops=drops)

@@ -66,7 +66,8 @@ class SolverSession:
     """Runs batches of requests through a ``StreamingEngine``.
 
     ``on_drop(corr_id, reason)`` is called for each state dropped before its END (for logs and metrics):
-    reasons ``invalid END request``, ``cancelled``, ``idle``, ``failed END``, ``failed START``, ``error``.
+    reasons ``invalid END request``, ``cancelled``, ``idle``, ``failed END``, ``failed START``, ``error``,
+    ``replaced by a new START`` (a START on a live id restarts that utterance: the old state goes).
     """
 
     def __init__(self, engine: StreamingEngine, on_drop: Callable[[object, str], None] = lambda c, r: None,
@@ -141,6 +142,8 @@ class SolverSession:
                                        f"the sequence is ended", code=INTERNAL)
             return out
         for c, i, result in zip(chunks, where, results):
+            if c.replaced is not None:  # a START on a live id restarted that utterance: say so, count it
+                self.on_drop(c.corr_id, "replaced by a new START")
             if not c.finalize and requests[i].is_cancelled():
                 self._drop(c.corr_id, "cancelled")
             out[i] = Outcome(result=result)
