@@ -17,14 +17,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import nn
 
+from .chunks import condition, solve_frames, stack_rows, starting_point
 from .encoder import EncoderConfig, FlowEncoder
 from .estimator import ConditionalDecoder, EstimatorConfig
-from .chunks import (LOOKAHEAD_FRAMES, PRE_LOOKAHEAD_TOKENS, TOKEN_MEL_RATIO, condition,  # noqa: F401
-                     solve_frames, stack_rows, starting_point)
 from .solver import DEFAULT_GUIDANCE_RATE, FrameNoise, solve_cfm
 
 
