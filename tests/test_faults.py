@@ -20,6 +20,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -160,7 +161,8 @@ def test_unloaded_model_gives_a_clear_error_and_loading_it_back_recovers(server,
 def test_a_failed_chunk_leaves_the_sequence_as_before_and_can_be_sent_again(tmp_path):
     """The estimator goes away in the middle of an utterance (bounded-context mode): that chunk fails with
     UNAVAILABLE, the sequence stays as before it, and once the estimator is back the same chunk, sent
-    again, continues the utterance exactly as an undisturbed one (and as the in-process engine)."""
+    again, continues the utterance exactly as an undisturbed one (and as the in-process engine). The
+    streaming client retries such chunks by itself."""
     from helpers import make_engine, stream_in_process
     limits = dataclasses.replace(LIMITS, idle_timeout_s=60.0, context_frames=20)
     flow = load_flow(write_random_checkpoint(tmp_path / "ckpt.safetensors", FlowConfig.small(), seed=3))
@@ -187,6 +189,28 @@ def test_a_failed_chunk_leaves_the_sequence_as_before_and_can_be_sent_again(tmp_
         assert "UNAVAILABLE" in str(info.value.status()) and "send it again" in str(info.value), str(info.value)
         srv.client().load_model("estimator")
         got += [send(srv, 12, 1), send(srv, 12, 2)]
+
+        # the client does it by itself: two utterances on one gRPC stream, the estimator goes away after
+        # the first responses and comes back a second later; both utterances complete, each equal to an
+        # undisturbed run, and the retries are reported
+        utts = [demo_utterance(2.0, seed=52 + i, noise_seed=i) for i in range(2)]
+        for x in utts:
+            x.n_timesteps, x.chunks = 3, [10, 10, 10, 20]
+        client = StreamingClient(srv.grpc_url, timeout_s=120, max_retries=6, retry_backoff_s=0.2)
+        calm = client.synthesize(utts)
+        responses = []
+
+        def outage(n):
+            responses.append(n)
+            if len(responses) == 2:
+                srv.client().unload_model("estimator")
+                threading.Timer(1.0, lambda: srv.client().load_model("estimator")).start()
+
+        stormy = client.synthesize(utts, progress=outage)
+    assert sum(len(r.retries) for r in stormy) >= 1, "the outage was not seen"
+    assert all("send" in e and "again" in e for r in stormy for e in r.retries)
+    for a, b in zip(stormy, calm):
+        np.testing.assert_allclose(a.mel, b.mel, atol=1e-5, rtol=0)
     assert [o for o, _ in got] == [o for o, _ in undisturbed] == [0, 14, 38]
     for (_, a), (_, b) in zip(got, undisturbed):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

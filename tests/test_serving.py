@@ -203,3 +203,18 @@ def test_client_reports_a_server_error_with_what_it_received(served):
     with pytest.raises(StreamError, match="n_timesteps must be in") as info:
         StreamingClient(server.grpc_url).synthesize([u])
     assert info.value.results[0].mel.size == 0
+
+
+def test_an_error_fails_only_its_own_utterance_on_a_shared_stream(served):
+    server, flow = served
+    bad = demo_utterance(1.0, seed=44)
+    bad.chunks, bad.n_timesteps = [10, 15], 99   # above max_steps: its START fails
+    good = demo_utterance(1.2, seed=45, noise_seed=1)
+    good.chunks = [10, 10, 10]
+    with pytest.raises(StreamError, match="n_timesteps must be in") as info:
+        StreamingClient(server.grpc_url).synthesize([bad, good])
+    failed, ok = info.value.results
+    assert "n_timesteps must be in" in failed.error and failed.mel.size == 0
+    assert ok.error is None and ok.mel.shape == (80, 2 * len(good.speech_tokens))
+    [local] = stream_in_process(make_engine(flow, LIMITS), [good], [good.chunks])
+    np.testing.assert_allclose(ok.mel, np.concatenate([r.mel for r in local], 1), atol=5e-4, rtol=0)

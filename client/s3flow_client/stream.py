@@ -5,6 +5,11 @@ utterance's next chunk is sent when the previous chunk's response arrived (what 
 generator does), so per-chunk latency is well defined. Every response's frame offset is checked: no gap,
 no duplicate, and 2 frames per token after the END request.
 
+An error answer names its sequence (the server's messages say ``sequence N``), so it fails that utterance
+only; the others on the stream go on. When the server says a chunk may be sent again (a failed model call
+on a middle chunk or a START leaves the sequence as it was), the client sends it again, up to
+``max_retries`` times with doubling back-off; ``StreamResult.retries`` counts them.
+
 Example::
 
     from s3flow_client import StreamingClient, Utterance, chunk_schedule
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -79,6 +85,7 @@ class StreamResult:
     audio: Optional[np.ndarray] = None  # (samples,) assembled, token2wav only
     chunk_samples: list = field(default_factory=list)
     first_audio_s: float = float("nan")  # from the first request to the first non-empty audio
+    retries: list = field(default_factory=list)  # the server errors after which a chunk was sent again
 
     @property
     def first_chunk_s(self) -> float:
@@ -119,6 +126,7 @@ class _Stream:
         self.audio_parts: list[np.ndarray] = []
         self.samples = 0
         self.first_audio_at = float("nan")
+        self.retries: list[str] = []
 
     def inputs(self) -> list:
         i, u = self.next_chunk, self.utt
@@ -172,11 +180,15 @@ class StreamingClient:
         timeout_s: bound on one ``synthesize`` call as a whole (also the gRPC stream's deadline).
         response_timeout_s: bound on the wait for the next response while chunks are in flight (a hung
             server is reported after this long, not only at ``timeout_s``); None: only ``timeout_s``.
+        max_retries: how often one utterance may send a chunk again that the server said it may retry.
+        retry_backoff_s: the wait before the first retry; it doubles with each retry of the utterance.
     """
 
     def __init__(self, url: str = "127.0.0.1:8001", model: str = "token2mel", timeout_s: float = 120.0,
-                 response_timeout_s: Optional[float] = None, audio: Optional[bool] = None):
+                 response_timeout_s: Optional[float] = None, audio: Optional[bool] = None,
+                 max_retries: int = 3, retry_backoff_s: float = 0.25):
         self.url, self.model, self.timeout_s = url, model, timeout_s
+        self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
         self.audio = model.startswith("token2wav") if audio is None else audio  # ask for audio + sample_offset
         self.response_timeout_s = response_timeout_s
 
@@ -244,11 +256,23 @@ class StreamingClient:
                 now = last_event = time.perf_counter()
                 if result is None:
                     # tritonclient hands over stream errors and failed requests alike without the request
-                    # id, so we cannot tell which utterance it was: fail all that are still open
-                    for s in streams.values():
-                        if not s.done:
+                    # id; the server's messages name the sequence: fail (or retry) that one only
+                    s = _named_sequence(error, streams)
+                    if s is None:  # the stream itself broke, or an error we cannot place: fail all open
+                        for s in streams.values():
+                            if not s.done:
+                                s.error, s.done = f"{s.where()}: {error}", True
+                        break
+                    with lock:
+                        if _retryable(error) and len(s.retries) < self.max_retries:
+                            s.retries.append(str(error))
+                            time.sleep(self.retry_backoff_s * 2 ** (len(s.retries) - 1))
+                            if not send(s):
+                                pending -= 1
+                        else:
                             s.error, s.done = f"{s.where()}: {error}", True
-                    break
+                            pending -= 1
+                    continue
                 rid = result.get_response().id
                 cid = int(rid.split(":")[0])
                 s = streams[cid]
@@ -302,11 +326,30 @@ class StreamingClient:
                                         wall_s=getattr(s, "wall", time.perf_counter() - s.t0),
                                         error=s.error, frames_expected=expected, audio=audio,
                                         chunk_samples=[p.size for p in s.audio_parts],
-                                        first_audio_s=s.first_audio_at))
+                                        first_audio_s=s.first_audio_at, retries=s.retries))
         failed = [r.error for r in results if r.error]
         if failed:
             raise StreamError("; ".join(failed), results)
         return results
+
+
+_SEQUENCE = re.compile(r"sequence (\d+)")
+#: What the solver says when a chunk left its sequence as it was (s3flow.session).
+_RETRY_HINTS = ("send it again", "send the START again")
+
+
+def _named_sequence(error, streams: dict) -> Optional[_Stream]:
+    """The open utterance an error message names (``sequence N``), or None."""
+    for m in _SEQUENCE.finditer(str(error)):
+        s = streams.get(int(m.group(1)))
+        if s is not None and not s.done:
+            return s
+    return None
+
+
+def _retryable(error) -> bool:
+    """The server said the chunk left its sequence as it was and may be sent again."""
+    return any(h in str(error) for h in _RETRY_HINTS)
 
 
 def _drain(events: queue.Queue) -> list:
