@@ -77,7 +77,10 @@ def wait_live(server, want: float, timeout: float) -> float:
     """Poll the live gauge until it equals ``want``; return the seconds it took (fail after ``timeout``)."""
     t0 = time.monotonic()
     while True:
-        live, _ = solver_metrics(server)
+        try:
+            live, _ = solver_metrics(server)
+        except OSError as exc:  # the metrics port opens a moment after the server reports ready
+            live = f"unreadable ({exc})"
         if live == want:
             return time.monotonic() - t0
         assert time.monotonic() - t0 < timeout, f"live sequences {live}, expected {want} within {timeout} s"
