@@ -66,7 +66,7 @@ from s3flow.flops import chunk_calls, estimator_flops, solve_flops  # noqa: E402
 from s3flow.flow import FlowConfig, TorchEstimator, synthesize  # noqa: E402
 from s3flow.ort_runtime import OrtEncoder, OrtEstimator, OrtSettings  # noqa: E402
 from s3flow.protocol import Limits, parse_request  # noqa: E402
-from s3flow.training.streaming_eval import dry_run_calls  # noqa: E402
+from s3flow.streaming import planned_calls  # noqa: E402
 from s3flow.repository import Batching, RepositorySettings, write_repository  # noqa: E402
 from s3flow.streaming import StreamingEngine  # noqa: E402
 from s3flow.triton_server import TritonServer  # noqa: E402
@@ -376,7 +376,7 @@ def measure_mode(mode: str, flow, repo: Path, args, report: Report, batching_her
             served.first_chunk_s, served.stream_wall_s = res.first_chunk_s, res.wall_s
             served.nfe_stream = d["estimator"][1]
             served.stream_estimator_s = d["estimator"][0]
-            served.stream_flops = solve_flops(cfg, dry_run_calls(cfg.out_channels, len(u.prompt_tokens), sched,
+            served.stream_flops = solve_flops(cfg, planned_calls(cfg.out_channels, len(u.prompt_tokens), sched,
                                                                  limits.context_frames, steps, meanflow=meanflow))
             eager.nfe_stream = ort_r.nfe_stream = served.nfe_stream
             case.paths = {"eager": eager, "ort": ort_r, "served": served}

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     # full size: estimator FLOPs of every solve the engine plans (no run: 60 s at full size is hours on 2 cores)
     from s3flow.estimator import EstimatorConfig
     from s3flow.flops import estimator_flops, solve_flops
-    from s3flow.training.streaming_eval import dry_run_calls
+    from s3flow.streaming import planned_calls
     full = EstimatorConfig.full()
     lines += ["## Full size (71 M estimator, guided 10 steps): estimator cost", "",
               "GFLOP of every estimator call the engine plans for one utterance with a 2 s (50-token) prompt, "
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
         offline = estimator_flops(full, 2, 2 * (50 + n)).total * 10
         cells = []
         for c in modes[1:]:
-            flops = solve_flops(full, dry_run_calls(80, 50, chunks, c, 10))
+            flops = solve_flops(full, planned_calls(80, 50, chunks, c, 10))
             cells.append(f"{flops / 1e9:,.0f} ({flops / offline:.2f}x)")
         lines.append(f"| {secs:g} s | {offline / 1e9:,.0f} | " + " | ".join(cells) + " |")
         print(f"full size {secs:g} s: offline {offline / 1e9:.0f} GFLOP; " + "; ".join(cells), flush=True)

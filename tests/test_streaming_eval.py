@@ -2,7 +2,8 @@
 import numpy as np
 
 from s3flow.training.evaluate import HeldoutUtterance
-from s3flow.training.streaming_eval import dry_run_calls, long_utterances, seam_roughness
+from s3flow.streaming import planned_calls
+from s3flow.training.streaming_eval import long_utterances, seam_roughness
 from s3flow_client import chunk_schedule
 
 
@@ -17,10 +18,10 @@ def test_seam_roughness_is_one_for_a_smooth_signal_and_grows_with_steps_at_seams
     assert np.isnan(seam_roughness(smooth, []))
 
 
-def test_dry_run_prefix_cost_grows_and_bounded_cost_stays_flat():
+def test_planned_calls_prefix_cost_grows_and_bounded_cost_stays_flat():
     chunks = chunk_schedule(1500, 10, 2.0, 100)
-    prefix = dry_run_calls(8, 50, chunks, -1, steps=2)
-    bounded = dry_run_calls(8, 50, chunks, 100, steps=2)
+    prefix = planned_calls(8, 50, chunks, -1, steps=2)
+    bounded = planned_calls(8, 50, chunks, 100, steps=2)
     assert len(prefix) == len(bounded) == 2 * len(chunks)
     assert all(b == 2 for b, _ in prefix + bounded)            # guided: one 2B call per step
     assert prefix[-1][1] == 2 * (50 + 1500)                    # the last chunk re-solves everything

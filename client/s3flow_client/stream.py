@@ -239,13 +239,23 @@ class StreamingClient:
                 pending += send(s)
             deadline = start + self.timeout_s
             last_event = start
+            retry_at: list[tuple[float, _Stream]] = []  # chunks to send again, when (no blocking wait)
             while pending:
-                wait = deadline - time.perf_counter()
+                now = time.perf_counter()
+                for due, s in [r for r in retry_at if r[0] <= now]:
+                    retry_at.remove((due, s))
+                    if not send(s):
+                        pending -= 1
+                wait = deadline - now
                 if self.response_timeout_s is not None:
-                    wait = min(wait, last_event + self.response_timeout_s - time.perf_counter())
+                    wait = min(wait, last_event + self.response_timeout_s - now)
+                if retry_at:
+                    wait = min(wait, min(due for due, _ in retry_at) - now)
                 try:
                     result, error = events.get(timeout=max(wait, 0.01))
                 except queue.Empty:
+                    if retry_at and time.perf_counter() < deadline:
+                        continue  # a retry is due, not a silent server
                     bound = (f"{self.timeout_s} s in all" if time.perf_counter() >= deadline
                              else f"{self.response_timeout_s} s since the last one")
                     for s in streams.values():
@@ -266,9 +276,7 @@ class StreamingClient:
                     with lock:
                         if _retryable(error) and len(s.retries) < self.max_retries:
                             s.retries.append(str(error))
-                            time.sleep(self.retry_backoff_s * 2 ** (len(s.retries) - 1))
-                            if not send(s):
-                                pending -= 1
+                            retry_at.append((now + self.retry_backoff_s * 2 ** (len(s.retries) - 1), s))
                         else:
                             s.error, s.done = f"{s.where()}: {error}", True
                             pending -= 1

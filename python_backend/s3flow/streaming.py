@@ -31,13 +31,13 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from .chunks import TOKEN_MEL_RATIO, Carried, condition, solve_frames, stack_rows, starting_point
-from .protocol import ChunkRequest, Limits, RequestError
+from .protocol import ChunkRequest, Limits, RequestError, parse_request
 from .solver import FrameNoise, default_steps, solve_cfm
 
 EncodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
@@ -293,3 +293,34 @@ class ChunkResult:
     """mel: (n_feats, F) the newly final frames; frame_offset: index of the first of them."""
     mel: np.ndarray
     frame_offset: int
+
+
+def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
+                  meanflow: bool = False) -> list[tuple[int, int]]:
+    """The (batch rows, frames) of every estimator call of one utterance streamed in ``chunks`` (guided unless
+    ``meanflow``), planned by the real ``StreamingEngine`` over stand-in models (zeros): the cost of any model
+    size without running it."""
+    calls: list[tuple[int, int]] = []
+
+    def encode(tokens, token_len, embedding):
+        t = 2 * tokens.shape[1]
+        return torch.zeros(tokens.shape[0], n_feats, t), None, torch.zeros(tokens.shape[0], n_feats)
+
+    def estimate(x, mask, mu, t, spks, cond, r=None):
+        calls.append((x.shape[0], x.shape[2]))
+        return torch.zeros_like(x)
+
+    limits = Limits(context_frames=context_frames, max_utterance_frames=max(3000, 2 * sum(chunks)),
+                    max_chunk_tokens=max(chunks))
+    engine = StreamingEngine(encode, estimate, n_feats=n_feats, meanflow=meanflow, limits=limits)
+    rng = np.random.default_rng(0)
+    for k, size in enumerate(chunks):
+        inputs = {"speech_tokens": rng.integers(0, 6561, (1, size), dtype=np.int64)}
+        if k == 0:
+            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, prompt_tokens), dtype=np.int64),
+                          prompt_mel=np.zeros((1, 2 * prompt_tokens, n_feats), np.float32),
+                          speaker_embedding=np.ones((1, 192), np.float32), n_timesteps=np.array([[steps]], np.int32),
+                          guidance_rate=np.array([[0.7]], np.float32))
+        req = parse_request(inputs, start=k == 0, end=k == len(chunks) - 1, limits=limits, n_feats=n_feats)
+        engine.run([engine.admit(1, req)])
+    return calls

@@ -25,11 +25,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 
 from ..flow import S3Flow
-from ..protocol import Limits, parse_request
-from ..streaming import StreamingEngine
+from ..protocol import Limits
 from .evaluate import HeldoutUtterance, stream_utterance, synthesize_one
 
 #: Frames per second of mel.
@@ -109,34 +107,3 @@ def long_utterances(utts: Sequence[HeldoutUtterance], seconds: Sequence[float]) 
         out.append(HeldoutUtterance(tokens, prompt_src.speech_tokens[:np_].copy(), prompt_src.mel[:, :2 * np_].copy(),
                                     prompt_src.xvector, mel, f"{k} held-out sentences joined", voice))
     return out
-
-
-def dry_run_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
-                  meanflow: bool = False) -> list[tuple[int, int]]:
-    """The (batch rows, frames) of every estimator call of one utterance streamed in ``chunks`` (guided unless
-    ``meanflow``), planned by the real ``StreamingEngine`` over stand-in models (zeros): the cost of any model
-    size without running it."""
-    calls: list[tuple[int, int]] = []
-
-    def encode(tokens, token_len, embedding):
-        t = 2 * tokens.shape[1]
-        return torch.zeros(tokens.shape[0], n_feats, t), None, torch.zeros(tokens.shape[0], n_feats)
-
-    def estimate(x, mask, mu, t, spks, cond, r=None):
-        calls.append((x.shape[0], x.shape[2]))
-        return torch.zeros_like(x)
-
-    limits = Limits(context_frames=context_frames, max_utterance_frames=max(3000, 2 * sum(chunks)),
-                    max_chunk_tokens=max(chunks))
-    engine = StreamingEngine(encode, estimate, n_feats=n_feats, meanflow=meanflow, limits=limits)
-    rng = np.random.default_rng(0)
-    for k, size in enumerate(chunks):
-        inputs = {"speech_tokens": rng.integers(0, 6561, (1, size), dtype=np.int64)}
-        if k == 0:
-            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, prompt_tokens), dtype=np.int64),
-                          prompt_mel=np.zeros((1, 2 * prompt_tokens, n_feats), np.float32),
-                          speaker_embedding=np.ones((1, 192), np.float32), n_timesteps=np.array([[steps]], np.int32),
-                          guidance_rate=np.array([[0.7]], np.float32))
-        req = parse_request(inputs, start=k == 0, end=k == len(chunks) - 1, limits=limits, n_feats=n_feats)
-        engine.run([engine.admit(1, req)])
-    return calls
