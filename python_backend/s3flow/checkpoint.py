@@ -3,8 +3,8 @@
 A user's ``s3gen.safetensors`` / ``s3gen.pt`` loads with no renaming: the encoder side lives under
 ``flow.`` (``flow.input_embedding``, ``flow.encoder.*``, ``flow.encoder_proj``, ``flow.spk_embed_affine_layer``)
 and the estimator under ``flow.decoder.estimator.``. Other top-level modules of an S3Gen checkpoint
-(``mel2wav.*``, ``speaker_encoder.*``, ``tokenizer.*``) are ignored here. ``.pt`` files are read with
-``torch.load(weights_only=True)``: no pickled code runs.
+(``mel2wav.*``, ``speaker_encoder.*``, ``tokenizer.*``) are read by ``s3flow.vocoder`` and ``s3flow.voice``.
+``.pt`` files are read with ``torch.load(weights_only=True)``: no pickled code runs.
 
 Example::
 
@@ -149,9 +149,31 @@ def write_checkpoint(flow: S3Flow, path: str | Path) -> Path:
     return path
 
 
-def write_random_checkpoint(path: str | Path, config: FlowConfig, seed: int = 0) -> Path:
-    """Write a seeded random checkpoint in the exact upstream layout (what tests and demos load)."""
-    return write_checkpoint(random_flow(config, seed), path)
+def write_random_checkpoint(path: str | Path, config: FlowConfig, seed: int = 0, voice: bool = True,
+                            vocoder: bool = False) -> Path:
+    """Write a seeded random checkpoint in the exact upstream layout (what tests and demos load).
+
+    ``flow.*`` always (the same tensors for a given config and seed whatever the flags); with ``voice`` also the
+    front-end's ``tokenizer.*`` and ``speaker_encoder.*`` (``s3flow.voice``; full size for the full flow
+    config, ``VoiceConfig.small()`` otherwise); with ``vocoder`` also ``mel2wav.*``, the tensors
+    ``write_random_vocoder_checkpoint`` writes for the same seed (full or ``VocoderConfig.small()`` likewise).
+    The sizes of each part are recorded in the file's metadata.
+    """
+    flow = random_flow(config, seed)
+    state = {k: v.detach().contiguous().clone() for k, v in flow_state_dict(flow).items()}
+    metadata = {CONFIG_METADATA_KEY: json.dumps(flow.config.to_dict())}
+    full = config.to_dict() == FlowConfig.full(config.meanflow).to_dict()
+    if voice:
+        from .voice.weights import VOICE_CONFIG_KEY, VoiceConfig, random_voice_state
+        voice_config = VoiceConfig.full() if full else VoiceConfig.small()
+        state.update(random_voice_state(voice_config, seed))
+        metadata[VOICE_CONFIG_KEY] = json.dumps(voice_config.to_dict())
+    if vocoder:
+        from .vocoder import VOCODER_CONFIG_KEY, VocoderConfig, random_vocoder, vocoder_state_dict
+        hift = random_vocoder(VocoderConfig.full() if full else VocoderConfig.small(), seed)
+        state.update({k: v.detach().contiguous().clone() for k, v in vocoder_state_dict(hift).items()})
+        metadata[VOCODER_CONFIG_KEY] = json.dumps(hift.config.to_dict())
+    return save_tensors(state, path, metadata)
 
 
 # -- any module's tensors (the vocoder's ``mel2wav.*`` use these) -------------------------------------
