@@ -109,7 +109,7 @@ def repository_settings(setting: dict, limits: Limits) -> RepositorySettings:
     batching = dataclasses.replace(Batching(), **knobs)
     if batching.strategy == "oldest":  # as write_repository requires: the solver refuses what Triton would queue
         limits = dataclasses.replace(limits, max_live_sequences=min(limits.max_live_sequences,
-                                                                    batching.max_candidate_sequences))
+                                                                    batching.max_candidate_sequences - 1))
     return RepositorySettings(limits=limits, batching=batching, ort_threads=setting.get("ort_threads", 0))
 
 
@@ -181,8 +181,8 @@ def main(argv=None) -> int:
         config = FlowConfig.full(args.meanflow) if args.size == "full" else FlowConfig.small(args.meanflow)
         flow = random_flow(config, seed=0).eval()
     n_feats, meanflow = flow.config.n_feats, flow.config.meanflow
-    # the solver may hold as many live sequences as Triton's oldest batcher keeps candidates (64 by default)
-    limits = Limits(max_live_sequences=min(Batching().max_candidate_sequences, max(8, 4 * args.streams)))
+    # the solver holds fewer live sequences than Triton's oldest batcher keeps candidates (256 by default)
+    limits = Limits(max_live_sequences=min(Batching().max_candidate_sequences - 1, max(8, 4 * args.streams)))
     repo = work / "repo"
     base = repository_settings({}, limits)
     write_repository(repo, flow, base)

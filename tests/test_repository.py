@@ -34,5 +34,5 @@ def test_ensemble_has_no_sequence_batching_and_maps_every_tensor():
 
 def test_live_sequences_above_the_batchers_candidates_is_refused(tmp_path):
     settings = RepositorySettings(limits=Limits(max_live_sequences=100), batching=Batching(max_candidate_sequences=64))
-    with pytest.raises(ValueError, match=r"max_live_sequences \(100\) exceeds max_candidate_sequences \(64\)"):
+    with pytest.raises(ValueError, match=r"max_live_sequences \(100\) must be below max_candidate_sequences \(64\)"):
         write_repository(tmp_path, flow=None, settings=settings)

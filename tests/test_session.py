@@ -182,3 +182,31 @@ def test_every_frame_arrives_once_in_order_in_each_mode(context):
         done += o.result.mel.shape[1]
         lo += n
     assert done == 2 * len(u.speech_tokens) and s.live == 0
+
+
+def test_a_full_server_refuses_a_start_at_once_as_unavailable_saying_when_to_send_it_again():
+    now = [100.0]
+    s, _ = session(Limits(max_live_sequences=2, idle_timeout_s=5.0))
+    s.engine.store.clock = lambda: now[0]
+    s.handle([chunk(U, 1, 0, 10, start=True)])
+    now[0] += 2.0
+    s.handle([chunk(U, 2, 0, 10, start=True)])
+    [full] = s.handle([chunk(U, 3, 0, 10, start=True)])
+    assert full.code == UNAVAILABLE and full.result is None
+    # sequence 1 was last answered 2 s ago: it goes idle in 3 s (+0.1 s margin)
+    assert full.error == ("cfm_solver: sequence 3: too many live sequences (2, max_live_sequences 2); "
+                          "retry in 3.1 s")
+    now[0] += 3.2
+    [later] = s.handle([chunk(U, 3, 0, 10, start=True)])  # the idle one is evicted first: room again
+    assert later.result is not None and s.live == 2
+
+
+def test_a_draining_server_refuses_new_sequences_and_serves_the_ones_it_holds():
+    draining = [False]
+    s, _ = session()
+    s.draining = lambda: draining[0]
+    s.handle([chunk(U, 1, 0, 10, start=True)])
+    draining[0] = True
+    new, old = s.handle([chunk(U, 2, 0, 10, start=True), chunk(U, 1, 10, 25, end=True)])
+    assert new.code == UNAVAILABLE and "draining" in new.error and "send the START to another server" in new.error
+    assert old.result is not None and old.result.frame_offset == 14 and s.live == 0

@@ -50,6 +50,15 @@ class RequestError(ValueError):
     """A client's request is invalid; the message names the bad value. Maps to INVALID_ARG."""
 
 
+class ServerBusy(RequestError):
+    """A valid START that this server cannot take now (it is full, or draining). Maps to UNAVAILABLE: the
+    client should send the START again later (``retry_after_s``) or to another server."""
+
+    def __init__(self, message: str, retry_after_s: Optional[float] = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass
 class Limits:
     """Server-side limits and defaults; each is a ``parameters`` entry of the cfm_solver config."""
@@ -60,7 +69,7 @@ class Limits:
     max_chunk_tokens: int = 1500
     max_request_bytes: int = 1 << 20      # all tensors of one request together
     max_live_sequences: int = 64        # per solver instance; at most the batcher's max_candidate_sequences
-    idle_timeout_s: float = 60.0
+    idle_timeout_s: float = 5.0          # + Triton's 5 s grace: the 10 s reclaim time of a slot
     holdback_frames: int = 0              # generated frames withheld until the next chunk (or END)
     default_steps: int = 0                # 0: the checkpoint's default (10, or 2 for meanflow)
     default_guidance_rate: float = 0.7

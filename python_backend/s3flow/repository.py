@@ -45,7 +45,11 @@ class Batching:
     max_batch_size: int = 8                 # chunks of different utterances in one execute
     preferred_batch_sizes: tuple = ()
     max_queue_delay_us: int = 2000          # how long a chunk may wait for others to join its batch
-    max_candidate_sequences: int = 64       # oldest: sequences that may be live in the batcher at once
+    #: oldest: sequences Triton lets into the batcher at once. More than the solver's max_live_sequences,
+    #: so that a START beyond that reaches the solver and is refused at once ("retry in N s") rather than
+    #: waiting silently in Triton's backlog; the headroom also holds refused STARTs and abandoned sequences
+    #: until their slots are reclaimed (idle_timeout_s + 5 s).
+    max_candidate_sequences: int = 256
     solver_instances: int = 1
     estimator_instances: int = 1
     encoder_instances: int = 1
@@ -296,9 +300,9 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
     s = settings or RepositorySettings()
     s.limits.check()
     s.batching.check()
-    if s.batching.strategy == "oldest" and s.limits.max_live_sequences > s.batching.max_candidate_sequences:
+    if s.batching.strategy == "oldest" and s.limits.max_live_sequences >= s.batching.max_candidate_sequences:
         raise ValueError(
-            f"max_live_sequences ({s.limits.max_live_sequences}) exceeds max_candidate_sequences "
+            f"max_live_sequences ({s.limits.max_live_sequences}) must be below max_candidate_sequences "
             f"({s.batching.max_candidate_sequences}): Triton would queue the extra utterances silently instead "
             f"of the solver refusing them; raise max_candidate_sequences or lower max_live_sequences")
     if s.gpu_backend not in ("tensorrt", "torch"):

@@ -9,6 +9,8 @@ state (END, a bad END request, cancellation, idle) and mapping failures to error
 what happened                          code         the sequence's state
 =====================================  ===========  ==================================================
 the request is invalid                 INVALID_ARG  unchanged (dropped when it was the END request)
+a START while full or draining         UNAVAILABLE  none made: the message says when to send the START
+                                                    again (full) or to send it to another server
 the encoder or estimator call failed   UNAVAILABLE  as before the chunk: the client may send it again;
                                                     dropped when it was the END request (Triton ends
                                                     the sequence at END whatever the answer)
@@ -29,7 +31,7 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from .protocol import RequestError, parse_request
+from .protocol import RequestError, ServerBusy, parse_request
 from .streaming import Chunk, ChunkResult, StreamingEngine
 
 INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL"
@@ -68,11 +70,13 @@ class SolverSession:
     ``on_drop(corr_id, reason)`` is called for each state dropped before its END (for logs and metrics):
     reasons ``invalid END request``, ``cancelled``, ``idle``, ``failed END``, ``failed START``, ``error``,
     ``replaced by a new START`` (a START on a live id restarts that utterance: the old state goes).
+
+    ``draining()`` True refuses new sequences (START) while the ones in flight go on (``s3flow.drain``).
     """
 
     def __init__(self, engine: StreamingEngine, on_drop: Callable[[object, str], None] = lambda c, r: None,
-                 name: str = "cfm_solver"):
-        self.engine, self.on_drop, self.name = engine, on_drop, name
+                 name: str = "cfm_solver", draining: Callable[[], bool] = lambda: False):
+        self.engine, self.on_drop, self.name, self.draining = engine, on_drop, name, draining
 
     @property
     def live(self) -> int:
@@ -99,8 +103,13 @@ class SolverSession:
             try:
                 parsed = parse_request(req.inputs, start=req.start, end=req.end, limits=self.engine.limits,
                                        n_feats=self.engine.n_feats)
+                if req.start and self.draining():
+                    raise ServerBusy("the server is draining (shutting down) and takes no new sequences; "
+                                     "send the START to another server")
                 chunks.append(self.engine.admit(req.corr_id, parsed))
                 where.append(i)
+            except ServerBusy as exc:
+                out[i] = Outcome(error=f"{self.name}: sequence {req.corr_id}: {exc}", code=UNAVAILABLE)
             except RequestError as exc:
                 if req.end and req.corr_id in self.engine.store:
                     self._drop(req.corr_id, "invalid END request")

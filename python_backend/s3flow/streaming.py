@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .chunks import TOKEN_MEL_RATIO, Carried, condition, solve_frames, stack_rows, starting_point
-from .protocol import ChunkRequest, Limits, RequestError, parse_request
+from .protocol import ChunkRequest, Limits, RequestError, ServerBusy, parse_request
 from .solver import FrameNoise, default_steps, solve_cfm
 
 EncodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
@@ -101,8 +101,9 @@ class SequenceStore:
         that utterance), or None."""
         old = self._states.pop(corr_id, None)
         if len(self._states) >= self.limits.max_live_sequences:  # (never when it replaces one)
-            raise RequestError(f"too many live sequences ({len(self._states)}, max_live_sequences "
-                               f"{self.limits.max_live_sequences}); retry later")
+            wait = self.next_eviction_s()
+            raise ServerBusy(f"too many live sequences ({len(self._states)}, max_live_sequences "
+                             f"{self.limits.max_live_sequences}); retry in {wait:.1f} s", retry_after_s=wait)
         state.last_seen = self.clock()
         self._states[corr_id] = state
         return old
@@ -122,6 +123,13 @@ class SequenceStore:
     def put_back(self, corr_id, state: SequenceState) -> None:
         """Restore a state exactly as it was (a failed chunk's rollback)."""
         self._states[corr_id] = state
+
+    def next_eviction_s(self) -> float:
+        """Seconds until the least recently used state goes idle (the earliest a full store has room)."""
+        if not self._states:
+            return 0.0
+        oldest = min(state.last_seen for state in self._states.values())
+        return max(0.0, oldest + self.limits.idle_timeout_s - self.clock()) + 0.1
 
     def evict_idle(self) -> list:
         now, gone = self.clock(), []

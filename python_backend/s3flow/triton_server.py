@@ -335,6 +335,8 @@ class TritonServer:
         env: extra environment variables for the server.
         paths: a :class:`TritonPaths`; default :func:`find_tritonserver`.
         shm_byte_size: python-backend shared memory per model instance at start (``shm-default-byte-size``).
+        drain_s: run the server under ``s3flow.drain supervise``: SIGTERM (``stop``) first drains (new
+            sequences refused, those in flight finish) for up to this many seconds; None: plain tritonserver.
     """
 
     def __init__(
@@ -352,6 +354,7 @@ class TritonServer:
         env: dict[str, str] | None = None,
         paths: TritonPaths | None = None,
         shm_byte_size: int | None = None,
+        drain_s: float | None = None,
     ) -> None:
         if model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {model_control_mode!r}")
@@ -371,6 +374,9 @@ class TritonServer:
         self.extra_env = dict(env or {})
         self.paths = paths or find_tritonserver()
         self.shm_byte_size = shm_byte_size
+        self.drain_s = drain_s
+        self.drain_file = (pathlib.Path(tempfile.mkdtemp(prefix="s3flow-drain-")) / "draining"
+                           if drain_s is not None else None)
         self.shm_prefix = f"s3flow_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.process: subprocess.Popen | None = None
         self._log_handle = None
@@ -420,7 +426,18 @@ class TritonServer:
         if not _has_nvidia_gpu():
             cmd.append("--allow-gpu-metrics=false")  # otherwise: "Error: Failed to initialize NVML" in the log
         cmd += [f"--load-model={name}" for name in self.load_models]
-        return cmd + self.extra_args
+        cmd += self.extra_args
+        if self.drain_s is None:
+            return cmd
+        python = str(self.venv / "bin" / "python3") if self.venv is not None else sys.executable
+        return [python, "-m", "s3flow.drain", "supervise", f"--deadline-s={self.drain_s}",
+                f"--drain-file={self.drain_file}",
+                f"--metrics-url=http://{self.host}:{self.metrics_port}/metrics", "--"] + cmd
+
+    @property
+    def draining(self) -> bool:
+        """A drain has started (the supervisor made the drain file)."""
+        return self.drain_file is not None and self.drain_file.exists()
 
     def environment(self) -> dict[str, str]:
         """The server's environment: ours, plus the wheel libs on ``LD_LIBRARY_PATH`` and the venv on ``PATH``."""
@@ -539,7 +556,7 @@ class TritonServer:
         if self.process.poll() is None:
             try:
                 self.process.send_signal(signal.SIGTERM)
-                self.process.wait(timeout)
+                self.process.wait(timeout + (self.drain_s or 0.0))
             except subprocess.TimeoutExpired:
                 _kill(self.process.pid, kill_group=True)
                 self.process.wait(10)

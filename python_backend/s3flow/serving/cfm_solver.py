@@ -19,6 +19,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
+from s3flow.drain import draining_probe
 from s3flow.protocol import INPUT_DTYPES, Limits
 from s3flow.session import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, Incoming, ModelCallError, SolverSession
 from s3flow.streaming import StreamingEngine
@@ -95,7 +96,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"{self.name}: bad config parameter: {exc}") from None
         self.logger = pb_utils.Logger
         self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name))
-        self.session = SolverSession(engine, on_drop=self._dropped, name=self.name)
+        self.session = SolverSession(engine, on_drop=self._dropped, name=self.name, draining=draining_probe())
         # Triton drops an idle sequence without telling the model: a reaper thread evicts idle states even
         # when no request comes; the lock keeps it and execute from touching the store at once.
         self._lock, self._stop = threading.Lock(), threading.Event()
