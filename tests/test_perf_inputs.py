@@ -192,7 +192,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("perf_inputs")
     flow = load_flow(ROOT / "checkpoints" / "trained" / "teacher.safetensors")
     settings = RepositorySettings(limits=Limits(max_live_sequences=8),
-                                  batching=Batching(max_queue_delay_us=20_000, max_candidate_sequences=8),
+                                  batching=Batching(max_queue_delay_us=20_000, max_candidate_sequences=16),
                                   ort_threads=1)
     write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=0))
     with TritonServer(root / "repo", log_file=root / "server.log") as server:
