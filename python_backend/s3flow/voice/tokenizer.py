@@ -99,18 +99,22 @@ class FSMNAttention(nn.Module):
         memory = memory.transpose(1, 2) + flat_v
         q = q.permute(0, 2, 1, 3) * scale
         k = k.permute(0, 2, 3, 1) * scale
-        w = torch.softmax((q @ k).float(), dim=-1)
+        w = torch.softmax((q @ k).float(), dim=-1).to(q.dtype)
         wv = (w @ v.permute(0, 2, 1, 3)).permute(0, 2, 1, 3).flatten(start_dim=2)
         return self.out(wv) + memory
 
 
 class ResidualAttentionBlock(nn.Module):
-    """Pre-norm block: ``x + attn(ln(x))`` (LayerNorm eps 1e-6), then ``x + mlp(ln(x))`` (GELU, 4x wide)."""
+    """Pre-norm block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))`` (GELU, 4x wide).
+
+    Both LayerNorms use eps 1e-5, as the ``s3tokenizer`` release upstream installs (0.3.0) has it; older
+    sources of the package had 1e-6 on ``attn_ln``, which moves the hidden states by about 5e-4 relative.
+    """
 
     def __init__(self, n_state: int, n_head: int):
         super().__init__()
         self.attn = FSMNAttention(n_state, n_head)
-        self.attn_ln = nn.LayerNorm(n_state, eps=1e-6)
+        self.attn_ln = nn.LayerNorm(n_state)
         self.mlp = nn.Sequential(nn.Linear(n_state, 4 * n_state), nn.GELU(), nn.Linear(4 * n_state, n_state))
         self.mlp_ln = nn.LayerNorm(n_state)
 
