@@ -137,9 +137,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="how long utterances in flight may take to finish")
     parser.add_argument("--kill-after-s", type=float, default=30.0,
                         help="supervise: SIGKILL the server this long after its SIGTERM")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="supervise: -- the server's command line")
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, command = parser.parse_args(argv[:split]), argv[split + 1:]  # supervise: -- the server's command
     if args.what == "supervise":
         if not command:
             parser.error("supervise needs the server's command line after --")

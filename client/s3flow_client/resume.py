@@ -1,0 +1,381 @@
+"""The client's event loop: utterances over gRPC streams to one or more servers, retried and resumed.
+
+An utterance's output is a function of its tokens, prompt, seed, chunk boundaries and frame index only, so
+when its server goes away it can be **resumed** on another one (or the same one after a restart): START
+again with the same prompt, seed and options, send the chunks already answered again (same boundaries),
+then carry on. Frames that were delivered already are compared with their replayed copies (they must agree
+within ``replay_tolerance``; a mismatch fails the utterance rather than splicing two different syntheses) and
+not delivered twice.
+
+What an error answer leads to (``classify``):
+
+===========================================  ==========  ==================================================
+the server said                              kind        the client
+===========================================  ==========  ==================================================
+``send it again`` / ``send the START again`` ``retry``   sends the same chunk to the same server
+``retry in N s`` (the server is full)        ``busy``    START again on the next address, or here after N s
+``draining`` (the server is going away)      ``resume``  resumes the utterance on the next address
+sequence not active / unknown to Triton,     ``resume``  resumes it (a restart or an idle eviction lost it)
+the END request failed, or server not ready
+anything it cannot place (the stream broke)  ``broken``  resumes every utterance of that stream elsewhere
+anything else (a bad request, a bug)         ``fail``    fails that utterance only, and ENDs its sequence
+===========================================  ==========  ==================================================
+
+Retries and resumes are bounded (``max_retries``, ``max_resumes`` per utterance, the call's deadline) and
+each is logged (logger ``s3flow_client``) and kept in ``StreamResult.retries`` / ``StreamResult.resumes``.
+A sequence the client gives up on, or moves away from, is ended with an empty END request so the server
+does not keep its slot until the idle timeout.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import re
+import time
+from typing import Callable, Optional
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+log = logging.getLogger("s3flow_client")
+
+FRAMES_PER_TOKEN = 2
+SAMPLES_PER_FRAME = 480                # 24 kHz audio from token2wav
+#: gRPC metadata naming the stream's first sequence id: a load balancer hashing on it (docker/k8s/) keeps
+#: every chunk of the stream's utterances on one server, which sequence batching requires.
+SEQUENCE_HEADER = "x-sequence-id"
+_corr_ids = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
+_DTYPES = {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32"}
+
+_SEQUENCE = re.compile(r"sequence (\d+)")
+_RETRY_IN = re.compile(r"retry in ([0-9.]+) s")
+_RULES = (  # (kind, what the message contains); the first match wins
+    ("retry", ("send it again", "send the START again")),
+    ("busy", ("retry in", "retry later")),
+    ("resume", ("draining", "is not active", "must specify the START flag", "restart the utterance",
+                "Server not ready", "server is not ready", "unavailable")),
+)
+
+
+def classify(message: str) -> str:
+    """What to do about an error that names a sequence: retry, busy, resume or fail (table above)."""
+    for kind, hints in _RULES:
+        if any(h.lower() in message.lower() for h in hints):
+            return kind
+    return "fail"
+
+
+class _Conn:
+    """One gRPC stream to one server; its callbacks land in the shared event queue tagged with its id."""
+
+    def __init__(self, conn_id: int, url: str, events: queue.Queue, timeout_s: float, header: int):
+        self.id, self.url, self.alive = conn_id, url, True
+        self.client = grpcclient.InferenceServerClient(url)
+        self.client.start_stream(callback=lambda result, error: events.put((conn_id, result, error)),
+                                 stream_timeout=timeout_s, headers={SEQUENCE_HEADER: str(header)})
+
+    def send(self, model: str, tensors: dict, request_id: str, corr_id: int, start: bool, end: bool,
+             outputs: list[str]) -> None:
+        inputs = []
+        for name, value in tensors.items():
+            t = grpcclient.InferInput(name, list(value.shape), _DTYPES[value.dtype.type])
+            t.set_data_from_numpy(value)
+            inputs.append(t)
+        self.client.async_stream_infer(model, inputs, request_id=request_id, sequence_id=corr_id,
+                                       sequence_start=start, sequence_end=end,
+                                       outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
+
+    def close(self) -> None:
+        self.alive = False
+        try:
+            self.client.stop_stream(cancel_requests=True)  # joins the response thread
+        finally:
+            self.client.close()
+
+
+class _Stream:
+    """Book-keeping for one utterance: what was delivered, and where its current attempt stands."""
+
+    def __init__(self, index: int, utt, sizes: list[int], tolerance: float):
+        self.index, self.utt, self.sizes, self.tolerance = index, utt, sizes, tolerance
+        self.corr_id, self.url_i, self.conn = next(_corr_ids), 0, None
+        self.next_chunk, self.answered = 0, 0          # chunk to send in this attempt; chunks ever answered
+        self.server_frames = self.server_samples = 0   # what this attempt's responses covered
+        self.parts: list[np.ndarray] = []              # delivered mel, in order
+        self.audio_parts: list[np.ndarray] = []
+        self.frames = self.samples = 0                 # delivered
+        self.latencies: list[float] = []
+        self.sent_at = self.t0 = 0.0
+        self.first_audio_at = float("nan")
+        self.error: Optional[str] = None
+        self.done = False
+        self.wall: Optional[float] = None
+        self.retries: list[str] = []
+        self.resumes: list[str] = []
+        self.replayed_frames, self.replay_max_diff = 0, 0.0
+
+    def tensors(self) -> dict:
+        i, u = self.next_chunk, self.utt
+        lo = sum(self.sizes[:i])
+        t = {"speech_tokens": u.speech_tokens[lo:lo + self.sizes[i]].astype(np.int64)[None]}
+        if i == 0:
+            t.update(prompt_tokens=u.prompt_tokens.astype(np.int64)[None],
+                     prompt_mel=u.prompt_mel.astype(np.float32)[None],
+                     speaker_embedding=u.speaker_embedding.astype(np.float32).reshape(1, -1),
+                     seed=np.array([[u.seed]], dtype=np.int64))
+            if u.n_timesteps is not None:
+                t["n_timesteps"] = np.array([[u.n_timesteps]], dtype=np.int32)
+            if u.guidance_rate is not None:
+                t["guidance_rate"] = np.array([[u.guidance_rate]], dtype=np.float32)
+        return t
+
+    def where(self) -> str:
+        return (f"sequence {self.corr_id} reached frame {self.frames} of {2 * sum(self.sizes)} "
+                f"(chunk {self.next_chunk + 1} of {len(self.sizes)} in flight)")
+
+    def _merge(self, got: np.ndarray, offset: int, have: int, parts: list, axis: int, what: str) -> np.ndarray:
+        """The part of ``got`` (starting at ``offset``) beyond the ``have`` delivered; the rest must agree."""
+        n = min(max(have - offset, 0), got.shape[axis])
+        if n:
+            old = np.concatenate(parts, axis=axis).take(range(offset, offset + n), axis=axis)
+            diff = float(np.max(np.abs(old - got.take(range(n), axis=axis))))
+            self.replay_max_diff = max(self.replay_max_diff, diff)
+            if not diff <= self.tolerance:
+                raise ValueError(f"sequence {self.corr_id}: replayed {what} {offset}..{offset + n} differ from "
+                                 f"the delivered ones by {diff:.3g} (replay_tolerance {self.tolerance}): not "
+                                 f"splicing two different syntheses")
+        return got.take(range(n, got.shape[axis]), axis=axis)
+
+    def accept(self, mel: np.ndarray, offset: int) -> None:
+        if offset != self.server_frames:
+            raise ValueError(f"sequence {self.corr_id}: frame offset {offset} does not continue the "
+                             f"{self.server_frames} frames received (gap or duplicate)")
+        self.server_frames += mel.shape[1]
+        new = self._merge(mel, offset, self.frames, self.parts, 1, "frames")
+        self.replayed_frames += mel.shape[1] - new.shape[1]
+        if new.shape[1]:
+            self.parts.append(new)
+            self.frames += new.shape[1]
+
+    def accept_audio(self, audio: np.ndarray, offset: int, now: float) -> np.ndarray:
+        """Returns the newly delivered samples."""
+        if offset != self.server_samples:
+            raise ValueError(f"sequence {self.corr_id}: sample offset {offset} does not continue the "
+                             f"{self.server_samples} samples received (gap or duplicate)")
+        self.server_samples += audio.size
+        new = self._merge(audio, offset, self.samples, self.audio_parts, 0, "samples")
+        if new.size:
+            self.audio_parts.append(new)
+            self.samples += new.size
+            if self.first_audio_at != self.first_audio_at:
+                self.first_audio_at = now - self.t0
+        return new
+
+
+class Run:
+    """One ``StreamingClient.synthesize`` call: the event loop over all utterances and connections."""
+
+    def __init__(self, client, streams: list[_Stream], progress: Optional[Callable[[int], None]],
+                 on_audio: Optional[Callable[[int, np.ndarray], None]]):
+        self.c, self.streams, self.progress, self.on_audio = client, streams, progress, on_audio
+        self.by_id = {s.corr_id: s for s in streams}
+        self.retired: set[int] = set()                 # ids of attempts given up: their answers are ignored
+        self.cleanups: set[str] = set()                # END requests of those, not yet answered
+        self.conns: dict[int, _Conn] = {}
+        self.events: queue.Queue = queue.Queue()
+        self.due: list[tuple[float, _Stream]] = []     # sends scheduled for later (back-off)
+        self.outputs = ["mel", "frame_offset"] + (["audio", "sample_offset"] if client.audio else [])
+        self._ids = itertools.count()
+
+    # -- connections ---------------------------------------------------------------------------------
+    def conn_for(self, s: _Stream) -> _Conn:
+        url = self.c.urls[s.url_i]
+        for conn in self.conns.values():
+            if conn.alive and conn.url == url:
+                return conn
+        conn = _Conn(next(self._ids), url, self.events, self.c.timeout_s, s.corr_id)
+        self.conns[conn.id] = conn
+        return conn
+
+    def broken(self, conn: _Conn, why: str) -> None:
+        """The stream to conn's server broke: every open utterance on it resumes elsewhere."""
+        if not conn.alive:
+            return
+        conn.close()
+        for s in self.streams:
+            if not s.done and s.conn is conn:
+                self.resume(s, f"stream to {conn.url} broke: {why}")
+
+    # -- sending ------------------------------------------------------------------------------------
+    def send(self, s: _Stream) -> None:
+        conn = s.conn = self.conn_for(s)
+        i = s.next_chunk
+        s.sent_at = time.perf_counter()
+        try:
+            conn.send(self.c.model, s.tensors(), f"{s.corr_id}:{i}", s.corr_id, i == 0, i == len(s.sizes) - 1,
+                      self.outputs)
+        except InferenceServerException as exc:
+            self.broken(conn, str(exc))
+
+    def end_sequence(self, s: _Stream) -> None:
+        """Give up this attempt's sequence: its answers are ignored; an empty END frees its server slot."""
+        self.retired.add(s.corr_id)
+        conn = s.conn
+        if conn is None or not conn.alive or (s.next_chunk == len(s.sizes) - 1):
+            return  # nothing was sent, the stream is gone, or the END itself was in flight
+        rid = f"end:{s.corr_id}"
+        try:
+            conn.send(self.c.model, {"speech_tokens": np.zeros((1, 0), np.int64)}, rid, s.corr_id, False, True,
+                      self.outputs)
+            self.cleanups.add(rid)
+        except InferenceServerException:
+            pass
+
+    # -- outcomes -----------------------------------------------------------------------------------
+    def fail(self, s: _Stream, message: str) -> None:
+        s.error, s.done = message, True
+        self.end_sequence(s)
+
+    def resume(self, s: _Stream, why: str, delay: Optional[float] = None) -> None:
+        """Start the utterance again as a new sequence on the next address and replay what was answered."""
+        now = time.perf_counter()
+        if len(s.resumes) >= self.c.max_resumes or now >= self.deadline:
+            self.fail(s, f"{s.where()}: {why} (gave up after {len(s.resumes)} resumes)")
+            return
+        old_id, old_url = s.corr_id, self.c.urls[s.url_i]
+        self.due = [d for d in self.due if d[1] is not s]
+        self.end_sequence(s)
+        s.url_i = (s.url_i + 1) % len(self.c.urls)
+        s.corr_id = next(_corr_ids)
+        self.by_id[s.corr_id] = s
+        s.next_chunk, s.server_frames, s.server_samples, s.conn = 0, 0, 0, None
+        url = self.c.urls[s.url_i]
+        if delay is None:  # another server: at once; the same one: back off
+            delay = 0.0 if url != old_url else self.c.retry_backoff_s * 2 ** len(s.resumes)
+        note = (f"sequence {old_id} on {old_url} at frame {s.frames}: {why} -> sequence {s.corr_id} on {url}"
+                f" in {delay:.2f} s, replaying {s.answered} chunks")
+        s.resumes.append(note)
+        log.warning("utterance %d: %s", s.index, note)
+        self.due.append((now + delay, s))
+
+    def on_error(self, conn: _Conn, error) -> None:
+        message = str(error)
+        named = [int(m.group(1)) for m in _SEQUENCE.finditer(message)]
+        if any(cid in self.retired for cid in named):
+            self.cleanups.difference_update(f"end:{cid}" for cid in named)
+            return  # the answer to a sequence given up, or to its cleanup END
+        s = next((self.by_id[cid] for cid in named if cid in self.by_id and not self.by_id[cid].done), None)
+        if s is None or s.corr_id not in named:
+            self.broken(conn, message)  # tritonclient hands over stream errors without the request
+            return
+        kind = classify(message)
+        if kind in ("retry", "busy") and len(s.retries) < self.c.max_retries:
+            s.retries.append(message)
+            log.warning("utterance %d: %s: %s", s.index, kind, message)
+            if kind == "busy" and len(self.c.urls) > 1 and s.answered == 0:
+                self.resume(s, message, delay=0.0)   # a full server: try the next one now
+                return
+            wait = self.c.retry_backoff_s * 2 ** (len(s.retries) - 1)
+            hint = _RETRY_IN.search(message)
+            if kind == "busy" and hint:
+                wait = float(hint.group(1))
+            self.due.append((time.perf_counter() + wait, s))
+        elif kind in ("resume", "busy"):
+            self.resume(s, message)
+        else:
+            self.fail(s, f"{s.where()}: {message}")
+
+    def on_result(self, result, now: float) -> None:
+        rid = result.get_response().id
+        if rid.startswith("end:"):
+            self.cleanups.discard(rid)
+            return
+        cid, i = (int(x) for x in rid.split(":"))
+        s = self.by_id.get(cid)
+        if s is None or s.done or cid != s.corr_id:
+            return  # an answer for an attempt given up
+        try:
+            s.accept(result.as_numpy("mel")[0], int(result.as_numpy("frame_offset").reshape(-1)[0]))
+            if self.c.audio:
+                new = s.accept_audio(result.as_numpy("audio").reshape(-1),
+                                     int(result.as_numpy("sample_offset").reshape(-1)[0]), now)
+                if self.on_audio and new.size:
+                    self.on_audio(s.index, new)
+        except ValueError as exc:
+            self.fail(s, str(exc))
+            return
+        if i >= s.answered:  # a new chunk, not a replayed one
+            s.latencies.append(now - s.sent_at)
+            s.answered = i + 1
+            if self.progress:
+                self.progress(1)
+        s.next_chunk += 1
+        if s.next_chunk < len(s.sizes):
+            self.send(s)
+        else:
+            s.done, s.wall = True, now - s.t0
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        start = time.perf_counter()
+        self.deadline = start + self.c.timeout_s
+        last_event = start
+        for s in self.streams:
+            s.t0 = start
+            self.send(s)
+        try:
+            while any(not s.done for s in self.streams):
+                now = time.perf_counter()
+                for item in [d for d in self.due if d[0] <= now]:
+                    self.due.remove(item)
+                    if not item[1].done:
+                        self.send(item[1])
+                wait = self.deadline - now
+                if self.c.response_timeout_s is not None and not self.due:
+                    wait = min(wait, last_event + self.c.response_timeout_s - now)
+                if self.due:
+                    wait = min(wait, min(d[0] for d in self.due) - now)
+                try:
+                    conn_id, result, error = self.events.get(timeout=max(wait, 0.01))
+                except queue.Empty:
+                    if self.due and time.perf_counter() < self.deadline:
+                        continue  # a retry is due, not a silent server
+                    self.timed_out(time.perf_counter() >= self.deadline)
+                    break
+                conn = self.conns[conn_id]
+                if not conn.alive:
+                    continue  # a stream given up: its utterances moved on
+                now = last_event = time.perf_counter()
+                if result is None or error is not None:
+                    self.on_error(conn, error)
+                else:
+                    self.on_result(result, now)
+            self.wait_cleanups()
+        finally:
+            for conn in self.conns.values():
+                if conn.alive:
+                    conn.close()
+
+    def timed_out(self, overall: bool) -> None:
+        bound = (f"{self.c.timeout_s} s in all" if overall else f"{self.c.response_timeout_s} s since the last one")
+        for s in self.streams:
+            if not s.done:
+                self.fail(s, f"{s.where()}: no response within {bound}")
+
+    def wait_cleanups(self, bound_s: float = 2.0) -> None:
+        """Let the END requests of given-up sequences reach their servers before the streams close."""
+        until = time.perf_counter() + bound_s
+        while self.cleanups and time.perf_counter() < until:
+            try:
+                conn_id, result, error = self.events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if result is not None:
+                self.cleanups.discard(result.get_response().id)
+                continue
+            named = [int(m.group(1)) for m in _SEQUENCE.finditer(str(error))]
+            if not any(cid in self.retired for cid in named):
+                break  # the stream itself broke: nothing more will come
+            self.cleanups.difference_update(f"end:{cid}" for cid in named)
