@@ -236,3 +236,44 @@ def test_the_deploy_files_http_paths_answer_on_a_real_server(served):
             assert r.status == 200, path
     with urllib.request.urlopen(f"http://127.0.0.1:{served.metrics_port}{METRICS_PATH}", timeout=5) as r:
         assert r.status == 200 and b"nv_inference_request_success" in r.read()
+
+
+def documented_commands(program: str) -> list[list[str]]:
+    """The ``program`` command lines of docs/operations.md's shell blocks (continuations joined, comments
+    dropped), each from the program's name on."""
+    import re
+    import shlex
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    lines = "".join(re.findall(r"```bash\n(.*?)```", text, re.S)).replace("\\\n", " ").splitlines()
+    out = []
+    for line in lines:
+        words = shlex.split(line, comments=True)
+        starts = [k for k, w in enumerate(words) if w.endswith(program)]
+        if starts:
+            out.append(words[starts[0]:])
+    return out
+
+
+def test_documented_perf_analyzer_commands_fit_the_written_file():
+    writers = {}
+    for argv in documented_commands("perf_inputs.py"):
+        if "--replay" in argv:
+            continue
+        args = dict(zip(argv, argv[1:]))   # flag -> the word after it
+        writers[args.get("--output", "out/perf_inputs.json")] = int(args.get("--sequence-length", 4))
+    runs = documented_commands("perf_analyzer")
+    assert {r[r.index("-m") + 1] for r in runs} == {"token2mel", "token2wav"}
+    ranges = []
+    for run in runs:
+        args = dict(zip(run, run[1:]))
+        assert args["-i"] == "grpc" and "--streaming" in run
+        assert args["--input-data"] in writers, f"{args['--input-data']} is written by no documented command"
+        assert int(args["--sequence-length"]) == writers[args["--input-data"]], "steps per stream differ"
+        assert float(args["--sequence-length-variation"]) == 0
+        lo, hi = map(int, args["--sequence-id-range"].split(":"))
+        top = int(args["--concurrency-range"].split(":")[1])
+        assert hi - lo >= top
+        ranges.append((lo, hi))
+    ranges.sort()
+    assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), "the runs' sequence ids overlap"
