@@ -278,7 +278,7 @@ def replay(doc: dict, url: str, model: str = "token2mel", concurrency: int = 1, 
     answers: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    next_step = {}
+    next_step, done = {}, set()
 
     def send(i: int) -> None:
         sid, k = first_sequence_id + i, next_step[i]
@@ -317,6 +317,15 @@ def replay(doc: dict, url: str, model: str = "token2mel", concurrency: int = 1, 
                 send(i)
             else:
                 in_flight -= 1
+                done.add(i)
+        # a refused request stops its stream: close the sequences left open (an empty END chunk), or they
+        # hold the server's sequence slots until its idle timeout
+        for i in sorted(set(next_step) - done):
+            t = grpcclient.InferInput("speech_tokens", [1, 0], inputs["speech_tokens"].datatype)
+            t.set_data_from_numpy(np.zeros((1, 0), dtype=np.int64))
+            client.async_stream_infer(model, [t], request_id=f"{first_sequence_id + i}:end",
+                                      sequence_id=first_sequence_id + i, sequence_end=True)
+            answers.get(timeout=30)
     except queue.Empty:
         res.errors.append(f"no answer within {timeout_s} s")
     finally:
