@@ -37,7 +37,7 @@ from load_test import metric_sum, read_metrics  # noqa: E402
 from s3flow.checkpoint import load_flow, read_checkpoint, write_random_checkpoint  # noqa: E402
 from s3flow.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402
-from s3flow.repository import Batching, RepositorySettings, write_repository  # noqa: E402
+from s3flow.repository import TRITON_IDLE_GRACE_S, Batching, RepositorySettings, write_repository  # noqa: E402
 from s3flow.triton_server import TritonServer, free_port  # noqa: E402
 from s3flow_client import StreamError, StreamingClient  # noqa: E402
 from s3flow_client.demo import demo_utterance  # noqa: E402
@@ -294,6 +294,38 @@ def test_live_sequences_beyond_the_maximum_get_a_clear_error(server):
     for seq in (812, 813, 814):
         assert infer(server, seq, False, True, more).as_numpy("mel").shape == (1, 80, 2 * 25 - 14)
     assert solver_metrics(server)[0] == 0
+
+
+@pytest.mark.server
+def test_abandoned_and_refused_sequences_cannot_jam_the_server(server):
+    """A client opens as many sequences as the solver holds, plus as many STARTs it refuses, and vanishes
+    without END. A well-behaved utterance is answered at once (full: "retry in N s", never a silent wait in
+    Triton's backlog) and starts within the reclaim time (idle_timeout_s + Triton's 5 s grace) + 1 s."""
+    wait_live(server, 0, IDLE_S + 3)
+    u = demo_utterance(1.0, seed=57)
+    start = tensors(u, 0, 10, True, steps=1)
+    rogue = RawStream(server, "token2mel")
+    for seq in range(821, 827):   # 3 admitted, 3 refused: none ever ended
+        rogue.send(seq, True, start)
+    errors = [str(rogue.events.get(timeout=30)[1]) for _ in range(6)]
+    assert sum("too many live sequences (3, max_live_sequences 3); retry in" in e for e in errors) == 3, errors
+    rogue.vanish()
+    t0 = time.monotonic()
+    with pytest.raises(InferenceServerException, match=r"too many live sequences .*retry in \d") as info:
+        infer(server, 830, True, True, start)   # a plain client: its START is answered, not queued
+    answered = time.monotonic() - t0
+    assert info.value.status() == "StatusCode.UNAVAILABLE"
+    good = demo_utterance(1.0, seed=58)
+    good.n_timesteps = 1
+    began = {}
+    [r] = StreamingClient(server.grpc_url, timeout_s=60).synthesize(
+        [good], progress=lambda _: began.setdefault("t", time.monotonic()))
+    reclaim = IDLE_S + TRITON_IDLE_GRACE_S
+    print(f"\nfull server answered in {answered:.2f} s; the new utterance began {began['t'] - t0:.2f} s after "
+          f"the rogue vanished (reclaim {reclaim} s); retries {r.retries}")
+    assert answered < 2.0 and r.error is None and r.mel.shape == (80, 50)
+    assert r.retries and all("retry in" in m for m in r.retries)
+    assert began["t"] - t0 < reclaim + 1.0
 
 
 # ------------------------------------------------------------------------------------------ server gone
