@@ -60,7 +60,11 @@ def main(argv=None) -> int:
     if samples.ndim == 2 and args.mix:
         samples = samples.mean(axis=1)
     t0 = time.perf_counter()
-    frontend = VoiceFrontend.from_checkpoint(args.checkpoint, limits=VoiceLimits(max_seconds=args.max_seconds))
+    try:
+        frontend = VoiceFrontend.from_checkpoint(args.checkpoint, limits=VoiceLimits(max_seconds=args.max_seconds))
+    except (OSError, ValueError) as e:     # CheckpointMismatch is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     t1 = time.perf_counter()
     try:
         prompt = frontend.embed(samples, rate)

@@ -304,13 +304,24 @@ class HiFTGenerator(nn.Module):
         """The ``decoder`` graph: mel (B, in_channels, T), harmonics (B, H + 1, 480 T) -> audio (B, 480 T)."""
         return self.decode(mel, self.m_source(harmonics))
 
-    def inference(self, mel: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def inference(self, mel: torch.Tensor, seed: int = 0, noise_free: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Upstream ``HiFTGenerator.inference`` with a seeded source: mel (1, C, T) -> audio (1, 480 T), f0.
 
         F0 in float64 (``F0Float64``); no fade-in (``vocode`` adds upstream's).
+
+        ``noise_free``: the source without randomness (the overtones' initial phases and all noise 0), computed
+        as upstream computes it on CPU (``upstream_harmonics``, F0 from the float32 predictor with its weight
+        norms), so the audio is a deterministic function of weights and mel that upstream's own
+        ``inference`` run the same way reproduces; ``seed`` is unused then.
         """
         if mel.shape[0] != 1:
             raise ValueError(f"inference takes one utterance, got a batch of {mel.shape[0]}")
+        if noise_free:
+            with torch.inference_mode():
+                m = mel.detach().cpu().float()
+                f0 = self.f0_predictor(m)
+                return self(m, upstream_harmonics(f0, self.source_params)), f0
         runner = TorchVocoder(self)
         m = mel[0].detach().cpu().float().numpy()
         f0 = runner.f0(m[None])[0]
@@ -332,6 +343,39 @@ class HiFTGenerator(nn.Module):
                     parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
                     module.weight.copy_(weight.to(module.weight.dtype))
         return out.eval()
+
+
+def upstream_harmonics(f0: torch.Tensor, params: SourceParams, initial_phase: Optional[torch.Tensor] = None,
+                       noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Upstream ``SineGen``'s harmonics, rounded as upstream's CPU torch rounds them.
+
+    F0 is held over each frame's hop samples (nearest upsampling); harmonic i's per-sample increment
+    ``f0 (i + 1) / sr`` is float32; its running sum is accumulated in float64 and each partial sum rounded
+    to float32 (what torch's CPU ``cumsum`` kernel does for float32; a float32 running sum, as on GPU, drifts
+    audibly over seconds); ``% 1`` and ``2 pi`` in float32; ``alpha sin(theta + phi0)`` where voiced, plus
+    ``(sigma if voiced else alpha / 3) * noise``. The streaming path's ``harmonic_source`` is float64 all
+    through instead (continuable from chunk to chunk); this one is for comparison with upstream.
+
+    Args:
+        f0: (B, T) Hz per mel frame.
+        params: the source's constants.
+        initial_phase: (B, H + 1, 1) radians (upstream draws U(-pi, pi) with the fundamental at 0); None: 0.
+        noise: (B, H + 1, hop T) standard normal; None: no noise.
+
+    Returns:
+        (B, H + 1, hop T) float32.
+    """
+    f0_up = f0.float().repeat_interleave(params.hop_samples, dim=-1)[:, None, :]
+    overtone = torch.arange(1, params.rows + 1, dtype=torch.float32)[None, :, None]
+    increment = f0_up * overtone / params.sampling_rate
+    theta = 2 * np.pi * (torch.cumsum(increment.double(), dim=-1).float() % 1)
+    if initial_phase is not None:
+        theta = theta + initial_phase.float()
+    uv = (f0_up > params.nsf_voiced_threshold).float()
+    out = params.nsf_alpha * torch.sin(theta) * uv
+    if noise is not None:
+        out = out + (uv * params.nsf_sigma + (1 - uv) * params.nsf_alpha / 3) * noise.float()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -531,4 +575,5 @@ def check_vocoder_onnx(hift: HiFTGenerator, out_dir: Union[str, Path], frames: i
 
 __all__ = ["VocoderConfig", "HiFTGenerator", "TorchVocoder", "OnnxVocoder", "vocode", "random_vocoder",
            "load_vocoder", "write_vocoder_checkpoint", "write_random_vocoder_checkpoint", "export_vocoder",
+           "upstream_harmonics",
            "check_vocoder_onnx", "trim_fade", "apply_trim_fade", "VOCODER_PREFIX"]
