@@ -83,6 +83,9 @@ def session_options(settings: Optional[OrtSettings] = None) -> ort.SessionOption
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.graph_optimization_level = _LEVELS[s.optimization]
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if s.spinning else "0")
+    # the memory pattern is planned and cached per input shape: with streaming's ever-changing lengths the
+    # cache only grows (measured: +35 MB in the encoder over one 60 s utterance) and saves nothing
+    opts.enable_mem_pattern = False
     return opts
 
 

@@ -69,6 +69,10 @@ MODEL_CONTROL_MODES = ("none", "explicit", "poll")
 _PORT_IN_USE = re.compile(r"already in use|Address already in use|failed to start (GRPC|HTTP|Metrics)", re.I)
 
 
+#: MALLOC_MMAP_THRESHOLD_ for the server and its stubs (see TritonServer.environment).
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
 class TritonServerError(RuntimeError):
     """The server could not be found, did not start, or died; the message carries the log tail."""
 
@@ -449,8 +453,15 @@ class TritonServer:
         if self.venv is not None:
             env["PATH"] = os.pathsep.join([str(self.venv / "bin"), env.get("PATH", "/usr/bin:/bin")])
             env["VIRTUAL_ENV"] = str(self.venv)
+        # allocations of 1 MiB and more are mapped and unmapped one by one, so memory a long utterance
+        # needed goes back to the system (glibc's default threshold climbs, and the heap keeps it)
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
         env.update(self.extra_env)
         return env
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and every process under it (the python-backend stubs)."""
+        return tree_rss_bytes(self.pid) if self.pid is not None else 0
 
     def _python_version(self) -> str | None:
         return venv_python_version(self.venv) if self.venv is not None else None
@@ -594,6 +605,28 @@ class TritonServer:
 
     def __repr__(self) -> str:
         return f"TritonServer(pid={self.pid}, grpc={self.grpc_url}, repository={self.model_repository})"
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and all its descendants, from /proc (0 for processes already gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+        except OSError:
+            pass
+    return total
 
 
 def _port_open(host: str, port: int) -> bool:

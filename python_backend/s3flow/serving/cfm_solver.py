@@ -20,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
 from s3flow.drain import draining_probe
+from s3flow.serving.heap import trim_heap
 from s3flow.protocol import INPUT_DTYPES, Limits
 from s3flow.session import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, Incoming, ModelCallError, SolverSession
 from s3flow.streaming import StreamingEngine
@@ -133,6 +134,8 @@ class TritonPythonModel:
                 outcomes = self.session.handle([self._incoming(r) for r in requests])
             finally:
                 self.metrics.live(self.session.live)
+        if sum(o.result.mel.shape[1] for o in outcomes if o.result is not None) >= _TRIM_AFTER_FRAMES:
+            trim_heap()
         responses = []
         for o in outcomes:
             if o.error is not None:
@@ -209,6 +212,10 @@ class _SolverMetrics:
         """Metrics must go before their families (the stub checks)."""
         self._live, self._dropped = None, {}
         self._live_family = self._dropped_family = None
+
+
+#: After a batch that made this many frames, give the freed heap back (s3flow.serving.heap).
+_TRIM_AFTER_FRAMES = 500
 
 
 _CODES = {INVALID_ARG: lambda: pb_utils.TritonError.INVALID_ARG, CANCELLED: lambda: pb_utils.TritonError.CANCELLED,

@@ -5,7 +5,10 @@ It serves the ``estimator`` and the ``flow_encoder`` where no TensorRT / ONNX Ru
 ``<version>/model.onnx``. Config parameters: ``intra_op_threads`` (default: all cores), ``allow_spinning``
 (default true), ``graph_optimization`` (all | extended | basic | disable; default all), ``graph_rewrite``
 (default true: ``s3flow.ort_runtime.rewrite_for_cpu`` at load, the file is not changed), ``fuse_attention``
-(auto | true | false; auto: only in 1-thread sessions, see ``OrtSettings``).
+(auto | true | false; auto: only in 1-thread sessions, see ``OrtSettings``), ``arena_shrinkage`` (default
+true: after each run ONNX Runtime's CPU arena gives back what that run needed beyond its resting size, so one
+long utterance does not leave the process gigabytes larger for good; measured cost 0-2 % per run on the small
+model, less on the full-size one).
 """
 from __future__ import annotations
 
@@ -13,9 +16,15 @@ import json
 import os
 
 import numpy as np
+import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 
 from s3flow.ort_runtime import OrtModel, OrtSettings
+from s3flow.serving.heap import trim_heap
+
+#: Requests whose inputs and outputs hold more bytes than this are followed by trim_heap (about 1,600
+#: frames of one (2, 80, T) tensor).
+TRIM_AFTER_BYTES = 1 << 20
 
 
 class TritonPythonModel:
@@ -47,9 +56,12 @@ class TritonPythonModel:
                 f"{self.name}: config tensors {self.inputs} -> {self.outputs} do not match the ONNX file's "
                 f"{sorted(onnx_in)} -> {sorted(onnx_out)}")
         self.optional = {i["name"] for i in config["input"] if i.get("optional")}
+        self.run_options = ort.RunOptions()
+        if params.get("arena_shrinkage", "true").lower() != "false":
+            self.run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
     def execute(self, requests):
-        responses = []
+        responses, size = [], 0
         for request in requests:
             try:
                 feeds = {}
@@ -60,12 +72,16 @@ class TritonPythonModel:
                             continue
                         raise ValueError(f"{self.name}: missing input {name}")
                     feeds[name] = tensor.as_numpy()
-                values = self.session.run(self.outputs, feeds)
+                    size += feeds[name].nbytes
+                values = self.session.run(self.outputs, feeds, run_options=self.run_options)
                 tensors = [pb_utils.Tensor(n, np.ascontiguousarray(v)) for n, v in zip(self.outputs, values)]
+                size += sum(v.nbytes for v in values)
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
             except Exception as exc:  # one bad request must not fail the others
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(f"{self.name}: {exc}")))
+        if size > TRIM_AFTER_BYTES:
+            trim_heap()
         return responses
 
     def finalize(self):
