@@ -13,13 +13,23 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from s3flow.vocoder import VocoderConfig, random_vocoder, upstream_harmonics, write_vocoder_checkpoint
 from s3flow.vocoder_stream import SourceParams
 
 ROOT = Path(__file__).resolve().parent.parent
-torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread in this module (small tensors; the host is shared), restored after it: other modules
+    compare in-process results bit for bit with subprocesses that run on torch's default."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def test_noise_free_phase_is_the_float64_sum_rounded_per_sample():

@@ -30,7 +30,16 @@ from s3flow.voice.tokenizer import S3TokenizerV2, TokenizerConfig, num_tokens
 from s3flow.voice.wavio import read_wav, write_wav
 from s3flow.voice.weights import random_voice_state, voice_state_dict
 
-torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread in this module (small tensors; the host is shared), restored after it: other modules
+    compare in-process results bit for bit with subprocesses that run on torch's default."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def chirp(n: int) -> torch.Tensor:
@@ -343,3 +352,25 @@ def test_wav_files_round_trip(tmp_path):
     (tmp_path / "c.wav").write_bytes(b"RIFF\x00\x00\x00\x00WAVX")
     with pytest.raises(ValueError, match="not a RIFF/WAVE file"):
         read_wav(tmp_path / "c.wav")
+
+
+def test_embed_voice_script_writes_what_embed_ref_returns(small_ckpt, frontend, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "embed_voice.py"
+    wav = speechlike(44100, 1.37)
+    write_wav(tmp_path / "ref.wav", wav, 44100, float32=True)
+    r = subprocess.run([sys.executable, str(script), "--checkpoint", str(small_ckpt), "--wav",
+                        str(tmp_path / "ref.wav"), "--output", str(tmp_path / "v.npz"), "--threads", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out, p = np.load(tmp_path / "v.npz"), frontend.embed(wav, 44100)
+    for name, value in p.as_dict().items():
+        assert out[name].dtype == value.dtype and np.array_equal(out[name], value), name
+    write_wav(tmp_path / "short.wav", wav[:30000], 44100)
+    r = subprocess.run([sys.executable, str(script), "--checkpoint", str(small_ckpt), "--wav",
+                        str(tmp_path / "short.wav"), "--output", str(tmp_path / "s.npz")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "too short: 0.680 s (30000 samples at 44100 Hz)" in r.stderr

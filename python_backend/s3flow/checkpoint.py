@@ -163,6 +163,12 @@ def write_random_checkpoint(path: str | Path, config: FlowConfig, seed: int = 0,
     state = {k: v.detach().contiguous().clone() for k, v in flow_state_dict(flow).items()}
     metadata = {CONFIG_METADATA_KEY: json.dumps(flow.config.to_dict())}
     full = config.to_dict() == FlowConfig.full(config.meanflow).to_dict()
+    with torch.random.fork_rng(devices=[]):    # the global RNG is left as random_flow leaves it, as before
+        _add_random_modules(state, metadata, full, seed, voice, vocoder)
+    return save_tensors(state, path, metadata)
+
+
+def _add_random_modules(state: dict, metadata: dict, full: bool, seed: int, voice: bool, vocoder: bool) -> None:
     if voice:
         from .voice.weights import VOICE_CONFIG_KEY, VoiceConfig, random_voice_state
         voice_config = VoiceConfig.full() if full else VoiceConfig.small()
@@ -173,7 +179,6 @@ def write_random_checkpoint(path: str | Path, config: FlowConfig, seed: int = 0,
         hift = random_vocoder(VocoderConfig.full() if full else VocoderConfig.small(), seed)
         state.update({k: v.detach().contiguous().clone() for k, v in vocoder_state_dict(hift).items()})
         metadata[VOCODER_CONFIG_KEY] = json.dumps(hift.config.to_dict())
-    return save_tensors(state, path, metadata)
 
 
 # -- any module's tensors (the vocoder's ``mel2wav.*`` use these) -------------------------------------
