@@ -12,7 +12,8 @@ the one the served vocoder uses.
 
 Example::
 
-    python -c "import numpy as np; np.savez('mel.npz', mel=np.random.default_rng(0).normal(-6, 2, (1, 80, 100)).astype('f4'))"
+    python -c "import numpy as np; np.savez('mel.npz',
+        mel=np.random.default_rng(0).normal(-6, 2, (1, 80, 100)).astype('f4'))"
     python scripts/vocode.py --checkpoint s3gen.safetensors --mel mel.npz --output audio.npz --noise-free
 """
 from __future__ import annotations

@@ -4,7 +4,8 @@ Public API::
 
     from s3flow.voice import VoiceFrontend, VoicePrompt, VoiceLimits, validate_wav
     fe = VoiceFrontend.from_checkpoint("s3gen.safetensors")
-    prompt = fe.embed(wav_float32_1d, sample_rate)   # prompt_tokens (1,Np) int64, prompt_feat (1,T,80), embedding (1,192)
+    prompt = fe.embed(wav_float32_1d, sample_rate)
+    # prompt.prompt_tokens (1, Np) int64, prompt.prompt_feat (1, T, 80) float32, prompt.embedding (1, 192) float32
 
 Modules: ``resample`` (torchaudio's sinc-Hann resampler), ``kaldi_fbank`` (Kaldi fbank), ``mel`` (the 24 kHz
 prompt mel and the tokenizer's log-mel), ``tokenizer`` (S3TokenizerV2), ``campplus`` (CAM++ x-vector), ``weights``
