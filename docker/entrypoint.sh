@@ -11,7 +11,11 @@
 #   S3FLOW_REPOSITORY_ARGS      extra scripts/build_repository.py flags (batching, limits) []
 #   S3FLOW_STATE                where the repository, random checkpoint and engines live [/var/lib/s3flow]
 #   S3FLOW_CUDA_POOL_BYTES      CUDA memory pool per GPU for GPU tensors between models [2147483648]
-#   S3FLOW_EXIT_TIMEOUT_S       how long tritonserver waits for in-flight requests on SIGTERM [90]
+#   S3FLOW_DRAIN_DEADLINE_S     on SIGTERM: how long utterances in flight may take to finish while new ones
+#                               are refused (python -m s3flow.drain; docs/reliability.md, "Rollout") [60]
+#   S3FLOW_DRAIN_FILE           the drain flag file the solver checks; the k8s preStop hook and readiness
+#                               probe use the same path [/tmp/s3flow-draining]
+#   S3FLOW_EXIT_TIMEOUT_S       after the drain: how long tritonserver waits for requests still open [15]
 # Arguments are appended to the tritonserver command line.
 set -euo pipefail
 cd "${S3FLOW_HOME:-/opt/s3flow}"
@@ -66,9 +70,16 @@ POOL=${S3FLOW_CUDA_POOL_BYTES:-2147483648}
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 POOL_ARGS=()
 for ((i = 0; i < GPUS; i++)); do POOL_ARGS+=("--cuda-memory-pool-byte-size=$i:$POOL"); done
-log "starting tritonserver on $GPUS GPU(s)"
-exec tritonserver --model-repository="$REPO" --model-control-mode=none --disable-auto-complete-config \
+log "starting tritonserver on $GPUS GPU(s) under the drain supervisor"
+# SIGTERM (docker stop, Kubernetes) goes to the supervisor: it drains (new sequences refused, those in flight
+# finish, up to S3FLOW_DRAIN_DEADLINE_S), then stops tritonserver
+export S3FLOW_DRAIN_FILE=${S3FLOW_DRAIN_FILE:-/tmp/s3flow-draining}
+# allocations of 1 MiB and more are mapped one by one, so what a long utterance needed goes back to the system
+export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-1048576}
+exec python3 -m s3flow.drain supervise --deadline-s "${S3FLOW_DRAIN_DEADLINE_S:-60}" \
+    --drain-file "$S3FLOW_DRAIN_FILE" --metrics-url http://127.0.0.1:8002/metrics -- \
+    tritonserver --model-repository="$REPO" --model-control-mode=none --disable-auto-complete-config \
     --http-port=8000 --grpc-port=8001 --metrics-port=8002 --allow-metrics=true --allow-gpu-metrics=true \
     --backend-config=python,shm-default-byte-size=67108864 \
     --backend-config=python,shm-growth-byte-size=67108864 \
-    "${POOL_ARGS[@]}" --exit-timeout-secs="${S3FLOW_EXIT_TIMEOUT_S:-90}" "$@"
+    "${POOL_ARGS[@]}" --exit-timeout-secs="${S3FLOW_EXIT_TIMEOUT_S:-15}" "$@"
