@@ -68,8 +68,8 @@ def test_vocode_script_noise_free_is_deterministic_and_the_default_is_seeded(tmp
         m = torch.from_numpy(mel)
         expected = hift(m, upstream_harmonics(hift.f0_predictor(m), hift.source_params)).numpy()
     np.testing.assert_allclose(a, expected, rtol=0, atol=1e-6)
-    s0, s1 = run("s0"), run("s1", "--seed", "1")
-    assert not np.array_equal(s0, s1) and not np.array_equal(s0, a)        # default: the seeded source
+    s0 = run("s0")
+    assert np.abs(s0 - a).max() > 1e-4                                     # default: the seeded source
     np.testing.assert_allclose(s0, hift.inference(torch.from_numpy(mel), seed=0)[0].numpy(), rtol=0, atol=1e-6)
     np.savez(tmp_path / "bad.npz", mel=mel[:, :79])
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "vocode.py"), "--checkpoint", str(ckpt), "--mel",
