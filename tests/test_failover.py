@@ -122,3 +122,16 @@ def test_a_drained_server_finishes_its_utterances_and_sends_new_ones_elsewhere(r
     assert got.error is None and got.mel.shape == (80, 50)
     assert len(got.resumes) == 1 and "draining" in got.resumes[0] and server_b.grpc_url in got.resumes[0]
     print(f"\nSIGTERM: drained and stopped {stopped:.1f} s after the signal; the late utterance went to B")
+
+
+def test_a_drain_deadline_too_short_moves_the_utterances_still_open(repo, server_b, undisturbed, tmp_path):
+    """At the deadline A stops while utterances are open: their next model calls fail with 'Server not
+    ready' (Triton 2.51 keeps the stream, its models refuse), and the client resumes them on B."""
+    a = TritonServer(repo, log_file=tmp_path / "a.log", drain_s=0.2)
+    with a:
+        client = StreamingClient([a.grpc_url, server_b.grpc_url], timeout_s=120)
+        results = client.synthesize(utterances(), progress=after_chunks(12, lambda: os.kill(a.pid, signal.SIGTERM)))
+    check_complete(results, undisturbed)
+    moved = [r for r in results if r.resumes]
+    assert moved and all(server_b.grpc_url in r.resumes[0] for r in moved)
+    print(f"\ndrain deadline 0.2 s: {len(moved)} utterances resumed on B: {moved[0].resumes[0][:160]}")

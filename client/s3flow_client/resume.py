@@ -9,17 +9,19 @@ not delivered twice.
 
 What an error answer leads to (``classify``):
 
-===========================================  ==========  ==================================================
-the server said                              kind        the client
-===========================================  ==========  ==================================================
-``send it again`` / ``send the START again`` ``retry``   sends the same chunk to the same server
-``retry in N s`` (the server is full)        ``busy``    START again on the next address, or here after N s
-``draining`` (the server is going away)      ``resume``  resumes the utterance on the next address
-sequence not active / unknown to Triton,     ``resume``  resumes it (a restart or an idle eviction lost it)
-the END request failed, or server not ready
-anything it cannot place (the stream broke)  ``broken``  resumes every utterance of that stream elsewhere
-anything else (a bad request, a bug)         ``fail``    fails that utterance only, and ENDs its sequence
-===========================================  ==========  ==================================================
+============================================  ==========  =================================================
+the server said (first match wins)            kind        the client
+============================================  ==========  =================================================
+``draining`` / ``Server not ready`` (it is    ``resume``  resumes the utterance on the next address
+going away); sequence not active or unknown
+to Triton (a restart or an idle eviction
+lost it); the END request failed
+``send it again`` / ``send the START again``  ``retry``   sends the same chunk to the same server
+``retry in N s`` (the server is full)         ``busy``    START again on the next address, or here after N s
+anything else UNAVAILABLE                     ``resume``  as above
+anything it cannot place (the stream broke)   ``broken``  resumes every utterance of that stream elsewhere
+anything else (a bad request, a bug)          ``fail``    fails that utterance only, and ENDs its sequence
+============================================  ==========  =================================================
 
 Retries and resumes are bounded (``max_retries``, ``max_resumes`` per utterance, the call's deadline) and
 each is logged (logger ``s3flow_client``) and kept in ``StreamResult.retries`` / ``StreamResult.resumes``.
@@ -52,10 +54,13 @@ _DTYPES = {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32"}
 _SEQUENCE = re.compile(r"sequence (\d+)")
 _RETRY_IN = re.compile(r"retry in ([0-9.]+) s")
 _RULES = (  # (kind, what the message contains); the first match wins
+    # the server is going away or lost the utterance: even where it says "send it again" (a model call
+    # failed because Triton is shutting down), only another server (or a restarted one) can go on
+    ("resume", ("draining", "Server not ready", "is not active", "must specify the START flag",
+                "restart the utterance")),
     ("retry", ("send it again", "send the START again")),
     ("busy", ("retry in", "retry later")),
-    ("resume", ("draining", "is not active", "must specify the START flag", "restart the utterance",
-                "Server not ready", "server is not ready", "unavailable")),
+    ("resume", ("unavailable",)),
 )
 
 
