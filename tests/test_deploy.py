@@ -12,20 +12,34 @@ What is checked, and against what:
   its COPY sources exist and survive ``Dockerfile.dockerignore``; its EXPOSEd ports are the server's;
 - ``docker/compose.yaml``'s structure (build, ports, volumes, healthcheck, shm_size, GPU reservation);
 - ``docker/entrypoint.sh`` is *run*, in a sandbox where ``python3`` and ``tritonserver`` are stubs that record
-  their command lines, with the environment of compose.yaml and of the Deployment: every script it calls
-  exists (and is copied into the image), every flag parses with that script's own argparse parser
-  (``parse_args``), every tritonserver flag is one ``tritonserver --help`` lists, the ports are 8000/8001/8002,
-  the repository it serves is the one it built, and the engine build gets the checkpoint the repository was
-  built from;
+  their command lines and environments, with the environment of compose.yaml and of the Deployment: every
+  script it calls exists (and is copied into the image), every flag parses with that script's own argparse
+  parser (``parse_args``); every ``python3 -m MODULE`` is importable in the image (a package root of
+  pyproject.toml, copied in) and its arguments parse with the module's ``build_parser()``; the command after
+  ``s3flow.drain supervise ... --`` is the server's; every tritonserver flag is one ``tritonserver --help``
+  lists, the ports are 8000/8001/8002, the repository it serves is the one it built, and the engine build gets
+  the checkpoint the repository was built from;
+- probes and the compose healthcheck, ``httpGet`` or an exec of ``s3flow.drain ready`` (what its ready() asks),
+  ask Triton's health endpoints on the HTTP port (readiness: ``/v2/health/ready``); their modules import no
+  torch (a probe starts every few seconds);
+- the stop sequence, against what the entrypoint runs: the hooks (preStop, probes, healthcheck), in the
+  container's environment, use the drain file the server watches; a preStop drain has the supervisor's
+  deadline; the grace period (terminationGracePeriodSeconds, stop_grace_period) covers the drain deadline plus
+  tritonserver's ``--exit-timeout-secs``; the supervisor does not kill the server within that exit timeout; the
+  drain file is on no volume other pods may share;
 - every environment variable that compose or the Deployment sets is one the entrypoint reads.
 
 Each rule also runs on a broken copy, to show it can fail.
 """
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import fnmatch
+import importlib
 import importlib.util
+import inspect
 import json
 import os
 import re
@@ -34,7 +48,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tomllib
+import urllib.parse
 from pathlib import Path
+from typing import Optional
+from unittest import mock
 
 import pytest
 import yaml
@@ -55,7 +73,16 @@ PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 #: Triton's HTTP endpoints the deploy files may probe (KServe v2 health; Prometheus metrics on the
 #: metrics port). tests/test_perf_inputs.py asks a real server for each of them.
 HEALTH_PATHS = {"/v2/health/ready", "/v2/health/live"}
+READY_PATH = "/v2/health/ready"  # what a readiness probe must ask (live says nothing of the models)
 METRICS_PATH = "/metrics"
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+#: the graceful drain (python_backend/s3flow/drain.py): the entrypoint's supervisor, the preStop hook, the
+#: readiness probe / compose healthcheck; the drain file's environment variable
+DRAIN_MODULE = "s3flow.drain"
+DRAIN_FILE_ENV = "S3FLOW_DRAIN_FILE"
+#: modules a probe's process must not load: it starts every periodSeconds and must answer within
+#: timeoutSeconds, and torch alone takes seconds of CPU to import
+HEAVY_MODULES = ("torch", "onnxruntime", "tensorrt")
 #: the image's project folder (Dockerfile ENV S3FLOW_HOME / WORKDIR)
 IMAGE_HOME = "/opt/s3flow"
 
@@ -135,6 +162,181 @@ def parse_with(script: str, argv: list[str]):
         pytest.fail(f"scripts/{script}.py rejects {shlex.join(argv)} (exit {err.code})")
 
 
+# ------------------------------------------------------------------------------------------ python -m, drain
+def package_roots() -> list[str]:
+    """The folders whose packages the image's editable install (``pip install -e``) puts on ``sys.path``."""
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"]
+
+
+def module_file(module: str) -> Optional[Path]:
+    """The repository file ``python3 -m MODULE`` runs in the image (every enclosing package with its
+    ``__init__.py``, under a package root), or None when the image cannot import it."""
+    parts = module.split(".")
+    for root in package_roots():
+        base = ROOT / root
+        if not all(base.joinpath(*parts[:i], "__init__.py").is_file() for i in range(1, len(parts))):
+            continue
+        for path in (base.joinpath(*parts[:-1], parts[-1] + ".py"), base.joinpath(*parts, "__main__.py")):
+            if path.is_file():
+                return path
+    return None
+
+
+@dataclasses.dataclass
+class ModuleCall:
+    module: str
+    args: argparse.Namespace
+    command: list[str]  # the command line after ``--`` (s3flow.drain supervise: the server's)
+
+
+def python_module(command: list[str]) -> Optional[tuple[str, list[str]]]:
+    """(MODULE, args) of a ``python3 -m MODULE args`` command line; None for any other command."""
+    if len(command) >= 3 and Path(command[0]).name in ("python3", "python") and command[1] == "-m":
+        return command[2], list(command[3:])
+    return None
+
+
+def parse_module_args(module: str, argv: list[str], env: dict[str, str]) -> ModuleCall:
+    """``python3 -m MODULE argv`` as that module sees it, in a process with environment ``env``: the module is
+    importable in the image (a package root, copied in), and argv parses with the module's own
+    ``build_parser()`` (whose defaults read the environment); what follows ``--`` comes back apart, as
+    ``s3flow.drain.main`` splits it."""
+    path = module_file(module)
+    assert path is not None, f"python3 -m {module}: no such module under {package_roots()} (the image's sys.path)"
+    rel = path.relative_to(ROOT).as_posix()
+    assert f"{IMAGE_HOME}/{rel}" in image_files(), f"python3 -m {module}: {rel} is not copied into the image"
+    mod = importlib.import_module(module)
+    assert Path(mod.__file__).resolve() == path.resolve(), f"{module} imports from {mod.__file__}, not {path}"
+    assert hasattr(mod, "build_parser"), f"{module} has no build_parser(): its command line cannot be checked"
+    with mock.patch.dict(os.environ, env, clear=True):
+        parser = mod.build_parser()
+    split = argv.index("--") if "--" in argv else len(argv)
+    try:
+        args = parser.parse_args(argv[:split])
+    except SystemExit as err:
+        pytest.fail(f"python3 -m {module} rejects {shlex.join(argv[:split])} (exit {err.code})")
+    return ModuleCall(module, args, argv[split + 1:])
+
+
+def loopback_url(url: str, port: int, paths: set[str], what: str) -> None:
+    """``url`` is asked from inside the container: this host, ``port``, one of ``paths``."""
+    u = urllib.parse.urlsplit(url)
+    assert u.hostname in ("127.0.0.1", "localhost", "::1"), f"{what} {url}: not this container"
+    assert u.port == port, f"{what} {url}: port {u.port}, not {port}"
+    assert u.path in paths, f"{what} {url}: path {u.path!r}, not one of {sorted(paths)}"
+
+
+def drain_call(command: list[str], env: dict[str, str]) -> Optional[ModuleCall]:
+    """A ``python3 -m s3flow.drain ...`` command line parsed (env: its process's environment) and held to what
+    ``s3flow.drain.main`` demands; None for any other command."""
+    found = python_module(command)
+    if found is None or found[0] != DRAIN_MODULE:
+        return None
+    call = parse_module_args(*found, env)
+    if call.args.what == "supervise":
+        assert call.command, "s3flow.drain supervise needs the server's command line after --"
+    else:
+        assert not call.command, f"s3flow.drain {call.args.what} takes no command after --"
+        assert call.args.drain_file, (f"{shlex.join(command)}: no drain file (neither --drain-file nor "
+                                      f"{DRAIN_FILE_ENV} in its environment): s3flow.drain exits 2")
+    if call.args.what in ("supervise", "drain"):
+        loopback_url(call.args.metrics_url, PORTS["metrics"], {METRICS_PATH}, f"s3flow.drain {call.args.what} metrics")
+    return call
+
+
+def ready_urls(call: ModuleCall) -> list[str]:
+    """What ``s3flow.drain ready`` asks: its own ready() run with urlopen recording instead of connecting."""
+    asked = []
+
+    def urlopen(url, *args, **kwargs):
+        asked.append(getattr(url, "full_url", url))
+        raise OSError("offline test")
+
+    with mock.patch("urllib.request.urlopen", urlopen):
+        assert importlib.import_module(DRAIN_MODULE).ready(call.args.http_url, "") is False
+    return asked
+
+
+def health_urls(command: list[str], env: dict[str, str]) -> list[str]:
+    """The URLs a health-check command asks: ``python3 -m s3flow.drain ready`` those its ready() asks (and it is
+    false while draining); any other command, the URLs written in it (another ``python3 -m`` module: importable
+    in the image and its arguments accepted, as parse_module_args checks)."""
+    call = drain_call(command, env)
+    if call is not None:
+        assert call.args.what == "ready", f"{shlex.join(command)} is no health check (s3flow.drain {call.args.what})"
+        return ready_urls(call)
+    if python_module(command):
+        parse_module_args(*python_module(command), env)
+    return re.findall(r"https?://[^'\" ]+", " ".join(command))
+
+
+def probe_urls(container: dict, probe: str, env: dict[str, str]) -> list[str]:
+    """The URLs a probe asks: an httpGet's (named port resolved; the pod's own address) or its exec command's."""
+    handler = container[probe]
+    if "httpGet" in handler:
+        get = handler["httpGet"]
+        named = {p["name"]: p["containerPort"] for p in container.get("ports", []) if "name" in p}
+        port = named.get(get["port"], get["port"])
+        return [f"{get.get('scheme', 'HTTP').lower()}://{get.get('host', '127.0.0.1')}:{port}{get['path']}"]
+    if "exec" in handler:
+        return health_urls(handler["exec"]["command"], env)
+    return []
+
+
+def check_probes(container: dict, env: dict[str, str]) -> None:
+    """Every probe asks Triton's HTTP health endpoints; the readiness probe its ready endpoint."""
+    for probe in PROBES:
+        if probe in container:
+            urls = probe_urls(container, probe, env)
+            assert urls, f"{probe} asks no health endpoint"
+            for url in urls:
+                loopback_url(url, PORTS["http"], HEALTH_PATHS if probe != "readinessProbe" else {READY_PATH}, probe)
+
+
+def check_shutdown(hooks: dict[str, list[str]], env: dict[str, str], grace_s: float, served: dict) -> None:
+    """The stop sequence fits together. ``hooks``: the commands run beside the server (preStop, probes, compose's
+    healthcheck) with ``env``, the container's environment (not the entrypoint's exports); ``grace_s``: how long
+    after the stop begins the container is killed; ``served``: what check_entrypoint_calls found.
+
+    - every hook that drains or checks the drain uses the drain file the server watches (the supervisor's);
+    - a preStop drain has the supervisor's deadline (the supervisor drains again on SIGTERM);
+    - the grace period covers the drain deadline plus tritonserver's ``--exit-timeout-secs``;
+    - the supervisor does not kill tritonserver before that exit timeout is over.
+    """
+    sup, flags = served["supervisor"], served["flags"]
+    assert "--exit-timeout-secs" in flags, "tritonserver without --exit-timeout-secs: its default decides"
+    exit_timeout = float(flags["--exit-timeout-secs"])
+    drain_file = sup.args.drain_file if sup else served["server_env"].get(DRAIN_FILE_ENV, "")
+    drain_s = sup.args.deadline_s if sup else 0.0
+    for where, command in hooks.items():
+        call = drain_call(command, env)
+        if call is None:
+            continue
+        assert call.args.what != "supervise", f"{where} runs s3flow.drain supervise"
+        assert call.args.drain_file == drain_file, \
+            f"{where} uses drain file {call.args.drain_file!r}, the server watches {drain_file!r}"
+        if call.args.what == "drain":
+            assert sup is None or call.args.deadline_s == sup.args.deadline_s, \
+                f"{where} drains for {call.args.deadline_s:g} s, the supervisor for {sup.args.deadline_s:g} s"
+            drain_s = max(drain_s, call.args.deadline_s)
+    assert grace_s >= drain_s + exit_timeout, \
+        f"killed after {grace_s:g} s: before the drain ({drain_s:g} s) and tritonserver's exit timeout " \
+        f"({exit_timeout:g} s) are over"
+    if sup:
+        assert sup.args.kill_after_s >= exit_timeout, \
+            f"the supervisor kills tritonserver {sup.args.kill_after_s:g} s after SIGTERM, within its exit " \
+            f"timeout ({exit_timeout:g} s)"
+
+
+def heavy_imports(module: str, watch: tuple[str, ...] = HEAVY_MODULES) -> list[str]:
+    """Which of ``watch`` a fresh interpreter has loaded after ``import MODULE`` (with the image's sys.path)."""
+    code = f"import sys, {module}; print(' '.join(m for m in {watch!r} if m in sys.modules))"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(ROOT / r) for r in package_roots()))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
 # ------------------------------------------------------------------------------------------ kubernetes
 @pytest.fixture(scope="module")
 def rendered() -> list[dict]:
@@ -195,8 +397,13 @@ def test_schema_validation_catches_broken_manifests(rendered):
         "port as a string": lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(
             containerPort="8000"),
         "unknown field (strict)": lambda d: d["spec"].update(replica=2),
-        "probe without handler port": lambda d: d["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]
-        ["httpGet"].pop("port"),
+        "probe without handler port": lambda d: next(
+            c[p]["httpGet"] for c in d["spec"]["template"]["spec"]["containers"] for p in PROBES
+            if "httpGet" in c.get(p, {})).pop("port"),
+        "exec command as one string": lambda d: next(
+            h["exec"] for c in d["spec"]["template"]["spec"]["containers"]
+            for h in [c.get(p, {}) for p in PROBES] + list(c.get("lifecycle", {}).values())
+            if "exec" in h).update(command="python3 -m s3flow.drain ready"),
     }
     for what, breaker in breaks.items():
         doc = copy.deepcopy(deployment)
@@ -287,9 +494,7 @@ def test_triton_pods_serve_the_servers_ports_paths_and_state(rendered):
     c = triton_container(rendered)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == PORTS
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        if probe in c:
-            assert c[probe]["httpGet"]["path"] in HEALTH_PATHS, (probe, c[probe]["httpGet"]["path"])
+    check_probes(c, container_env(c))
     (workload, template) = next((w, t) for w, t in pod_specs(rendered) if c in t["spec"]["containers"])
     ann = template["metadata"].get("annotations", {})
     assert int(ann["prometheus.io/port"]) == PORTS["metrics"] and ann["prometheus.io/path"] == METRICS_PATH
@@ -303,16 +508,34 @@ def test_triton_pods_serve_the_servers_ports_paths_and_state(rendered):
         "the python backend needs a memory-backed /dev/shm larger than the runtime's 64 MB"
     state = env.get("S3FLOW_STATE") or entrypoint_default("S3FLOW_STATE")
     assert state in mounts, f"S3FLOW_STATE={state} is not a mounted volume (the repository and engines live there)"
-    exit_timeout = int(env.get("S3FLOW_EXIT_TIMEOUT_S") or entrypoint_default("S3FLOW_EXIT_TIMEOUT_S"))
-    grace = template["spec"].get("terminationGracePeriodSeconds", 30)
-    assert grace > exit_timeout, f"the pod is killed ({grace} s) before Triton's exit timeout ({exit_timeout} s)"
     for where, command in exec_commands(c):
         missing = missing_in_image(command)
         assert not missing, f"{where} runs {command}: not in the image: {missing}"
-    for name, value in env.items():  # an absolute path in the environment lies on a mount or in the image
-        if value and value.startswith("/") and not value.startswith(IMAGE_HOME):
+    check_drain_file_is_the_pods_own(template, c)
+    for name, value in env.items():  # an absolute path the server reads lies on a mount or in the image
+        if value and value.startswith("/") and not value.startswith(IMAGE_HOME) and name != DRAIN_FILE_ENV:
             assert any(value == m or value.startswith(m.rstrip("/") + "/") for m in mounts), \
                 f"{name}={value} is on no volume mount"
+    # the stop sequence (grace period, drain, exit timeout) is checked against what the entrypoint runs:
+    # test_entrypoint_with_the_deployments_environment
+
+
+def container_env(container: dict) -> dict[str, str]:
+    """What a container's processes, its exec probes and hooks too, find in their environment: the image's ENV
+    and the container's env values (not what the entrypoint exports: that is its own process tree)."""
+    return {**image_env(), **{e["name"]: e["value"] for e in container.get("env", []) if "value" in e}}
+
+
+def check_drain_file_is_the_pods_own(template: dict, container: dict) -> None:
+    """The drain file lies in the container's own filesystem or a pod-local emptyDir: on a claim (a volume
+    other pods may mount, like the engine cache) one pod's drain would refuse new sequences on all of them."""
+    drain_file = container_env(container).get(DRAIN_FILE_ENV) or entrypoint_default(DRAIN_FILE_ENV)
+    volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
+    on = [m for m in container.get("volumeMounts", []) if drain_file.startswith(m["mountPath"].rstrip("/") + "/")]
+    if on:
+        m = max(on, key=lambda m: len(m["mountPath"]))
+        assert "emptyDir" in volumes[m["name"]], \
+            f"{DRAIN_FILE_ENV}={drain_file} is on volume {m['name']}, which other pods may share"
 
 
 def exec_commands(container: dict) -> list[tuple[str, list[str]]]:
@@ -335,9 +558,9 @@ def missing_in_image(command: list[str]) -> list[str]:
                 path = token
             elif re.fullmatch(r"(scripts|docker)/[\w./-]+\.(py|sh)", token):
                 path = f"{IMAGE_HOME}/{token}"
-            elif i > 0 and command[i - 1] == "-m" and token == arg:
-                mod = token.replace(".", "/")
-                if not any(f.endswith((f"/{mod}.py", f"/{mod}/__init__.py", f"/{mod}/__main__.py")) for f in files):
+            elif i > 0 and command[i - 1] == "-m" and token == arg:  # importable: under a package root, copied in
+                path = module_file(token)
+                if path is None or f"{IMAGE_HOME}/{path.relative_to(ROOT).as_posix()}" not in files:
                     missing.append(token)
                 continue
             else:
@@ -349,6 +572,8 @@ def missing_in_image(command: list[str]) -> list[str]:
 
 def test_exec_commands_must_name_what_the_image_holds():
     assert missing_in_image(["python3", "-m", "s3flow_client", "--help"]) == []
+    assert missing_in_image(["python3", "-m", "s3flow.drain", "ready"]) == []
+    assert missing_in_image(["python3", "-m", "scripts.server"]) == ["scripts.server"]  # in the image, not importable
     assert missing_in_image(["sh", "-c", "python3 /opt/s3flow/scripts/server.py stop"]) == []
     assert missing_in_image(["python3", "-m", "s3flow.no_such_module"]) == ["s3flow.no_such_module"]
     assert missing_in_image(["sh", "-c", "exec scripts/drain_nothing.py"]) == ["scripts/drain_nothing.py"]
@@ -459,6 +684,12 @@ def image_files() -> dict[str, Path]:
     return files
 
 
+def image_env() -> dict[str, str]:
+    """The Dockerfile's ENV: what every process in the container finds in its environment."""
+    return dict(kv.split("=", 1) for w, a in dockerfile_instructions(DOCKER / "Dockerfile") if w == "ENV"
+                for kv in shlex.split(a))
+
+
 def test_dockerignore_rule_excludes_what_it_should():
     pats = ["**", "!scripts/", "**/__pycache__/"]
     assert dockerignored("tests/test_deploy.py", pats)
@@ -474,8 +705,7 @@ def test_dockerfile_copies_the_entrypoint_and_exposes_the_servers_ports():
     assert os.access(ENTRYPOINT, os.X_OK) or any(f"chmod +x {entry[0]}" in a for w, a in inst if w == "RUN")
     exposed = {int(p.split("/")[0]) for w, a in inst if w == "EXPOSE" for p in a.split()}
     assert exposed == set(PORTS.values())
-    env = dict(kv.split("=", 1) for w, a in inst if w == "ENV" for kv in shlex.split(a))
-    assert env.get("S3FLOW_HOME") == IMAGE_HOME
+    assert image_env().get("S3FLOW_HOME") == IMAGE_HOME
     assert (IMAGE_HOME + "/pyproject.toml") in files  # the editable install needs it
     state = entrypoint_default("S3FLOW_STATE")
     assert any(state in a for w, a in inst if w == "VOLUME"), f"the image should declare {state} a volume"
@@ -515,6 +745,22 @@ def triton_service(compose: dict) -> dict:
     return svc
 
 
+def healthcheck_command(service: dict) -> list[str]:
+    """The command line of a compose healthcheck (``CMD`` exec form or ``CMD-SHELL`` string)."""
+    test = service["healthcheck"]["test"]
+    assert test[0] in ("CMD", "CMD-SHELL"), test
+    return list(test[1:]) if test[0] == "CMD" else shlex.split(test[1])
+
+
+def check_compose_healthcheck(service: dict) -> None:
+    """The healthcheck (run by ``docker exec``: the service's environment, not the entrypoint's exports) asks
+    Triton's HTTP health endpoint, directly or through ``s3flow.drain ready``."""
+    urls = health_urls(healthcheck_command(service), {**image_env(), **compose_env(service)})
+    assert urls, "the healthcheck should ask Triton's HTTP health endpoint"
+    for url in urls:
+        loopback_url(url, PORTS["http"], HEALTH_PATHS, "healthcheck")
+
+
 def test_compose_file_structure(compose):
     svc = triton_service(compose)
     context = (DOCKER / svc["build"]["context"]).resolve()
@@ -542,16 +788,8 @@ def test_compose_file_structure(compose):
     assert not unread, f"compose sets variables docker/entrypoint.sh never reads: {sorted(unread)}"
     hc = svc["healthcheck"]
     assert {"test", "interval", "timeout", "retries"} <= set(hc)
-    assert hc["test"][0] in ("CMD", "CMD-SHELL")
-    urls = re.findall(r"https?://[^'\" ]+", " ".join(hc["test"]))
-    assert urls, "the healthcheck should ask Triton's HTTP health endpoint"
-    for url in urls:
-        m = re.match(r"https?://[^/:]+:(\d+)(/[^'\" ]*)", url)
-        assert m and int(m.group(1)) == PORTS["http"] and m.group(2) in HEALTH_PATHS, url
-    env = compose_env(svc)
-    exit_timeout = int(env.get("S3FLOW_EXIT_TIMEOUT_S") or entrypoint_default("S3FLOW_EXIT_TIMEOUT_S"))
-    assert seconds(svc.get("stop_grace_period", "10s")) > exit_timeout, \
-        f"docker kills the container before Triton's exit timeout ({exit_timeout} s): raise stop_grace_period"
+    check_compose_healthcheck(svc)
+    # stop_grace_period against the drain and the exit timeout: test_entrypoint_with_composes_environment
     devices = svc["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in d.get("capabilities", []) for d in devices)
 
@@ -565,12 +803,12 @@ def entrypoint_default(var: str) -> str:
 
 STUB = textwrap.dedent("""\
     #!/bin/sh
-    # records its command line; stands in for {name} in the entrypoint sandbox
+    # records its command line and environment; stands in for {name} in the entrypoint sandbox
     {python} - "$0" "$@" <<'EOF'
     import json, os, pathlib, sys
     name, args = os.path.basename(sys.argv[1]), sys.argv[2:]
     with open(os.environ["DEPLOY_TEST_LOG"], "a") as f:
-        f.write(json.dumps({{"prog": name, "cwd": os.getcwd(), "argv": args}}) + "\\n")
+        f.write(json.dumps({{"prog": name, "cwd": os.getcwd(), "argv": args, "env": dict(os.environ)}}) + "\\n")
     if name == "python3" and args[:1] == ["-c"]:
         print(1 if "device_count" in args[1] else "")
     elif name == "python3" and "--output" in args:  # build_repository.py makes its output folder
@@ -614,11 +852,29 @@ def tritonserver_flags() -> set[str]:
 
 
 def check_entrypoint_calls(calls: list[dict], tritonserver_flags: set[str], env: dict[str, str]) -> dict:
-    """The rules every entrypoint run must satisfy; returns what it built and served."""
+    """The rules every entrypoint run must satisfy; returns what it built and served.
+
+    ``python3 scripts/X.py ...``: the script is in the image and its own parse_args takes the flags;
+    ``python3 -m MODULE ...``: the module is importable in the image and its build_parser() takes them; the
+    command after ``s3flow.drain supervise ... --`` is the server's, held to the same rules as a tritonserver
+    the entrypoint starts itself."""
     image = image_files()
-    scripts = {}
+    scripts, supervisors = {}, []
+    servers = [c for c in calls if c["prog"] == "tritonserver"]
     for call in calls:
         if call["prog"] != "python3" or call["argv"][0] == "-c":
+            continue
+        if call["argv"][0] == "-m":
+            module = drain_call(call["argv"], call["env"]) or parse_module_args(call["argv"][1], call["argv"][2:],
+                                                                               call["env"])
+            if module.command:
+                assert module.module == DRAIN_MODULE and module.args.what == "supervise", \
+                    f"python3 -m {module.module} runs {module.command[0]}: no rule for it here"
+                assert Path(module.command[0]).name == "tritonserver", \
+                    f"the drain supervisor runs {module.command[0]}, not tritonserver"
+                supervisors.append(module)
+                servers.append({"prog": "tritonserver", "argv": module.command[1:], "cwd": call["cwd"],
+                                "env": {**call["env"], DRAIN_FILE_ENV: module.args.drain_file}})
             continue
         script, argv = call["argv"][0], call["argv"][1:]
         path = Path(call["cwd"]) / script
@@ -626,7 +882,6 @@ def check_entrypoint_calls(calls: list[dict], tritonserver_flags: set[str], env:
         rel = path.resolve().relative_to(ROOT).as_posix()
         assert f"{IMAGE_HOME}/{rel}" in image, f"{rel} is not copied into the image"
         scripts[Path(script).stem] = parse_with(Path(script).stem, argv)
-    servers = [c for c in calls if c["prog"] == "tritonserver"]
     assert len(servers) == 1, f"tritonserver started {len(servers)} times"
     argv = servers[0]["argv"]
     flags = {a.split("=", 1)[0]: (a.split("=", 1) + [None])[1] for a in argv if a.startswith("--")}
@@ -649,25 +904,55 @@ def check_entrypoint_calls(calls: list[dict], tritonserver_flags: set[str], env:
                                          f"_seed{repo.seed}.safetensors")
         assert Path(eng.checkpoint) == Path(built_from), "engines checked against another checkpoint than built"
         assert eng.torch_dtype == repo.torch_dtype
-    return {"scripts": scripts, "tritonserver": argv}
+    for sup in supervisors:  # the supervisor watches the server's own metrics port
+        loopback_url(sup.args.metrics_url, int(flags.get("--metrics-port") or PORTS["metrics"]), {METRICS_PATH},
+                     "s3flow.drain supervise metrics")
+    return {"scripts": scripts, "tritonserver": argv, "flags": flags, "server_env": servers[0]["env"],
+            "supervisor": supervisors[0] if supervisors else None}
 
 
-def test_entrypoint_with_composes_environment(tmp_path, compose, tritonserver_flags):
-    env = compose_env(triton_service(compose))
-    env["S3FLOW_STATE"] = str(tmp_path / "state")
+def check_compose_service(tmp_path: Path, compose: dict, tritonserver_flags: set[str], extra_args=(),
+                          script: Path = ENTRYPOINT) -> dict:
+    """The entrypoint run with compose's environment, then the healthcheck and the stop sequence against it."""
+    svc = triton_service(compose)
+    env = {**compose_env(svc), "S3FLOW_STATE": str(tmp_path / "state")}
     env.setdefault("S3FLOW_CHECKPOINT", "")
-    got = check_entrypoint_calls(run_entrypoint(tmp_path, env, ["--log-verbose=0"]), tritonserver_flags, env)
-    assert "--log-verbose=0" in got["tritonserver"], "arguments go on to tritonserver"
-    assert got["scripts"]["build_repository"].gpu_backend == env.get("S3FLOW_GPU_BACKEND", "tensorrt")
+    got = check_entrypoint_calls(run_entrypoint(tmp_path, env, extra_args, script), tritonserver_flags, env)
+    check_compose_healthcheck(svc)
+    # docker stop: SIGTERM to the entrypoint's process (the supervisor), SIGKILL stop_grace_period later
+    check_shutdown({"healthcheck": healthcheck_command(svc)}, {**image_env(), **compose_env(svc)},
+                   seconds(svc.get("stop_grace_period", "10s")), got)
+    return got
 
 
-def test_entrypoint_with_the_deployments_environment(tmp_path, rendered, tritonserver_flags):
-    env = {e["name"]: e["value"] for e in triton_container(rendered)["env"] if "value" in e}
+def check_triton_deployment(tmp_path: Path, docs: list[dict], tritonserver_flags: set[str]) -> dict:
+    """The entrypoint run with the Deployment's environment, then probes, hooks and the stop sequence against it."""
+    c = triton_container(docs)
+    template = next(t for _, t in pod_specs(docs) if c in t["spec"]["containers"])
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     ckpt = tmp_path / "s3gen.safetensors"  # the Deployment's /models/... path, in the sandbox
     ckpt.write_bytes(b"")
     env.update(S3FLOW_CHECKPOINT=str(ckpt), S3FLOW_STATE=str(tmp_path / "state"))
     got = check_entrypoint_calls(run_entrypoint(tmp_path, env), tritonserver_flags, env)
     assert Path(got["scripts"]["build_repository"].checkpoint) == ckpt
+    check_probes(c, container_env(c))
+    check_drain_file_is_the_pods_own(template, c)
+    # pod deletion: preStop runs, then SIGTERM to the entrypoint's process (the supervisor); SIGKILL
+    # terminationGracePeriodSeconds after the deletion began (preStop included)
+    check_shutdown(dict(exec_commands(c)), container_env(c), template["spec"].get("terminationGracePeriodSeconds", 30),
+                   got)
+    return got
+
+
+def test_entrypoint_with_composes_environment(tmp_path, compose, tritonserver_flags):
+    got = check_compose_service(tmp_path, compose, tritonserver_flags, ["--log-verbose=0"])
+    assert "--log-verbose=0" in got["tritonserver"], "arguments go on to tritonserver"
+    env = compose_env(triton_service(compose))
+    assert got["scripts"]["build_repository"].gpu_backend == env.get("S3FLOW_GPU_BACKEND", "tensorrt")
+
+
+def test_entrypoint_with_the_deployments_environment(tmp_path, rendered, tritonserver_flags):
+    check_triton_deployment(tmp_path, rendered, tritonserver_flags)
 
 
 def test_entrypoint_torch_backend_builds_no_engines(tmp_path, tritonserver_flags):
@@ -676,15 +961,137 @@ def test_entrypoint_torch_backend_builds_no_engines(tmp_path, tritonserver_flags
     assert "build_engines" not in got["scripts"]
 
 
-def test_entrypoint_checks_catch_a_bad_flag(tmp_path, tritonserver_flags):
-    """Copies of the entrypoint with an unknown script flag, then an unknown server flag, fail the checks."""
+def test_entrypoint_checks_catch_a_bad_flag(tmp_path, compose, tritonserver_flags):
+    """Copies of the entrypoint, each with one break, fail the checks (of the run with compose's environment),
+    each on the rule it breaks."""
     original = ENTRYPOINT.read_text()
-    breaks = ((r"(python3\s+scripts/build_repository\.py)", r"\1 --no-such-flag"), (r"--model-repository=", "--model-repo="))
-    for pattern, replacement in breaks:
+    breaks = {  # what: (pattern, replacement, the rule's message)
+        "unknown script flag": (r"(python3\s+scripts/build_repository\.py)", r"\1 --no-such-flag", r"rejects"),
+        "unknown server flag": (r"--model-repository=", "--model-repo=", r"does not know \['--model-repo'\]"),
+        "supervisor module missing": (r"-m s3flow\.drain supervise", "-m s3flow.drainer supervise", r"no such module"),
+        "unknown supervisor flag": (r"supervise --deadline-s", "supervise --no-such-flag --deadline-s", r"rejects"),
+        "no -- before the server": (r" -- \\\n", " \\\n", r"rejects .*tritonserver"),
+        "supervises another program": (r"\n(\s+)tritonserver --", r"\n\1tritonserverd --", r"not tritonserver"),
+        "supervisor reads other metrics": (r"127\.0\.0\.1:8002/metrics", "127.0.0.1:8003/metrics",
+                                           r"port 8003, not 8002"),
+        "supervisor kills early": (r"supervise --deadline-s", "supervise --kill-after-s 10 --deadline-s",
+                                   r"kills tritonserver 10 s after SIGTERM"),
+        "exit timeout past the grace": (r"S3FLOW_EXIT_TIMEOUT_S:-15", "S3FLOW_EXIT_TIMEOUT_S:-45",
+                                        r"killed after 90 s: before the drain \(60 s\) and .* \(45 s\)"),
+        "drain deadline past the grace": (r"S3FLOW_DRAIN_DEADLINE_S:-60", "S3FLOW_DRAIN_DEADLINE_S:-80",
+                                          r"killed after 90 s: before the drain \(80 s\)"),
+    }
+    for i, (what, (pattern, replacement, message)) in enumerate(breaks.items()):
         text, n = re.subn(pattern, replacement, original, count=1)
         assert n == 1, f"test assumption: {pattern!r} in entrypoint.sh"
-        broken = tmp_path / "entrypoint.sh"
+        work = tmp_path / str(i)
+        work.mkdir()
+        broken = work / "entrypoint.sh"
         broken.write_text(text)
-        calls = run_entrypoint(tmp_path, {"S3FLOW_STATE": str(tmp_path / "state")}, script=broken)
-        with pytest.raises((pytest.fail.Exception, AssertionError)):
-            check_entrypoint_calls(calls, tritonserver_flags, {})
+        with pytest.raises((pytest.fail.Exception, AssertionError), match=message):
+            check_compose_service(work, compose, tritonserver_flags, script=broken)
+        print(f"caught: {what}")
+
+
+def _env(container: dict, name: str, value: Optional[str]) -> None:
+    container["env"] = [e for e in container["env"] if e["name"] != name]
+    if value is not None:
+        container["env"].append({"name": name, "value": value})
+
+
+def _hook(container: dict, where: str) -> list[str]:
+    return container["lifecycle"][where]["exec"]["command"] if where == "preStop" else \
+        container[where]["exec"]["command"]
+
+
+def _sub(command: list[str], old: str, new: str) -> None:
+    i = command.index(old)
+    command[i] = new
+
+
+def test_drain_rules_catch_broken_deployments(tmp_path, rendered, tritonserver_flags):
+    """Copies of the rendered manifests, each with one break in the probes, hooks, environment or grace
+    period, fail the Deployment's checks on the rule they break."""
+    c = triton_container
+    breaks = {  # what: (breaker(docs), the rule's message)
+        "readiness on the gRPC port": (lambda d: _sub(_hook(c(d), "readinessProbe"), "http://127.0.0.1:8000",
+                                                      "http://127.0.0.1:8001"), r"port 8001, not 8000"),
+        "readiness: no such subcommand": (lambda d: _sub(_hook(c(d), "readinessProbe"), "ready", "raedy"),
+                                          r"rejects raedy"),
+        "readiness: no such module": (lambda d: _sub(_hook(c(d), "readinessProbe"), DRAIN_MODULE, "s3flow.drains"),
+                                      r"no such module"),
+        "readiness drains": (lambda d: _sub(_hook(c(d), "readinessProbe"), "ready", "drain"), r"no health check"),
+        "readiness asks liveness": (lambda d: c(d).update(readinessProbe={"httpGet": {
+            "path": "/v2/health/live", "port": "http"}}), r"readinessProbe .*path '/v2/health/live'"),
+        "preStop deadline not the supervisor's": (lambda d: _sub(_hook(c(d), "preStop"), "60", "80"),
+                                                  r"drains for 80 s, the supervisor for 60 s"),
+        "drain deadline past the grace": (lambda d: (_sub(_hook(c(d), "preStop"), "60", "80"),
+                                                     _env(c(d), "S3FLOW_DRAIN_DEADLINE_S", "80")),
+                                          r"killed after 90 s: before the drain \(80 s\)"),
+        "exit timeout past the grace": (lambda d: _env(c(d), "S3FLOW_EXIT_TIMEOUT_S", "40"),
+                                        r"killed after 90 s: .* exit timeout \(40 s\)"),
+        "grace too short": (lambda d: next(t for _, t in pod_specs(d) if c(d) in t["spec"]["containers"])["spec"]
+                            .update(terminationGracePeriodSeconds=70), r"killed after 70 s"),
+        "no drain file for the hooks": (lambda d: _env(c(d), DRAIN_FILE_ENV, None), r"no drain file"),
+        "preStop drains another file": (lambda d: _hook(c(d), "preStop").extend(["--drain-file", "/tmp/other"]),
+                                        r"preStop uses drain file '/tmp/other', the server watches '/tmp/s3flow-"),
+        "drain file on the shared engine cache": (lambda d: _env(c(d), DRAIN_FILE_ENV,
+                                                                 "/var/lib/s3flow/engines/draining"),
+                                                  r"on volume engines, which other pods may share"),
+        "preStop reads the HTTP port's metrics": (lambda d: _hook(c(d), "preStop").extend(
+            ["--metrics-url", "http://127.0.0.1:8000/metrics"]), r"port 8000, not 8002"),
+    }
+    for i, (what, (breaker, message)) in enumerate(breaks.items()):
+        docs = copy.deepcopy(rendered)
+        breaker(docs)
+        work = tmp_path / str(i)
+        work.mkdir()
+        with pytest.raises((pytest.fail.Exception, AssertionError), match=message):
+            check_triton_deployment(work, docs, tritonserver_flags)
+        print(f"caught: {what}")
+
+
+def test_drain_rules_catch_broken_compose_files(tmp_path, compose, tritonserver_flags):
+    svc = lambda c: triton_service(c)  # noqa: E731
+    breaks = {
+        "no drain file for the healthcheck": (lambda c: svc(c)["environment"].pop(DRAIN_FILE_ENV), r"no drain file"),
+        "grace too short": (lambda c: svc(c).update(stop_grace_period="1m10s"), r"killed after 70 s"),
+        "healthcheck on the gRPC port": (lambda c: _sub(svc(c)["healthcheck"]["test"], "http://127.0.0.1:8000",
+                                                        "http://127.0.0.1:8001"), r"port 8001, not 8000"),
+        "exit timeout past the grace": (lambda c: svc(c)["environment"].update(S3FLOW_EXIT_TIMEOUT_S="40"),
+                                        r"killed after 90 s"),
+        "healthcheck with another drain file": (lambda c: svc(c)["healthcheck"]["test"].extend(
+            ["--drain-file", "/tmp/other"]), r"healthcheck uses drain file '/tmp/other'"),
+    }
+    for i, (what, (breaker, message)) in enumerate(breaks.items()):
+        broken = copy.deepcopy(compose)
+        breaker(broken)
+        work = tmp_path / str(i)
+        work.mkdir()
+        with pytest.raises((pytest.fail.Exception, AssertionError), match=message):
+            check_compose_service(work, broken, tritonserver_flags)
+        print(f"caught: {what}")
+
+
+def test_drain_module_is_the_one_the_rules_read():
+    """The names these rules use are s3flow.drain's, and its parser is main()'s."""
+    drain = importlib.import_module(DRAIN_MODULE)
+    assert drain.DRAIN_FILE_ENV == DRAIN_FILE_ENV
+    assert "build_parser()" in inspect.getsource(drain.main), "main() should parse with build_parser()"
+    with pytest.raises(SystemExit):  # main's own checks, which drain_call repeats
+        drain.main(["ready", "--drain-file", ""])
+    with pytest.raises(SystemExit):
+        drain.main(["supervise"])
+
+
+def test_probe_modules_import_no_heavy_modules(rendered, compose):
+    """A probe's process starts every periodSeconds and must answer within timeoutSeconds: the modules that
+    probes and the compose healthcheck run must not import torch and the like (seconds of CPU each time)."""
+    c = triton_container(rendered)
+    commands = [c[p]["exec"]["command"] for p in PROBES if "exec" in c.get(p, {})]
+    commands.append(healthcheck_command(triton_service(compose)))
+    modules = sorted({found[0] for found in map(python_module, commands) if found})
+    assert heavy_imports("json", ("json.decoder", "email")) == ["json.decoder"]  # the rule can tell
+    heavy = {m: h for m in modules if (h := heavy_imports(m))}
+    assert not heavy, (f"probes import {heavy}: each probe costs seconds of CPU and may time out "
+                       f"(python -X importtime -c 'import MODULE' shows through which import)")

@@ -126,7 +126,8 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
     return child.returncode
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m s3flow.drain`` (before its ``--``); defaults read the environment now."""
     parser = argparse.ArgumentParser(prog="python -m s3flow.drain", description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("supervise", "drain", "ready"))
     parser.add_argument("--drain-file", default=os.environ.get(DRAIN_FILE_ENV, ""),
@@ -137,6 +138,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="how long utterances in flight may take to finish")
     parser.add_argument("--kill-after-s", type=float, default=30.0,
                         help="supervise: SIGKILL the server this long after its SIGTERM")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     args, command = parser.parse_args(argv[:split]), argv[split + 1:]  # supervise: -- the server's command
