@@ -59,8 +59,9 @@ def live_sequences(metrics_url: str, timeout_s: float = 3.0) -> int:
 
 
 def drain(drain_file: str, metrics_url: str, deadline_s: float = DEFAULT_DEADLINE_S, poll_s: float = 0.2,
-          log: Callable[[str], None] = print) -> dict:
-    """Start draining (create ``drain_file``) and wait until no sequence is live or ``deadline_s`` passes.
+          log: Callable[[str], None] = print, give_up: Callable[[], bool] = lambda: False) -> dict:
+    """Start draining (create ``drain_file``) and wait until no sequence is live, ``deadline_s`` passes or
+    ``give_up()`` (a second signal).
 
     Returns ``{"drained": bool, "seconds": float, "live_at_start": int, "live_at_end": int}``; a metrics
     port that does not answer counts as drained (the server is gone already).
@@ -77,7 +78,7 @@ def drain(drain_file: str, metrics_url: str, deadline_s: float = DEFAULT_DEADLIN
 
     first = now = live()
     log(f"[s3flow drain] draining: new sequences refused, {first} live; deadline {deadline_s:.0f} s")
-    while now > 0 and time.monotonic() - t0 < deadline_s:
+    while now > 0 and time.monotonic() - t0 < deadline_s and not give_up():
         time.sleep(poll_s)
         now = live()
     seconds = time.monotonic() - t0
@@ -100,8 +101,9 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
               kill_after_s: float = 30.0) -> int:
     """Run ``command`` (tritonserver) with ``S3FLOW_DRAIN_FILE`` set; on SIGTERM/SIGINT drain, then SIGTERM it.
 
-    A second signal during the drain stops the server at once. ``kill_after_s`` after its SIGTERM the server's
-    process group is killed. Returns the server's exit code.
+    A second signal during the drain stops the server at once; a drain file made before the signal (by a
+    Kubernetes preStop hook: that drain is over) stops it at once too. ``kill_after_s`` after its SIGTERM
+    the server is killed. Returns the server's exit code.
     """
     pathlib.Path(drain_file).unlink(missing_ok=True)  # a drain of an earlier run must not refuse this one
     env = dict(os.environ, **{DRAIN_FILE_ENV: drain_file})
@@ -112,9 +114,11 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
     while child.poll() is None and not signals:
         time.sleep(0.1)
     if child.poll() is None:
-        n = len(signals)
-        drain(drain_file, metrics_url, deadline_s,
-              log=lambda msg: print(msg, flush=True)) if n == 1 else None
+        if os.path.exists(drain_file):  # a Kubernetes preStop hook drained already: stop now
+            print("[s3flow drain] drained before the signal: stopping the server", flush=True)
+        else:
+            drain(drain_file, metrics_url, deadline_s, log=lambda msg: print(msg, flush=True),
+                  give_up=lambda: len(signals) > 1)
         child.send_signal(signal.SIGTERM)
         try:
             child.wait(kill_after_s)
