@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is
 from s3flow.checkpoint import load_flow, write_random_checkpoint  # noqa: E402
 from s3flow.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402
-from s3flow.repository import Batching, RepositorySettings, write_repository  # noqa: E402
+from s3flow.repository import Batching, RepositorySettings, VoiceSettings, write_repository  # noqa: E402
 from s3flow.vocoder_stream import StreamSettings  # noqa: E402
 
 
@@ -56,6 +56,17 @@ def parse_args(argv=None):
     v.add_argument("--vocoder-lookahead-frames", type=int, default=StreamSettings().lookahead_frames,
                    help="mel frames of audio held back for the right context; 20 streams exactly, fewer "
                         "lowers latency (default: %(default)s)")
+    vo = p.add_argument_group("voices (voice_encoder and the voice registry)")
+    vs = VoiceSettings()
+    vo.add_argument("--voice", action=argparse.BooleanOptionalAction, default=True,
+                    help="write voice_encoder when the checkpoint holds tokenizer.* and speaker_encoder.* "
+                         "(seeded random weights always do) (default: on)")
+    vo.add_argument("--voice-checkpoint", type=Path, help="file with the tokenizer.* and speaker_encoder.* "
+                    "tensors (default: --checkpoint)")
+    vo.add_argument("--voice-dir", default=vs.voice_dir, help="where registered voices live; empty: a folder "
+                    "per server run, gone at restart (default: empty)")
+    vo.add_argument("--max-voices", type=int, default=vs.max_voices, help="(default: %(default)s)")
+    vo.add_argument("--max-voice-bytes", type=int, default=vs.max_voice_bytes, help="(default: %(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--output", type=Path, default=ROOT / "model_repository", help="(default: %(default)s)")
     o.add_argument("--target", choices=["cpu", "gpu"], default="cpu", help="(default: %(default)s)")
@@ -100,7 +111,22 @@ def main(argv=None) -> int:
                         max_candidate_sequences=args.max_candidate_sequences,
                         solver_instances=args.solver_instances, estimator_instances=args.estimator_instances)
     settings = RepositorySettings(target=args.target, limits=limits, batching=batching, ort_threads=args.ort_threads,
-                                  gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype)
+                                  gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype,
+                                  voices=VoiceSettings(args.voice_dir, args.max_voices, args.max_voice_bytes))
+    voice_ckpt = None
+    if args.voice:
+        from s3flow.checkpoint import read_tensors
+        from s3flow.voice.weights import SPEAKER_PREFIX, TOKENIZER_PREFIX
+        voice_ckpt = args.voice_checkpoint or ckpt
+        try:
+            read_tensors(voice_ckpt, TOKENIZER_PREFIX)
+            read_tensors(voice_ckpt, SPEAKER_PREFIX)
+        except ValueError:
+            if args.voice_checkpoint is not None:
+                raise
+            print(f"{voice_ckpt} holds no tokenizer.* / speaker_encoder.* tensors: no voice_encoder "
+                  f"(give --voice-checkpoint to add one)")
+            voice_ckpt = None
     hift, voc_ckpt, voc_settings = None, None, None
     if args.vocoder:
         from s3flow.checkpoint import read_tensors
@@ -122,7 +148,7 @@ def main(argv=None) -> int:
         hift = load_vocoder(voc_ckpt)
         voc_settings = StreamSettings(lookahead_frames=args.vocoder_lookahead_frames)
     summary = write_repository(args.output, flow, settings, vocoder=hift,
-                               vocoder_settings=voc_settings)
+                               vocoder_settings=voc_settings, voice_checkpoint=voice_ckpt)
     print(summary.describe())
     if not args.no_check:
         from s3flow.onnx_export import check_encoder_onnx, check_estimator_onnx

@@ -14,6 +14,17 @@ Examples::
     # audio: the token2wav ensemble; writes out/audio_0.wav (as it streams) and out/audio_0.png
     .venv/bin/python -m s3flow_client --model token2wav --seconds 5
 
+    # a voice from a reference recording (any supported rate, mono): registered, then used by its id
+    .venv/bin/python -m s3flow_client --voice ref.wav --seconds 5
+
+    # the voice registry: register a reference or a Chatterbox conds.pt, list the ids held
+    .venv/bin/python -m s3flow_client voices register ref.wav
+    .venv/bin/python -m s3flow_client voices register conds.pt
+    .venv/bin/python -m s3flow_client voices list
+
+    # several servers: an utterance whose server goes away resumes on the next
+    .venv/bin/python -m s3flow_client --url 10.0.0.5:8001,10.0.0.6:8001 --seconds 5
+
 Prints first-chunk latency, per-chunk latency and the real-time factor; exits non-zero on any error
 (a server error, a frame gap or duplicate, or a frame count other than 2 per token).
 """
@@ -29,14 +40,47 @@ from . import StreamError, StreamingClient, chunk_schedule, save_mel_png
 from .demo import demo_utterance, load_truth, load_utterance
 
 
+def voices_main(argv) -> int:
+    """``voices register FILE`` (a .wav reference or a Chatterbox conds.pt) / ``voices list``."""
+    from .voices import list_voices, read_conds, read_wav, register_prompt, register_voice
+
+    p = argparse.ArgumentParser(prog="python -m s3flow_client voices")
+    p.add_argument("what", choices=["register", "list"])
+    p.add_argument("file", nargs="?", type=Path, help="register: a mono .wav reference or a conds.pt")
+    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address (default: %(default)s)")
+    args = p.parse_args(argv)
+    try:
+        if args.what == "list":
+            for voice_id in list_voices(args.url):
+                print(voice_id)
+            return 0
+        if args.file is None:
+            p.error("register needs a .wav or conds.pt file")
+        if args.file.suffix in (".pt", ".pth"):
+            voice = register_prompt(args.url, **read_conds(args.file))
+        else:
+            voice = register_voice(args.url, *read_wav(args.file))
+    except Exception as exc:  # the server's INVALID_ARG names what is wrong with the reference
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{voice.voice_id}  ({voice.prompt_tokens.size} prompt tokens, {voice.prompt_mel.shape[0]} frames)")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["voices"]:
+        return voices_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m s3flow_client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address (default: %(default)s)")
+    p.add_argument("--url", default="127.0.0.1:8001",
+                   help="gRPC address, or several separated by commas (failover) (default: %(default)s)")
     p.add_argument("--model", default="token2mel",
                    help="token2mel (mel) or token2wav (mel and 24 kHz audio) (default: %(default)s)")
     src = p.add_argument_group("input")
     src.add_argument("--inputs", type=Path, help=".npz with speech_tokens, prompt_tokens, prompt_feat, embedding")
+    src.add_argument("--voice", type=Path, help="a mono .wav reference: registered (voice_encoder), then the "
+                     "utterances start by its voice id")
     src.add_argument("--seconds", type=float, default=5.0, help="random tokens: utterance length (default: 5)")
     src.add_argument("--utterances", type=int, default=1, help="utterances streamed at once (default: 1)")
     src.add_argument("--seed", type=int, default=0, help="noise seed; utterance i uses seed + i (default: 0)")
@@ -53,8 +97,19 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     utts, truth = [], load_truth(args.inputs) if args.inputs else None
+    voice = None
+    if args.voice:
+        from .voices import read_wav, register_voice
+        try:
+            voice = register_voice(args.url.split(",")[0], *read_wav(args.voice))
+        except Exception as exc:
+            print(f"error: registering {args.voice}: {exc}", file=sys.stderr)
+            return 1
+        print(f"voice {voice.voice_id} from {args.voice}: {voice.prompt_tokens.size} prompt tokens")
     for i in range(args.utterances):
         u = load_utterance(args.inputs) if args.inputs else demo_utterance(args.seconds, seed=i)
+        if voice is not None:
+            u = voice.utterance(u.speech_tokens)
         u.seed, u.n_timesteps, u.guidance_rate = args.seed + i, args.steps, args.guidance_rate
         u.chunks = chunk_schedule(len(u.speech_tokens), args.first_chunk, args.growth, args.max_chunk)
         utts.append(u)

@@ -49,7 +49,7 @@ SAMPLES_PER_FRAME = 480                # 24 kHz audio from token2wav
 #: every chunk of the stream's utterances on one server, which sequence batching requires.
 SEQUENCE_HEADER = "x-sequence-id"
 _corr_ids = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
-_DTYPES = {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32"}
+_DTYPES = {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32", np.object_: "BYTES"}
 
 _SEQUENCE = re.compile(r"sequence (\d+)")
 _RETRY_IN = re.compile(r"retry in ([0-9.]+) s")
@@ -120,16 +120,21 @@ class _Stream:
         self.retries: list[str] = []
         self.resumes: list[str] = []
         self.replayed_frames, self.replay_max_diff = 0, 0.0
+        self.by_voice_id = utt.voice_id is not None   # START names the voice; False: it carries the prompt
 
     def tensors(self) -> dict:
         i, u = self.next_chunk, self.utt
         lo = sum(self.sizes[:i])
         t = {"speech_tokens": u.speech_tokens[lo:lo + self.sizes[i]].astype(np.int64)[None]}
-        if i == 0:
+        if i == 0 and self.by_voice_id:
+            t.update(voice_id=np.array([[u.voice_id.encode()]], dtype=np.object_),
+                     seed=np.array([[u.seed]], dtype=np.int64))
+        elif i == 0:
             t.update(prompt_tokens=u.prompt_tokens.astype(np.int64)[None],
                      prompt_mel=u.prompt_mel.astype(np.float32)[None],
                      speaker_embedding=u.speaker_embedding.astype(np.float32).reshape(1, -1),
                      seed=np.array([[u.seed]], dtype=np.int64))
+        if i == 0:
             if u.n_timesteps is not None:
                 t["n_timesteps"] = np.array([[u.n_timesteps]], dtype=np.int32)
             if u.guidance_rate is not None:
@@ -252,10 +257,7 @@ class Run:
         old_id, old_url = s.corr_id, self.c.urls[s.url_i]
         self.due = [d for d in self.due if d[1] is not s]
         self.end_sequence(s)
-        s.url_i = (s.url_i + 1) % len(self.c.urls)
-        s.corr_id = next(_corr_ids)
-        self.by_id[s.corr_id] = s
-        s.next_chunk, s.server_frames, s.server_samples, s.conn = 0, 0, 0, None
+        self.new_attempt(s, (s.url_i + 1) % len(self.c.urls))
         url = self.c.urls[s.url_i]
         if delay is None:  # another server: at once; the same one: back off
             delay = 0.0 if url != old_url else self.c.retry_backoff_s * 2 ** len(s.resumes)
@@ -264,6 +266,12 @@ class Run:
         s.resumes.append(note)
         log.warning("utterance %d: %s", s.index, note)
         self.due.append((now + delay, s))
+
+    def new_attempt(self, s: _Stream, url_i: int) -> None:
+        """The utterance starts over as a new sequence at address ``url_i`` (its answered chunks replayed)."""
+        s.url_i, s.corr_id = url_i, next(_corr_ids)
+        self.by_id[s.corr_id] = s
+        s.next_chunk, s.server_frames, s.server_samples, s.conn = 0, 0, 0, None
 
     def on_error(self, conn: _Conn, error) -> None:
         message = str(error)
@@ -276,6 +284,14 @@ class Run:
             self.broken(conn, message)  # tritonclient hands over stream errors without the request
             return
         kind = classify(message)
+        if "voice_id" in message and s.by_voice_id and s.utt.prompt_tokens is not None:
+            s.by_voice_id = False   # this server does not hold the voice: START again with the prompt itself
+            s.retries.append(message)
+            log.warning("utterance %d: %s: sending the prompt instead", s.index, message)
+            self.end_sequence(s)
+            self.new_attempt(s, s.url_i)
+            self.due.append((time.perf_counter(), s))
+            return
         if kind in ("retry", "busy") and len(s.retries) < self.c.max_retries:
             s.retries.append(message)
             log.warning("utterance %d: %s: %s", s.index, kind, message)

@@ -66,6 +66,9 @@ class Utterance:
     n_timesteps: Optional[int] = None
     guidance_rate: Optional[float] = None
     chunks: Optional[list[int]] = None  # default: chunk_schedule(len(speech_tokens))
+    #: a registered voice (s3flow_client.voices): the START names it instead of carrying the prompt; the
+    #: prompt above is sent instead where a server does not hold that voice
+    voice_id: Optional[str] = None
 
 
 @dataclass

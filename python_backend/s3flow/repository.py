@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-from .protocol import INPUT_DTYPES, XVECTOR_DIM, Limits
+from .protocol import INPUT_DTYPES, VOICE_ID, XVECTOR_DIM, Limits
 
 Target = Literal["cpu", "gpu"]
 
@@ -70,6 +70,20 @@ class Batching:
 
 
 @dataclass
+class VoiceSettings:
+    """The voice registry (s3flow.voice.registry): where voices live and how many may stay."""
+    voice_dir: str = ""                     # "": a folder per server run (voices survive nothing)
+    max_voices: int = 1000
+    max_voice_bytes: int = 256 << 20
+    enabled: bool = False                   # set by write_repository when it writes voice_encoder
+
+    def check(self) -> None:
+        if self.max_voices < 1 or self.max_voice_bytes < 1:
+            raise ValueError(f"max_voices and max_voice_bytes must be >= 1, got {self.max_voices}, "
+                             f"{self.max_voice_bytes}")
+
+
+@dataclass
 class RepositorySettings:
     target: Target = "cpu"
     limits: Limits = field(default_factory=Limits)
@@ -78,6 +92,8 @@ class RepositorySettings:
     torch_threads: int = 1                  # the solver's own torch work is small
     gpu_backend: Literal["tensorrt", "torch"] = "tensorrt"  # gpu target: TensorRT plans or torch on CUDA
     torch_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"   # gpu_backend torch: the estimator's compute dtype
+    warmup: bool = True                     # warm every model up at load (s3flow.warmup)
+    voices: VoiceSettings = field(default_factory=VoiceSettings)
 
 
 def _param(key: str, value) -> str:
@@ -96,9 +112,11 @@ def _block(title: str, items: list[str]) -> str:
 def _request_tensors(n_feats: int, optional_start: bool) -> list[str]:
     dims = {"speech_tokens": [-1], "prompt_tokens": [-1], "prompt_mel": [-1, n_feats],
             "speaker_embedding": [XVECTOR_DIM], "n_timesteps": [1], "guidance_rate": [1], "seed": [1]}
-    return [_tensor(name, TRITON_DTYPES[dtype.__name__], dims[name],
-                    optional=optional_start and name != "speech_tokens", ragged=True)
-            for name, dtype in INPUT_DTYPES.items()]
+    tensors = [_tensor(name, TRITON_DTYPES[dtype.__name__], dims[name],
+                       optional=optional_start and name != "speech_tokens", ragged=True)
+               for name, dtype in INPUT_DTYPES.items()]
+    # a START may name a registered voice instead of carrying the prompt (s3flow.voice.registry)
+    return tensors + [_tensor(VOICE_ID, "TYPE_STRING", [1], optional=True)] if optional_start else tensors
 
 
 def _response_tensors(n_feats: int) -> list[str]:
@@ -125,8 +143,12 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> str:
         '  ]\n')
     params = [_param("n_feats", n_feats), _param("meanflow", str(meanflow).lower()),
               _param("encoder_model", "flow_encoder"), _param("estimator_model", "estimator"),
-              _param("torch_threads", s.torch_threads), _param("length_bucket_ratio", b.length_bucket_ratio)]
+              _param("torch_threads", s.torch_threads), _param("length_bucket_ratio", b.length_bucket_ratio),
+              _param("warmup", str(s.warmup).lower())]
     params += [_param(f.name, getattr(lim, f.name)) for f in dataclasses.fields(lim)]
+    v = s.voices
+    params += [_param("voices", str(v.enabled).lower()), _param("voice_dir", v.voice_dir),
+               _param("max_voices", v.max_voices), _param("max_voice_bytes", v.max_voice_bytes)]
     return (f'name: "cfm_solver"\nbackend: "python"\nmax_batch_size: {b.max_batch_size}\n'
             f"sequence_batching {{\n  max_sequence_idle_microseconds: {idle_us}\n{strategy}{controls}}}\n"
             + _block("input", _request_tensors(n_feats, optional_start=True))
@@ -136,7 +158,7 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> str:
 
 
 def ensemble_config(n_feats: int, s: RepositorySettings) -> str:
-    names = list(INPUT_DTYPES)
+    names = [*INPUT_DTYPES, VOICE_ID]
     maps_in = "\n".join(f'      input_map {{ key: "{n}" value: "{n}" }}' for n in names)
     maps_out = "\n".join(f'      output_map {{ key: "{n}" value: "{n}" }}' for n in ("mel", "frame_offset"))
     return (f'name: "token2mel"\nplatform: "ensemble"\nmax_batch_size: {s.batching.max_batch_size}\n'
@@ -200,7 +222,8 @@ def vocoder_config(n_feats: int, s: RepositorySettings, stream, source) -> str:
     ins = [_tensor("mel", "TYPE_FP32", [n_feats, -1], ragged=True), _tensor("frame_offset", "TYPE_INT64", [1]),
            _tensor("seed", "TYPE_INT64", [1], optional=True)]
     outs = [_tensor("audio", "TYPE_FP32", [-1]), _tensor("sample_offset", "TYPE_INT64", [1])]
-    params = [_param("n_feats", n_feats), _param("intra_op_threads", s.ort_threads)]
+    params = [_param("n_feats", n_feats), _param("intra_op_threads", s.ort_threads),
+              _param("warmup", str(s.warmup).lower())]
     params += [_param(f.name, getattr(stream, f.name)) for f in dataclasses.fields(stream)]
     params += [_param(f.name, getattr(source, f.name)) for f in dataclasses.fields(source)]
     return (f'name: "vocoder"\nbackend: "python"\nmax_batch_size: {b.max_batch_size}\n'
@@ -212,7 +235,7 @@ def vocoder_config(n_feats: int, s: RepositorySettings, stream, source) -> str:
 
 def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> str:
     """``token2wav``: token2mel's inputs; cfm_solver's mel feeds the vocoder; both steps' outputs out."""
-    maps_in = "\n".join(f'      input_map {{ key: "{n}" value: "{n}" }}' for n in INPUT_DTYPES)
+    maps_in = "\n".join(f'      input_map {{ key: "{n}" value: "{n}" }}' for n in (*INPUT_DTYPES, VOICE_ID))
     solver_out = "\n".join(f'      output_map {{ key: "{n}" value: "{n}" }}' for n in ("mel", "frame_offset"))
     voc_in = "\n".join(f'      input_map {{ key: "{n}" value: "{n}" }}' for n in ("mel", "frame_offset", "seed"))
     voc_out = "\n".join(f'      output_map {{ key: "{n}" value: "{n}" }}' for n in ("audio", "sample_offset"))
@@ -258,6 +281,7 @@ MODEL_PY = {
     "cfm_solver": "from s3flow.serving.cfm_solver import TritonPythonModel  # noqa: F401\n",
     "onnx": "from s3flow.serving.onnx_model import TritonPythonModel  # noqa: F401\n",
     "torch": "from s3flow.serving.torch_model import TritonPythonModel  # noqa: F401\n",
+    "voice_encoder": "from s3flow.serving.voice_encoder_model import TritonPythonModel  # noqa: F401\n",
 }
 
 
@@ -285,21 +309,65 @@ class RepositorySummary:
         return "\n".join(lines)
 
 
+def voice_encoder_config(n_feats: int, s: RepositorySettings) -> str:
+    """``voice_encoder``: a reference wav (or a ready prompt) in, its voice id and prompt out (no batching:
+    one reference per request; s3flow.voice.service)."""
+    ins = [_tensor("wav", "TYPE_FP32", [-1], optional=True), _tensor("sample_rate", "TYPE_INT32", [1], optional=True),
+           _tensor("prompt_tokens", "TYPE_INT64", [-1], optional=True),
+           _tensor("prompt_mel", "TYPE_FP32", [-1, n_feats], optional=True),
+           _tensor("speaker_embedding", "TYPE_FP32", [XVECTOR_DIM], optional=True),
+           _tensor("list_voices", "TYPE_BOOL", [1], optional=True)]
+    outs = [_tensor(VOICE_ID, "TYPE_STRING", [1]), _tensor("prompt_tokens", "TYPE_INT64", [-1]),
+            _tensor("prompt_mel", "TYPE_FP32", [-1, n_feats]), _tensor("speaker_embedding", "TYPE_FP32", [XVECTOR_DIM]),
+            _tensor("voice_ids", "TYPE_STRING", [-1])]
+    v = s.voices
+    params = [_param("n_feats", n_feats), _param("max_prompt_tokens", s.limits.max_prompt_tokens),
+              _param("voice_dir", v.voice_dir), _param("max_voices", v.max_voices),
+              _param("max_voice_bytes", v.max_voice_bytes), _param("torch_threads", s.torch_threads)]
+    return ('name: "voice_encoder"\nbackend: "python"\nmax_batch_size: 0\n' + _block("input", ins)
+            + _block("output", outs) + "instance_group [ { count: 1 kind: KIND_CPU } ]\n" + _block("parameters", params))
+
+
+def write_voice_encoder(out: Path, voice_checkpoint, n_feats: int, s: RepositorySettings) -> list:
+    """Write ``voice_encoder`` (config, model.py, the front-end's weights from ``voice_checkpoint``)."""
+    from safetensors.torch import save_file
+
+    from .voice.weights import VOICE_CONFIG_KEY, VoiceConfig, read_voice_tensors
+
+    state, config = read_voice_tensors(voice_checkpoint)
+    config = config or VoiceConfig.full()
+    if (out / "voice_encoder").exists():
+        shutil.rmtree(out / "voice_encoder")
+    (out / "voice_encoder" / "1").mkdir(parents=True)
+    files = [out / "voice_encoder/config.pbtxt", out / "voice_encoder/1/model.py",
+             out / "voice_encoder/1/voice.safetensors"]
+    files[0].write_text(voice_encoder_config(n_feats, s))
+    files[1].write_text(MODEL_PY["voice_encoder"])
+    save_file({k: v.contiguous() for k, v in state.items()}, str(files[2]),
+              metadata={VOICE_CONFIG_KEY: json.dumps(config.to_dict())})
+    return files
+
+
 def write_repository(out: str | Path, flow, settings: Optional[RepositorySettings] = None,
-                     opset: int = 17, vocoder=None, vocoder_settings=None) -> RepositorySummary:
+                     opset: int = 17, vocoder=None, vocoder_settings=None,
+                     voice_checkpoint=None) -> RepositorySummary:
     """Write configs, model.py files and (cpu target) the ONNX exports of ``flow`` into ``out``.
 
     With ``vocoder`` (an ``s3flow.vocoder.HiFTGenerator``) also ``token2wav`` and ``vocoder``
     (``vocoder_settings``: an ``s3flow.vocoder_stream.StreamSettings``, default exact streaming).
+    With ``voice_checkpoint`` (a checkpoint holding ``tokenizer.*`` and ``speaker_encoder.*``) also
+    ``voice_encoder``, and START requests may name a registered voice (``voice_id``).
 
     For the gpu target the ``model.plan`` engines are built on the GPU host (scripts/build_engines.py);
     this writes their configs and the ONNX files the engines are built from (``<model>/model.onnx``).
     """
     from .onnx_export import export_encoder, export_estimator
 
-    s = settings or RepositorySettings()
+    s = dataclasses.replace(settings or RepositorySettings())
+    s.voices = dataclasses.replace(s.voices, enabled=voice_checkpoint is not None)
     s.limits.check()
     s.batching.check()
+    s.voices.check()
     if s.batching.strategy == "oldest" and s.limits.max_live_sequences >= s.batching.max_candidate_sequences:
         raise ValueError(
             f"max_live_sequences ({s.limits.max_live_sequences}) must be below max_candidate_sequences "
@@ -326,6 +394,9 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
                                                         s.batching.encoder_instances))
     write("estimator/config.pbtxt", stateless_config("estimator", estimator_tensors(n_feats, meanflow), s,
                                                      s.batching.estimator_instances))
+    if s.warmup:  # Triton's model_warmup samples (s3flow.warmup): no first-run cost on a real request
+        from .warmup import write_model_warmup
+        summary.files += [f for f in write_model_warmup(out, n_feats, meanflow) if f not in summary.files]
     # ONNX files: the served models on cpu; the engines' source on gpu
     onnx_dir = "1" if s.target == "cpu" else "."
     export_encoder(flow.encoder, out / "flow_encoder" / onnx_dir / "model.onnx", opset=opset)
@@ -346,4 +417,8 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
         for name in ("token2wav", "vocoder"):
             if (out / name).exists():
                 shutil.rmtree(out / name)
+    if voice_checkpoint is not None:
+        summary.files += write_voice_encoder(out, voice_checkpoint, n_feats, s)
+    elif (out / "voice_encoder").exists():
+        shutil.rmtree(out / "voice_encoder")
     return summary

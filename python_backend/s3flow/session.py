@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from .protocol import RequestError, ServerBusy, parse_request
+from .protocol import VOICE_ID, RequestError, ServerBusy, parse_request
 from .streaming import Chunk, ChunkResult, StreamingEngine
 
 INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL"
@@ -72,11 +72,33 @@ class SolverSession:
     ``replaced by a new START`` (a START on a live id restarts that utterance: the old state goes).
 
     ``draining()`` True refuses new sequences (START) while the ones in flight go on (``s3flow.drain``).
+    ``voices(voice_id)`` gives a registered voice's prompt tensors for a START that names one
+    (``s3flow.voice.registry.VoiceRegistry.get``), or raises RequestError.
     """
 
     def __init__(self, engine: StreamingEngine, on_drop: Callable[[object, str], None] = lambda c, r: None,
-                 name: str = "cfm_solver", draining: Callable[[], bool] = lambda: False):
+                 name: str = "cfm_solver", draining: Callable[[], bool] = lambda: False,
+                 voices: Optional[Callable[[str], dict]] = None):
         self.engine, self.on_drop, self.name, self.draining = engine, on_drop, name, draining
+        self.voices = voices
+
+    def _with_voice(self, req: Incoming) -> Mapping[str, np.ndarray]:
+        """The request's tensors with a ``voice_id`` replaced by that voice's prompt tensors."""
+        if VOICE_ID not in req.inputs:
+            return req.inputs
+        raw = np.asarray(req.inputs[VOICE_ID])
+        if not req.start:
+            raise RequestError(f"{VOICE_ID} may only be sent with the sequence's START request")
+        if raw.size != 1 or raw.dtype != np.object_:
+            raise RequestError(f"{VOICE_ID} must be one string (BYTES), got {raw.dtype.name} shape {list(raw.shape)}")
+        both = [n for n in ("prompt_tokens", "prompt_mel", "speaker_embedding") if n in req.inputs]
+        if both:
+            raise RequestError(f"send either {VOICE_ID} or the speaker prompt, not both (got {VOICE_ID} and {both})")
+        if self.voices is None:
+            raise RequestError(f"{VOICE_ID} given, but this server has no voice registry (no voice_encoder model)")
+        value = raw.reshape(-1)[0]
+        voice_id = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+        return {**{k: v for k, v in req.inputs.items() if k != VOICE_ID}, **self.voices(voice_id)}
 
     @property
     def live(self) -> int:
@@ -101,7 +123,7 @@ class SolverSession:
             if not req.ready:
                 continue
             try:
-                parsed = parse_request(req.inputs, start=req.start, end=req.end, limits=self.engine.limits,
+                parsed = parse_request(self._with_voice(req), start=req.start, end=req.end, limits=self.engine.limits,
                                        n_feats=self.engine.n_feats)
                 if req.start and self.draining():
                     raise ServerBusy("the server is draining (shutting down) and takes no new sequences; "

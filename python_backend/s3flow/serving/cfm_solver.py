@@ -20,8 +20,10 @@ import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
 from s3flow.drain import draining_probe
+from s3flow.metrics import FAMILIES, LIVE, SolverBook
+from s3flow.warmup import warm_up_solver
 from s3flow.serving.heap import trim_heap
-from s3flow.protocol import INPUT_DTYPES, Limits
+from s3flow.protocol import INPUT_DTYPES, VOICE_ID, Limits
 from s3flow.session import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, Incoming, ModelCallError, SolverSession
 from s3flow.streaming import StreamingEngine
 
@@ -97,7 +99,16 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"{self.name}: bad config parameter: {exc}") from None
         self.logger = pb_utils.Logger
         self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name))
-        self.session = SolverSession(engine, on_drop=self._dropped, name=self.name, draining=draining_probe())
+        self.metrics.book.instrument(engine)  # chunk latency, NFE, frames, sequences per Euler step
+        if params.get("warmup", "true").lower() != "false":  # s3flow.warmup: no first-run cost on a real chunk
+            self.logger.log_info(warm_up_solver(engine).describe())
+        voices = None
+        if params.get("voices", "false").lower() == "true":  # START may name a voice the voice_encoder stored
+            from s3flow.voice.registry import VoiceRegistry, default_dir
+            voices = VoiceRegistry(params.get("voice_dir", "") or default_dir(), int(params["max_voices"]),
+                                   int(params["max_voice_bytes"])).get
+        self.session = SolverSession(engine, on_drop=self._dropped, name=self.name, draining=draining_probe(),
+                                     voices=voices)
         # Triton drops an idle sequence without telling the model: a reaper thread evicts idle states even
         # when no request comes; the lock keeps it and execute from touching the store at once.
         self._lock, self._stop = threading.Lock(), threading.Event()
@@ -121,7 +132,7 @@ class TritonPythonModel:
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             controls[name] = tensor.as_numpy().reshape(-1)[0] if tensor is not None else 0
         inputs = {}
-        for name in INPUT_DTYPES:
+        for name in (*INPUT_DTYPES, VOICE_ID):
             tensor = pb_utils.get_input_tensor_by_name(request, name)
             if tensor is not None:
                 inputs[name] = tensor.as_numpy()
@@ -129,6 +140,7 @@ class TritonPythonModel:
                         inputs=inputs, ready=bool(controls["READY"]), is_cancelled=request.is_cancelled)
 
     def execute(self, requests):
+        started = self.metrics.book.begin()
         with self._lock:
             try:
                 outcomes = self.session.handle([self._incoming(r) for r in requests])
@@ -147,6 +159,8 @@ class TritonPythonModel:
                 offset = np.array([[o.result.frame_offset]], dtype=np.int64)
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
                     pb_utils.Tensor("mel", mel), pb_utils.Tensor("frame_offset", offset)]))
+        with self._lock:
+            self.metrics.book.end(started)  # s3flow_chunk_seconds etc. of the chunks answered
         return responses
 
     def _reap(self):
@@ -172,46 +186,50 @@ class TritonPythonModel:
 
 
 class _SolverMetrics:
-    """Prometheus metrics on the server's metrics port (read-only introspection for operators and tests):
-
-    * ``s3flow_live_sequences{model, instance}`` gauge: sequences whose state this instance holds;
-    * ``s3flow_sequences_dropped{model, instance, reason}`` counter: states dropped before END
-      (``idle``, ``cancelled``, ``invalid END request``, ``failed END``, ``failed START``, ``error``; a failed
-      model call on a middle chunk keeps the state, so the client can send the chunk again).
-
-    A no-op where the stub has no custom-metric support.
+    """The solver's Prometheus metrics through the python backend's metric API; their names, kinds, buckets
+    and what is observed are ``s3flow.metrics`` (``SolverBook``), documented in docs/operations.md. Labels
+    ``model`` and ``instance`` on all, ``reason`` on ``s3flow_sequences_dropped_total``. A family the stub
+    cannot make (no custom metrics, or no HISTOGRAM) is left out; the others still publish.
     """
 
     def __init__(self, model: str, instance: str):
         self.labels = {"model": model, "instance": instance}
-        self._dropped = {}
-        try:
-            self._live_family = pb_utils.MetricFamily(
-                name="s3flow_live_sequences", description="sequences whose state the solver instance holds",
-                kind=pb_utils.MetricFamily.GAUGE)
-            self._dropped_family = pb_utils.MetricFamily(
-                name="s3flow_sequences_dropped", description="sequence states dropped before their END",
-                kind=pb_utils.MetricFamily.COUNTER)
-            self._live = self._live_family.Metric(labels=self.labels)
-        except (AttributeError, pb_utils.TritonModelException):
-            self._live = None
+        self.book = SolverBook(self._publish)
+        self._families, self._metrics = {}, {}
+        for family in FAMILIES:
+            try:
+                kind = getattr(pb_utils.MetricFamily, family.kind.upper())
+                self._families[family.name] = pb_utils.MetricFamily(
+                    name=family.name, description=family.description, kind=kind)
+            except (AttributeError, pb_utils.TritonModelException):
+                continue
+
+    def _publish(self, family, value: float, extra: dict) -> None:
+        metrics_family = self._families.get(family.name)
+        if metrics_family is None:
+            return
+        key = (family.name, tuple(sorted(extra.items())))
+        metric = self._metrics.get(key)
+        if metric is None:
+            buckets = {"buckets": list(family.buckets)} if family.kind == "histogram" else {}
+            metric = self._metrics[key] = metrics_family.Metric(labels={**self.labels, **extra}, **buckets)
+        if family.kind == "histogram":
+            metric.observe(float(value))
+        elif family.kind == "counter":
+            metric.increment(float(value))
+        else:
+            metric.set(float(value))
 
     def live(self, n: int) -> None:
-        if self._live is not None:
-            self._live.set(n)
+        self._publish(LIVE, n, {})
 
     def dropped(self, reason: str) -> None:
-        if self._live is None:
-            return
-        reason = reason.split(":")[0]
-        if reason not in self._dropped:
-            self._dropped[reason] = self._dropped_family.Metric(labels={**self.labels, "reason": reason})
-        self._dropped[reason].increment(1)
+        self.book.dropped(reason)
 
     def close(self) -> None:
         """Metrics must go before their families (the stub checks)."""
-        self._live, self._dropped = None, {}
-        self._live_family = self._dropped_family = None
+        self._metrics = {}
+        self._families = {}
 
 
 #: After a batch that made this many frames, give the freed heap back (s3flow.serving.heap).

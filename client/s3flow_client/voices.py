@@ -1,0 +1,121 @@
+"""Voices: register a reference recording once, then start utterances by its voice id.
+
+The server's ``voice_encoder`` model computes the speaker prompt of a reference (upstream ``embed_ref``:
+tokens, 24 kHz mel, x-vector), stores it in its registry and answers the voice id with the prompt. A START
+request may then carry ``voice_id`` instead of the three prompt tensors. Ids are digests of the prompt, the
+same on every server; an utterance made by ``Voice.utterance`` keeps the prompt too, so when a server does not
+hold the voice (another server after a failover, a restart, an eviction) the client sends the prompt itself.
+
+Example::
+
+    from s3flow_client.voices import read_wav, register_voice
+    wav, rate = read_wav("ref.wav")
+    voice = register_voice("127.0.0.1:8001", wav, rate)
+    client.synthesize([voice.utterance(speech_tokens, seed=0)])
+"""
+from __future__ import annotations
+
+import wave
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from .stream import Utterance
+
+MODEL = "voice_encoder"
+
+
+@dataclass
+class Voice:
+    voice_id: str
+    prompt_tokens: np.ndarray         # (Np,) int64
+    prompt_mel: np.ndarray            # (2 Np, 80) float32, frames-major
+    speaker_embedding: np.ndarray     # (192,) float32
+
+    def utterance(self, speech_tokens: np.ndarray, **options) -> Utterance:
+        """An utterance that starts by voice id (and falls back to the prompt where the id is unknown)."""
+        return Utterance(speech_tokens, self.prompt_tokens, self.prompt_mel, self.speaker_embedding,
+                         voice_id=self.voice_id, **options)
+
+
+def read_wav(path) -> tuple[np.ndarray, int]:
+    """A mono PCM .wav (8/16/24/32-bit) as float32 samples in [-1, 1] and its sample rate."""
+    with wave.open(str(path), "rb") as f:
+        channels, width, rate, n = f.getnchannels(), f.getsampwidth(), f.getframerate(), f.getnframes()
+        raw = f.readframes(n)
+    if channels != 1:
+        raise ValueError(f"{path}: {channels} channels; the reference must be mono (mix it down first)")
+    if width == 3:
+        b = np.frombuffer(raw, np.uint8).reshape(-1, 3)
+        ints = (b[:, 0].astype(np.int32) | (b[:, 1].astype(np.int32) << 8) | (b[:, 2].astype(np.int32) << 16))
+        ints = np.where(ints >= 1 << 23, ints - (1 << 24), ints)
+        return (ints / float(1 << 23)).astype(np.float32), rate
+    dtype = {1: np.uint8, 2: "<i2", 4: "<i4"}.get(width)
+    if dtype is None:
+        raise ValueError(f"{path}: {8 * width}-bit samples are not supported")
+    data = np.frombuffer(raw, dtype).astype(np.float64)
+    if width == 1:
+        data = data - 128.0
+    return (data / float(1 << (8 * width - 1))).astype(np.float32), rate
+
+
+def _call(url: str, inputs: dict, outputs: list[str]) -> dict:
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        tensors = []
+        for name, value in inputs.items():
+            t = grpcclient.InferInput(name, list(value.shape), {"float32": "FP32", "int32": "INT32", "int64": "INT64",
+                                                               "bool": "BOOL"}[value.dtype.name])
+            t.set_data_from_numpy(value)
+            tensors.append(t)
+        result = client.infer(MODEL, tensors, outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
+        return {n: result.as_numpy(n) for n in outputs}
+    finally:
+        client.close()
+
+
+def _voice(out: dict) -> Voice:
+    return Voice(out["voice_id"].reshape(-1)[0].decode(), out["prompt_tokens"], out["prompt_mel"],
+                 out["speaker_embedding"])
+
+
+_PROMPT_OUT = ["voice_id", "prompt_tokens", "prompt_mel", "speaker_embedding"]
+
+
+def register_voice(url: str, wav: np.ndarray, sample_rate: int) -> Voice:
+    """Register a reference (mono float32 samples at their own rate); the server checks it (1-20 s, no NaN,
+    not silent, a supported rate) and answers INVALID_ARG naming what is wrong."""
+    return _voice(_call(url, {"wav": np.ascontiguousarray(wav, dtype=np.float32),
+                              "sample_rate": np.array([sample_rate], np.int32)}, _PROMPT_OUT))
+
+
+def register_prompt(url: str, prompt_tokens: np.ndarray, prompt_mel: np.ndarray,
+                    speaker_embedding: np.ndarray) -> Voice:
+    """Register a prompt made elsewhere (e.g. Chatterbox's ``conds.pt``, see ``read_conds``)."""
+    return _voice(_call(url, {"prompt_tokens": prompt_tokens.astype(np.int64),
+                              "prompt_mel": prompt_mel.astype(np.float32),
+                              "speaker_embedding": speaker_embedding.astype(np.float32)}, _PROMPT_OUT))
+
+
+def list_voices(url: str) -> list[str]:
+    """The voice ids the server holds, most recently used first."""
+    out = _call(url, {"list_voices": np.array([True])}, ["voice_ids"])["voice_ids"]
+    return [v.decode() for v in out.reshape(-1)]
+
+
+def read_conds(path) -> dict[str, np.ndarray]:
+    """Chatterbox's ``conds.pt`` (its ``gen`` dict) as prompt tensors; needs torch (weights only, no code run)."""
+    import torch
+
+    data = torch.load(Path(path), map_location="cpu", weights_only=True)
+    gen = data.get("gen", data) if isinstance(data, dict) else None
+    if not isinstance(gen, dict) or not {"prompt_token", "prompt_feat", "embedding"} <= set(gen):
+        raise ValueError(f"{path}: not a Chatterbox conds file (want a 'gen' dict with prompt_token, "
+                         "prompt_feat, embedding)")
+    tokens = gen["prompt_token"].reshape(-1).long().numpy()
+    feat = gen["prompt_feat"].reshape(-1, gen["prompt_feat"].shape[-1]).float().numpy()
+    n = min(tokens.size, feat.shape[0] // 2)
+    return {"prompt_tokens": tokens[:n], "prompt_mel": np.ascontiguousarray(feat[:2 * n]),
+            "speaker_embedding": gen["embedding"].reshape(-1).float().numpy()}
