@@ -2,7 +2,8 @@
 #   make demo   build the repository for the small model trained here (checkpoints/trained/), start
 #               tritonserver, stream its ~5 s held-out demo utterance, write out/mel_0.npy and
 #               out/mel_0.png (ground truth above the streamed mel), stop the server.
-#               MEANFLOW=1: the 2-step student; SIZE=full: full-size seeded random weights (cost only)
+#               MEANFLOW=1: the 2-step student; SIZE=full: full-size seeded random weights (cost only);
+#               VOICE=1: start by a voice registered from a reference wav made here (voice_encoder)
 #   make test   set up and run the test suite (what .ci/run calls)
 PY311   ?= /usr/bin/python3.11
 VENV    ?= .venv
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS) $(if $(MEANFLOW),--meanflow)
+	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS) $(if $(MEANFLOW),--meanflow) $(if $(VOICE),--voice)
 
 test: setup
 	$(PYTHON) -m pytest -q -rs

@@ -34,12 +34,10 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import re
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -52,6 +50,7 @@ sys.path.insert(0, str(ROOT / "client"))
 
 from s3flow_client import StreamError, StreamingClient, chunk_schedule  # noqa: E402
 from s3flow_client.demo import demo_utterance  # noqa: E402
+from s3flow.metrics import HISTOGRAMS, histogram, metric_sum, read_metrics  # noqa: E402,F401 (re-exported)
 
 LOOKAHEAD_FRAMES = 6     # 3 pre-lookahead tokens x 2 frames: withheld until the next chunk or END
 FRAMES_PER_TOKEN = 2
@@ -103,24 +102,7 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-_METRIC = re.compile(r"^(\w+)(?:\{(.*)\})?\s+(\S+)$")
-
-
-def read_metrics(metrics_url: str, prefix: str = "s3flow_") -> dict:
-    """Prometheus text of ``http://<metrics_url>/metrics`` as {(name, ((label, value), ...)): float}."""
-    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = _METRIC.match(line)
-        if m and m.group(1).startswith(prefix):
-            labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")))
-            out[(m.group(1), labels)] = float(m.group(3))
-    return out
-
-
-def metric_sum(metrics: dict, name: str, **labels: str) -> float:
-    """Sum of ``name`` over every label set that has the given labels."""
-    return sum(v for (n, ls), v in metrics.items() if n == name and set(labels.items()) <= set(ls))
+# read_metrics, metric_sum, histogram: s3flow.metrics (prometheus_client's parser)
 
 
 # ------------------------------------------------------------------------------------------ utterances
@@ -183,6 +165,8 @@ class LoadReport:
     rss_before_mb: Optional[float] = None
     rss_after_mb: Optional[float] = None
     live_after: Optional[float] = None
+    #: the solver's histograms over the load phase (s3flow.metrics.HISTOGRAMS): {name: Histogram of the deltas}
+    server_histograms: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -201,6 +185,7 @@ def run_load(url: str, streams: int, utterances: int, steps: int = 2, time_limit
     report.rss_before_mb = rss_mb(stub_pid) if stub_pid else None
     results: dict[int, object] = {}
     lock = threading.Lock()
+    before = read_metrics(metrics_url) if metrics_url else None
     start = time.monotonic()
     deadline = start + time_limit_s
 
@@ -241,6 +226,8 @@ def run_load(url: str, streams: int, utterances: int, steps: int = 2, time_limit
         report.errors.append(f"client threads still running {report.wall_s:.0f} s after the start")
     log(f"load: {report.done} utterances, {report.chunks} chunks in {report.wall_s:.1f} s; "
         f"{len(report.errors)} errors, {len(report.frame_errors)} frame-accounting errors")
+    if before is not None:
+        report.errors += server_histograms(report, before, read_metrics(metrics_url))
 
     # the same utterances alone must give what they gave batched under load
     for index in sorted(results)[:check_outputs]:
@@ -257,6 +244,27 @@ def run_load(url: str, streams: int, utterances: int, steps: int = 2, time_limit
     if metrics_url:
         report.live_after = live_sequences(metrics_url)
     return report
+
+
+def server_histograms(report: LoadReport, before: dict, after: dict) -> list[str]:
+    """Fill ``report.server_histograms`` with what the load phase added to the solver's histograms; return
+    what disagrees with the client's own counts (every answered chunk observed once, a first chunk per
+    utterance). Only exact when this load is the server's only traffic and nothing failed."""
+    problems = []
+    for family in HISTOGRAMS:
+        h0, h1 = histogram(before, family.name), histogram(after, family.name)
+        h1.buckets = {le: v - h0.buckets.get(le, 0.0) for le, v in h1.buckets.items()}
+        h1.sum, h1.count = h1.sum - h0.sum, h1.count - h0.count
+        report.server_histograms[family.name] = h1
+        if not h1.buckets:
+            problems.append(f"/metrics has no histogram {family.name}")
+    if report.errors or report.not_run:
+        return problems
+    for name, want in (("s3flow_chunk_seconds", report.chunks), ("s3flow_first_chunk_seconds", report.done)):
+        got = report.server_histograms[name].count
+        if got != want:
+            problems.append(f"{name}_count grew by {got:g} over the load, the client got {want} answers")
+    return problems
 
 
 def live_sequences(metrics_url: str, settle_s: float = 5.0) -> float:
@@ -365,6 +373,14 @@ def markdown(load: Optional[LoadReport], memory: Optional[MemoryReport], command
             f"| cfm_solver stub RSS before / after | {fmt(load.rss_before_mb, ' MiB')} / "
             f"{fmt(load.rss_after_mb, ' MiB')} |",
             f"| live sequences after | {fmt(load.live_after)} |", ""]
+        if load.server_histograms:
+            lines += ["The solver's histograms over the load (`/metrics`, docs/operations.md): observations, mean, "
+                      "and the p50 / p99 bucket bounds (`histogram_quantile`'s upper bounds):", "",
+                      "| histogram | count | mean | p50 <= | p99 <= |", "| --- | ---: | ---: | ---: | ---: |"]
+            for name, h in load.server_histograms.items():
+                mean = h.sum / h.count if h.count else float("nan")
+                lines.append(f"| `{name}` | {h.count:g} | {mean:.3g} | {h.quantile(0.5)} | {h.quantile(0.99)} |")
+            lines.append("")
         for title, items in (("Errors", load.errors), ("Frame errors", load.frame_errors),
                              ("Output mismatches", load.output_mismatches)):
             if items:

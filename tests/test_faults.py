@@ -2,7 +2,7 @@
 
 One server per module (``model_control_mode='explicit'``, so models can be unloaded and loaded back), small
 seeded model, idle timeout 2 s, at most 3 live sequences. The solver's live-sequence count is read from its
-Prometheus gauge ``s3flow_live_sequences`` on the server's metrics port (``s3flow_sequences_dropped`` counts
+Prometheus gauge ``s3flow_live_sequences`` on the server's metrics port (``s3flow_sequences_dropped_total`` counts
 states dropped before their END, by reason).
 
 Measured with Triton 2.51 (the pytriton 0.7.0 wheel): ``request.is_cancelled()`` works in the python
@@ -69,7 +69,7 @@ def solver_metrics(server) -> tuple[float, dict]:
     """(live sequences, {reason: dropped count}) from the solver's metrics."""
     metrics = read_metrics(f"127.0.0.1:{server.metrics_port}")
     dropped = {dict(labels)["reason"]: v for (name, labels), v in metrics.items()
-               if name == "s3flow_sequences_dropped"}
+               if name == "s3flow_sequences_dropped_total"}
     return metric_sum(metrics, "s3flow_live_sequences"), dropped
 
 

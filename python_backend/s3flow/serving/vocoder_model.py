@@ -17,6 +17,7 @@ import triton_python_backend_utils as pb_utils
 
 from s3flow.protocol import RequestError
 from s3flow.streaming import SequenceStore
+from s3flow.warmup import warm_up_vocoder
 from s3flow.vocoder_stream import OnnxVocoder, SourceParams, StreamError, StreamSettings, VocoderStream
 
 CONTROLS = ("START", "END", "READY", "CORRID")
@@ -58,6 +59,8 @@ class TritonPythonModel:
         self.stream = VocoderStream(runner.f0, runner.decode, self.source, self.settings, n_feats=self.n_feats)
         self.store = SequenceStore(self.settings)   # idle_timeout_s, max_live_sequences
         self.logger = pb_utils.Logger
+        if params.get("warmup", "true").lower() != "false":  # s3flow.warmup: a throw-away state, no store entry
+            self.logger.log_info(warm_up_vocoder(self.stream).describe())
 
     def _input(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)

@@ -1,0 +1,273 @@
+"""The solver's metrics (``s3flow.metrics``) and the warm start (``s3flow.warmup``).
+
+Without a server: what ``SolverBook`` observes for chunks run by a real ``StreamingEngine`` over stand-in
+networks (counted independently: the engine's own call counter, the frames returned), the Prometheus text
+parser on Triton-shaped text, the warm-up configs (parsed as ``ModelConfig``) and the solver's warm-up
+leaving no state. Against a real server (``server`` marker): every model warmed up before the first request
+(Triton's execution counts, the stubs' log lines) and the histograms in ``/metrics`` after a short load,
+their counts equal to what the client received.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from s3flow import metrics as m  # noqa: E402
+from s3flow.protocol import Limits, parse_request  # noqa: E402
+from s3flow.streaming import StreamingEngine  # noqa: E402
+from s3flow.warmup import (WARMUP_ITERATIONS, encoder_warmup, estimator_warmup, warm_up_solver,  # noqa: E402
+                           write_model_warmup)
+
+N_FEATS = 8
+
+
+def _engine(meanflow: bool = False) -> StreamingEngine:
+    def encode(tokens, token_len, embedding):
+        b, t = tokens.shape[0], 2 * tokens.shape[1]
+        return torch.zeros(b, N_FEATS, t), torch.ones(b, 1, t), torch.ones(b, N_FEATS)  # spks of a real speaker
+
+    def estimate(x, mask, mu, t, spks, cond, r=None):
+        return torch.zeros_like(x)
+
+    return StreamingEngine(encode, estimate, n_feats=N_FEATS, meanflow=meanflow,
+                           limits=Limits(max_utterance_frames=1000))
+
+
+def _request(start: bool, end: bool, tokens: int, steps: int, rate=None, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    inputs = {"speech_tokens": rng.integers(0, 6561, (1, tokens), dtype=np.int64)}
+    if start:
+        inputs.update(prompt_tokens=rng.integers(0, 6561, (1, 5), dtype=np.int64),
+                      prompt_mel=np.zeros((1, 10, N_FEATS), np.float32),
+                      speaker_embedding=np.ones((1, 192), np.float32), n_timesteps=np.array([[steps]], np.int32))
+        if rate is not None:
+            inputs["guidance_rate"] = np.array([[rate]], np.float32)
+    return parse_request(inputs, start=start, end=end, limits=Limits(max_utterance_frames=1000), n_feats=N_FEATS)
+
+
+class Recorder:
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, family, value, labels):
+        self.seen.append((family.name, value, labels))
+
+    def values(self, name):
+        return [v for n, v, _ in self.seen if n == name]
+
+
+@pytest.mark.parametrize("meanflow, rate, per_step", [(False, None, 2), (False, 0.0, 1), (True, None, 1)])
+def test_book_observes_each_answered_chunk_and_each_euler_step(meanflow, rate, per_step):
+    engine, rec = _engine(meanflow), Recorder()
+    book = m.SolverBook(rec)
+    book.instrument(engine)
+    steps = 3
+    # execute 1: two sequences start together (one batch); execute 2: one goes on, one ends
+    t0 = book.begin()
+    first = engine.run([engine.admit(1, _request(True, False, 12, steps, rate)),
+                        engine.admit(2, _request(True, False, 20, steps, rate, seed=1))])
+    assert book.end(t0) == 2
+    calls_after_first = engine.estimator_calls
+    t0 = book.begin()
+    second = engine.run([engine.admit(1, _request(False, False, 8, steps)),
+                         engine.admit(2, _request(False, True, 4, steps))])
+    assert book.end(t0) == 2
+
+    frames = [r.mel.shape[1] for r in first + second]
+    assert rec.values("s3flow_chunk_frames") == frames == [2 * 12 - 6, 2 * 20 - 6, 8 * 2, 4 * 2 + 6]
+    assert rec.values("s3flow_chunk_nfe") == [steps * per_step] * 4
+    assert len(rec.values("s3flow_chunk_seconds")) == 4
+    assert len(rec.values("s3flow_first_chunk_seconds")) == 2, "START chunks only"
+    # one observation per estimator call (the engine's own count), each of 2 sequences
+    assert rec.values("s3flow_step_batch_size") == [2] * engine.estimator_calls
+    assert engine.estimator_calls == 2 * steps == 2 * calls_after_first
+
+
+def test_book_observes_nothing_for_a_failed_run_and_counts_drops_by_reason():
+    engine, rec = _engine(), Recorder()
+    book = m.SolverBook(rec)
+
+    def broken(*args):
+        raise RuntimeError("estimator away")
+
+    engine.estimator = broken
+    book.instrument(engine)
+    t0 = book.begin()
+    with pytest.raises(RuntimeError):
+        engine.run([engine.admit(1, _request(True, False, 12, 2))])
+    assert book.end(t0) == 0
+    assert [n for n, _, _ in rec.seen] == ["s3flow_step_batch_size"], "the step was tried, no chunk answered"
+    book.dropped("idle")
+    book.dropped("error: ValueError")
+    assert rec.seen[-2:] == [("s3flow_sequences_dropped_total", 1, {"reason": "idle"}),
+                             ("s3flow_sequences_dropped_total", 1, {"reason": "error"})]
+
+
+def test_step_sequences_counts_conditional_rows():
+    spks = torch.ones(6, N_FEATS)
+    assert m.step_sequences(spks) == 6                         # unguided: every row a sequence
+    spks[3:] = 0
+    assert m.step_sequences(spks) == 3                         # guided 2B: the zero half is unconditional
+    assert m.step_sequences(torch.ones(5, N_FEATS)) == 5
+
+
+TRITON_TEXT = """\
+# HELP s3flow_chunk_seconds seconds a chunk spent in the solver's execute
+# TYPE s3flow_chunk_seconds histogram
+s3flow_chunk_seconds_count{instance="cfm_solver_0_0",model="cfm_solver"} 3
+s3flow_chunk_seconds_sum{instance="cfm_solver_0_0",model="cfm_solver"} 0.75
+s3flow_chunk_seconds_bucket{instance="cfm_solver_0_0",model="cfm_solver",le="0.1"} 1
+s3flow_chunk_seconds_bucket{instance="cfm_solver_0_0",model="cfm_solver",le="0.5"} 2
+s3flow_chunk_seconds_bucket{instance="cfm_solver_0_0",model="cfm_solver",le="+Inf"} 3
+# HELP s3flow_sequences_dropped_total sequence states dropped
+# TYPE s3flow_sequences_dropped_total counter
+s3flow_sequences_dropped_total{instance="cfm_solver_0_0",model="cfm_solver",reason="idle"} 2
+s3flow_sequences_dropped_total{instance="cfm_solver_0_0",model="cfm_solver",reason="failed END"} 1
+# HELP nv_inference_count Number of inferences performed
+# TYPE nv_inference_count counter
+nv_inference_count{model="cfm_solver",version="1"} 9
+"""
+
+
+def test_parser_reads_histograms_and_counters_of_triton_text():
+    metrics = m.parse_metrics(TRITON_TEXT)
+    assert m.metric_sum(metrics, "s3flow_sequences_dropped_total") == 3
+    assert m.metric_sum(metrics, "s3flow_sequences_dropped_total", reason="failed END") == 1
+    assert not any(name.startswith("nv_") for name, _ in metrics), "prefix filter"
+    h = m.histogram(metrics, "s3flow_chunk_seconds", model="cfm_solver")
+    assert (h.count, h.sum, h.buckets) == (3, 0.75, {0.1: 1, 0.5: 2, float("inf"): 3})
+    assert (h.quantile(0.3), h.quantile(0.5), h.quantile(0.99)) == (0.1, 0.5, float("inf"))
+    assert m.histogram(metrics, "s3flow_chunk_seconds", model="other").count == 0
+
+
+def test_families_follow_prometheus_naming():
+    for f in m.FAMILIES:
+        assert f.name.startswith("s3flow_") and (f.kind != "counter" or f.name.endswith("_total")), f
+        assert ("seconds" in f.name) == (f.buckets == m.SECONDS_BUCKETS), f
+        assert list(f.buckets) == sorted(set(f.buckets)), f"{f.name}: buckets must rise"
+
+
+def test_warmup_configs_parse_and_carry_valid_requests(tmp_path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from s3flow.repository import RepositorySettings, encoder_tensors, estimator_tensors, stateless_config
+
+    for meanflow in (False, True):
+        repo = tmp_path / f"mf{meanflow}"
+        for name, tensors in (("flow_encoder", encoder_tensors(80)), ("estimator", estimator_tensors(80, meanflow))):
+            (repo / name).mkdir(parents=True)
+            (repo / name / "config.pbtxt").write_text(stateless_config(name, tensors, RepositorySettings(), 1))
+        files = write_model_warmup(repo, 80, meanflow)
+        for name in ("flow_encoder", "estimator"):
+            config = text_format.Parse((repo / name / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+            [sample] = config.model_warmup
+            assert sample.count == WARMUP_ITERATIONS and sample.batch_size == 1
+            assert set(sample.inputs) == {i.name for i in config.input}, "every input, nothing else"
+            for key, spec in sample.inputs.items():
+                if spec.input_data_file:  # a data file holds exactly the tensor's bytes
+                    data = (repo / name / "warmup" / spec.input_data_file).read_bytes()
+                    itemsize = {"TYPE_INT64": 8, "TYPE_FP32": 4}[model_config_pb2.DataType.Name(spec.data_type)]
+                    assert len(data) == itemsize * int(np.prod(spec.dims)), (name, key)
+        enc = text_format.Parse((repo / "flow_encoder" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+        tokens = enc.model_warmup[0].inputs["tokens"]
+        length = np.frombuffer((repo / "flow_encoder" / "warmup" / "token_len").read_bytes(), np.int64)
+        assert tokens.zero_data and list(length) == [tokens.dims[1]], "token ids 0 (valid), the true length"
+        assert all(p.exists() for p in files)
+        with pytest.raises(ValueError, match="model_warmup already"):
+            write_model_warmup(repo, 80, meanflow)
+    assert "model_warmup" in encoder_warmup(tmp_path / "x") and "r" in estimator_warmup(tmp_path / "y", 8, True)
+
+
+@pytest.mark.parametrize("meanflow", [False, True])
+def test_solver_warm_up_runs_the_served_path_and_leaves_no_state(meanflow):
+    engine = _engine(meanflow)
+    engine.admit(5, _request(True, False, 10, 2))  # a live sequence of the served engine
+    report = warm_up_solver(engine)
+    assert report.chunks == 2 and report.calls >= 2 * (1 + 2)  # 2 encoder calls, >= 2 Euler steps each
+    assert list(engine.store._states) == [5] and engine.estimator_calls == 0, "the served engine untouched"
+
+
+def test_vocoder_warm_up_runs_both_networks():
+    from s3flow.vocoder_stream import SourceParams, StreamSettings, VocoderStream
+    from s3flow.warmup import warm_up_vocoder
+
+    calls = {"f0": 0, "decode": 0}
+
+    def f0(mel):
+        calls["f0"] += 1
+        return np.full(mel.shape[::2], 100.0)
+
+    def decode(mel, harmonics):
+        calls["decode"] += 1
+        return np.zeros((1, harmonics.shape[2]), np.float32)
+
+    stream = VocoderStream(f0, decode, SourceParams(), StreamSettings(), n_feats=80)
+    report = warm_up_vocoder(stream)
+    assert report.chunks == 2 and calls["f0"] >= 1 and calls["decode"] >= 1
+
+
+# ------------------------------------------------------------------------------------------ real server
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from measure_warmup import build
+
+    from s3flow.triton_server import TritonServer
+
+    root = tmp_path_factory.mktemp("metrics")
+    repo = build(root, warmup=True)
+    with TritonServer(repo, log_file=root / "server.log") as server:
+        server.log_path = root / "server.log"
+        yield server
+
+
+@pytest.mark.server
+def test_every_model_warmed_up_before_the_first_request(served):
+    from measure_warmup import model_stats
+
+    from s3flow.warmup import VOCODER_WARMUP_FRAMES
+
+    stats = model_stats(served.client())
+    assert stats["flow_encoder"][0] == WARMUP_ITERATIONS and stats["estimator"][0] == WARMUP_ITERATIONS, stats
+    assert stats["cfm_solver"][0] == stats["vocoder"][0] == 0, "no request reached the stateful models"
+    log = served.log_path.read_text()
+    assert log.count("cfm_solver: warm-up: 2 chunks") == 1, "the solver warmed up once, in initialize"
+    assert log.count(f"vocoder: warm-up: {len(VOCODER_WARMUP_FRAMES)} chunks") == 1
+    metrics = m.read_metrics(f"127.0.0.1:{served.metrics_port}")
+    assert m.metric_sum(metrics, "s3flow_chunk_seconds_count") == 0, "warm-up is not counted as traffic"
+    assert m.metric_sum(metrics, "s3flow_live_sequences") == 0
+
+
+@pytest.mark.server
+def test_histograms_show_in_metrics_during_a_short_load(served):
+    import load_test
+
+    before = m.read_metrics(f"127.0.0.1:{served.metrics_port}")
+    steps = 2
+    report = load_test.run_load(served.grpc_url, streams=3, utterances=2, steps=steps, time_limit_s=120,
+                                check_outputs=0, metrics_url=f"127.0.0.1:{served.metrics_port}")
+    assert report.ok, (report.errors, report.frame_errors)
+    h = report.server_histograms
+    assert set(h) == {f.name for f in m.HISTOGRAMS}
+    assert h["s3flow_chunk_seconds"].count == report.chunks and h["s3flow_first_chunk_seconds"].count == 6
+    assert h["s3flow_chunk_nfe"].sum == report.chunks * steps * 2, "guided: 2 evaluations per Euler step"
+    frames = sum(2 * len(load_test.load_utterance(i, steps).speech_tokens) for i in range(6))
+    assert h["s3flow_chunk_frames"].sum == frames
+    batch = h["s3flow_step_batch_size"]
+    assert batch.sum == steps * report.chunks, "each chunk in each of its Euler steps' batches"
+    assert batch.count >= steps * report.chunks / 3, "at most 3 sequences in one step"
+    for family in m.HISTOGRAMS:  # cumulative buckets ending in +Inf == count, the family's own bounds
+        buckets = h[family.name].buckets
+        assert sorted(buckets) == sorted([*map(float, family.buckets), float("inf")])
+        counts = [buckets[le] for le in sorted(buckets)]
+        assert counts == sorted(counts) and counts[-1] == h[family.name].count
+    after = m.read_metrics(f"127.0.0.1:{served.metrics_port}")
+    assert m.metric_sum(after, "s3flow_chunk_seconds_count") - m.metric_sum(before, "s3flow_chunk_seconds_count") \
+        == report.chunks
