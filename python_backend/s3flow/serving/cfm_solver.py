@@ -171,7 +171,7 @@ class TritonPythonModel:
                     self.metrics.live(self.session.live)
 
     def _dropped(self, corr_id, reason: str) -> None:
-        """A sequence's state went before its END: logged and counted (``s3flow_sequences_dropped``)."""
+        """A sequence's state went before its END: logged and counted (``s3flow_sequences_dropped_total``)."""
         self.metrics.dropped(reason)
         what = f"evicted sequence {corr_id} after {self.limits.idle_timeout_s} s idle" if reason == "idle" \
             else f"dropped sequence {corr_id} ({reason})"
