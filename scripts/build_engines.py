@@ -165,6 +165,7 @@ def set_backend(repository: Path, model: str, backend: str, checkpoint=None, dty
     """Rewrite one stateless model of a gpu repository to serve from a TensorRT plan or torch on CUDA."""
     from s3flow.repository import MODEL_PY, RepositorySettings, encoder_tensors, estimator_tensors, stateless_config
     from s3flow.serving.torch_model import WEIGHTS_FILE, save_module
+    from s3flow.warmup import model_warmup_of
 
     folder = repository / model
     current = (folder / "config.pbtxt").read_text()
@@ -188,7 +189,9 @@ def set_backend(repository: Path, model: str, backend: str, checkpoint=None, dty
     else:
         for stale in ("model.py", WEIGHTS_FILE):
             (version / stale).unlink(missing_ok=True)
-    (folder / "config.pbtxt").write_text(stateless_config(model, tensors, settings, int(m.group(1)) if m else 1))
+    warmup = model_warmup_of(current)  # s3flow.warmup's samples serve every backend: keep them
+    (folder / "config.pbtxt").write_text(stateless_config(model, tensors, settings, int(m.group(1)) if m else 1)
+                                         + warmup)
     from s3flow.serving.torch_model import default_dtype
     print(f"{model}: now served by " + (f"the torch backend ({default_dtype(model, dtype)})" if backend == "torch"
                                         else "TensorRT"))

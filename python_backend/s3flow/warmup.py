@@ -100,6 +100,13 @@ def estimator_warmup(model_dir: Path, n_feats: int, meanflow: bool, frames: int 
     return f"model_warmup [\n{_sample(f'rows_{rows}_frames_{frames}', inputs, iterations)}\n]\n"
 
 
+def model_warmup_of(config: str) -> str:
+    """The ``model_warmup`` block a config written by :func:`write_model_warmup` ends with ("" if none), to
+    keep it when the rest of the config is written again (``scripts/build_engines.py`` switching backends)."""
+    at = config.find("model_warmup [")
+    return config[at:] if at >= 0 else ""
+
+
 def write_model_warmup(repository: Path, n_feats: int, meanflow: bool) -> list[Path]:
     """Append ``model_warmup`` to ``flow_encoder`` and ``estimator``'s ``config.pbtxt`` in ``repository``
     and write their ``warmup/`` data files; return the files written."""
