@@ -234,8 +234,14 @@ def test_the_deploy_files_http_paths_answer_on_a_real_server(served):
     for path in sorted(HEALTH_PATHS):
         with urllib.request.urlopen(f"http://127.0.0.1:{served.http_port}{path}", timeout=5) as r:
             assert r.status == 200, path
+    from s3flow.metrics import parse_metrics
+
     with urllib.request.urlopen(f"http://127.0.0.1:{served.metrics_port}{METRICS_PATH}", timeout=5) as r:
-        assert r.status == 200 and b"nv_inference_request_success" in r.read()
+        assert r.status == 200
+        samples = parse_metrics(r.read().decode(), prefix="")  # prometheus_client's parser
+    # the parser names a counter's samples <name>_total, as OpenMetrics does (Triton's text has no suffix)
+    assert any(name == "nv_inference_request_success_total" for name, _ in samples)
+    assert any(name == "s3flow_live_sequences" for name, _ in samples)
 
 
 def documented_commands(program: str) -> list[list[str]]:

@@ -147,7 +147,8 @@ class SolverBook:
 # ------------------------------------------------------------------------------------------ reading back
 def parse_metrics(text: str, prefix: str = "s3flow_") -> dict:
     """Prometheus text as {(sample name, ((label, value), ...)): value}, samples whose name starts with
-    ``prefix`` (histograms give ``<name>_bucket`` with ``le``, ``<name>_sum``, ``<name>_count``)."""
+    ``prefix`` (histograms give ``<name>_bucket`` with ``le``, ``<name>_sum``, ``<name>_count``; the parser
+    names every counter's samples ``<name>_total``, also Triton's, whose text has no such suffix)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}

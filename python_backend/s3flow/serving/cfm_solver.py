@@ -203,6 +203,7 @@ class _SolverMetrics:
                     name=family.name, description=family.description, kind=kind)
             except (AttributeError, pb_utils.TritonModelException):
                 continue
+        self.live(0)  # the gauge shows from the load on, not from the first request
 
     def _publish(self, family, value: float, extra: dict) -> None:
         metrics_family = self._families.get(family.name)
