@@ -460,7 +460,9 @@ def test_compose_reserves_a_gpu_shm_and_health():
     assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"] and dev["count"] == 1
     shm = svc["shm_size"]
     assert re.fullmatch(r"\d+gb", shm) and int(shm[:-2]) >= 1
-    assert "/v2/health/ready" in " ".join(svc["healthcheck"]["test"]) and ":8000/" in " ".join(svc["healthcheck"]["test"])
+    # ready and not draining (s3flow.drain ready asks /v2/health/ready on the given HTTP address)
+    check = " ".join(svc["healthcheck"]["test"])
+    assert "-m s3flow.drain ready" in check and "http://127.0.0.1:8000" in check
     assert {"8000:8000", "8001:8001", "8002:8002"} <= set(svc["ports"])
     assert any(v.endswith(":/var/lib/s3flow") for v in svc["volumes"]), "engines survive restarts"
 
@@ -482,9 +484,11 @@ def test_k8s_deployment():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
-    for probe, path in (("readinessProbe", "/v2/health/ready"), ("startupProbe", "/v2/health/ready"),
-                        ("livenessProbe", "/v2/health/live")):
+    for probe, path in (("startupProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
         assert c[probe]["httpGet"]["path"] == path and ports[c[probe]["httpGet"]["port"]] == 8000
+    # readiness is "ready and not draining" (tests/test_deploy.py checks the probe and the drain in depth)
+    assert c["readinessProbe"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.drain", "ready"]
+    assert c["lifecycle"]["preStop"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.drain", "drain"]
     ann = pod["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8002"
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}

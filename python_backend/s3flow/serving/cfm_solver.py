@@ -26,6 +26,7 @@ from s3flow.serving.heap import trim_heap
 from s3flow.protocol import INPUT_DTYPES, VOICE_ID, Limits
 from s3flow.session import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, Incoming, ModelCallError, SolverSession
 from s3flow.streaming import StreamingEngine
+from s3flow.serving.responses import error_response
 
 CONTROLS = ("START", "END", "READY", "CORRID")
 
@@ -54,7 +55,7 @@ class BlsModel:
             model_name=self.model_name, requested_output_names=self.outputs,
             inputs=[_to_triton(k, v) for k, v in inputs.items()], **self.memory)
         response = request.exec()
-        if response.has_error():
+        if response.haserror_response():
             raise ModelCallError(f"model '{self.model_name}' failed: {response.error().message()}")
         out = []
         for name in self.outputs:
@@ -151,7 +152,7 @@ class TritonPythonModel:
         responses = []
         for o in outcomes:
             if o.error is not None:
-                responses.append(_error(o.error, _CODES[o.code]()))
+                responses.append(error_response(o.error, _CODES[o.code]()))
             elif o.result is None:  # an empty slot of the direct strategy
                 responses.append(pb_utils.InferenceResponse(output_tensors=[]))
             else:
@@ -239,11 +240,3 @@ _TRIM_AFTER_FRAMES = 500
 
 _CODES = {INVALID_ARG: lambda: pb_utils.TritonError.INVALID_ARG, CANCELLED: lambda: pb_utils.TritonError.CANCELLED,
           UNAVAILABLE: lambda: pb_utils.TritonError.UNAVAILABLE, INTERNAL: lambda: pb_utils.TritonError.INTERNAL}
-
-
-def _error(message: str, code):
-    try:
-        error = pb_utils.TritonError(message, code)
-    except TypeError:  # older stubs take the message only
-        error = pb_utils.TritonError(message)
-    return pb_utils.InferenceResponse(output_tensors=[], error=error)

@@ -19,6 +19,7 @@ from s3flow.protocol import RequestError
 from s3flow.streaming import SequenceStore
 from s3flow.warmup import warm_up_vocoder
 from s3flow.vocoder_stream import OnnxVocoder, SourceParams, StreamError, StreamSettings, VocoderStream
+from s3flow.serving.responses import error_response
 
 CONTROLS = ("START", "END", "READY", "CORRID")
 
@@ -90,10 +91,10 @@ class TritonPythonModel:
             chunk = self.stream.push(state, mel[0], int(offset.reshape(-1)[0]), end=end)
         except (RequestError, StreamError) as exc:
             self.store.drop(corr_id)  # a broken stream cannot continue seamlessly
-            return _error(f"{self.name}: {exc}", pb_utils.TritonError.INVALID_ARG)
+            return error_response(f"{self.name}: {exc}", pb_utils.TritonError.INVALID_ARG)
         except Exception as exc:  # a failed network call: this sequence is lost, the others go on
             self.store.drop(corr_id)
-            return _error(f"{self.name}: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+            return error_response(f"{self.name}: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
         if end:
             self.store.drop(corr_id)
         return pb_utils.InferenceResponse(output_tensors=[
@@ -107,11 +108,3 @@ class TritonPythonModel:
 
     def finalize(self):
         self.stream = self.store = None
-
-
-def _error(message: str, code):
-    try:
-        error = pb_utils.TritonError(message, code)
-    except TypeError:  # older stubs take the message only
-        error = pb_utils.TritonError(message)
-    return pb_utils.InferenceResponse(output_tensors=[], error=error)

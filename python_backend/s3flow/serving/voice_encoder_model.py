@@ -19,6 +19,7 @@ from s3flow.protocol import Limits, RequestError
 from s3flow.voice import VoiceFrontend
 from s3flow.voice.registry import VoiceRegistry, default_dir
 from s3flow.voice.service import VoiceService
+from s3flow.serving.responses import error_response
 
 INPUTS = ("wav", "sample_rate", "prompt_tokens", "prompt_mel", "speaker_embedding", "list_voices")
 
@@ -54,19 +55,11 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(
                     output_tensors=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in out.items()]))
             except RequestError as exc:
-                responses.append(_error(f"{self.name}: {exc}", pb_utils.TritonError.INVALID_ARG))
+                responses.append(error_response(f"{self.name}: {exc}", pb_utils.TritonError.INVALID_ARG))
             except Exception as exc:  # one failing request must not fail the others
-                responses.append(_error(f"{self.name}: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL))
+                responses.append(error_response(f"{self.name}: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL))
         return responses
 
     def finalize(self):
         if self.owns_folder:  # voices of this server run survive nothing
             shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _error(message: str, code):
-    try:
-        error = pb_utils.TritonError(message, code)
-    except TypeError:  # older stubs take the message only
-        error = pb_utils.TritonError(message)
-    return pb_utils.InferenceResponse(output_tensors=[], error=error)
