@@ -77,10 +77,10 @@ def heldout_doc():
 
 
 def test_model_inputs_come_from_the_generated_config(inputs):
-    from s3flow.protocol import INPUT_DTYPES, START_ONLY
+    from s3flow.protocol import INPUT_DTYPES, START_ONLY, VOICE_ID
 
-    assert set(inputs) == set(INPUT_DTYPES)
-    assert not inputs["speech_tokens"].optional and all(inputs[n].optional for n in START_ONLY)
+    assert set(inputs) == set(INPUT_DTYPES) | {VOICE_ID}
+    assert not inputs["speech_tokens"].optional and all(inputs[n].optional for n in (*START_ONLY, VOICE_ID))
     assert inputs["prompt_mel"].dims == (-1, 80) and inputs["speech_tokens"].datatype == "INT64"
 
 

@@ -226,8 +226,24 @@ class Run:
         try:
             conn.send(self.c.model, s.tensors(), f"{s.corr_id}:{i}", s.corr_id, i == 0, i == len(s.sizes) - 1,
                       self.outputs)
-        except InferenceServerException as exc:
-            self.broken(conn, str(exc))
+        except InferenceServerException as exc:  # the stream is gone; its cause comes through the callback
+            self.broken(conn, self.cause(conn) or str(exc))
+
+    def cause(self, conn: _Conn, wait_s: float = 0.5) -> Optional[str]:
+        """The error that broke conn's stream, from the events (the others stay queued in order)."""
+        kept, found, until = [], None, time.perf_counter() + wait_s
+        while found is None and time.perf_counter() < until:
+            try:
+                event = self.events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if event[0] == conn.id and event[1] is None and event[2] is not None:
+                found = str(event[2])
+            else:
+                kept.append(event)
+        for event in kept:
+            self.events.put(event)
+        return found
 
     def end_sequence(self, s: _Stream) -> None:
         """Give up this attempt's sequence: its answers are ignored; an empty END frees its server slot."""

@@ -21,12 +21,12 @@ from torch.utils import dlpack
 
 from s3flow.drain import draining_probe
 from s3flow.metrics import FAMILIES, LIVE, SolverBook
-from s3flow.warmup import warm_up_solver
-from s3flow.serving.heap import trim_heap
 from s3flow.protocol import INPUT_DTYPES, VOICE_ID, Limits
+from s3flow.serving.heap import trim_heap
+from s3flow.serving.responses import error_response
 from s3flow.session import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, Incoming, ModelCallError, SolverSession
 from s3flow.streaming import StreamingEngine
-from s3flow.serving.responses import error_response
+from s3flow.warmup import warm_up_solver
 
 CONTROLS = ("START", "END", "READY", "CORRID")
 
@@ -55,7 +55,7 @@ class BlsModel:
             model_name=self.model_name, requested_output_names=self.outputs,
             inputs=[_to_triton(k, v) for k, v in inputs.items()], **self.memory)
         response = request.exec()
-        if response.haserror_response():
+        if response.has_error():
             raise ModelCallError(f"model '{self.model_name}' failed: {response.error().message()}")
         out = []
         for name in self.outputs:
