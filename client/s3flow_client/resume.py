@@ -48,6 +48,7 @@ SAMPLES_PER_FRAME = 480                # 24 kHz audio from token2wav
 #: gRPC metadata naming the stream's first sequence id: a load balancer hashing on it (docker/k8s/) keeps
 #: every chunk of the stream's utterances on one server, which sequence batching requires.
 SEQUENCE_HEADER = "x-sequence-id"
+PROBE_S = 2.0                          # liveness probe of an address whose stream broke
 _corr_ids = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
 _DTYPES = {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32", np.object_: "BYTES"}
 
@@ -158,25 +159,26 @@ class _Stream:
                                  f"splicing two different syntheses")
         return got.take(range(n, got.shape[axis]), axis=axis)
 
-    def accept(self, mel: np.ndarray, offset: int) -> None:
+    def accept(self, mel: np.ndarray, offset: int, new_chunk: bool) -> None:
+        """A response's frames: those delivered already are checked; a new chunk's part is kept (even empty)."""
         if offset != self.server_frames:
             raise ValueError(f"sequence {self.corr_id}: frame offset {offset} does not continue the "
                              f"{self.server_frames} frames received (gap or duplicate)")
         self.server_frames += mel.shape[1]
         new = self._merge(mel, offset, self.frames, self.parts, 1, "frames")
         self.replayed_frames += mel.shape[1] - new.shape[1]
-        if new.shape[1]:
+        if new_chunk or new.shape[1]:
             self.parts.append(new)
             self.frames += new.shape[1]
 
-    def accept_audio(self, audio: np.ndarray, offset: int, now: float) -> np.ndarray:
+    def accept_audio(self, audio: np.ndarray, offset: int, now: float, new_chunk: bool) -> np.ndarray:
         """Returns the newly delivered samples."""
         if offset != self.server_samples:
             raise ValueError(f"sequence {self.corr_id}: sample offset {offset} does not continue the "
                              f"{self.server_samples} samples received (gap or duplicate)")
         self.server_samples += audio.size
         new = self._merge(audio, offset, self.samples, self.audio_parts, 0, "samples")
-        if new.size:
+        if new_chunk or new.size:
             self.audio_parts.append(new)
             self.samples += new.size
             if self.first_audio_at != self.first_audio_at:
@@ -194,6 +196,7 @@ class Run:
         self.retired: set[int] = set()                 # ids of attempts given up: their answers are ignored
         self.cleanups: set[str] = set()                # END requests of those, not yet answered
         self.conns: dict[int, _Conn] = {}
+        self.suspect: set[str] = set()                 # addresses whose stream broke
         self.events: queue.Queue = queue.Queue()
         self.due: list[tuple[float, _Stream]] = []     # sends scheduled for later (back-off)
         self.outputs = ["mel", "frame_offset"] + (["audio", "sample_offset"] if client.audio else [])
@@ -214,12 +217,33 @@ class Run:
         if not conn.alive:
             return
         conn.close()
+        self.suspect.add(conn.url)
         for s in self.streams:
             if not s.done and s.conn is conn:
                 self.resume(s, f"stream to {conn.url} broke: {why}")
 
     # -- sending ------------------------------------------------------------------------------------
+    def answers(self, url: str) -> Optional[str]:
+        """A server whose stream broke is asked whether it is live before a stream is opened to it again: a
+        stream to an address that does not answer can take until its deadline to fail (gRPC's reconnect
+        back-off), a liveness call fails within PROBE_S. Returns None if it answers live, else why not."""
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            why = None if client.is_server_live(client_timeout=PROBE_S) else "it says it is not live"
+        except InferenceServerException as exc:
+            why = str(exc)
+        finally:
+            client.close()
+        if why is None:
+            self.suspect.discard(url)
+        return why
+
     def send(self, s: _Stream) -> None:
+        url = self.c.urls[s.url_i]
+        why = self.answers(url) if url in self.suspect else None
+        if why is not None:
+            self.resume(s, f"the server at {url} does not answer: {why}")
+            return
         conn = s.conn = self.conn_for(s)
         i = s.next_chunk
         s.sent_at = time.perf_counter()
@@ -333,17 +357,18 @@ class Run:
         s = self.by_id.get(cid)
         if s is None or s.done or cid != s.corr_id:
             return  # an answer for an attempt given up
+        fresh = i >= s.answered  # a chunk never answered before, not a replayed one
         try:
-            s.accept(result.as_numpy("mel")[0], int(result.as_numpy("frame_offset").reshape(-1)[0]))
+            s.accept(result.as_numpy("mel")[0], int(result.as_numpy("frame_offset").reshape(-1)[0]), fresh)
             if self.c.audio:
                 new = s.accept_audio(result.as_numpy("audio").reshape(-1),
-                                     int(result.as_numpy("sample_offset").reshape(-1)[0]), now)
+                                     int(result.as_numpy("sample_offset").reshape(-1)[0]), now, fresh)
                 if self.on_audio and new.size:
                     self.on_audio(s.index, new)
         except ValueError as exc:
             self.fail(s, str(exc))
             return
-        if i >= s.answered:  # a new chunk, not a replayed one
+        if fresh:
             s.latencies.append(now - s.sent_at)
             s.answered = i + 1
             if self.progress:
@@ -369,6 +394,8 @@ class Run:
                     self.due.remove(item)
                     if not item[1].done:
                         self.send(item[1])
+                if all(s.done for s in self.streams):
+                    break  # the sends above may have settled the last utterances (given up)
                 wait = self.deadline - now
                 if self.c.response_timeout_s is not None and not self.due:
                     wait = min(wait, last_event + self.c.response_timeout_s - now)
