@@ -531,6 +531,7 @@ class TritonServer:
                 client = self.client()
                 try:
                     if client.is_server_live(client_timeout=2.0) and client.is_server_ready(client_timeout=2.0):
+                        self._wait_metrics_port(start + timeout)
                         return time.monotonic() - start
                 except InferenceServerException:
                     pass
@@ -543,6 +544,13 @@ class TritonServer:
                     f"{_log_tail(self.log_file)}"
                 )
             time.sleep(0.1)
+
+    def _wait_metrics_port(self, until: float) -> None:
+        """Triton opens its metrics port a moment after it reports ready: wait for it (bounded)."""
+        if "--allow-metrics=false" in self.extra_args:
+            return
+        while not _port_open(self.host, self.metrics_port) and time.monotonic() < until:
+            time.sleep(0.05)
 
     def _retry_on_port_clash(self) -> bool:
         """Restart with new ports if another process took an auto-chosen port first."""
