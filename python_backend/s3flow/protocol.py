@@ -45,7 +45,6 @@ INPUT_DTYPES = {
 #: Optional START input naming a registered voice instead of the three prompt tensors (BYTES, s3flow.voice.registry).
 VOICE_ID = "voice_id"
 START_ONLY = ("prompt_tokens", "prompt_mel", "speaker_embedding", "n_timesteps", "guidance_rate", "seed")
-OUTPUTS = ("mel", "frame_offset")
 
 
 class RequestError(ValueError):
