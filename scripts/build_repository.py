@@ -9,7 +9,8 @@ Examples::
     # seeded random weights in the checkpoint's exact layout, small config, 4 solver instances
     .venv/bin/python scripts/build_repository.py --size small --seed 0 --solver-instances 4
 
-    # configs for a GPU host (TensorRT plans are built there by scripts/build_engines.py)
+    # configs for a GPU host (TensorRT plans are built there by scripts/build_engines.py; the vocoder runs
+    # HiFT in torch on the GPU, --vocoder-backend onnx keeps it in ONNX Runtime on the CPU)
     .venv/bin/python scripts/build_repository.py --target gpu
 
     # a GPU host without TensorRT: the estimator and encoder as torch on CUDA (bf16 autocast)
@@ -53,6 +54,9 @@ def parse_args(argv=None):
                    help="write token2wav and the vocoder (default: on)")
     v.add_argument("--vocoder-checkpoint", type=Path, help="file with the mel2wav.* tensors (default: "
                    "--checkpoint; seeded random weights when neither is given)")
+    v.add_argument("--vocoder-backend", choices=["auto", "onnx", "torch"], default="auto",
+                   help="how the vocoder model runs HiFT: onnx (ONNX Runtime, CPU) or torch (on the GPU for "
+                        "--target gpu, else the CPU); auto: torch for --target gpu, onnx for cpu (default: %(default)s)")
     v.add_argument("--vocoder-lookahead-frames", type=int, default=StreamSettings().lookahead_frames,
                    help="mel frames of audio held back for the right context; 20 streams exactly, fewer "
                         "lowers latency (default: %(default)s)")
@@ -112,6 +116,7 @@ def main(argv=None) -> int:
                         solver_instances=args.solver_instances, estimator_instances=args.estimator_instances)
     settings = RepositorySettings(target=args.target, limits=limits, batching=batching, ort_threads=args.ort_threads,
                                   gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype,
+                                  vocoder_backend=args.vocoder_backend,
                                   voices=VoiceSettings(args.voice_dir, args.max_voices, args.max_voice_bytes))
     voice_ckpt = None
     if args.voice:
@@ -159,7 +164,7 @@ def main(argv=None) -> int:
         if not (err_e < 1e-3 and err_c < 1e-3):
             print("ONNX check FAILED", file=sys.stderr)
             return 1
-        if hift is not None:
+        if hift is not None and (args.output / "vocoder" / "1" / "f0.onnx").is_file():  # torch backend: no graphs
             from s3flow.vocoder import check_vocoder_onnx
             err = check_vocoder_onnx(hift, args.output / "vocoder" / "1")
             print(f"ONNX Runtime vs torch, vocoder: audio {err['audio']:.2e} (rms {err['audio_rms']:.2e}), "

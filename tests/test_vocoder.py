@@ -275,6 +275,83 @@ def test_streamed_equals_offline_in_process(name):
     assert report["seam_jump"] <= report["jump_elsewhere"]
 
 
+def _repository_runners(tmp_path, hift):
+    """The served vocoder's two runners, each opened from a version folder the repository writer made
+    (``vocoder_backend`` onnx and torch, cpu target, so the torch one runs on the CPU)."""
+    from s3flow.repository import RepositorySettings, write_vocoder_models
+    from s3flow.vocoder import VocoderRunnerSettings, open_vocoder_runner
+
+    runners = {}
+    for backend in ("onnx", "torch"):
+        out = tmp_path / backend
+        write_vocoder_models(out, hift, 80, RepositorySettings(vocoder_backend=backend))
+        params = {"vocoder_backend": backend, "intra_op_threads": "1"}
+        runners[backend] = open_vocoder_runner(out / "vocoder" / "1", VocoderRunnerSettings.from_args(params))
+    return runners
+
+
+def test_torch_backend_streams_like_the_onnx_backend_and_like_offline(tmp_path):
+    """The gpu target's runner (torch, here on the CPU) behind the same VocoderStream as ONNX Runtime: the
+    same audio, streamed or not, and streamed equal to its own offline vocoding."""
+    hift = small_vocoder()
+    runners = _repository_runners(tmp_path, hift)
+    assert isinstance(runners["onnx"], OnnxVocoder) and isinstance(runners["torch"], TorchVocoder)
+    assert runners["torch"].device.type == "cpu"
+    mel = stand_in_mel(FRAMES, seed=6)
+    sizes = SCHEDULES["uneven"]
+    audio = {b: stream_in_process(r, hift, mel, sizes, seed=4)[0] for b, r in runners.items()}
+    offline = {b: offline_vocode(r.f0, r.decode, mel, hift.source_params, seed=4) for b, r in runners.items()}
+    f0 = {b: r.f0(mel[None]) for b, r in runners.items()}
+    figures = {"torch streamed vs torch offline": np.abs(audio["torch"] - offline["torch"]).max(),
+               "torch streamed vs onnx streamed": np.abs(audio["torch"] - audio["onnx"]).max(),
+               "torch offline vs onnx offline": np.abs(offline["torch"] - offline["onnx"]).max(),
+               "torch offline vs vocode()": np.abs(offline["torch"] - torch_vocode(mel, seed=4)).max(),
+               "f0 Hz torch vs onnx": np.abs(f0["torch"] - f0["onnx"]).max()}
+    print("\n" + "; ".join(f"{k} {v:.1e}" for k, v in figures.items()) + f" (signal std {offline['onnx'].std():.3f})")
+    assert audio["torch"].shape == audio["onnx"].shape == (HOP_SAMPLES * FRAMES,)
+    assert figures["torch streamed vs torch offline"] < STREAM_TOL
+    assert figures["torch offline vs vocode()"] == 0, "the served torch runner is the offline vocoder's code"
+    assert figures["torch streamed vs onnx streamed"] < 1e-5 and figures["torch offline vs onnx offline"] < 1e-5
+    assert figures["f0 Hz torch vs onnx"] < 1e-9
+    assert offline["onnx"].std() > 1e-2, "a comparison of silence would prove nothing"
+
+
+def test_vocoder_runner_settings():
+    from s3flow.vocoder import VocoderRunnerSettings, open_vocoder_runner, vocoder_backend_for
+
+    s = VocoderRunnerSettings.from_args({"vocoder_backend": "torch", "intra_op_threads": "2"}, "GPU", "1")
+    assert (s.backend, s.device, s.threads) == ("torch", "cuda:1", 2)
+    assert VocoderRunnerSettings.from_args({}, "CPU") == VocoderRunnerSettings("onnx", "cpu", 0)
+    assert VocoderRunnerSettings.from_args({"vocoder_backend": "TORCH"}, "MODEL").device == "cpu"
+    with pytest.raises(ValueError, match="vocoder_backend must be one of .* got 'tensorrt'"):
+        VocoderRunnerSettings.from_args({"vocoder_backend": "tensorrt"})
+    with pytest.raises(ValueError, match="ONNX Runtime on the CPU"):
+        VocoderRunnerSettings.from_args({"vocoder_backend": "onnx"}, "GPU")
+    with pytest.raises(ValueError, match="intra_op_threads must be an integer, got 'x'"):
+        VocoderRunnerSettings.from_args({"intra_op_threads": "x"})
+    assert [vocoder_backend_for(t) for t in ("cpu", "gpu")] == ["onnx", "torch"]
+    assert vocoder_backend_for("gpu", "onnx") == "onnx"
+    with pytest.raises(ValueError, match="got 'cuda'"):
+        vocoder_backend_for("gpu", "cuda")
+    with pytest.raises(FileNotFoundError, match="hift.safetensors"):
+        open_vocoder_runner("/nonexistent", VocoderRunnerSettings("torch", "cpu"))
+    if not torch.cuda.is_available():  # CI: the GPU path refuses clearly instead of failing on first use
+        with pytest.raises((RuntimeError, FileNotFoundError)):
+            open_vocoder_runner("/nonexistent", VocoderRunnerSettings("torch", "cuda:0"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.py covers it on GPU hosts)")
+def test_torch_runner_on_cuda_matches_the_cpu():
+    hift = small_vocoder()
+    cpu, gpu = small_runner(), TorchVocoder(hift, "cuda")
+    mel = stand_in_mel(FRAMES, seed=2)
+    ref = offline_vocode(cpu.f0, cpu.decode, mel, hift.source_params, seed=1)
+    np.testing.assert_allclose(offline_vocode(gpu.f0, gpu.decode, mel, hift.source_params, seed=1), ref, atol=1e-5, rtol=0)
+    audio = stream_in_process(gpu, hift, mel, SCHEDULES["uneven"], seed=1)[0]
+    np.testing.assert_allclose(audio, offline_vocode(gpu.f0, gpu.decode, mel, hift.source_params, seed=1),
+                               atol=1e-5, rtol=0)
+
+
 def test_seams_of_stateless_chunks_are_caught():
     """The seam check can fail: vocoding each chunk alone (no context, no carried phase) breaks it."""
     hift = small_vocoder()

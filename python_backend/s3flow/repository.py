@@ -10,8 +10,8 @@ Layout written (``config.pbtxt`` is the contract; the models check it in ``initi
 Given a vocoder (``write_repository(..., vocoder=hift)``) it also writes::
 
     token2wav/     ensemble: cfm_solver -> vocoder; outputs audio + sample_offset (and mel + frame_offset)
-    vocoder/       python backend, sequence batching: per-utterance HiFT state (s3flow.vocoder_stream),
-                   f0.onnx and decoder.onnx in ONNX Runtime (CPU, on both targets)
+    vocoder/       python backend, sequence batching: per-utterance HiFT state (s3flow.vocoder_stream);
+                   cpu: f0.onnx and decoder.onnx in ONNX Runtime; gpu: torch on CUDA (hift.safetensors)
 
 On the gpu target every instance group is ``KIND_GPU``; ``gpu_backend="torch"`` serves the two stateless
 models with ``s3flow.serving.torch_model`` (torch on CUDA, ``model.pt``) where no TensorRT engine is built.
@@ -93,6 +93,7 @@ class RepositorySettings:
     gpu_backend: Literal["tensorrt", "torch"] = "tensorrt"  # gpu target: TensorRT plans or torch on CUDA
     torch_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"   # gpu_backend torch: the estimator's compute dtype
     warmup: bool = True                     # warm every model up at load (s3flow.warmup)
+    vocoder_backend: Literal["auto", "onnx", "torch"] = "auto"  # auto: torch on the GPU (gpu), onnx (cpu)
     voices: VoiceSettings = field(default_factory=VoiceSettings)
 
 
@@ -222,15 +223,18 @@ def vocoder_config(n_feats: int, s: RepositorySettings, stream, source) -> str:
     ins = [_tensor("mel", "TYPE_FP32", [n_feats, -1], ragged=True), _tensor("frame_offset", "TYPE_INT64", [1]),
            _tensor("seed", "TYPE_INT64", [1], optional=True)]
     outs = [_tensor("audio", "TYPE_FP32", [-1]), _tensor("sample_offset", "TYPE_INT64", [1])]
-    params = [_param("n_feats", n_feats), _param("intra_op_threads", s.ort_threads),
-              _param("warmup", str(s.warmup).lower())]
+    from .vocoder import vocoder_backend_for
+    backend = vocoder_backend_for(s.target, s.vocoder_backend)   # torch on the gpu target: HiFT on the GPU
+    kind = "KIND_GPU" if backend == "torch" and s.target == "gpu" else "KIND_CPU"
+    params = [_param("n_feats", n_feats), _param("vocoder_backend", backend),
+              _param("intra_op_threads", s.ort_threads), _param("warmup", str(s.warmup).lower())]
     params += [_param(f.name, getattr(stream, f.name)) for f in dataclasses.fields(stream)]
     params += [_param(f.name, getattr(source, f.name)) for f in dataclasses.fields(source)]
     return (f'name: "vocoder"\nbackend: "python"\nmax_batch_size: {b.max_batch_size}\n'
             f"sequence_batching {{\n  max_sequence_idle_microseconds: {int(stream.idle_timeout_s * 1e6)}\n"
             f"{strategy}{SEQUENCE_CONTROLS}}}\n"
             + _block("input", ins) + _block("output", outs)
-            + "instance_group [ { count: 1 kind: KIND_CPU } ]\n" + _block("parameters", params))
+            + f"instance_group [ {{ count: 1 kind: {kind} }} ]\n" + _block("parameters", params))
 
 
 def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> str:
@@ -251,15 +255,17 @@ def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> str:
 
 def write_vocoder_models(out: Path, vocoder, n_feats: int, s: RepositorySettings, stream_settings=None,
                          opset: int = 17) -> list:
-    """Write ``token2wav`` and ``vocoder`` (configs, model.py, the two ONNX graphs); return the files.
+    """Write ``token2wav`` and ``vocoder`` (configs, model.py, and the weights: the two ONNX graphs for the
+    onnx backend, ``hift.safetensors`` for the torch one); return the files.
 
     The vocoder's idle timeout, live-sequence cap and utterance length follow the solver's limits.
     """
-    from .vocoder import export_vocoder
+    from .vocoder import VOCODER_WEIGHTS_FILE, export_vocoder, vocoder_backend_for, write_vocoder_checkpoint
     from .vocoder_stream import StreamSettings
 
     if vocoder.config.in_channels != n_feats:
         raise ValueError(f"the vocoder takes {vocoder.config.in_channels} mel bins, the flow makes {n_feats}")
+    backend = vocoder_backend_for(s.target, s.vocoder_backend)   # a bad name fails before anything is written
     stream = dataclasses.replace(stream_settings or StreamSettings(), idle_timeout_s=s.limits.idle_timeout_s,
                                  max_live_sequences=s.limits.max_live_sequences,
                                  max_utterance_frames=s.limits.max_utterance_frames)
@@ -273,6 +279,8 @@ def write_vocoder_models(out: Path, vocoder, n_feats: int, s: RepositorySettings
     files[1].write_text(vocoder_config(n_feats, s, stream, vocoder.config.source_params()))
     files[2].write_text(MODEL_PY["vocoder"])
     (out / "token2wav" / "1" / ".keep").write_text("")
+    if backend == "torch":
+        return files + [write_vocoder_checkpoint(vocoder, out / "vocoder" / "1" / VOCODER_WEIGHTS_FILE)]
     return files + list(export_vocoder(vocoder, out / "vocoder" / "1", opset=opset))
 
 

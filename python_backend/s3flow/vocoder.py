@@ -19,7 +19,9 @@ TorchScript ONNX exporter has no ``istft``), checked against ``torch.stft`` / ``
 
 For serving the vocoder is two stateless graphs (``export_vocoder``): ``f0`` (mel -> F0) and ``decoder``
 (mel, harmonics -> audio); the excitation between them, which carries the phase from chunk to chunk, is
-numpy (``s3flow.vocoder_stream``).
+numpy (``s3flow.vocoder_stream``). The served ``vocoder`` runs them either as those graphs in ONNX Runtime
+on the CPU (``OnnxVocoder``) or as this module in torch (``TorchVocoder``, CPU or CUDA, weights in
+``hift.safetensors``): ``vocoder_backend`` ``onnx`` | ``torch``, ``open_vocoder_runner``.
 
 Example::
 
@@ -29,6 +31,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -383,21 +386,112 @@ def upstream_harmonics(f0: torch.Tensor, params: SourceParams, initial_phase: Op
 
 
 class TorchVocoder:
-    """The two callables ``VocoderStream`` runs, over a torch HiFTGenerator (numpy in, numpy out)."""
+    """The two callables ``VocoderStream`` runs, over a torch HiFTGenerator (numpy in, numpy out).
 
-    def __init__(self, hift: HiFTGenerator):
-        self.hift = hift.folded()
-        self.f0_float64 = F0Float64(self.hift.f0_predictor).eval()
+    ``device`` ``cpu`` or ``cuda[:N]``: weights folded and moved there, fp32 (F0 in float64, see
+    ``F0Float64``). On CUDA, TF32 is off during the calls (cuDNN enables it for convolutions by default, which
+    would round the decoder to 10 mantissa bits), so the GPU runs the same arithmetic as the CPU and as
+    ONNX Runtime, up to summation order.
+    """
+
+    def __init__(self, hift: HiFTGenerator, device: Union[str, torch.device] = "cpu"):
+        self.device = torch.device(device)
+        folded = hift.folded()
+        self.f0_float64 = F0Float64(folded.f0_predictor).eval().to(self.device)
+        self.hift = folded.to(self.device)
+
+    @contextlib.contextmanager
+    def _fp32(self):
+        if self.device.type != "cuda":
+            yield
+            return
+        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(self.device)
 
     def f0(self, mel: np.ndarray) -> np.ndarray:
         """mel (B, C, T) float32 -> (B, T) float64 Hz."""
-        with torch.inference_mode():
-            return self.f0_float64(torch.from_numpy(np.ascontiguousarray(mel, np.float32))).numpy()
+        with torch.inference_mode(), self._fp32():
+            return self.f0_float64(self._tensor(mel)).cpu().numpy()
 
     def decode(self, mel: np.ndarray, harmonics: np.ndarray) -> np.ndarray:
-        with torch.inference_mode():
-            return self.hift(torch.from_numpy(np.ascontiguousarray(mel)),
-                             torch.from_numpy(np.ascontiguousarray(harmonics))).numpy()
+        """mel (B, C, T), harmonics (B, H + 1, 480 T) float32 -> audio (B, 480 T) float32."""
+        with torch.inference_mode(), self._fp32():
+            return self.hift(self._tensor(mel), self._tensor(harmonics)).cpu().numpy()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The served vocoder's runner: ONNX Runtime (CPU) or torch (CPU or CUDA), chosen by config
+
+#: ``vocoder_backend`` values; ``auto`` resolves by target: torch on GPU hosts, onnx on CPU hosts.
+VOCODER_BACKENDS = ("onnx", "torch")
+#: The torch backend's weights in the model's version folder (``write_vocoder_checkpoint``'s format).
+VOCODER_WEIGHTS_FILE = "hift.safetensors"
+
+
+def vocoder_backend_for(target: str, requested: str = "auto") -> str:
+    """The backend a repository of ``target`` (cpu | gpu) serves: ``requested``, or for ``auto`` torch on
+    the gpu target (the GPU runs HiFT) and onnx on the cpu target."""
+    if requested == "auto":
+        return "torch" if target == "gpu" else "onnx"
+    if requested not in VOCODER_BACKENDS:
+        raise ValueError(f"vocoder_backend must be 'auto' or one of {VOCODER_BACKENDS}, got {requested!r}")
+    return requested
+
+
+@dataclass(frozen=True)
+class VocoderRunnerSettings:
+    """How the ``vocoder`` model runs its two networks: the ``vocoder_backend`` and ``intra_op_threads``
+    config parameters and the instance's placement (``KIND_GPU`` -> ``cuda:<device id>``)."""
+    backend: str = "onnx"
+    device: str = "cpu"
+    threads: int = 0                    # ONNX Runtime intra-op / torch CPU threads; 0: the library's default
+
+    @classmethod
+    def from_args(cls, params: dict, instance_kind: str = "CPU", device_id: Union[int, str] = 0
+                  ) -> "VocoderRunnerSettings":
+        backend = (params.get("vocoder_backend") or "onnx").lower()
+        if backend not in VOCODER_BACKENDS:
+            raise ValueError(f"parameter vocoder_backend must be one of {VOCODER_BACKENDS}, got {backend!r}")
+        try:
+            threads = int(params.get("intra_op_threads") or 0)
+        except ValueError:
+            raise ValueError(f"parameter intra_op_threads must be an integer, "
+                             f"got {params.get('intra_op_threads')!r}") from None
+        kind = (instance_kind or "CPU").upper()
+        if kind == "GPU":
+            device = f"cuda:{int(device_id)}"
+        elif kind in ("CPU", "MODEL"):
+            device = "cpu"
+        else:
+            raise ValueError(f"instance kind must be KIND_GPU or KIND_CPU, got {instance_kind!r}")
+        if backend == "onnx" and device != "cpu":
+            raise ValueError("vocoder_backend onnx runs ONNX Runtime on the CPU: give it a KIND_CPU instance "
+                             "group, or use vocoder_backend torch on the GPU")
+        return cls(backend=backend, device=device, threads=threads)
+
+
+def open_vocoder_runner(directory: Union[str, Path], settings: VocoderRunnerSettings):
+    """The ``f0`` / ``decode`` callables over a model version folder: ``f0.onnx`` + ``decoder.onnx``
+    (onnx) or ``hift.safetensors`` (torch, on ``settings.device``)."""
+    if settings.backend == "onnx":
+        return OnnxVocoder(directory, threads=settings.threads)
+    if settings.backend != "torch":
+        raise ValueError(f"vocoder backend must be one of {VOCODER_BACKENDS}, got {settings.backend!r}")
+    path = Path(directory) / VOCODER_WEIGHTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"vocoder weights not found: {path}")
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"vocoder device {settings.device} but torch sees no CUDA device")
+    if settings.device == "cpu" and settings.threads:
+        torch.set_num_threads(settings.threads)
+    return TorchVocoder(load_vocoder(path), settings.device)
 
 
 def vocode(hift: HiFTGenerator, mel, seed: int = 0, fade: bool = True) -> np.ndarray:
@@ -573,7 +667,8 @@ def check_vocoder_onnx(hift: HiFTGenerator, out_dir: Union[str, Path], frames: i
             "audio_rms": float(np.sqrt(np.mean(a_ref ** 2)))}
 
 
-__all__ = ["VocoderConfig", "HiFTGenerator", "TorchVocoder", "OnnxVocoder", "vocode", "random_vocoder",
+__all__ = ["VocoderConfig", "HiFTGenerator", "TorchVocoder", "OnnxVocoder", "VocoderRunnerSettings",
+           "open_vocoder_runner", "vocoder_backend_for", "VOCODER_BACKENDS", "VOCODER_WEIGHTS_FILE", "vocode", "random_vocoder",
            "load_vocoder", "write_vocoder_checkpoint", "write_random_vocoder_checkpoint", "export_vocoder",
            "upstream_harmonics",
            "check_vocoder_onnx", "trim_fade", "apply_trim_fade", "VOCODER_PREFIX"]

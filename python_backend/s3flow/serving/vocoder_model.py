@@ -2,8 +2,10 @@
 
 Sequence batching routes every chunk of an utterance (one correlation id) here, after ``cfm_solver`` in
 the ``token2wav`` ensemble; the control inputs START / END / READY / CORRID arrive as tensors. The two
-networks (``<version>/f0.onnx``, ``<version>/decoder.onnx``) run in ONNX Runtime in this process; the
-excitation, the state and the seams are ``s3flow.vocoder_stream``'s. Inputs: ``mel`` [1, n_feats, F] the
+networks run in this process, as the ``vocoder_backend`` parameter says: ``onnx`` (``<version>/f0.onnx``,
+``<version>/decoder.onnx`` in ONNX Runtime, KIND_CPU) or ``torch`` (``<version>/hift.safetensors``, on
+``cuda:<device id>`` for a KIND_GPU instance, else the CPU); the excitation, the state and the seams are
+``s3flow.vocoder_stream``'s, the same for both. Inputs: ``mel`` [1, n_feats, F] the
 newly final frames, ``frame_offset`` [1, 1], ``seed`` [1, 1] (START, optional: the source noise's seed).
 Outputs: ``audio`` [1, S] the newly final samples and ``sample_offset`` [1, 1] the index of the first.
 """
@@ -18,7 +20,8 @@ import triton_python_backend_utils as pb_utils
 from s3flow.protocol import RequestError
 from s3flow.streaming import SequenceStore
 from s3flow.warmup import warm_up_vocoder
-from s3flow.vocoder_stream import OnnxVocoder, SourceParams, StreamError, StreamSettings, VocoderStream
+from s3flow.vocoder import VocoderRunnerSettings, open_vocoder_runner
+from s3flow.vocoder_stream import SourceParams, StreamError, StreamSettings, VocoderStream
 from s3flow.serving.responses import error_response
 
 CONTROLS = ("START", "END", "READY", "CORRID")
@@ -41,7 +44,8 @@ class TritonPythonModel:
             self.settings = StreamSettings.from_parameters(params)
             self.source = source_params_from(params)
             self.n_feats = int(params["n_feats"])
-            threads = int(params.get("intra_op_threads", "0") or 0)
+            runner_settings = VocoderRunnerSettings.from_args(params, args.get("model_instance_kind", "CPU"),
+                                                              args.get("model_instance_device_id", 0))
         except (KeyError, ValueError) as exc:
             raise pb_utils.TritonModelException(f"{self.name}: bad config parameters: {exc}") from None
         if "sequence_batching" not in config:
@@ -54,12 +58,13 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"{self.name}: max_batch_size must be >= 1")
         directory = os.path.join(args["model_repository"], args["model_version"])
         try:
-            runner = OnnxVocoder(directory, threads=threads)
-        except FileNotFoundError as exc:
+            runner = open_vocoder_runner(directory, runner_settings)
+        except (FileNotFoundError, RuntimeError) as exc:
             raise pb_utils.TritonModelException(f"{self.name}: {exc}") from None
         self.stream = VocoderStream(runner.f0, runner.decode, self.source, self.settings, n_feats=self.n_feats)
         self.store = SequenceStore(self.settings)   # idle_timeout_s, max_live_sequences
         self.logger = pb_utils.Logger
+        self.logger.log_info(f"{self.name}: HiFT in {runner_settings.backend} on {runner_settings.device}")
         if params.get("warmup", "true").lower() != "false":  # s3flow.warmup: a throw-away state, no store entry
             self.logger.log_info(warm_up_vocoder(self.stream).describe())
 
