@@ -533,6 +533,42 @@ def test_served_streams_at_once_keep_their_own_state(served):
         np.testing.assert_allclose(got.audio, onnx_vocode(onnx, hift, got.mel, u.seed), atol=SERVED_TOL, rtol=0)
 
 
+@pytest.mark.server
+def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_path):
+    """token2wav with ``vocoder_backend torch`` (the gpu target's runner; here KIND_CPU, device cpu) on its
+    own server, against the ONNX-backed server of the module: same flow, same vocoder weights, same stream."""
+    from s3flow.repository import Batching, RepositorySettings, write_repository
+    from s3flow.triton_server import TritonServer
+    from s3flow.vocoder import VocoderRunnerSettings, open_vocoder_runner
+    from s3flow_client import StreamingClient, chunk_schedule
+    from s3flow_client.demo import demo_utterance
+
+    onnx_server, flow, hift, onnx = served
+    settings = RepositorySettings(limits=LIMITS, batching=Batching(max_queue_delay_us=20_000), ort_threads=1,
+                                  vocoder_backend="torch")
+    write_repository(tmp_path / "repo", flow, settings, vocoder=hift)
+    config = (tmp_path / "repo" / "vocoder" / "config.pbtxt").read_text()
+    assert 'key: "vocoder_backend" value: { string_value: "torch" }' in config and "kind: KIND_CPU" in config
+    assert not list((tmp_path / "repo" / "vocoder" / "1").glob("*.onnx"))
+    local = open_vocoder_runner(tmp_path / "repo" / "vocoder" / "1",
+                                VocoderRunnerSettings.from_args({"vocoder_backend": "torch"}))
+    u = demo_utterance(2.0, seed=21, noise_seed=6)
+    u.chunks = chunk_schedule(len(u.speech_tokens), 8, 2.0, 40)
+    with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log") as server:
+        [got] = StreamingClient(server.grpc_url, "token2wav").synthesize([u])
+    [ref] = StreamingClient(onnx_server.grpc_url, "token2wav").synthesize([u])
+    assert "HiFT in torch on cpu" in (tmp_path / "server.log").read_text()
+    frames = 2 * len(u.speech_tokens)
+    assert got.audio.shape == ref.audio.shape == (HOP_SAMPLES * frames,)
+    mel_diff = np.abs(got.mel - ref.mel).max()
+    vs_onnx = np.abs(got.audio - ref.audio).max()
+    vs_offline = np.abs(got.audio - offline_vocode(local.f0, local.decode, got.mel, hift.source_params, u.seed)).max()
+    print(f"\nserved token2wav, torch vocoder vs ONNX vocoder ({u.chunks} tokens): audio {vs_onnx:.1e} "
+          f"(mel {mel_diff:.1e}, std {ref.audio.std():.3f}); vs offline torch vocoding of its mel {vs_offline:.1e}")
+    assert mel_diff < 1e-5, "both servers run the same flow"
+    assert vs_onnx < 1e-5 and vs_offline < SERVED_TOL
+
+
 def vocoder_request(server, seq_id, start, end, mel, offset):
     inputs = []
     for name, value in (("mel", mel), ("frame_offset", np.array([[offset]], np.int64))):
