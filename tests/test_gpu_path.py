@@ -135,6 +135,43 @@ def test_bad_gpu_backend_is_refused(tmp_path):
         write_repository(tmp_path, small_flow(), RepositorySettings(target="gpu", gpu_backend="onnx"))
 
 
+def test_gpu_target_vocoder_runs_hift_in_torch_on_the_gpu(tmp_path):
+    """The vocoder of each target and vocoder_backend: instance kind, parameters and weight files."""
+    from s3flow.repository import write_vocoder_models
+    from s3flow.vocoder import VocoderConfig, VocoderRunnerSettings, load_vocoder, random_vocoder
+
+    hift = random_vocoder(VocoderConfig.small(), seed=2)
+    written, contracts = {}, set()
+    for target, backend in (("gpu", "auto"), ("gpu", "onnx"), ("cpu", "auto"), ("cpu", "torch")):
+        out = tmp_path / f"{target}_{backend}"
+        files = write_vocoder_models(out, hift, 80, RepositorySettings(target=target, limits=LIMITS,
+                                                                       vocoder_backend=backend))
+        config = (out / "vocoder" / "config.pbtxt").read_text()
+        kind = re.search(r"instance_group \[ \{ count: 1 kind: (\w+) \} \]", config).group(1)
+        params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', config))
+        names = sorted(f.name for f in (out / "vocoder" / "1").iterdir() if f.name != "__pycache__")
+        written[(target, backend)] = (kind, params["vocoder_backend"], names)
+        assert sorted(f.name for f in files if f.parent.name == "1") == names
+        # the model reads its placement from these: KIND_GPU -> cuda:<id>, the backend from the parameter
+        st = VocoderRunnerSettings.from_args(params, kind.replace("KIND_", ""), 0)
+        assert st.device == ("cuda:0" if kind == "KIND_GPU" else "cpu") and st.backend == params["vocoder_backend"]
+        contracts.add((_blocks(config), (out / "token2wav" / "config.pbtxt").read_text()))
+    assert written == {
+        ("gpu", "auto"): ("KIND_GPU", "torch", ["hift.safetensors", "model.py"]),
+        ("gpu", "onnx"): ("KIND_CPU", "onnx", ["decoder.onnx", "f0.onnx", "model.py"]),
+        ("cpu", "auto"): ("KIND_CPU", "onnx", ["decoder.onnx", "f0.onnx", "model.py"]),
+        ("cpu", "torch"): ("KIND_CPU", "torch", ["hift.safetensors", "model.py"]),
+    }
+    assert len(contracts) == 1, "the vocoder's tensors and token2wav are the same on every target and backend"
+    saved = load_vocoder(tmp_path / "gpu_auto" / "vocoder" / "1" / "hift.safetensors")
+    assert saved.config == hift.config
+    for k, v in hift.state_dict().items():
+        assert torch.equal(saved.state_dict()[k], v), k
+    with pytest.raises(ValueError, match="vocoder_backend must be"):
+        write_vocoder_models(tmp_path / "bad", hift, 80, RepositorySettings(target="gpu", vocoder_backend="trt"))
+    assert not (tmp_path / "bad").exists(), "a bad backend is refused before anything is written"
+
+
 # ---------------------------------------------------------------------------------------------------
 # engine names and profiles
 
