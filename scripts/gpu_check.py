@@ -20,16 +20,21 @@ What it does (full size: 50 prompt + 100 speech tokens, 2 s of audio per utteran
 6. TensorRT, when ``import tensorrt`` works (and onnx is there): ONNX export, fp32 and fp16 estimator
    engines and an fp32 encoder engine on a narrow profile, parity against torch fp32, timings, and the
    whole flow on the fp16 engine. Where TensorRT is missing it says so and builds nothing.
+7. token2wav with the vocoder on the device (HiFT in torch fp32, what the gpu target's ``vocoder`` model
+   runs): offline vocoding on the device vs the CPU, and the streaming engine feeding a ``VocoderStream``
+   chunk by chunk against offline vocoding of the streamed mel; time to first audio, RTF.
 
 Writes ``<out>/gpu_check.md`` and ``<out>/gpu_check.json``. Exit status 1 when a check failed (NaN, or an
 error above its bound, or a section raised), else 0. Bounds (relative L2 of the final mel against CPU
 fp32): fp32 1e-3, TF32 1e-2, fp16 2e-2, bf16 5e-2; streamed vs offline 1e-3; engines as
-``s3flow.tensorrt_build.PARITY_BOUNDS``.
+``s3flow.tensorrt_build.PARITY_BOUNDS``; vocoder (relative L2 of the audio) device vs CPU 1e-4, streamed vs
+offline on the device 1e-5.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -55,7 +60,7 @@ from s3flow.solver import FrameNoise  # noqa: E402
 from s3flow.streaming import StreamingEngine  # noqa: E402
 
 BOUNDS = {"fp32": 1e-3, "tf32": 1e-2, "fp16": 2e-2, "bf16": 5e-2, "trt-fp16": 2e-2, "trt-fp32": 1e-3,
-          "streamed": 1e-3}
+          "streamed": 1e-3, "vocoder": 1e-4, "vocoder-streamed": 1e-5}
 VOCAB = 6561
 
 
@@ -354,6 +359,110 @@ def streaming_section(rep: Report, fm: FlowModes, plan: Plan) -> None:
             + table(["speech tokens", "frames out", "rel. error", "finite", "check"], rows))
 
 
+def rel_l2(out: np.ndarray, ref: np.ndarray) -> tuple[float, bool]:
+    """(||out - ref|| / ||ref||, all finite) of two numpy arrays of one shape."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if out.shape != ref.shape:
+        raise ValueError(f"shapes differ: {out.shape} vs {ref.shape}")
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)), bool(np.isfinite(out).all())
+
+
+def token_chunks(n_tokens: int, first: int, largest: int = 40) -> list[int]:
+    """The client's default shape of schedule: a small first chunk, then doubling ones."""
+    sizes, size = [], first
+    while sum(sizes) < n_tokens:
+        sizes.append(min(size, n_tokens - sum(sizes)))
+        size = min(2 * size, largest)
+    return sizes
+
+
+def token2wav_section(rep: Report, fm: FlowModes, plan: Plan, clock_cpu: Clock, clock_dev: Clock, seed: int) -> None:
+    """token2wav end to end on the device: the streaming engine (what cfm_solver runs) feeding a
+    VocoderStream over HiFT in torch on the device (what the gpu target's vocoder model runs)."""
+    from s3flow.vocoder import TorchVocoder, VocoderConfig, random_vocoder
+    from s3flow.vocoder_stream import StreamSettings, VocoderStream, offline_vocode
+
+    config = VocoderConfig.full() if plan.size == "full" else VocoderConfig.small()
+    hift = random_vocoder(config, seed)
+    params = hift.source_params
+    cpu, dev = TorchVocoder(hift, "cpu"), TorchVocoder(hift, fm.device)
+    hop, rows, data = params.hop_samples, [], {}
+
+    # 1. the vocoder alone: device vs CPU fp32 on the same mel (TF32 off inside TorchVocoder); at least 40
+    # tokens, so that the stream below has seams (audio is withheld until 20 frames of lookahead exist)
+    u = utterance(dataclasses.replace(plan, speech_tokens=max(plan.speech_tokens, 40)), seed=21)
+    mel = fm.synthesize(u, on_device=True, estimator=fm.estimator("fp32"), steps=plan.steps)[0].cpu().numpy()
+    set_tf32(False)
+    ref, cpu_ms = clock_cpu.run(lambda: offline_vocode(cpu.f0, cpu.decode, mel, params, seed=u.seed))
+    out, dev_ms = clock_dev.run(lambda: offline_vocode(dev.f0, dev.decode, mel, params, seed=u.seed))
+    rel, finite = rel_l2(out, ref)
+    f0_err = float(np.abs(dev.f0(mel[None]) - cpu.f0(mel[None])).max())
+    ok = rep.check(f"vocoder ({plan.size}) on {fm.device.type} vs CPU fp32, {mel.shape[1]} frames", rel, finite,
+                   BOUNDS["vocoder"]) and f0_err < 1e-6
+    audio_s = mel.shape[1] * hop / params.sampling_rate
+    rows.append([f"offline vocoding, {mel.shape[1]} frames ({audio_s:.1f} s)", f"{rel:.2e}",
+                 f"{np.abs(out - ref).max():.1e} (F0 {f0_err:.1e} Hz)", f"{dev_ms:.1f}", f"{cpu_ms:.1f}",
+                 f"{cpu_ms / dev_ms:.1f}x", "ok" if ok else "FAIL"])
+    data["vocoder"] = {"rel_error": rel, "max_abs": float(np.abs(out - ref).max()), "f0_hz": f0_err,
+                       "ms": dev_ms, "cpu_ms": cpu_ms, "frames": int(mel.shape[1])}
+    long_mel = np.tile(mel, (1, 5))
+    long_ms = clock_dev.ms(lambda: offline_vocode(dev.f0, dev.decode, long_mel, params, seed=u.seed))
+    data["vocoder_long_ms"] = long_ms
+    rows.append([f"offline vocoding, {long_mel.shape[1]} frames ({5 * audio_s:.1f} s)", "", "", f"{long_ms:.1f}", "",
+                 "", f"{5 * audio_s / long_ms * 1e3:.0f}x RT"])
+
+    # 2. token2wav streamed on the device: mel chunks from the engine, audio chunks from the VocoderStream
+    fm.estimator("fp32")
+    engine = device_engine(fm, fm.runners["fp32"].estimator)
+    stream = VocoderStream(dev.f0, dev.decode, params, StreamSettings(), n_feats=fm.dev.config.n_feats)
+    sizes = token_chunks(len(u.speech), first=max(1, plan.speech_tokens // 10))
+    state, mels, audio, first_audio_s, at = stream.start(u.seed), [], [], None, 0
+    t0 = time.perf_counter()
+    for k, n in enumerate(sizes):
+        end = k == len(sizes) - 1
+        inputs = request(u, plan.steps) if k == 0 else {}
+        inputs["speech_tokens"] = u.speech[at:at + n].numpy()[None]
+        req = parse_request(inputs, start=k == 0, end=end, limits=engine.limits, n_feats=engine.n_feats)
+        [res] = engine.run([engine.admit(7000, req)])
+        chunk = stream.push(state, res.mel, res.frame_offset, end=end)
+        if chunk.sample_offset != sum(a.size for a in audio):
+            raise AssertionError(f"sample offset {chunk.sample_offset} does not continue {sum(a.size for a in audio)}")
+        mels.append(res.mel)
+        audio.append(chunk.audio)
+        if first_audio_s is None and chunk.audio.size:
+            first_audio_s = time.perf_counter() - t0
+        at += n
+    wall = time.perf_counter() - t0
+    streamed_mel, streamed = np.concatenate(mels, axis=1), np.concatenate(audio)
+    if sum(a.size > 0 for a in audio) < 2:
+        rep.fail("token2wav stream seams", f"only {sum(a.size > 0 for a in audio)} chunk(s) carried audio: no seam")
+    frames = 2 * len(u.speech)
+    if streamed_mel.shape[1] != frames or streamed.size != hop * frames:
+        rep.fail("token2wav streamed sample count",
+                 f"{streamed_mel.shape[1]} frames, {streamed.size} samples; want {frames}, {hop * frames}")
+    offline_audio = offline_vocode(dev.f0, dev.decode, streamed_mel, params, seed=u.seed)
+    rel, finite = rel_l2(streamed, offline_audio)
+    ok = rep.check(f"token2wav streamed on {fm.device.type} ({len(sizes)} chunks) vs offline vocoding of its mel",
+                   rel, finite, BOUNDS["vocoder-streamed"])
+    rtf = wall / (streamed.size / params.sampling_rate)
+    rows.append([f"token2wav stream, chunks {sizes} tokens -> samples {[a.size for a in audio]}", f"{rel:.2e}",
+                 f"{np.abs(streamed - offline_audio).max():.1e}", f"{1e3 * wall:.1f}", "", f"RTF {rtf:.3f}",
+                 "ok" if ok else "FAIL"])
+    data["stream"] = {"chunks": sizes, "rel_error": rel, "max_abs": float(np.abs(streamed - offline_audio).max()),
+                      "wall_ms": 1e3 * wall, "first_audio_ms": None if first_audio_s is None else 1e3 * first_audio_s,
+                      "rtf": rtf, "signal_std": float(offline_audio.std())}
+    rep.data["token2wav"] = data
+    first = "none" if first_audio_s is None else f"{1e3 * first_audio_s:.0f} ms"
+    rep.add("token2wav: the vocoder on the device",
+            f"HiFT {plan.size} (seeded random weights) in torch fp32 on {fm.device} (TF32 off): what the gpu "
+            f"target's `vocoder` model runs (`vocoder_backend torch`, KIND_GPU). Offline vocoding against the same "
+            f"module on the CPU; then token2wav end to end in process: the streaming engine (fp32 estimator, "
+            f"{plan.steps} guided steps) feeding the VocoderStream chunk by chunk (20 frames of lookahead), "
+            f"against offline vocoding of the streamed mel on the device. Time to first audio {first} "
+            f"(computation only, chunks back to back); signal std {offline_audio.std():.3f}.\n\n"
+            + table(["what", "rel. error", "max abs", "device ms", "CPU ms", "speed", "check"], rows))
+
+
 def estimator_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock, trt_engines: dict) -> None:
     cfg = fm.dev.estimator.config
     rows, data = [], {}
@@ -521,6 +630,7 @@ def main(argv=None) -> int:
     sections = [
         ("precision", lambda: precision_section(rep, guided, meanflow, plan, clock_cpu, clock_dev)),
         ("streaming", lambda: streaming_section(rep, guided, plan)),
+        ("token2wav", lambda: token2wav_section(rep, guided, plan, clock_cpu, clock_dev, args.seed)),
         ("tensorrt", lambda: trt_engines.update(
             {} if args.no_tensorrt or device.type != "cuda" else
             tensorrt_section(rep, guided, plan, Path(tempfile.mkdtemp(prefix="s3flow_trt_")), args.trt_opt_level,

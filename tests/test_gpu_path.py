@@ -581,12 +581,16 @@ def test_gpu_check_quick_on_cpu_writes_its_results(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     names = [c["name"] for c in report["checks"]]
-    assert report["ok"] and len(names) == 8, names  # 2 models x 3 modes on the CPU + 2 streamed rows
+    assert report["ok"] and len(names) == 10, names  # 2 models x 3 modes on the CPU + 2 streamed rows + 2 vocoder
     assert any("bf16" in n for n in names) and any("fp16" in n for n in names) and any("meanflow" in n for n in names)
     assert any("streaming engine" in n for n in names)
+    assert any(n.startswith("vocoder (small) on cpu vs CPU fp32") for n in names)
+    assert any(n.startswith("token2wav streamed on cpu") for n in names)
+    stream = report["data"]["token2wav"]["stream"]
+    assert stream["max_abs"] < 1e-6 and stream["first_audio_ms"] is not None and len(stream["chunks"]) > 2
     md = (out / "gpu_check.md").read_text()
     assert "not GPU figures" in md and "## Verdict" in md and "**PASS**" in md
-    for section in ("Whole flow", "Streaming engine", "Estimator forward", "Throughput", "TensorRT"):
+    for section in ("Whole flow", "Streaming engine", "token2wav", "Estimator forward", "Throughput", "TensorRT"):
         assert f"## {section}" in md, section
 
 
