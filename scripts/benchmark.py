@@ -76,7 +76,7 @@ from s3flow_client.demo import demo_utterance  # noqa: E402
 STEPS = {"regular": 10, "meanflow": 2}
 TARGETS = {
     "served_vs_eager": 1.3, "outside_share": 0.05, "estimator_rate": 0.85, "meanflow_vs_regular": 7.0,
-    "batching": 1.3, "first_chunk": 0.2,
+    "batching": 1.3, "first_chunk": 0.2, "served_vs_ort": 1.05,
 }
 #: Absolute mel tolerance of the self-checks (ONNX Runtime vs torch after 10 steps is ~1e-4 here).
 MEL_ATOL = 5e-3
@@ -500,6 +500,14 @@ def ratio_table(report: Report) -> list[list[str]]:
                 for c in reg]
         rows.append(["(for reference) ONNX Runtime in process vs eager",
                      " / ".join(f"{s:g} s: {v:.2f}x" for s, v in vals), "", ""])
+        # the stubs' thread pools (estimator, encoder, solver, Triton's) must not fight: served within 5 %
+        # of the same ONNX files in process (threads derived from the cores, s3flow.ort_runtime.auto_threads)
+        vals = [(c.seconds, c.paths["served"].offline_s / c.paths["ort"].offline_s) for c in reg
+                if c.paths["ort"].offline_s]
+        if vals:
+            rows.append([f"served offline vs ONNX Runtime in process, {report.settings['threads']} thread(s) (time ratio)",
+                         " / ".join(f"{s:g} s: {v:.3f}" for s, v in vals), f"<= {TARGETS['served_vs_ort']}",
+                         verdict(max(v for _, v in vals) <= TARGETS["served_vs_ort"])])
         big = [c for c in reg if c.frames >= 300]
         if big:
             vals = [(c.seconds, c.frames, 1 - c.paths["served"].estimator_s / c.paths["served"].offline_s) for c in big]

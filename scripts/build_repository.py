@@ -88,7 +88,8 @@ def parse_args(argv=None):
     b.add_argument("--max-candidate-sequences", type=int, default=d.max_candidate_sequences)
     b.add_argument("--solver-instances", type=int, default=d.solver_instances)
     b.add_argument("--estimator-instances", type=int, default=d.estimator_instances)
-    b.add_argument("--ort-threads", type=int, default=0, help="ONNX Runtime threads (0: all cores)")
+    b.add_argument("--ort-threads", type=int, default=0,
+                   help="ONNX Runtime threads per instance (0: the cores divided among the model's instances)")
     lim = p.add_argument_group("limits and defaults (cfm_solver parameters)")
     for name, value in vars(Limits()).items():
         lim.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,

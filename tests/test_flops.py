@@ -158,3 +158,11 @@ def test_cpu_rewrite_replaces_every_mish_and_attention_and_keeps_the_function(on
         ref = flow.estimator(**inputs)
     torch.testing.assert_close(fast(**inputs), ref, atol=5e-5, rtol=0)
     torch.testing.assert_close(fast(**inputs), plain(**inputs), atol=2e-5, rtol=0)
+
+
+def test_auto_threads_share_the_cores_among_a_models_instances():
+    from s3flow.ort_runtime import auto_threads
+
+    assert auto_threads(1, cores=8) == 8 and auto_threads(2, cores=8) == 4 and auto_threads(3, cores=8) == 2
+    assert auto_threads(4, cores=2) == 1 and auto_threads(0, cores=2) == 2
+    assert auto_threads() >= 1

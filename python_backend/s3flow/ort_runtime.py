@@ -67,6 +67,15 @@ class OrtSettings:
             raise ValueError(f"optimization must be one of {sorted(_LEVELS)}, got {self.optimization!r}")
 
 
+def auto_threads(instances: int = 1, cores: Optional[int] = None) -> int:
+    """Intra-op threads for one of ``instances`` sessions of a model sharing this host: the cores this process
+    may run on (its CPU affinity: a container's limit shows there), divided among the instances, at least 1.
+    ONNX Runtime's own default (one thread per core in every session) makes two instances' pools fight."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, instances))
+
+
 _LEVELS = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,

@@ -2,7 +2,8 @@
 
 It serves the ``estimator`` and the ``flow_encoder`` where no TensorRT / ONNX Runtime backend exists
 (the pytriton wheel's server). Inputs and outputs are the config's, by name; the file is
-``<version>/model.onnx``. Config parameters: ``intra_op_threads`` (default: all cores), ``allow_spinning``
+``<version>/model.onnx``. Config parameters: ``intra_op_threads`` (default 0: the cores this process may use
+divided among the model's instances, ``s3flow.ort_runtime.auto_threads``), ``allow_spinning``
 (default true), ``graph_optimization`` (all | extended | basic | disable; default all), ``graph_rewrite``
 (default true: ``s3flow.ort_runtime.rewrite_for_cpu`` at load, the file is not changed), ``fuse_attention``
 (auto | true | false; auto: only in 1-thread sessions, see ``OrtSettings``), ``arena_shrinkage`` (default
@@ -19,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 
-from s3flow.ort_runtime import OrtModel, OrtSettings
+from s3flow.ort_runtime import OrtModel, OrtSettings, auto_threads
 from s3flow.serving.heap import trim_heap
 
 #: Requests whose inputs and outputs hold more bytes than this are followed by trim_heap (about 1,600
@@ -36,7 +37,9 @@ class TritonPythonModel:
         if not os.path.isfile(path):
             raise pb_utils.TritonModelException(f"{self.name}: ONNX file not found at {path}")
         try:  # session settings live in s3flow.ort_runtime, shared with the in-process path
-            settings = OrtSettings(threads=int(params.get("intra_op_threads", "0") or 0),
+            instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+            threads = int(params.get("intra_op_threads", "0") or 0) or auto_threads(instances)
+            settings = OrtSettings(threads=threads,
                                    spinning=params.get("allow_spinning", "true").lower() != "false",
                                    optimization=params.get("graph_optimization", "all") or "all",
                                    rewrite=params.get("graph_rewrite", "true").lower() != "false",
