@@ -47,6 +47,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from .devices import instance_device
 from .vocoder_stream import (DECODER_INPUTS, DECODER_OUTPUTS, F0_INPUTS, F0_OUTPUTS, Excitation, OnnxVocoder,
                              SourceParams, apply_trim_fade, harmonic_source, offline_vocode, trim_fade)
 
@@ -464,13 +465,7 @@ class VocoderRunnerSettings:
         except ValueError:
             raise ValueError(f"parameter intra_op_threads must be an integer, "
                              f"got {params.get('intra_op_threads')!r}") from None
-        kind = (instance_kind or "CPU").upper()
-        if kind == "GPU":
-            device = f"cuda:{int(device_id)}"
-        elif kind in ("CPU", "MODEL"):
-            device = "cpu"
-        else:
-            raise ValueError(f"instance kind must be KIND_GPU or KIND_CPU, got {instance_kind!r}")
+        device = instance_device(instance_kind, device_id)
         if backend == "onnx" and device != "cpu":
             raise ValueError("vocoder_backend onnx runs ONNX Runtime on the CPU: give it a KIND_CPU instance "
                              "group, or use vocoder_backend torch on the GPU")

@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.utils import dlpack
 
+from s3flow.devices import instance_device
+
 try:  # only inside the Triton stub
     import triton_python_backend_utils as pb_utils
 except ImportError:  # tests, scripts/gpu_check.py
@@ -56,13 +58,7 @@ class TorchModelSettings:
         dtype = (params.get("dtype") or "fp32").lower()
         if dtype not in DTYPES:
             raise ValueError(f"parameter dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        kind = (instance_kind or "CPU").upper()
-        if kind == "GPU":
-            device = f"cuda:{int(device_id)}"
-        elif kind in ("CPU", "MODEL"):
-            device = "cpu"
-        else:
-            raise ValueError(f"instance kind must be KIND_GPU or KIND_CPU, got {instance_kind!r}")
+        device = instance_device(instance_kind, device_id)
         return cls(dtype=dtype, device=device)
 
 
