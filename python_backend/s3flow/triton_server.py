@@ -483,8 +483,13 @@ class TritonServer:
             raise TritonServerError(f"server already running (pid {self.process.pid})")
         if self.venv is not None:
             self._check_venv()
+        chosen: set[int] = {p for p in self._fixed_ports.values() if p is not None}
         for name, fixed in self._fixed_ports.items():
-            setattr(self, f"{name}_port", fixed if fixed is not None else free_port(self.host))
+            port = fixed
+            while port is None or (fixed is None and port in chosen):  # the OS may hand out one port twice
+                port = free_port(self.host)
+            chosen.add(port)
+            setattr(self, f"{name}_port", port)
         if self.log_file is None:
             self.log_file = pathlib.Path(tempfile.mkdtemp(prefix="tritonserver-")) / "server.log"
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
