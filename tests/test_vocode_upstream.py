@@ -22,14 +22,7 @@ from s3flow.vocoder_stream import SourceParams
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread in this module (small tensors; the host is shared), restored after it: other modules
-    compare in-process results bit for bit with subprocesses that run on torch's default."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_noise_free_phase_is_the_float64_sum_rounded_per_sample():

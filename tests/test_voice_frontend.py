@@ -32,14 +32,7 @@ from s3flow.voice.weights import random_voice_state, voice_state_dict
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread in this module (small tensors; the host is shared), restored after it: other modules
-    compare in-process results bit for bit with subprocesses that run on torch's default."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def chirp(n: int) -> torch.Tensor:

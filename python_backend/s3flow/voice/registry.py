@@ -62,7 +62,6 @@ class VoiceInfo:
     voice_id: str
     bytes: int
     last_used: float     # unix time
-    prompt_tokens: int
 
 
 class VoiceRegistry:
@@ -115,16 +114,14 @@ class VoiceRegistry:
         return tensors
 
     def voices(self) -> list[VoiceInfo]:
-        """The voices held, most recently used first."""
+        """The voices held, most recently used first (from the files' sizes and times: nothing is read)."""
         out = []
         for p in self.folder.glob("v-*.npz"):
             try:
                 st = p.stat()
-                with np.load(p) as z:
-                    n = int(z["prompt_tokens"].size)
-            except (OSError, ValueError):
+            except OSError:  # evicted meanwhile
                 continue
-            out.append(VoiceInfo(p.stem, st.st_size, st.st_mtime, n))
+            out.append(VoiceInfo(p.stem, st.st_size, st.st_mtime))
         return sorted(out, key=lambda v: -v.last_used)
 
     def _evict(self, keep: str) -> None:
