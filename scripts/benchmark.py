@@ -3,14 +3,14 @@
 
 Three paths over the full-size model (seeded random weights, or ``--checkpoint``):
 
-  (a) eager reference: the package's torch modules and solver in process (``s3flow.flow.synthesize``);
+  (a) eager reference: the package's torch modules and solver in process (``s3flow.model.flow.synthesize``);
   (b) ONNX Runtime in process: the same streaming engine and solver, encoder and estimator in ONNX Runtime
-      (``s3flow.ort_runtime``), on the very ONNX files the server loads;
+      (``s3flow.runtime.ort``), on the very ONNX files the server loads;
   (c) served: the repository in a real tritonserver, streamed over gRPC by ``StreamingClient``.
 
 For regular 10-step guided synthesis and meanflow 2 steps, and for utterances of about 2, 5 and 10 s, it
 reports offline latency, streaming first-chunk latency, real-time factor, network evaluations (NFE), the
-estimator's achieved GFLOP/s (FLOPs counted by ``s3flow.flops``) against this machine's fp32 GEMM rate
+estimator's achieved GFLOP/s (FLOPs counted by ``s3flow.model.flops``) against this machine's fp32 GEMM rate
 measured in the same run, and the share of served time outside the estimator (from Triton's statistics:
 the estimator model's ``compute_infer`` time). Then cross-utterance batching: throughput and p50/p99 chunk
 latency at 1, 2, 4 and 8 concurrent streams against the same utterances streamed one at a time.
@@ -61,15 +61,15 @@ sys.path.insert(0, str(ROOT / "client"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from s3flow.checkpoint import load_flow, random_flow  # noqa: E402
-from s3flow.flops import chunk_calls, estimator_flops, solve_flops  # noqa: E402
-from s3flow.flow import FlowConfig, TorchEstimator, synthesize  # noqa: E402
-from s3flow.ort_runtime import OrtEncoder, OrtEstimator, OrtSettings  # noqa: E402
+from s3flow.model.checkpoint import load_flow, random_flow  # noqa: E402
+from s3flow.model.flops import chunk_calls, estimator_flops, solve_flops  # noqa: E402
+from s3flow.model.flow import FlowConfig, TorchEstimator, synthesize  # noqa: E402
+from s3flow.runtime.ort import OrtEncoder, OrtEstimator, OrtSettings  # noqa: E402
 from s3flow.protocol import Limits, parse_request  # noqa: E402
-from s3flow.streaming import planned_calls  # noqa: E402
-from s3flow.repository import Batching, RepositorySettings, write_repository  # noqa: E402
-from s3flow.streaming import StreamingEngine  # noqa: E402
-from s3flow.triton_server import TritonServer  # noqa: E402
+from s3flow.engine.streaming import planned_calls  # noqa: E402
+from s3flow.serving.repository import Batching, RepositorySettings, write_repository  # noqa: E402
+from s3flow.engine.streaming import StreamingEngine  # noqa: E402
+from s3flow.serving.triton_server import TritonServer  # noqa: E402
 from s3flow_client import StreamingClient, Utterance, chunk_schedule  # noqa: E402
 from s3flow_client.demo import demo_utterance  # noqa: E402
 
@@ -277,7 +277,7 @@ MICRO_PATHS = {"eager": "eager torch", "ort_plain": "ONNX Runtime, file as expor
 def measure_estimator_alone(flow, repo: Path, args, report: Report) -> None:
     """One estimator forward at B = 2 (one guided utterance), T = 300 and 64 frames: eager, ONNX Runtime on
     the file as exported, and with the load-time CPU rewrite; interleaved, best of N."""
-    from s3flow.onnx_export import make_estimator_inputs
+    from s3flow.runtime.onnx_export import make_estimator_inputs
 
     path = repo / "estimator" / "1" / "model.onnx"
     fns = {"eager": TorchEstimator(flow.estimator),
@@ -501,7 +501,7 @@ def ratio_table(report: Report) -> list[list[str]]:
         rows.append(["(for reference) ONNX Runtime in process vs eager",
                      " / ".join(f"{s:g} s: {v:.2f}x" for s, v in vals), "", ""])
         # the stubs' thread pools (estimator, encoder, solver, Triton's) must not fight: served within 5 %
-        # of the same ONNX files in process (threads derived from the cores, s3flow.ort_runtime.auto_threads)
+        # of the same ONNX files in process (threads derived from the cores, s3flow.runtime.ort.auto_threads)
         vals = [(c.seconds, c.paths["served"].offline_s / c.paths["ort"].offline_s) for c in reg
                 if c.paths["ort"].offline_s]
         if vals:
@@ -620,7 +620,7 @@ def write_report(report: Report, path: Path) -> str:
         "",
         "Offline latency is tokens-in to mel-out of the whole utterance; first chunk is the first streamed chunk's "
         "latency (in process: that chunk through the engine; served: at the client). RTF = seconds per second of "
-        "audio. Estimator GFLOP/s = counted FLOPs (`s3flow.flops`) over the time inside the estimator (in process: "
+        "audio. Estimator GFLOP/s = counted FLOPs (`s3flow.model.flops`) over the time inside the estimator (in process: "
         "timed around each call; served: the estimator model's compute_infer from Triton's statistics). Outside "
         "estimator = 1 - estimator time / offline latency (encoder, BLS, gRPC, copies, solver).",
         "",
@@ -630,7 +630,7 @@ def write_report(report: Report, path: Path) -> str:
     if report.micro:
         text += ["## The estimator alone", "",
                  f"One forward at B = 2 (one guided utterance), interleaved, best of {max(s['repeats'], 2) + 1} "
-                 "(T = 64: three times as many). The CPU rewrite (`s3flow.ort_runtime.rewrite_for_cpu`, applied when "
+                 "(T = 64: three times as many). The CPU rewrite (`s3flow.runtime.ort.rewrite_for_cpu`, applied when "
                  "the session is made) computes Mish in exp form and attention as one MultiHeadAttention node.", "",
                  markdown(["T", "GFLOP"] + [f"{v} s (GFLOP/s, of GEMM)" for v in MICRO_PATHS.values()]
                           + ["rewrite speed-up"],

@@ -14,16 +14,16 @@ Examples::
     python3 scripts/build_engines.py --repository /repo --models estimator --estimator-precision fp32 --rebuild
 
 For ``flow_encoder`` and ``estimator``: build ``<model>/model.onnx`` into a plan named by GPU, TensorRT
-version, precision, profile and ONNX digest (``s3flow.tensorrt_build.engine_name``) in the cache folder,
+version, precision, profile and ONNX digest (``s3flow.runtime.tensorrt.engine_name``) in the cache folder,
 unless that exact engine is there; check it against the fp32 reference (the torch module of
 ``--checkpoint`` on this GPU, else ONNX Runtime on the fp32 ONNX) on random padded inputs: NaN/inf or a
 relative L2 error above the bound (fp32 1e-3, fp16 2e-2) fails it; then copy it to
 ``<model>/1/model.plan`` with ``engine.json`` beside it. ``--estimator-precision auto`` (default) tries
 fp16 first and falls back to fp32 when fp16 fails its check. Profiles follow the repository's limits
-and batch size (see ``s3flow.tensorrt_build``); ``--max-*`` and ``--opt-*`` override them.
+and batch size (see ``s3flow.runtime.tensorrt``); ``--max-*`` and ``--opt-*`` override them.
 
 ``--fallback torch`` (what the container uses): a model whose engine cannot be built or fails its check
-is switched, in place, to the torch backend (``s3flow.serving.torch_model`` on CUDA, weights from
+is switched, in place, to the torch backend (``s3flow.serving.triton_models.torch_model`` on CUDA, weights from
 ``--checkpoint``); a later run that builds its engine switches it back. The repository's configs always
 say which backend each model runs on, and this run's summary lists them.
 
@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
 
-from s3flow import tensorrt_build as tb  # noqa: E402
+from s3flow.runtime import tensorrt as tb  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -96,8 +96,8 @@ def references(args):
     import torch
 
     if args.checkpoint is not None:
-        from s3flow.checkpoint import load_flow
-        from s3flow.serving.torch_model import TorchRunner
+        from s3flow.model.checkpoint import load_flow
+        from s3flow.serving.triton_models.torch_model import TorchRunner
 
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -163,9 +163,9 @@ def build_one(model: str, args, profile, toolchain, reference) -> tuple[bool, st
 
 def set_backend(repository: Path, model: str, backend: str, checkpoint=None, dtype: str = "bf16") -> None:
     """Rewrite one stateless model of a gpu repository to serve from a TensorRT plan or torch on CUDA."""
-    from s3flow.repository import MODEL_PY, RepositorySettings, encoder_tensors, estimator_tensors, stateless_config
-    from s3flow.serving.torch_model import WEIGHTS_FILE, save_module
-    from s3flow.warmup import model_warmup_of
+    from s3flow.serving.repository import MODEL_PY, RepositorySettings, encoder_tensors, estimator_tensors, stateless_config
+    from s3flow.serving.triton_models.torch_model import WEIGHTS_FILE, save_module
+    from s3flow.serving.warmup import model_warmup_of
 
     folder = repository / model
     current = (folder / "config.pbtxt").read_text()
@@ -180,7 +180,7 @@ def set_backend(repository: Path, model: str, backend: str, checkpoint=None, dty
     if backend == "torch":
         if checkpoint is None:
             raise SystemExit(f"--fallback torch needs --checkpoint (the weights of the torch {model})")
-        from s3flow.checkpoint import load_flow
+        from s3flow.model.checkpoint import load_flow
         flow = load_flow(checkpoint)
         save_module(version / WEIGHTS_FILE, model, flow.estimator if model == "estimator" else flow.encoder)
         (version / "model.py").write_text(MODEL_PY["torch"])
@@ -189,10 +189,10 @@ def set_backend(repository: Path, model: str, backend: str, checkpoint=None, dty
     else:
         for stale in ("model.py", WEIGHTS_FILE):
             (version / stale).unlink(missing_ok=True)
-    warmup = model_warmup_of(current)  # s3flow.warmup's samples serve every backend: keep them
+    warmup = model_warmup_of(current)  # s3flow.serving.warmup's samples serve every backend: keep them
     (folder / "config.pbtxt").write_text(stateless_config(model, tensors, settings, int(m.group(1)) if m else 1)
                                          + warmup)
-    from s3flow.serving.torch_model import default_dtype
+    from s3flow.serving.triton_models.torch_model import default_dtype
     print(f"{model}: now served by " + (f"the torch backend ({default_dtype(model, dtype)})" if backend == "torch"
                                         else "TensorRT"))
 

@@ -34,11 +34,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
 
-from s3flow.checkpoint import load_flow, write_random_checkpoint  # noqa: E402
-from s3flow.flow import FlowConfig  # noqa: E402
+from s3flow.model.checkpoint import load_flow, write_random_checkpoint  # noqa: E402
+from s3flow.model.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402
-from s3flow.repository import Batching, RepositorySettings, VoiceSettings, write_repository  # noqa: E402
-from s3flow.vocoder_stream import StreamSettings  # noqa: E402
+from s3flow.serving.repository import Batching, RepositorySettings, VoiceSettings, write_repository  # noqa: E402
+from s3flow.engine.vocoder_stream import StreamSettings  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -121,8 +121,8 @@ def main(argv=None) -> int:
                                   voices=VoiceSettings(args.voice_dir, args.max_voices, args.max_voice_bytes))
     voice_ckpt = None
     if args.voice:
-        from s3flow.checkpoint import read_tensors
-        from s3flow.voice.weights import SPEAKER_PREFIX, TOKENIZER_PREFIX
+        from s3flow.model.checkpoint import read_tensors
+        from s3flow.model.voice.weights import SPEAKER_PREFIX, TOKENIZER_PREFIX
         voice_ckpt = args.voice_checkpoint or ckpt
         try:
             read_tensors(voice_ckpt, TOKENIZER_PREFIX)
@@ -135,8 +135,8 @@ def main(argv=None) -> int:
             voice_ckpt = None
     hift, voc_ckpt, voc_settings = None, None, None
     if args.vocoder:
-        from s3flow.checkpoint import read_tensors
-        from s3flow.vocoder import VOCODER_PREFIX, VocoderConfig, load_vocoder, write_random_vocoder_checkpoint
+        from s3flow.model.checkpoint import read_tensors
+        from s3flow.model.vocoder import VOCODER_PREFIX, VocoderConfig, load_vocoder, write_random_vocoder_checkpoint
         voc_ckpt = args.vocoder_checkpoint
         if voc_ckpt is None and args.checkpoint is not None:
             try:  # an S3Gen checkpoint holds mel2wav.* beside flow.*; a flow-only file does not
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
                                vocoder_settings=voc_settings, voice_checkpoint=voice_ckpt)
     print(summary.describe())
     if not args.no_check:
-        from s3flow.onnx_export import check_encoder_onnx, check_estimator_onnx
+        from s3flow.runtime.onnx_export import check_encoder_onnx, check_estimator_onnx
         sub = "1" if args.target == "cpu" else "."
         err_e = check_estimator_onnx(flow.estimator, args.output / "estimator" / sub / "model.onnx")
         err_c = check_encoder_onnx(flow.encoder, args.output / "flow_encoder" / sub / "model.onnx")
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
             print("ONNX check FAILED", file=sys.stderr)
             return 1
         if hift is not None and (args.output / "vocoder" / "1" / "f0.onnx").is_file():  # torch backend: no graphs
-            from s3flow.vocoder import check_vocoder_onnx
+            from s3flow.model.vocoder import check_vocoder_onnx
             err = check_vocoder_onnx(hift, args.output / "vocoder" / "1")
             print(f"ONNX Runtime vs torch, vocoder: audio {err['audio']:.2e} (rms {err['audio_rms']:.2e}), "
                   f"f0 {err['f0']:.2e} Hz")

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import build_repository
-    from s3flow.triton_server import TritonServer
+    from s3flow.serving.triton_server import TritonServer
     from s3flow_client.__main__ import main as client_main
 
     t0 = time.perf_counter()
@@ -105,7 +105,7 @@ def random_voice_file(folder: Path) -> Path:
     import json
 
     from safetensors.torch import save_file
-    from s3flow.voice.weights import VOICE_CONFIG_KEY, VoiceConfig, random_voice_state
+    from s3flow.model.voice.weights import VOICE_CONFIG_KEY, VoiceConfig, random_voice_state
 
     path = folder / "voice_random_small_seed0.safetensors"
     if not path.exists():

@@ -2,7 +2,7 @@
 """Compute a speaker prompt from a reference wav, as upstream S3Gen's ``embed_ref`` does.
 
 Reads the WAV at its own sample rate (16, 24, 44.1 kHz ... no resampling or cut before the front-end), runs the
-checkpoint's S3TokenizerV2 and CAMPPlus and S3Gen's 24 kHz mel (``s3flow.voice``), and writes an .npz with
+checkpoint's S3TokenizerV2 and CAMPPlus and S3Gen's 24 kHz mel (``s3flow.model.voice``), and writes an .npz with
 
     prompt_tokens  (1, Np)    int64
     prompt_feat    (1, T, 80) float32   T = 2 Np, or 2 Np + 1 when upstream keeps an odd last frame
@@ -29,8 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python_backend"))
 
-from s3flow.voice import VoiceFrontend, VoiceLimits  # noqa: E402
-from s3flow.voice.wavio import read_wav  # noqa: E402
+from s3flow.model.voice import VoiceFrontend, VoiceLimits  # noqa: E402
+from s3flow.model.voice.wavio import read_wav  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -32,9 +32,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
 
-from s3flow.checkpoint import load_flow  # noqa: E402
-from s3flow.training.data import Dataset  # noqa: E402
-from s3flow.training.evaluate import (METHODS, HeldoutUtterance, evaluate_methods, heldout_utterances,  # noqa: E402
+from s3flow.model.checkpoint import load_flow  # noqa: E402
+from s3flow_training.data import Dataset  # noqa: E402
+from s3flow_training.evaluate import (METHODS, HeldoutUtterance, evaluate_methods, heldout_utterances,  # noqa: E402
                                       load_heldout, stream_vs_offline, synthesize_one)
 
 TRAINED = ROOT / "checkpoints" / "trained"
@@ -186,7 +186,7 @@ def write_report(args, results, spread, base, streams, info, n_utts, seconds, so
     L.append("")
     L.append("## Streamed vs offline (trained model)\n")
     L.append(f"{min(args.stream_utterances, n_utts)} held-out "
-             f"utterances streamed through `s3flow.streaming.StreamingEngine` in process (the served chunk logic: "
+             f"utterances streamed through `s3flow.engine.streaming.StreamingEngine` in process (the served chunk logic: "
              f"each chunk re-runs the encoder and the solver over the whole prefix with the carried `noised_mels` "
              f"pinned, the 6 lookahead frames withheld until the next chunk) in chunks of 10, 20, 40, 80... "
              f"tokens, against offline synthesis of the same tokens and seed. Seam frames: within 3 frames of "

@@ -27,7 +27,7 @@ What it does (full size: 50 prompt + 100 speech tokens, 2 s of audio per utteran
 Writes ``<out>/gpu_check.md`` and ``<out>/gpu_check.json``. Exit status 1 when a check failed (NaN, or an
 error above its bound, or a section raised), else 0. Bounds (relative L2 of the final mel against CPU
 fp32): fp32 1e-3, TF32 1e-2, fp16 2e-2, bf16 5e-2; streamed vs offline 1e-3; engines as
-``s3flow.tensorrt_build.PARITY_BOUNDS``; vocoder (relative L2 of the audio) device vs CPU 1e-4, streamed vs
+``s3flow.runtime.tensorrt.PARITY_BOUNDS``; vocoder (relative L2 of the audio) device vs CPU 1e-4, streamed vs
 offline on the device 1e-5.
 """
 from __future__ import annotations
@@ -52,12 +52,12 @@ for sub in ("python_backend", "client"):  # no install needed: the GPU host has 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from s3flow import tensorrt_build as tb  # noqa: E402
-from s3flow.flow import FlowConfig, S3Flow, synthesize  # noqa: E402
+from s3flow.runtime import tensorrt as tb  # noqa: E402
+from s3flow.model.flow import FlowConfig, S3Flow, synthesize  # noqa: E402
 from s3flow.protocol import Limits, parse_request  # noqa: E402
-from s3flow.serving.torch_model import TorchRunner  # noqa: E402
-from s3flow.solver import FrameNoise  # noqa: E402
-from s3flow.streaming import StreamingEngine  # noqa: E402
+from s3flow.serving.triton_models.torch_model import TorchRunner  # noqa: E402
+from s3flow.model.solver import FrameNoise  # noqa: E402
+from s3flow.engine.streaming import StreamingEngine  # noqa: E402
 
 BOUNDS = {"fp32": 1e-3, "tf32": 1e-2, "fp16": 2e-2, "bf16": 5e-2, "trt-fp16": 2e-2, "trt-fp32": 1e-3,
           "streamed": 1e-3, "vocoder": 1e-4, "vocoder-streamed": 1e-5}
@@ -90,7 +90,7 @@ QUICK = Plan("small", 6, 12, (32,), (1, 2), 0, 1, 2, 128, steps=3)
 def random_flow(config: FlowConfig, seed: int) -> S3Flow:
     """Seeded random weights in memory (the project's own when importable: it needs safetensors)."""
     try:
-        from s3flow.checkpoint import random_flow as project_random_flow
+        from s3flow.model.checkpoint import random_flow as project_random_flow
         return project_random_flow(config, seed)
     except ImportError:
         torch.manual_seed(seed)
@@ -161,8 +161,8 @@ def set_tf32(on: bool) -> None:
 
 
 def flops(config, batch: int, frames: int):
-    try:  # the project's analytic count (s3flow.flops) where present
-        from s3flow.flops import estimator_flops
+    try:  # the project's analytic count (s3flow.model.flops) where present
+        from s3flow.model.flops import estimator_flops
         return estimator_flops(config, batch, frames).total
     except Exception:
         return None
@@ -379,8 +379,8 @@ def token_chunks(n_tokens: int, first: int, largest: int = 40) -> list[int]:
 def token2wav_section(rep: Report, fm: FlowModes, plan: Plan, clock_cpu: Clock, clock_dev: Clock, seed: int) -> None:
     """token2wav end to end on the device: the streaming engine (what cfm_solver runs) feeding a
     VocoderStream over HiFT in torch on the device (what the gpu target's vocoder model runs)."""
-    from s3flow.vocoder import TorchVocoder, VocoderConfig, random_vocoder
-    from s3flow.vocoder_stream import StreamSettings, VocoderStream, offline_vocode
+    from s3flow.model.vocoder import TorchVocoder, VocoderConfig, random_vocoder
+    from s3flow.engine.vocoder_stream import StreamSettings, VocoderStream, offline_vocode
 
     config = VocoderConfig.full() if plan.size == "full" else VocoderConfig.small()
     hift = random_vocoder(config, seed)
@@ -466,7 +466,7 @@ def token2wav_section(rep: Report, fm: FlowModes, plan: Plan, clock_cpu: Clock, 
 def estimator_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock, trt_engines: dict) -> None:
     cfg = fm.dev.estimator.config
     rows, data = [], {}
-    from s3flow.onnx_export import make_estimator_inputs
+    from s3flow.runtime.onnx_export import make_estimator_inputs
     modes = (["fp32", "tf32"] if fm.device.type == "cuda" else ["fp32"]) + ["bf16", "fp16"]
     modes += [f"trt-{p}" for p in trt_engines]
     for t in plan.frames:
@@ -490,7 +490,7 @@ def estimator_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock, trt_
     set_tf32(False)
     rep.data["estimator_ms"] = data
     rep.add("Estimator forward, B = 2 (one guided utterance)",
-            "ms per call (median), and in brackets TFLOP/s from the analytic count (s3flow.flops; matrix "
+            "ms per call (median), and in brackets TFLOP/s from the analytic count (s3flow.model.flops; matrix "
             "products only).\n\n" + table(["T", "GFLOP"] + modes, rows))
 
 
@@ -537,7 +537,7 @@ def tensorrt_section(rep: Report, fm: FlowModes, plan: Plan, workdir: Path, opt_
     except ImportError:
         rep.add("TensorRT", f"TensorRT {version} is importable but onnx is not: no ONNX export, no engine.")
         return {}
-    from s3flow.onnx_export import export_encoder, export_estimator
+    from s3flow.runtime.onnx_export import export_encoder, export_estimator
 
     t0 = time.perf_counter()
     export_estimator(fm.cpu.estimator, workdir / "estimator" / "model.onnx")

@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "client"))
 
 from s3flow_client import StreamError, StreamingClient, chunk_schedule  # noqa: E402
 from s3flow_client.demo import demo_utterance  # noqa: E402
-from s3flow.metrics import HISTOGRAMS, histogram, metric_sum, read_metrics  # noqa: E402,F401 (re-exported)
+from s3flow.serving.metrics import HISTOGRAMS, histogram, metric_sum, read_metrics  # noqa: E402,F401 (re-exported)
 
 LOOKAHEAD_FRAMES = 6     # 3 pre-lookahead tokens x 2 frames: withheld until the next chunk or END
 FRAMES_PER_TOKEN = 2
@@ -60,10 +60,10 @@ OUTPUT_ATOL = 5e-4       # batched under load vs alone (padding changes float su
 # ------------------------------------------------------------------------------------------ server side
 def build_small_repository(out: Path, *, streams: int = 16, seed: int = 0, idle_timeout_s: float = 60.0) -> Path:
     """A cpu repository of the small config on seeded random weights, limits sized for ``streams``."""
-    from s3flow.checkpoint import load_flow, write_random_checkpoint
-    from s3flow.flow import FlowConfig
+    from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+    from s3flow.model.flow import FlowConfig
     from s3flow.protocol import Limits
-    from s3flow.repository import Batching, RepositorySettings, write_repository
+    from s3flow.serving.repository import Batching, RepositorySettings, write_repository
 
     out.mkdir(parents=True, exist_ok=True)
     ckpt = write_random_checkpoint(out / "ckpt.safetensors", FlowConfig.small(), seed=seed)
@@ -102,7 +102,7 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-# read_metrics, metric_sum, histogram: s3flow.metrics (prometheus_client's parser)
+# read_metrics, metric_sum, histogram: s3flow.serving.metrics (prometheus_client's parser)
 
 
 # ------------------------------------------------------------------------------------------ utterances
@@ -165,7 +165,7 @@ class LoadReport:
     rss_before_mb: Optional[float] = None
     rss_after_mb: Optional[float] = None
     live_after: Optional[float] = None
-    #: the solver's histograms over the load phase (s3flow.metrics.HISTOGRAMS): {name: Histogram of the deltas}
+    #: the solver's histograms over the load phase (s3flow.serving.metrics.HISTOGRAMS): {name: Histogram of the deltas}
     server_histograms: dict = field(default_factory=dict)
 
     @property
@@ -441,7 +441,7 @@ def main(argv=None) -> int:
             url, pid, metrics_url = args.url, args.server_pid, args.metrics_url
             setup = f"running server at {url}."
         else:
-            from s3flow.triton_server import TritonServer
+            from s3flow.serving.triton_server import TritonServer
 
             repo = args.repository or build_small_repository(Path(tmp), streams=args.streams)
             what = f"the repository {repo}" if args.repository else \

@@ -7,7 +7,7 @@ Examples::
     .venv/bin/python scripts/make_dataset.py --sentences 40 --out /tmp/tiny.npz
 
 Needs the ``espeak-ng`` program (Debian: apt-get install -y espeak-ng; ``make train`` installs it).
-See ``s3flow.training.data`` for what is made and how. Prints the corpus' size and split and checks
+See ``s3flow_training.data`` for what is made and how. Prints the corpus' size and split and checks
 it (token ids below 6561, 2 mel frames per token, finite mel, both splits present); exits non-zero on
 any failure.
 """
@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
 
-from s3flow.training.data import VOCAB_SIZE, DataSettings, Dataset, build_dataset, espeak_available  # noqa: E402
+from s3flow_training.data import VOCAB_SIZE, DataSettings, Dataset, build_dataset, espeak_available  # noqa: E402
 
 DEFAULT_OUT = ROOT / "build" / "small_data" / "dataset.npz"
 

@@ -33,11 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))
 sys.path.insert(0, str(ROOT / "client"))
 
-from s3flow.checkpoint import load_flow, write_random_checkpoint  # noqa: E402
-from s3flow.flow import FlowConfig  # noqa: E402
+from s3flow.model.checkpoint import load_flow, write_random_checkpoint  # noqa: E402
+from s3flow.model.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402
-from s3flow.repository import Batching, RepositorySettings, write_repository  # noqa: E402
-from s3flow.triton_server import TritonServer  # noqa: E402
+from s3flow.serving.repository import Batching, RepositorySettings, write_repository  # noqa: E402
+from s3flow.serving.triton_server import TritonServer  # noqa: E402
 from s3flow_client import StreamingClient  # noqa: E402
 from s3flow_client.demo import demo_utterance  # noqa: E402
 

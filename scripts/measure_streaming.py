@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
 sys.path.insert(0, str(ROOT / "client"))
 
-from s3flow.checkpoint import load_flow  # noqa: E402
-from s3flow.training.evaluate import load_heldout, synthesize_one  # noqa: E402
-from s3flow.training.streaming_eval import long_utterances, measure  # noqa: E402
+from s3flow.model.checkpoint import load_flow  # noqa: E402
+from s3flow_training.evaluate import load_heldout, synthesize_one  # noqa: E402
+from s3flow_training.streaming_eval import long_utterances, measure  # noqa: E402
 from s3flow_client import chunk_schedule  # noqa: E402
 
 TRAINED = ROOT / "checkpoints" / "trained"
@@ -123,13 +123,13 @@ def main(argv=None) -> int:
                                       full[-1] / full[0] if len(full) >= 2 else float("nan"))
         lines.append("")
     # full size: estimator FLOPs of every solve the engine plans (no run: 60 s at full size is hours on 2 cores)
-    from s3flow.estimator import EstimatorConfig
-    from s3flow.flops import estimator_flops, solve_flops
-    from s3flow.streaming import planned_calls
+    from s3flow.model.estimator import EstimatorConfig
+    from s3flow.model.flops import estimator_flops, solve_flops
+    from s3flow.engine.streaming import planned_calls
     full = EstimatorConfig.full()
     lines += ["## Full size (71 M estimator, guided 10 steps): estimator cost", "",
               "GFLOP of every estimator call the engine plans for one utterance with a 2 s (50-token) prompt, "
-              "counted from the config (`s3flow.flops`) over a dry run of the real `StreamingEngine` with stand-in "
+              "counted from the config (`s3flow.model.flops`) over a dry run of the real `StreamingEngine` with stand-in "
               "models: the cost figures only (served wall time at this size is hours for a 60 s prefix re-run on "
               "2 cores). Ratio to offline synthesis of the same utterance.", "",
               "| utterance | offline GFLOP | " + " | ".join(mode_name(c) for c in modes[1:]) + " |",

@@ -2,7 +2,7 @@
 """Cold start: the first utterance after a server start against the steady ones, warm-up off and on.
 
 Builds one small seeded repository (the small flow config on seeded random weights, a small seeded HiFT
-vocoder, ``token2wav``) twice, with ``RepositorySettings(warmup=False)`` and ``warmup=True`` (``s3flow.warmup``:
+vocoder, ``token2wav``) twice, with ``RepositorySettings(warmup=False)`` and ``warmup=True`` (``s3flow.serving.warmup``:
 Triton ``model_warmup`` for ``flow_encoder`` and ``estimator``, a warm-up at load inside ``cfm_solver`` and
 ``vocoder``). For each, ``--starts`` times: start tritonserver on 127.0.0.1, stream the same utterance
 ``--utterances`` times one after the other through ``--model``, stop. Per start, the first utterance's
@@ -40,11 +40,11 @@ MODELS = ("flow_encoder", "estimator", "cfm_solver", "vocoder")
 
 def build(out: Path, warmup: bool, seed: int = 0) -> Path:
     """The small seeded repository (with ``token2wav``) into ``out``."""
-    from s3flow.checkpoint import load_flow, write_random_checkpoint
-    from s3flow.flow import FlowConfig
+    from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+    from s3flow.model.flow import FlowConfig
     from s3flow.protocol import Limits
-    from s3flow.repository import Batching, RepositorySettings, write_repository
-    from s3flow.vocoder import VocoderConfig, random_vocoder
+    from s3flow.serving.repository import Batching, RepositorySettings, write_repository
+    from s3flow.model.vocoder import VocoderConfig, random_vocoder
 
     out.mkdir(parents=True, exist_ok=True)
     flow = load_flow(write_random_checkpoint(out / "ckpt.safetensors", FlowConfig.small(), seed=seed))
@@ -70,7 +70,7 @@ def per_execution_ms(a: dict, b: dict, model: str) -> float:
 
 
 def one_start(repo: Path, model: str, utterances: int, seconds: float, steps: int, log_dir: Path) -> dict:
-    from s3flow.triton_server import TritonServer
+    from s3flow.serving.triton_server import TritonServer
     from s3flow_client import StreamingClient
     from s3flow_client.demo import demo_utterance
 

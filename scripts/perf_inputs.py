@@ -10,7 +10,7 @@ correlation id. Step 0 (sent with sequence START) carries the prompt tensors (``
 ``guidance_rate``) and the first speech-token chunk; the later steps carry only ``speech_tokens``; the last
 step is sent with END. Every tensor is ``{"content": [...row-major...], "shape": [...]}`` without the
 batch dimension (perf_analyzer adds it: ``-b 1``). Names, dtypes and dims are those of the generated model
-config (``s3flow.repository``); every step also passes the server's own validator
+config (``s3flow.serving.repository``); every step also passes the server's own validator
 (``s3flow.protocol.parse_request``) before the file is written.
 
 Every stream has exactly ``--sequence-length`` steps (the client's growing chunk schedule, the tail merged
@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))  # fallbacks when the packages are not installed
 sys.path.insert(0, str(ROOT / "client"))
 
-from s3flow.chunks import TOKEN_MEL_RATIO  # noqa: E402
+from s3flow.model.chunks import TOKEN_MEL_RATIO  # noqa: E402
 from s3flow.protocol import INPUT_DTYPES, START_ONLY, Limits, parse_request  # noqa: E402
 
 HELDOUT = ROOT / "checkpoints" / "trained" / "heldout.npz"
@@ -70,12 +70,12 @@ class ModelInput:
 
 def model_inputs(config_text: Optional[str] = None, n_feats: int = 80) -> dict[str, ModelInput]:
     """The inputs of ``token2mel`` (``token2wav`` takes the same) from a ``config.pbtxt`` text, or from the
-    config ``s3flow.repository`` generates when none is given."""
+    config ``s3flow.serving.repository`` generates when none is given."""
     from tritonclient.grpc import model_config_pb2
     from google.protobuf import text_format
 
     if config_text is None:
-        from s3flow.repository import RepositorySettings, ensemble_config
+        from s3flow.serving.repository import RepositorySettings, ensemble_config
         config_text = ensemble_config(n_feats, RepositorySettings())
     config = text_format.Parse(config_text, model_config_pb2.ModelConfig())
     return {i.name: ModelInput(i.name, model_config_pb2.DataType.Name(i.data_type).removeprefix("TYPE_"),

@@ -4,7 +4,7 @@
 For each setting it rewrites the repository's configs (the ONNX files are exported once), restarts
 tritonserver (loopback only), drives the same fixed streaming load and prints one row: throughput (seconds of
 audio per wall second), p50 / p99 chunk latency, p50 first-chunk latency, chunks per solver execute and
-errors. The knobs are those of ``s3flow.repository.Batching`` plus ``ort_threads``:
+errors. The knobs are those of ``s3flow.serving.repository.Batching`` plus ``ort_threads``:
 
   strategy (oldest | direct), max_batch_size, preferred_batch_sizes (joined by '+', e.g. 4+8),
   max_queue_delay_us, max_candidate_sequences, solver_instances, estimator_instances, encoder_instances,
@@ -47,12 +47,12 @@ sys.path.insert(0, str(ROOT / "client"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchmark import batching_load, fmt, log, machine, markdown, percentile, run_load  # noqa: E402
-from s3flow.checkpoint import load_flow, random_flow  # noqa: E402
-from s3flow.flow import FlowConfig  # noqa: E402
+from s3flow.model.checkpoint import load_flow, random_flow  # noqa: E402
+from s3flow.model.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402
-from s3flow.repository import (Batching, RepositorySettings, encoder_tensors, ensemble_config,  # noqa: E402
+from s3flow.serving.repository import (Batching, RepositorySettings, encoder_tensors, ensemble_config,  # noqa: E402
                                estimator_tensors, solver_config, stateless_config, write_repository)
-from s3flow.triton_server import TritonServer, TritonServerError  # noqa: E402
+from s3flow.serving.triton_server import TritonServer, TritonServerError  # noqa: E402
 
 KNOBS = [f.name for f in dataclasses.fields(Batching)] + ["ort_threads"]
 

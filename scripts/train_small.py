@@ -7,7 +7,7 @@ Examples::
     .venv/bin/python scripts/train_small.py          # the shipped checkpoints/trained/ (about 31 min, 2 cores)
     .venv/bin/python scripts/train_small.py --quick --out /tmp/trained   # a smoke run of a minute or two
 
-Steps (all seeded; see ``s3flow.training``):
+Steps (all seeded; see ``s3flow_training``):
 
 1. ``scripts/make_dataset.py``: espeak-ng corpus -> ``<workdir>/dataset.npz`` (reused when it exists
    and was made with the same settings);
@@ -41,11 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from s3flow.checkpoint import load_flow, write_checkpoint  # noqa: E402
-from s3flow.training.data import DataSettings, Dataset, espeak_available  # noqa: E402
-from s3flow.training.evaluate import (heldout_utterances, save_demo_input, save_heldout,  # noqa: E402
+from s3flow.model.checkpoint import load_flow, write_checkpoint  # noqa: E402
+from s3flow_training.data import DataSettings, Dataset, espeak_available  # noqa: E402
+from s3flow_training.evaluate import (heldout_utterances, save_demo_input, save_heldout,  # noqa: E402
                                       synthesize_one)
-from s3flow.training.train import TrainSettings, train_student, train_teacher  # noqa: E402
+from s3flow_training.train import TrainSettings, train_student, train_teacher  # noqa: E402
 
 DEFAULT_OUT = ROOT / "checkpoints" / "trained"
 DEFAULT_WORKDIR = ROOT / "build" / "small_data"

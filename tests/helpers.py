@@ -6,10 +6,10 @@ import functools
 import numpy as np
 import torch
 
-from s3flow.checkpoint import random_flow
-from s3flow.flow import FlowConfig, TorchEstimator, synthesize
+from s3flow.model.checkpoint import random_flow
+from s3flow.model.flow import FlowConfig, TorchEstimator, synthesize
 from s3flow.protocol import Limits, parse_request
-from s3flow.streaming import StreamingEngine
+from s3flow.engine.streaming import StreamingEngine
 from s3flow_client import Utterance
 
 

@@ -6,8 +6,8 @@ import torch
 
 from helpers import small_flow, stream_in_process, torch_encoder
 from s3flow.protocol import Limits
-from s3flow.repository import Batching, RepositorySettings, solver_config
-from s3flow.streaming import StreamingEngine
+from s3flow.serving.repository import Batching, RepositorySettings, solver_config
+from s3flow.engine.streaming import StreamingEngine
 from s3flow_client.demo import demo_utterance
 
 

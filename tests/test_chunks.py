@@ -1,10 +1,10 @@
-"""The one chunk pipeline (s3flow.chunks): lengths, condition and the pinned starting point."""
+"""The one chunk pipeline (s3flow.model.chunks): lengths, condition and the pinned starting point."""
 import numpy as np
 import pytest
 import torch
 
-from s3flow.chunks import LOOKAHEAD_FRAMES, Carried, condition, solve_frames, stack_rows, starting_point
-from s3flow.solver import FrameNoise
+from s3flow.model.chunks import LOOKAHEAD_FRAMES, Carried, condition, solve_frames, stack_rows, starting_point
+from s3flow.model.solver import FrameNoise
 
 
 def test_solve_frames_trims_the_lookahead_only_when_not_finalised_and_never_below_the_prefix():

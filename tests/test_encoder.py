@@ -1,4 +1,4 @@
-"""Tests of the flow encoder (s3flow.encoder): layout, masking, padding, lookahead, ONNX export."""
+"""Tests of the flow encoder (s3flow.model.encoder): layout, masking, padding, lookahead, ONNX export."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import onnx
 import pytest
 import torch
 
-from s3flow.encoder import (ONNX_INPUT_NAMES, ONNX_OUTPUT_NAMES, CausalUpsample, EncoderConfig, FlowEncoder,
+from s3flow.model.encoder import (ONNX_INPUT_NAMES, ONNX_OUTPUT_NAMES, CausalUpsample, EncoderConfig, FlowEncoder,
                             PreLookaheadLayer, RelPositionSelfAttention, check_encoder_onnx, export_encoder,
                             length_mask, random_encoder_inputs, rel_shift, relative_position_table)
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from s3flow.estimator import ConditionalDecoder, EstimatorConfig, reset_time_embed_mixer
-from s3flow.onnx_export import (
+from s3flow.model.estimator import ConditionalDecoder, EstimatorConfig, reset_time_embed_mixer
+from s3flow.runtime.onnx_export import (
     ESTIMATOR_OUTPUT_NAME,
     check_estimator_onnx,
     estimator_input_names,

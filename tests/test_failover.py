@@ -12,12 +12,12 @@ import time
 import numpy as np
 import pytest
 
-from s3flow.checkpoint import load_flow, write_random_checkpoint
-from s3flow.drain import live_sequences, ready
-from s3flow.flow import FlowConfig
+from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.serving.drain import live_sequences, ready
+from s3flow.model.flow import FlowConfig
 from s3flow.protocol import Limits
-from s3flow.repository import Batching, RepositorySettings, write_repository
-from s3flow.triton_server import TritonServer
+from s3flow.serving.repository import Batching, RepositorySettings, write_repository
+from s3flow.serving.triton_server import TritonServer
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
 

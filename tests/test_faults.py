@@ -34,11 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from load_test import metric_sum, read_metrics  # noqa: E402
-from s3flow.checkpoint import load_flow, read_checkpoint, write_random_checkpoint  # noqa: E402
-from s3flow.flow import FlowConfig  # noqa: E402
+from s3flow.model.checkpoint import load_flow, read_checkpoint, write_random_checkpoint  # noqa: E402
+from s3flow.model.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402
-from s3flow.repository import TRITON_IDLE_GRACE_S, Batching, RepositorySettings, write_repository  # noqa: E402
-from s3flow.triton_server import TritonServer, free_port  # noqa: E402
+from s3flow.serving.repository import TRITON_IDLE_GRACE_S, Batching, RepositorySettings, write_repository  # noqa: E402
+from s3flow.serving.triton_server import TritonServer, free_port  # noqa: E402
 from s3flow_client import StreamError, StreamingClient  # noqa: E402
 from s3flow_client.demo import demo_utterance  # noqa: E402
 

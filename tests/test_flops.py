@@ -6,13 +6,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import make_engine, small_flow, stream_in_process, torch_encoder
-from s3flow.encoder import export_encoder, random_encoder_inputs
-from s3flow.estimator import ConditionalDecoder, EstimatorConfig
-from s3flow.flops import chunk_calls, estimator_flops, solve_flops
-from s3flow.onnx_export import export_estimator, make_estimator_inputs
-from s3flow.ort_runtime import OrtEncoder, OrtEstimator, OrtSettings
+from s3flow.model.encoder import export_encoder, random_encoder_inputs
+from s3flow.model.estimator import ConditionalDecoder, EstimatorConfig
+from s3flow.model.flops import chunk_calls, estimator_flops, solve_flops
+from s3flow.runtime.onnx_export import export_estimator, make_estimator_inputs
+from s3flow.runtime.ort import OrtEncoder, OrtEstimator, OrtSettings
 from s3flow.protocol import Limits
-from s3flow.streaming import StreamingEngine
+from s3flow.engine.streaming import StreamingEngine
 from s3flow_client.demo import demo_utterance
 
 CONFIGS = {
@@ -135,7 +135,7 @@ def test_engine_over_ort_equals_engine_over_torch(onnx_files):
 def test_cpu_rewrite_replaces_every_mish_and_attention_and_keeps_the_function(onnx_files, meanflow):
     import onnx
 
-    from s3flow.ort_runtime import rewrite_for_cpu
+    from s3flow.runtime.ort import rewrite_for_cpu
 
     flow, est_path, _ = onnx_files[meanflow]
     model = onnx.load(str(est_path))
@@ -161,7 +161,7 @@ def test_cpu_rewrite_replaces_every_mish_and_attention_and_keeps_the_function(on
 
 
 def test_auto_threads_share_the_cores_among_a_models_instances():
-    from s3flow.ort_runtime import auto_threads
+    from s3flow.runtime.ort import auto_threads
 
     assert auto_threads(1, cores=8) == 8 and auto_threads(2, cores=8) == 4 and auto_threads(3, cores=8) == 2
     assert auto_threads(4, cores=2) == 1 and auto_threads(0, cores=2) == 2

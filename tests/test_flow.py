@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from helpers import small_flow
-from s3flow.checkpoint import (CheckpointMismatch, flow_state_dict, is_meanflow, load_flow, read_checkpoint,
+from s3flow.model.checkpoint import (CheckpointMismatch, flow_state_dict, is_meanflow, load_flow, read_checkpoint,
                                write_checkpoint, write_random_checkpoint)
-from s3flow.chunks import condition, solve_frames
-from s3flow.flow import FlowConfig, S3Flow, synthesize
-from s3flow.solver import CountingEstimator
-from s3flow.flow import TorchEstimator
+from s3flow.model.chunks import condition, solve_frames
+from s3flow.model.flow import FlowConfig, S3Flow, synthesize
+from s3flow.model.solver import CountingEstimator
+from s3flow.model.flow import TorchEstimator
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from helpers import small_flow
-from s3flow import tensorrt_build as tb
+from s3flow.runtime import tensorrt as tb
 from s3flow.protocol import Limits
-from s3flow.repository import (Batching, RepositorySettings, encoder_tensors, estimator_tensors, solver_config,
+from s3flow.serving.repository import (Batching, RepositorySettings, encoder_tensors, estimator_tensors, solver_config,
                                stateless_config, write_repository)
-from s3flow.serving.torch_model import TorchModelSettings, TorchRunner, load_module, save_module
+from s3flow.serving.triton_models.torch_model import TorchModelSettings, TorchRunner, load_module, save_module
 from s3flow_client.stream import SEQUENCE_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,10 +119,10 @@ def test_torch_backend_repository(gpu_repos):
         assert "kind: KIND_GPU" in config
         assert f'key: "dtype" value: {{ string_value: "{dtype}" }}' in config
         assert 'key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: { string_value: "no" }' in config
-        assert "s3flow.serving.torch_model" in (repo / name / "1" / "model.py").read_text()
+        assert "s3flow.serving.triton_models.torch_model" in (repo / name / "1" / "model.py").read_text()
     kind, module = load_module(repo / "estimator" / "1" / "model.pt")
     assert kind == "estimator"
-    from s3flow.onnx_export import make_estimator_inputs
+    from s3flow.runtime.onnx_export import make_estimator_inputs
     inputs = make_estimator_inputs(flow.estimator, 2, 40, seed=3)
     with torch.inference_mode():
         assert torch.equal(module(**inputs), flow.estimator(**inputs))
@@ -137,8 +137,8 @@ def test_bad_gpu_backend_is_refused(tmp_path):
 
 def test_gpu_target_vocoder_runs_hift_in_torch_on_the_gpu(tmp_path):
     """The vocoder of each target and vocoder_backend: instance kind, parameters and weight files."""
-    from s3flow.repository import write_vocoder_models
-    from s3flow.vocoder import VocoderConfig, VocoderRunnerSettings, load_vocoder, random_vocoder
+    from s3flow.serving.repository import write_vocoder_models
+    from s3flow.model.vocoder import VocoderConfig, VocoderRunnerSettings, load_vocoder, random_vocoder
 
     hift = random_vocoder(VocoderConfig.small(), seed=2)
     written, contracts = {}, set()
@@ -247,7 +247,7 @@ def test_build_engines_falls_back_to_torch_per_model_and_back(gpu_repos, tmp_pat
     then equal the torch target's); set_backend('tensorrt') restores the plan config."""
     import shutil
 
-    from s3flow.checkpoint import write_checkpoint
+    from s3flow.model.checkpoint import write_checkpoint
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: build_engines.py would build for real")
     trt, torch_repo, flow, _ = gpu_repos
@@ -286,7 +286,7 @@ def test_fp16_policy_and_clamp():
 def test_fp16_estimator_graph_runs_without_nan_and_within_bound(tmp_path, meanflow):
     onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
-    from s3flow.onnx_export import export_estimator, make_estimator_inputs
+    from s3flow.runtime.onnx_export import export_estimator, make_estimator_inputs
 
     flow = small_flow(meanflow)
     src = export_estimator(flow.estimator, tmp_path / "est.onnx")
@@ -324,7 +324,7 @@ def test_fp16_estimator_graph_runs_without_nan_and_within_bound(tmp_path, meanfl
 def test_fp16_encoder_graph(tmp_path):
     onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
-    from s3flow.encoder import export_encoder, random_encoder_inputs
+    from s3flow.model.encoder import export_encoder, random_encoder_inputs
 
     flow = small_flow()
     fp16 = tb.prepare_onnx(export_encoder(flow.encoder, tmp_path / "enc.onnx"), "fp16", tmp_path)
@@ -393,7 +393,7 @@ def test_torch_model_settings():
 
 def test_torch_runner_modes_against_fp32(tmp_path):
     flow = small_flow(meanflow=True)
-    from s3flow.onnx_export import make_estimator_inputs
+    from s3flow.runtime.onnx_export import make_estimator_inputs
     inputs = make_estimator_inputs(flow.estimator, 2, 50, seed=7)
     with torch.inference_mode():
         ref = flow.estimator(**inputs)
@@ -497,9 +497,9 @@ def test_compose_reserves_a_gpu_shm_and_health():
     assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"] and dev["count"] == 1
     shm = svc["shm_size"]
     assert re.fullmatch(r"\d+gb", shm) and int(shm[:-2]) >= 1
-    # ready and not draining (s3flow.drain ready asks /v2/health/ready on the given HTTP address)
+    # ready and not draining (s3flow.serving.drain ready asks /v2/health/ready on the given HTTP address)
     check = " ".join(svc["healthcheck"]["test"])
-    assert "-m s3flow.drain ready" in check and "http://127.0.0.1:8000" in check
+    assert "-m s3flow.serving.drain ready" in check and "http://127.0.0.1:8000" in check
     assert {"8000:8000", "8001:8001", "8002:8002"} <= set(svc["ports"])
     assert any(v.endswith(":/var/lib/s3flow") for v in svc["volumes"]), "engines survive restarts"
 
@@ -524,8 +524,8 @@ def test_k8s_deployment():
     for probe, path in (("startupProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
         assert c[probe]["httpGet"]["path"] == path and ports[c[probe]["httpGet"]["port"]] == 8000
     # readiness is "ready and not draining" (tests/test_deploy.py checks the probe and the drain in depth)
-    assert c["readinessProbe"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.drain", "ready"]
-    assert c["lifecycle"]["preStop"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.drain", "drain"]
+    assert c["readinessProbe"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.serving.drain", "ready"]
+    assert c["lifecycle"]["preStop"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.serving.drain", "drain"]
     ann = pod["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8002"
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}
@@ -601,7 +601,7 @@ def test_gpu_check_quick_on_cpu_writes_its_results(tmp_path):
 @pytest.mark.server
 def test_torch_backend_served_equals_in_process(tmp_path):
     from helpers import make_engine, stream_in_process
-    from s3flow.triton_server import TritonServer
+    from s3flow.serving.triton_server import TritonServer
     from s3flow_client import StreamingClient, chunk_schedule
     from s3flow_client.demo import demo_utterance
 

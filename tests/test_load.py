@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import load_test  # noqa: E402
 from load_test import check_chunks, load_utterance, memory_utterance, run_load, run_memory  # noqa: E402
-from s3flow.triton_server import TritonServer  # noqa: E402
+from s3flow.serving.triton_server import TritonServer  # noqa: E402
 from s3flow_client import StreamResult  # noqa: E402
 
 #: allowed growth of the solver's RSS over 150 short utterances after warm-up; a leak of each utterance's

@@ -1,4 +1,4 @@
-"""The solver's metrics (``s3flow.metrics``) and the warm start (``s3flow.warmup``).
+"""The solver's metrics (``s3flow.serving.metrics``) and the warm start (``s3flow.serving.warmup``).
 
 Without a server: what ``SolverBook`` observes for chunks run by a real ``StreamingEngine`` over stand-in
 networks (counted independently: the engine's own call counter, the frames returned), the Prometheus text
@@ -19,10 +19,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from s3flow import metrics as m  # noqa: E402
+from s3flow.serving import metrics as m  # noqa: E402
 from s3flow.protocol import Limits, parse_request  # noqa: E402
-from s3flow.streaming import StreamingEngine  # noqa: E402
-from s3flow.warmup import (WARMUP_ITERATIONS, encoder_warmup, estimator_warmup, warm_up_solver,  # noqa: E402
+from s3flow.engine.streaming import StreamingEngine  # noqa: E402
+from s3flow.serving.warmup import (WARMUP_ITERATIONS, encoder_warmup, estimator_warmup, warm_up_solver,  # noqa: E402
                            write_model_warmup)
 
 N_FEATS = 8
@@ -158,7 +158,7 @@ def test_warmup_configs_parse_and_carry_valid_requests(tmp_path):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    from s3flow.repository import RepositorySettings, encoder_tensors, estimator_tensors, stateless_config
+    from s3flow.serving.repository import RepositorySettings, encoder_tensors, estimator_tensors, stateless_config
 
     for meanflow in (False, True):
         repo = tmp_path / f"mf{meanflow}"
@@ -196,8 +196,8 @@ def test_solver_warm_up_runs_the_served_path_and_leaves_no_state(meanflow):
 
 
 def test_vocoder_warm_up_runs_both_networks():
-    from s3flow.vocoder_stream import SourceParams, StreamSettings, VocoderStream
-    from s3flow.warmup import warm_up_vocoder
+    from s3flow.engine.vocoder_stream import SourceParams, StreamSettings, VocoderStream
+    from s3flow.serving.warmup import warm_up_vocoder
 
     calls = {"f0": 0, "decode": 0}
 
@@ -219,7 +219,7 @@ def test_vocoder_warm_up_runs_both_networks():
 def served(tmp_path_factory):
     from measure_warmup import build
 
-    from s3flow.triton_server import TritonServer
+    from s3flow.serving.triton_server import TritonServer
 
     root = tmp_path_factory.mktemp("metrics")
     repo = build(root, warmup=True)
@@ -232,7 +232,7 @@ def served(tmp_path_factory):
 def test_every_model_warmed_up_before_the_first_request(served):
     from measure_warmup import model_stats
 
-    from s3flow.warmup import VOCODER_WARMUP_FRAMES
+    from s3flow.serving.warmup import VOCODER_WARMUP_FRAMES
 
     stats = model_stats(served.client())
     assert stats["flow_encoder"][0] == WARMUP_ITERATIONS and stats["estimator"][0] == WARMUP_ITERATIONS, stats

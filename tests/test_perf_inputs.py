@@ -102,7 +102,7 @@ def test_heldout_json_follows_the_documented_schema_and_the_servers_rules(heldou
 
 
 def test_heldout_sources_match_the_training_packages_loader():
-    from s3flow.training.evaluate import load_heldout
+    from s3flow_training.evaluate import load_heldout
 
     ours, theirs = perf_inputs.heldout_sources(limit=3), load_heldout(perf_inputs.HELDOUT)[:3]
     for a, b in zip(ours, theirs):
@@ -183,11 +183,11 @@ def test_command_line_writes_and_checks(tmp_path):
 # ------------------------------------------------------------------------------------------ served
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from s3flow.checkpoint import load_flow
+    from s3flow.model.checkpoint import load_flow
     from s3flow.protocol import Limits
-    from s3flow.repository import Batching, RepositorySettings, write_repository
-    from s3flow.triton_server import TritonServer
-    from s3flow.vocoder import VocoderConfig, random_vocoder
+    from s3flow.serving.repository import Batching, RepositorySettings, write_repository
+    from s3flow.serving.triton_server import TritonServer
+    from s3flow.model.vocoder import VocoderConfig, random_vocoder
 
     root = tmp_path_factory.mktemp("perf_inputs")
     flow = load_flow(ROOT / "checkpoints" / "trained" / "teacher.safetensors")
@@ -234,7 +234,7 @@ def test_the_deploy_files_http_paths_answer_on_a_real_server(served):
     for path in sorted(HEALTH_PATHS):
         with urllib.request.urlopen(f"http://127.0.0.1:{served.http_port}{path}", timeout=5) as r:
             assert r.status == 200, path
-    from s3flow.metrics import parse_metrics
+    from s3flow.serving.metrics import parse_metrics
 
     with urllib.request.urlopen(f"http://127.0.0.1:{served.metrics_port}{METRICS_PATH}", timeout=5) as r:
         assert r.status == 200

@@ -15,7 +15,7 @@ from hypothesis.extra import numpy as hnp
 
 from s3flow.protocol import INPUT_DTYPES, START_ONLY, VOCAB_SIZE, XVECTOR_DIM, ChunkRequest, Limits, RequestError, \
     parse_request
-from s3flow.streaming import SequenceState, StreamingEngine
+from s3flow.engine.streaming import SequenceState, StreamingEngine
 
 N_FEATS = 80
 LIMITS = Limits(max_steps=20, max_guidance_rate=5.0, max_utterance_frames=30, max_prompt_tokens=8,

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from s3flow.protocol import Limits
-from s3flow.repository import (TRITON_IDLE_GRACE_S, Batching, RepositorySettings, ensemble_config,
+from s3flow.serving.repository import (TRITON_IDLE_GRACE_S, Batching, RepositorySettings, ensemble_config,
                                solver_config, write_repository)
 
 

@@ -14,11 +14,11 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from helpers import make_engine, offline, stream_in_process
-from s3flow.checkpoint import load_flow, write_random_checkpoint
-from s3flow.flow import FlowConfig
+from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.flow import FlowConfig
 from s3flow.protocol import Limits
-from s3flow.repository import Batching, RepositorySettings, write_repository
-from s3flow.triton_server import TritonServer
+from s3flow.serving.repository import Batching, RepositorySettings, write_repository
+from s3flow.serving.triton_server import TritonServer
 from s3flow_client import StreamError, StreamingClient, chunk_schedule
 from s3flow_client.demo import demo_utterance
 

@@ -1,12 +1,12 @@
-"""The solver's session layer (s3flow.session) with a fake model: slots, errors, codes, drops, retries."""
+"""The solver's session layer (s3flow.serving.session) with a fake model: slots, errors, codes, drops, retries."""
 import numpy as np
 import pytest
 import torch
 
 from helpers import request_inputs
 from s3flow.protocol import Limits
-from s3flow.session import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, Incoming, ModelCallError, SolverSession
-from s3flow.streaming import StreamingEngine
+from s3flow.serving.session import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, Incoming, ModelCallError, SolverSession
+from s3flow.engine.streaming import StreamingEngine
 from s3flow_client.demo import demo_utterance
 
 N_FEATS = 80

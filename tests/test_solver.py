@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.solver import (ClassifierFreeGuidance, ConditionalField, CountingEstimator, FrameNoise,
+from s3flow.model.solver import (ClassifierFreeGuidance, ConditionalField, CountingEstimator, FrameNoise,
                            euler_solve, solve_cfm, time_grid)
 
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from helpers import make_engine, offline, small_flow, stream_in_process
-from s3flow.flow import synthesize
+from s3flow.model.flow import synthesize
 from s3flow.protocol import Limits, RequestError, parse_request
-from s3flow.streaming import SequenceStore
+from s3flow.engine.streaming import SequenceStore
 from s3flow_client import chunk_schedule
 from s3flow_client.demo import demo_utterance
 
@@ -138,8 +138,8 @@ def test_utterance_frame_limit_ends_the_sequence():
 def test_idle_sequences_are_evicted():
     now = [0.0]
     store = SequenceStore(Limits(idle_timeout_s=5.0), clock=lambda: now[0])
-    store.create(1, object.__new__(__import__("s3flow.streaming", fromlist=["SequenceState"]).SequenceState))
-    store.create(2, object.__new__(__import__("s3flow.streaming", fromlist=["SequenceState"]).SequenceState))
+    store.create(1, object.__new__(__import__("s3flow.engine.streaming", fromlist=["SequenceState"]).SequenceState))
+    store.create(2, object.__new__(__import__("s3flow.engine.streaming", fromlist=["SequenceState"]).SequenceState))
     now[0] = 4.0
     store.get(2)
     now[0] = 6.0
@@ -155,7 +155,7 @@ def test_idle_sequences_are_evicted():
 def _offline_window(flow, u, prompt_frames_ctx, c0, e, n, final):
     """Offline synthesis of a bounded-context chunk as an independent call: the prompt extended by the
     context (tokens [c0/2, e/2) and their emitted mel), speech tokens [e/2, n), the same starting point."""
-    from s3flow.solver import FrameNoise
+    from s3flow.model.solver import FrameNoise
     ctx_tokens = u.speech_tokens[c0 // 2:e // 2]
     prompt_tokens = np.concatenate([u.prompt_tokens, ctx_tokens])
     prompt_feat = np.concatenate([u.prompt_mel, prompt_frames_ctx.T], axis=0)  # frames-major
@@ -239,8 +239,8 @@ class _FailingEstimator:
 @pytest.mark.parametrize("context", [-1, 12])
 def test_a_failed_chunk_leaves_the_state_as_before_and_a_retry_continues_exactly(context):
     from helpers import torch_encoder
-    from s3flow.flow import TorchEstimator
-    from s3flow.streaming import StreamingEngine
+    from s3flow.model.flow import TorchEstimator
+    from s3flow.engine.streaming import StreamingEngine
     flow = small_flow()
     u = demo_utterance(1.6, seed=8, noise_seed=2)
     u.n_timesteps = 3

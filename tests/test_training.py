@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.checkpoint import load_flow, random_flow
-from s3flow.flow import FlowConfig
-from s3flow.training.data import DataSettings, Dataset, Utterance, make_sentences, make_xvectors
-from s3flow.training.evaluate import load_heldout, synthesize_one
-from s3flow.training.mel import S3GEN_MEL, hz_to_mel_slaney, log_mel, mel_filterbank, mel_to_hz_slaney, resample
-from s3flow.training.train import (Batch, cfm_loss, distill_grid, guided_trajectory, make_batch, make_student,
+from s3flow.model.checkpoint import load_flow, random_flow
+from s3flow.model.flow import FlowConfig
+from s3flow_training.data import DataSettings, Dataset, Utterance, make_sentences, make_xvectors
+from s3flow_training.evaluate import load_heldout, synthesize_one
+from s3flow_training.mel import S3GEN_MEL, hz_to_mel_slaney, log_mel, mel_filterbank, mel_to_hz_slaney, resample
+from s3flow_training.train import (Batch, cfm_loss, distill_grid, guided_trajectory, make_batch, make_student,
                                    masked_mse, trained_config)
 
 TRAINED = Path(__file__).resolve().parents[1] / "checkpoints" / "trained"

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.vocoder import VocoderConfig, random_vocoder, upstream_harmonics, write_vocoder_checkpoint
-from s3flow.vocoder_stream import SourceParams
+from s3flow.model.vocoder import VocoderConfig, random_vocoder, upstream_harmonics, write_vocoder_checkpoint
+from s3flow.engine.vocoder_stream import SourceParams
 
 ROOT = Path(__file__).resolve().parent.parent
 

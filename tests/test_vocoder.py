@@ -24,14 +24,14 @@ import torch
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from s3flow.checkpoint import CheckpointMismatch, flow_state_dict, load_flow, random_flow, save_tensors
-from s3flow.flow import FlowConfig
+from s3flow.model.checkpoint import CheckpointMismatch, flow_state_dict, load_flow, random_flow, save_tensors
+from s3flow.model.flow import FlowConfig
 from s3flow.protocol import Limits
-from s3flow.streaming import SequenceStore
-from s3flow.vocoder import (HiFTGenerator, TorchVocoder, VocoderConfig, check_vocoder_onnx, export_vocoder,
+from s3flow.engine.streaming import SequenceStore
+from s3flow.model.vocoder import (HiFTGenerator, TorchVocoder, VocoderConfig, check_vocoder_onnx, export_vocoder,
                             hann_window, load_vocoder, random_vocoder, vocode, vocoder_state_dict,
                             write_vocoder_checkpoint)
-from s3flow.vocoder_stream import (F0_LOOKAHEAD_FRAMES, HOP_SAMPLES, Excitation, OnnxVocoder, StreamError,
+from s3flow.engine.vocoder_stream import (F0_LOOKAHEAD_FRAMES, HOP_SAMPLES, Excitation, OnnxVocoder, StreamError,
                                    StreamSettings, VocoderStream, harmonic_source, offline_vocode, trim_fade)
 
 SMALL = VocoderConfig.small()
@@ -278,8 +278,8 @@ def test_streamed_equals_offline_in_process(name):
 def _repository_runners(tmp_path, hift):
     """The served vocoder's two runners, each opened from a version folder the repository writer made
     (``vocoder_backend`` onnx and torch, cpu target, so the torch one runs on the CPU)."""
-    from s3flow.repository import RepositorySettings, write_vocoder_models
-    from s3flow.vocoder import VocoderRunnerSettings, open_vocoder_runner
+    from s3flow.serving.repository import RepositorySettings, write_vocoder_models
+    from s3flow.model.vocoder import VocoderRunnerSettings, open_vocoder_runner
 
     runners = {}
     for backend in ("onnx", "torch"):
@@ -317,7 +317,7 @@ def test_torch_backend_streams_like_the_onnx_backend_and_like_offline(tmp_path):
 
 
 def test_vocoder_runner_settings():
-    from s3flow.vocoder import VocoderRunnerSettings, open_vocoder_runner, vocoder_backend_for
+    from s3flow.model.vocoder import VocoderRunnerSettings, open_vocoder_runner, vocoder_backend_for
 
     s = VocoderRunnerSettings.from_args({"vocoder_backend": "torch", "intra_op_threads": "2"}, "GPU", "1")
     assert (s.backend, s.device, s.threads) == ("torch", "cuda:1", 2)
@@ -455,9 +455,9 @@ LIMITS = Limits(max_steps=20, max_utterance_frames=600, max_request_bytes=200_00
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from s3flow.checkpoint import write_random_checkpoint
-    from s3flow.repository import Batching, RepositorySettings, write_repository
-    from s3flow.triton_server import TritonServer
+    from s3flow.model.checkpoint import write_random_checkpoint
+    from s3flow.serving.repository import Batching, RepositorySettings, write_repository
+    from s3flow.serving.triton_server import TritonServer
 
     root = tmp_path_factory.mktemp("served_wav")
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=7))
@@ -537,9 +537,9 @@ def test_served_streams_at_once_keep_their_own_state(served):
 def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_path):
     """token2wav with ``vocoder_backend torch`` (the gpu target's runner; here KIND_CPU, device cpu) on its
     own server, against the ONNX-backed server of the module: same flow, same vocoder weights, same stream."""
-    from s3flow.repository import Batching, RepositorySettings, write_repository
-    from s3flow.triton_server import TritonServer
-    from s3flow.vocoder import VocoderRunnerSettings, open_vocoder_runner
+    from s3flow.serving.repository import Batching, RepositorySettings, write_repository
+    from s3flow.serving.triton_server import TritonServer
+    from s3flow.model.vocoder import VocoderRunnerSettings, open_vocoder_runner
     from s3flow_client import StreamingClient, chunk_schedule
     from s3flow_client.demo import demo_utterance
 

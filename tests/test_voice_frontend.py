@@ -1,4 +1,4 @@
-"""The voice front-end (s3flow.voice): resampler, Kaldi fbank, the two mels, tokenizer, CAMPPlus, embed_ref's rules,
+"""The voice front-end (s3flow.model.voice): resampler, Kaldi fbank, the two mels, tokenizer, CAMPPlus, embed_ref's rules,
 checkpoint layout and input validation.
 
 References, each independent of the code under test:
@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.checkpoint import CheckpointMismatch, read_checkpoint, save_tensors, write_random_checkpoint
-from s3flow.flow import FlowConfig
-from s3flow.voice import VoiceConfig, VoiceFrontend, VoiceLimits, validate_wav
-from s3flow.voice.campplus import CAMPPlus, CAMPPlusConfig
-from s3flow.voice.kaldi_fbank import fbank, mel_banks, num_frames
-from s3flow.voice.mel import s3gen_mel, slaney_mel_filters, tokenizer_log_mel
-from s3flow.voice.resample import output_length, resample, sinc_resample_kernel
-from s3flow.voice.tokenizer import S3TokenizerV2, TokenizerConfig, num_tokens
-from s3flow.voice.wavio import read_wav, write_wav
-from s3flow.voice.weights import random_voice_state, voice_state_dict
+from s3flow.model.checkpoint import CheckpointMismatch, read_checkpoint, save_tensors, write_random_checkpoint
+from s3flow.model.flow import FlowConfig
+from s3flow.model.voice import VoiceConfig, VoiceFrontend, VoiceLimits, validate_wav
+from s3flow.model.voice.campplus import CAMPPlus, CAMPPlusConfig
+from s3flow.model.voice.kaldi_fbank import fbank, mel_banks, num_frames
+from s3flow.model.voice.mel import s3gen_mel, slaney_mel_filters, tokenizer_log_mel
+from s3flow.model.voice.resample import output_length, resample, sinc_resample_kernel
+from s3flow.model.voice.tokenizer import S3TokenizerV2, TokenizerConfig, num_tokens
+from s3flow.model.voice.wavio import read_wav, write_wav
+from s3flow.model.voice.weights import random_voice_state, voice_state_dict
 
 
 

@@ -7,15 +7,15 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from helpers import request_inputs
-from s3flow.checkpoint import load_flow, write_random_checkpoint
-from s3flow.flow import FlowConfig
+from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.flow import FlowConfig
 from s3flow.protocol import Limits, RequestError
-from s3flow.repository import Batching, RepositorySettings, VoiceSettings, write_repository
-from s3flow.session import INVALID_ARG, Incoming
-from s3flow.triton_server import TritonServer
-from s3flow.voice import VoiceConfig, VoiceFrontend
-from s3flow.voice.registry import UnknownVoice, VoiceRegistry, voice_id_of
-from s3flow.voice.service import VoiceService
+from s3flow.serving.repository import Batching, RepositorySettings, VoiceSettings, write_repository
+from s3flow.serving.session import INVALID_ARG, Incoming
+from s3flow.serving.triton_server import TritonServer
+from s3flow.model.voice import VoiceConfig, VoiceFrontend
+from s3flow.serving.voice_registry import UnknownVoice, VoiceRegistry, voice_id_of
+from s3flow.serving.voice_service import VoiceService
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
 from s3flow_client.voices import list_voices, read_wav, register_prompt, register_voice

@@ -1,23 +1,29 @@
 """s3flow: Chatterbox S3Gen's flow-matching token-to-mel decoder, packaged for serving on Triton.
 
-Modules: ``estimator`` (ConditionalDecoder U-Net), ``encoder`` (token encoder), ``solver`` (Euler CFM
-solver, guidance, time grid, noise), ``chunks`` (how every solve's condition and starting point are
-built), ``flow`` (in-process synthesis), ``checkpoint`` (upstream layout), ``onnx_export``, ``streaming``
-(per-sequence state, the chunk engine), ``session`` (the solver model's request handling),
-``triton_server`` (launching tritonserver).
+Layers, lowest first; a module imports only from its own layer or lower ones (tests/test_layers.py):
+
+- ``s3flow.contract``, ``s3flow.protocol``: every tensor's name, dtype and dims; request validation (numpy only)
+- ``s3flow.model``: the torch ports (estimator, encoder, flow, solver, chunks, vocoder, voice front-end,
+  checkpoint layout)
+- ``s3flow.runtime``: running the estimator and friends on a backend (ONNX export, ONNX Runtime, TensorRT)
+- ``s3flow.engine``: Triton-free streaming state (the chunk engine, the vocoder stream)
+- ``s3flow.serving``: everything Triton (repository generator, the python models, sessions, launcher, drain,
+  metrics, warm-up, voices)
+
+Training (``s3flow_training``, top-level ``training/``) sits outside the served package.
 """
 __all__ = ["ClassifierFreeGuidance", "ConditionalField", "CountingEstimator", "FrameNoise", "SolveResult",
            "euler_solve", "solve_cfm", "time_grid"]
 
 
-def __getattr__(name):  # lazy: torch is heavy, and the drain probe (s3flow.drain) must start in a blink
+def __getattr__(name):  # lazy: torch is heavy, and the drain probe (s3flow.serving.drain) must start in a blink
     if name in __all__:
-        from . import solver
+        from s3flow.model import solver
         return getattr(solver, name)
     if name in ("FlowConfig", "S3Flow", "synthesize", "SynthesisResult"):
-        from . import flow
+        from s3flow.model import flow
         return getattr(flow, name)
     if name in ("load_flow", "write_random_checkpoint", "random_flow"):
-        from . import checkpoint
+        from s3flow.model import checkpoint
         return getattr(checkpoint, name)
     raise AttributeError(name)

@@ -30,21 +30,11 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-VOCAB_SIZE = 6561
-XVECTOR_DIM = 192
+from s3flow.contract import REQUEST, VOCAB_SIZE, VOICE_ID, XVECTOR_DIM  # noqa: F401 (re-exported)
 
-INPUT_DTYPES = {
-    "speech_tokens": np.int64,
-    "prompt_tokens": np.int64,
-    "prompt_mel": np.float32,
-    "speaker_embedding": np.float32,
-    "n_timesteps": np.int32,
-    "guidance_rate": np.float32,
-    "seed": np.int64,
-}
-#: Optional START input naming a registered voice instead of the three prompt tensors (BYTES, s3flow.voice.registry).
-VOICE_ID = "voice_id"
-START_ONLY = ("prompt_tokens", "prompt_mel", "speaker_embedding", "n_timesteps", "guidance_rate", "seed")
+#: The request tensors the solver validates here (voice_id is resolved to a prompt before parse_request).
+INPUT_DTYPES = {t.name: t.np_dtype.type for t in REQUEST if t.name != VOICE_ID}
+START_ONLY = tuple(t.name for t in REQUEST if t.start_only and t.name != VOICE_ID)
 
 
 class RequestError(ValueError):
@@ -76,7 +66,7 @@ class Limits:
     default_guidance_rate: float = 0.7
     #: Streaming mode. -1: every chunk re-solves the whole prefix (cost grows with the utterance);
     #: C >= 0: bounded context, each chunk solves prompt + the last C emitted frames (as conditioning)
-    #: + its new tokens (see s3flow.streaming). 100 (2 s): see results/streaming.md and the README.
+    #: + its new tokens (see s3flow.engine.streaming). 100 (2 s): see results/streaming.md and the README.
     context_frames: int = 100
 
     @classmethod

@@ -1,0 +1,147 @@
+"""Every tensor that crosses a model boundary: its name, dtype and dims, declared once (numpy only).
+
+The repository generator writes the ``config.pbtxt`` inputs and outputs from these declarations, the python
+models check their config against them at load time, the ONNX exports name their graph inputs by them, and
+the client, the benchmark and the test helpers build requests with :func:`request_arrays`.
+
+Dims are Triton's: ``-1`` is variable, ``FEATS`` stands for the mel bins (80 in every released checkpoint).
+Models that batch (``max_batch_size`` > 0: the solver, the ensembles, the vocoder) omit the batch dimension;
+the stateless ones (encoder, estimator, voice encoder: ``max_batch_size: 0``) include it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import numpy as np
+
+VOCAB_SIZE = 6561          # S3 speech-token ids lie in [0, VOCAB_SIZE)
+XVECTOR_DIM = 192          # the speaker x-vector (CAMPPlus)
+FEATS = "FEATS"            # placeholder in dims for the mel bins
+
+#: numpy dtype name -> (Triton config type, wire type of tritonclient's InferInput)
+_TYPES = {"int64": ("TYPE_INT64", "INT64"), "int32": ("TYPE_INT32", "INT32"), "float32": ("TYPE_FP32", "FP32"),
+          "bool": ("TYPE_BOOL", "BOOL"), "bytes": ("TYPE_STRING", "BYTES")}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str                    # a key of _TYPES ("bytes": numpy object arrays of bytes)
+    dims: tuple
+    optional: bool = False        # the model takes requests without it
+    ragged: bool = False          # allow_ragged_batch (a batch of requests with different lengths)
+    start_only: bool = False      # request tensors: only on a sequence's START request
+
+    def __post_init__(self):
+        if self.dtype not in _TYPES:
+            raise ValueError(f"{self.name}: dtype {self.dtype!r} is not one of {sorted(_TYPES)}")
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(object) if self.dtype == "bytes" else np.dtype(self.dtype)
+
+    @property
+    def config_type(self) -> str:
+        return _TYPES[self.dtype][0]
+
+    @property
+    def wire_type(self) -> str:
+        return _TYPES[self.dtype][1]
+
+    def shape(self, n_feats: int) -> tuple:
+        """The dims with ``FEATS`` resolved."""
+        return tuple(n_feats if d == FEATS else d for d in self.dims)
+
+
+def names(tensors: Iterable[Tensor]) -> tuple[str, ...]:
+    return tuple(t.name for t in tensors)
+
+
+def by_name(tensors: Iterable[Tensor]) -> dict[str, Tensor]:
+    return {t.name: t for t in tensors}
+
+
+# -- the public request (token2mel / token2wav ensembles, cfm_solver) ------------------------------------
+REQUEST = (
+    Tensor("speech_tokens", "int64", (-1,), ragged=True),
+    Tensor("prompt_tokens", "int64", (-1,), optional=True, ragged=True, start_only=True),
+    Tensor("prompt_mel", "float32", (-1, FEATS), optional=True, ragged=True, start_only=True),
+    Tensor("speaker_embedding", "float32", (XVECTOR_DIM,), optional=True, ragged=True, start_only=True),
+    Tensor("n_timesteps", "int32", (1,), optional=True, ragged=True, start_only=True),
+    Tensor("guidance_rate", "float32", (1,), optional=True, ragged=True, start_only=True),
+    Tensor("seed", "int64", (1,), optional=True, ragged=True, start_only=True),
+    #: a registered voice (s3flow.serving.voice_registry) instead of the three prompt tensors
+    Tensor("voice_id", "bytes", (1,), optional=True, start_only=True),
+)
+VOICE_ID = "voice_id"
+PROMPT = ("prompt_tokens", "prompt_mel", "speaker_embedding")
+#: Triton's sequence controls, as the solver and the vocoder receive them
+CONTROLS = ("START", "END", "READY", "CORRID")
+
+MEL_RESPONSE = (Tensor("mel", "float32", (FEATS, -1)), Tensor("frame_offset", "int64", (1,)))
+AUDIO_RESPONSE = (Tensor("audio", "float32", (-1,)), Tensor("sample_offset", "int64", (1,)))
+
+# -- the stateless models the solver calls (BLS) ------------------------------------------------------------
+ENCODER_INPUTS = (Tensor("tokens", "int64", (-1, -1)), Tensor("token_len", "int64", (-1,)),
+                  Tensor("embedding", "float32", (-1, XVECTOR_DIM)))
+ENCODER_OUTPUTS = (Tensor("mu", "float32", (-1, FEATS, -1)), Tensor("mask", "float32", (-1, 1, -1)),
+                   Tensor("spks", "float32", (-1, FEATS)))
+
+_ESTIMATOR_INPUTS = (Tensor("x", "float32", (-1, FEATS, -1)), Tensor("mask", "float32", (-1, 1, -1)),
+                     Tensor("mu", "float32", (-1, FEATS, -1)), Tensor("t", "float32", (-1,)),
+                     Tensor("spks", "float32", (-1, FEATS)), Tensor("cond", "float32", (-1, FEATS, -1)))
+#: meanflow (distilled) estimators also take the interval's start time r
+MEANFLOW_INPUT = Tensor("r", "float32", (-1,))
+ESTIMATOR_OUTPUTS = (Tensor("velocity", "float32", (-1, FEATS, -1)),)
+
+
+def estimator_inputs(meanflow: bool) -> tuple[Tensor, ...]:
+    """The estimator's inputs, in graph order: x, mask, mu, t, spks, cond (+ r for meanflow)."""
+    return _ESTIMATOR_INPUTS + ((MEANFLOW_INPUT,) if meanflow else ())
+
+
+# -- the vocoder (token2wav's second step) and its two ONNX graphs --------------------------------------
+VOCODER_INPUTS = (Tensor("mel", "float32", (FEATS, -1), ragged=True), Tensor("frame_offset", "int64", (1,)),
+                  Tensor("seed", "int64", (1,), optional=True))
+VOCODER_OUTPUTS = AUDIO_RESPONSE
+HIFT_F0 = ((Tensor("mel", "float32", (-1, FEATS, -1)),), (Tensor("f0", "float32", (-1, -1)),))
+HIFT_DECODER = ((Tensor("mel", "float32", (-1, FEATS, -1)), Tensor("harmonics", "float32", (-1, 1, -1))),
+                (Tensor("audio", "float32", (-1, -1)),))
+
+# -- the voice encoder: a reference wav (or a ready prompt) in, a voice id and its prompt out ------------
+VOICE_ENCODER_INPUTS = (
+    Tensor("wav", "float32", (-1,), optional=True), Tensor("sample_rate", "int32", (1,), optional=True),
+    Tensor("prompt_tokens", "int64", (-1,), optional=True), Tensor("prompt_mel", "float32", (-1, FEATS), optional=True),
+    Tensor("speaker_embedding", "float32", (XVECTOR_DIM,), optional=True),
+    Tensor("list_voices", "bool", (1,), optional=True))
+VOICE_ENCODER_OUTPUTS = (
+    Tensor("voice_id", "bytes", (1,)), Tensor("prompt_tokens", "int64", (-1,)),
+    Tensor("prompt_mel", "float32", (-1, FEATS)), Tensor("speaker_embedding", "float32", (XVECTOR_DIM,)),
+    Tensor("voice_ids", "bytes", (-1,)))
+
+
+def request_arrays(speech_tokens, *, start: bool = False, prompt_tokens=None, prompt_mel=None,
+                   speaker_embedding=None, n_timesteps: Optional[int] = None,
+                   guidance_rate: Optional[float] = None, seed: Optional[int] = None,
+                   voice_id: Optional[str] = None) -> dict[str, np.ndarray]:
+    """One request's tensors, batch dimension 1, dtypes as declared. ``None`` values are left out; the
+    START-only ones are refused unless ``start`` (prompt_mel is frames-major: (2 Np, FEATS))."""
+    given = {"prompt_tokens": prompt_tokens, "prompt_mel": prompt_mel, "speaker_embedding": speaker_embedding,
+             "n_timesteps": n_timesteps, "guidance_rate": guidance_rate, "seed": seed, "voice_id": voice_id}
+    given = {k: v for k, v in given.items() if v is not None}
+    if given and not start:
+        raise ValueError(f"{sorted(given)} may only be sent with a sequence's START request")
+    spec = by_name(REQUEST)
+    out = {"speech_tokens": np.asarray(speech_tokens, dtype=spec["speech_tokens"].np_dtype).reshape(1, -1)}
+    for name, value in given.items():
+        t = spec[name]
+        if name == VOICE_ID:
+            out[name] = np.array([[value.encode() if isinstance(value, str) else value]], dtype=object)
+        elif t.dims == (1,):
+            out[name] = np.array([[value]], dtype=t.np_dtype)
+        elif name == "speaker_embedding":
+            out[name] = np.asarray(value, dtype=t.np_dtype).reshape(1, -1)
+        else:
+            out[name] = np.asarray(value, dtype=t.np_dtype)[None]
+    return out

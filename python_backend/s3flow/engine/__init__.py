@@ -1,0 +1,1 @@
+"""The engine layer: Triton-free streaming state (per-sequence store, chunk engine, vocoder stream)."""

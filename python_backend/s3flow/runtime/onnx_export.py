@@ -1,0 +1,212 @@
+"""ONNX export of the S3Gen flow networks, with onnxruntime parity checks.
+
+Estimator (:class:`s3flow.model.estimator.ConditionalDecoder`), exported by
+:func:`export_estimator` with the TorchScript exporter (``dynamo=False``, opset 17).
+All tensors are float32 (the model's dtype); ``B`` (axis name ``batch``) and
+``T`` (axis name ``time``) are dynamic; ``n_feats`` = 80.
+
+======== ================== ==================================================
+name     shape              meaning
+======== ================== ==================================================
+x        (B, n_feats, T)    current noisy mel
+mask     (B, 1, T)          1.0 on valid frames, 0.0 on padding
+mu       (B, n_feats, T)    encoder output (upsampled tokens)
+t        (B,)               flow time in [0, 1]
+spks     (B, n_feats)       projected speaker embedding
+cond     (B, n_feats, T)    prompt mel (zeros outside the prompt)
+r        (B,)               end time; *meanflow models only*
+velocity (B, n_feats, T)    output: predicted dx/dt, zero on padded frames
+======== ================== ==================================================
+
+Inputs appear in the graph in exactly the order above (``r`` last, only for
+mean-flow models).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Dict, List, Tuple, Union
+
+import numpy as np
+import torch
+
+from s3flow.model.estimator import ConditionalDecoder
+
+__all__ = [
+    "ESTIMATOR_OUTPUT_NAME",
+    "estimator_input_names",
+    "export_estimator",
+    "check_estimator_onnx",
+    "make_estimator_inputs",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Output tensor name of the estimator graph.
+ESTIMATOR_OUTPUT_NAME = "velocity"
+
+_BT = {0: "batch", 2: "time"}
+_B = {0: "batch"}
+_ESTIMATOR_AXES: Dict[str, Dict[int, str]] = {
+    "x": _BT,
+    "mask": _BT,
+    "mu": _BT,
+    "t": _B,
+    "spks": _B,
+    "cond": _BT,
+    "r": _B,
+    ESTIMATOR_OUTPUT_NAME: _BT,
+}
+
+
+# --------------------------------------------------------------------------- #
+# Estimator
+# --------------------------------------------------------------------------- #
+def estimator_input_names(meanflow: bool) -> List[str]:
+    """Graph input names, in order: x, mask, mu, t, spks, cond (+ r if ``meanflow``)."""
+    names = ["x", "mask", "mu", "t", "spks", "cond"]
+    return names + ["r"] if meanflow else names
+
+
+def make_estimator_inputs(
+    model: ConditionalDecoder,
+    batch: int,
+    frames: int,
+    seed: int = 0,
+    lengths: Union[List[int], None] = None,
+) -> Dict[str, torch.Tensor]:
+    """Random estimator inputs with a padded mask (on the model's device/dtype).
+
+    Args:
+        model: The estimator (decides ``n_feats``, ``meanflow``, device, dtype).
+        batch: B.
+        frames: T (padded length).
+        seed: Seed of the private generator.
+        lengths: Valid frames per item. Default: item 0 uses all ``frames`` and
+            the others shrink linearly to about ``frames // 2`` (a single item
+            gets ``frames - frames // 4``), so the mask is always padded.
+
+    Returns:
+        Name -> tensor dict, ordered as :func:`estimator_input_names`.
+        Padded frames of ``x``/``mu``/``cond`` hold random values too (the
+        model must ignore them).
+    """
+    if lengths is None:
+        if batch == 1:
+            lengths = [max(1, frames - frames // 4)]
+        else:
+            lengths = [
+                max(1, frames - (i * (frames - frames // 2)) // (batch - 1)) for i in range(batch)
+            ]
+    if len(lengths) != batch:
+        raise ValueError("len(lengths) must equal batch")
+    g = torch.Generator().manual_seed(seed)
+    n = model.config.n_feats
+    inputs = {
+        "x": torch.randn(batch, n, frames, generator=g),
+        "mask": (torch.arange(frames)[None, :] < torch.tensor(lengths)[:, None]).float().unsqueeze(1),
+        "mu": torch.randn(batch, n, frames, generator=g),
+        "t": torch.rand(batch, generator=g),
+        "spks": torch.randn(batch, n, generator=g),
+        "cond": torch.randn(batch, n, frames, generator=g),
+    }
+    if model.meanflow:
+        inputs["r"] = torch.rand(batch, generator=g)
+    p = next(model.parameters())
+    return {k: v.to(device=p.device, dtype=p.dtype) for k, v in inputs.items()}
+
+
+def export_estimator(model: ConditionalDecoder, path: PathLike, opset: int = 17) -> Path:
+    """Exports the estimator to a single ONNX file with dynamic batch/time axes.
+
+    The graph is traced at B=2, T=48 (small, fast); the axes named ``batch``
+    and ``time`` are dynamic. See the module docstring for tensor names.
+
+    Args:
+        model: The estimator to export (exported in eval mode; its mode is restored).
+        path: Output ``.onnx`` file (parent directories are created).
+        opset: ONNX opset version (>= 17 needed for ``LayerNormalization``).
+
+    Returns:
+        The output path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = estimator_input_names(model.meanflow)
+    dummy = make_estimator_inputs(model, batch=2, frames=48, seed=0)
+    args: Tuple[torch.Tensor, ...] = tuple(dummy[n] for n in names)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            # F.pad (causal convs) exports as Pad fed by a tiny constant subgraph with a
+            # step -1 Slice that the TorchScript exporter cannot fold; onnxruntime and
+            # TensorRT fold it when the graph is loaded. Benign, so silenced.
+            warnings.filterwarnings("ignore", message="Constant folding - Only steps=1")
+            torch.onnx.export(
+                model,
+                args,
+                str(path),
+                dynamo=False,
+                opset_version=opset,
+                input_names=names,
+                output_names=[ESTIMATOR_OUTPUT_NAME],
+                dynamic_axes={k: _ESTIMATOR_AXES[k] for k in names + [ESTIMATOR_OUTPUT_NAME]},
+                do_constant_folding=True,
+            )
+    finally:
+        model.train(was_training)
+    return path
+
+
+def check_estimator_onnx(
+    model: ConditionalDecoder,
+    path: PathLike,
+    batch: int = 2,
+    frames: int = 300,
+    seed: int = 0,
+) -> float:
+    """Runs the exported graph in onnxruntime (CPU) and the model in torch.
+
+    Inputs are fresh random tensors with a padded mask (see
+    :func:`make_estimator_inputs`), at a shape different from the export trace.
+
+    Args:
+        model: The estimator the file was exported from.
+        path: The ``.onnx`` file.
+        batch: B of the check.
+        frames: T of the check.
+        seed: Seed for the random inputs.
+
+    Returns:
+        Worst absolute difference between onnxruntime and torch over all outputs.
+    """
+    import onnxruntime as ort
+
+    inputs = make_estimator_inputs(model, batch=batch, frames=frames, seed=seed)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ref = model(**inputs).float().cpu().numpy()
+    finally:
+        model.train(was_training)
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feed = {k: v.cpu().numpy() for k, v in inputs.items()}
+    (out,) = sess.run([ESTIMATOR_OUTPUT_NAME], feed)
+    if out.shape != ref.shape:
+        raise AssertionError(f"onnx output shape {out.shape} != torch {ref.shape}")
+    return float(np.max(np.abs(out.astype(np.float32) - ref)))
+
+
+# --------------------------------------------------------------------------- #
+# Encoder
+# --------------------------------------------------------------------------- #
+# The token encoder's export lives beside the module (inputs tokens, token_len, embedding; outputs mu,
+# mask, spks: see s3flow.model.encoder); re-exported here so that both exports have one home.
+from s3flow.model.encoder import check_encoder_onnx, export_encoder  # noqa: E402
+
+__all__ += ["export_encoder", "check_encoder_onnx"]

@@ -1,0 +1,167 @@
+"""Graceful drain: a server that is going away finishes the utterances in flight and takes no new ones.
+
+The server side is a file. While the file named by ``S3FLOW_DRAIN_FILE`` (in the server's environment)
+exists, the solver answers every START with UNAVAILABLE ``the server is draining ...; send the START to
+another server`` and goes on serving the sequences it holds. To drain: create the file, then wait until the
+solvers hold no sequence (their ``s3flow_live_sequences`` gauges on the metrics port sum to 0) or a deadline
+passes; then stop the server. Utterances still open at the deadline break, and a resuming client
+(``StreamingClient`` with several addresses) replays them on another server.
+
+Triton 2.51 itself closes its gRPC streams at once on SIGTERM, so the drain must come before Triton's
+SIGTERM. Three entry points (``python -m s3flow.serving.drain ...`` or ``scripts/drain.py ...``):
+
+* ``supervise [--deadline-s 60] -- tritonserver ARGS``: run the server as a child; on SIGTERM or SIGINT drain,
+  then SIGTERM the server and exit with its code (the container's entrypoint, ``TritonServer(drain_s=...)``);
+* ``drain [--deadline-s 60]``: the drain alone (a Kubernetes ``preStop`` hook; SIGTERM follows it);
+* ``ready``: exit 0 only if the server is ready and not draining (a readiness probe: the router stops sending
+  new sequences as soon as a drain starts).
+
+Example::
+
+    python -m s3flow.serving.drain supervise --deadline-s 60 --metrics-url http://127.0.0.1:8002/metrics -- \\
+        tritonserver --model-repository=model_repository
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Callable, Optional
+
+DRAIN_FILE_ENV = "S3FLOW_DRAIN_FILE"
+DEFAULT_DEADLINE_S = 60.0     # the longest utterance (60 s of audio) streams in well under this on a GPU
+LIVE_METRIC = "s3flow_live_sequences"
+
+
+def draining_probe(path: Optional[str] = None) -> Callable[[], bool]:
+    """For the solver: a function telling whether this server is draining (its drain file exists)."""
+    path = path if path is not None else os.environ.get(DRAIN_FILE_ENV, "")
+    if not path:
+        return lambda: False
+    return lambda: os.path.exists(path)
+
+
+def live_sequences(metrics_url: str, timeout_s: float = 3.0) -> int:
+    """Sum of the solvers' ``s3flow_live_sequences`` gauges, read with prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+        text = response.read().decode()
+    return int(sum(sample.value for family in text_string_to_metric_families(text)
+                   if family.name == LIVE_METRIC for sample in family.samples))
+
+
+def drain(drain_file: str, metrics_url: str, deadline_s: float = DEFAULT_DEADLINE_S, poll_s: float = 0.2,
+          log: Callable[[str], None] = print, give_up: Callable[[], bool] = lambda: False) -> dict:
+    """Start draining (create ``drain_file``) and wait until no sequence is live, ``deadline_s`` passes or
+    ``give_up()`` (a second signal).
+
+    Returns ``{"drained": bool, "seconds": float, "live_at_start": int, "live_at_end": int}``; a metrics
+    port that does not answer counts as drained (the server is gone already).
+    """
+    pathlib.Path(drain_file).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(drain_file).write_text(f"draining since {time.time():.3f}\n")
+    t0 = time.monotonic()
+
+    def live() -> int:
+        try:
+            return live_sequences(metrics_url)
+        except (OSError, urllib.error.URLError):
+            return 0
+
+    first = now = live()
+    log(f"[s3flow drain] draining: new sequences refused, {first} live; deadline {deadline_s:.0f} s")
+    while now > 0 and time.monotonic() - t0 < deadline_s and not give_up():
+        time.sleep(poll_s)
+        now = live()
+    seconds = time.monotonic() - t0
+    log(f"[s3flow drain] {'drained' if now == 0 else f'deadline passed with {now} live'} after {seconds:.1f} s")
+    return {"drained": now == 0, "seconds": seconds, "live_at_start": first, "live_at_end": now}
+
+
+def ready(http_url: str, drain_file: str) -> bool:
+    """The server answers ready and is not draining."""
+    if drain_file and os.path.exists(drain_file):
+        return False
+    try:
+        with urllib.request.urlopen(f"{http_url.rstrip('/')}/v2/health/ready", timeout=3) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s: float,
+              kill_after_s: float = 30.0) -> int:
+    """Run ``command`` (tritonserver) with ``S3FLOW_DRAIN_FILE`` set; on SIGTERM/SIGINT drain, then SIGTERM it.
+
+    A second signal during the drain stops the server at once; a drain file made before the signal (by a
+    Kubernetes preStop hook: that drain is over) stops it at once too. ``kill_after_s`` after its SIGTERM
+    the server is killed. Returns the server's exit code.
+    """
+    pathlib.Path(drain_file).unlink(missing_ok=True)  # a drain of an earlier run must not refuse this one
+    env = dict(os.environ, **{DRAIN_FILE_ENV: drain_file})
+    child = subprocess.Popen(command, env=env)
+    signals: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: signals.append(signum))
+    while child.poll() is None and not signals:
+        time.sleep(0.1)
+    if child.poll() is None:
+        if os.path.exists(drain_file):  # a Kubernetes preStop hook drained already: stop now
+            print("[s3flow drain] drained before the signal: stopping the server", flush=True)
+        else:
+            drain(drain_file, metrics_url, deadline_s, log=lambda msg: print(msg, flush=True),
+                  give_up=lambda: len(signals) > 1)
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(kill_after_s)
+        except subprocess.TimeoutExpired:
+            print(f"[s3flow drain] the server did not stop {kill_after_s:.0f} s after SIGTERM: killed", flush=True)
+            child.kill()
+            child.wait(10)
+    pathlib.Path(drain_file).unlink(missing_ok=True)
+    return child.returncode
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m s3flow.serving.drain`` (before its ``--``); defaults read the environment now."""
+    parser = argparse.ArgumentParser(prog="python -m s3flow.serving.drain", description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=("supervise", "drain", "ready"))
+    parser.add_argument("--drain-file", default=os.environ.get(DRAIN_FILE_ENV, ""),
+                        help=f"the drain file (default ${DRAIN_FILE_ENV}; supervise: a fresh temporary path)")
+    parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
+    parser.add_argument("--http-url", default="http://127.0.0.1:8000", help="for ready: the server's HTTP endpoint")
+    parser.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
+                        help="how long utterances in flight may take to finish")
+    parser.add_argument("--kill-after-s", type=float, default=30.0,
+                        help="supervise: SIGKILL the server this long after its SIGTERM")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, command = parser.parse_args(argv[:split]), argv[split + 1:]  # supervise: -- the server's command
+    if args.what == "supervise":
+        if not command:
+            parser.error("supervise needs the server's command line after --")
+        drain_file = args.drain_file or os.path.join(tempfile.gettempdir(), f"s3flow-drain-{os.getpid()}")
+        return supervise(command, drain_file, args.metrics_url, args.deadline_s, args.kill_after_s)
+    if not args.drain_file:
+        parser.error(f"--drain-file or ${DRAIN_FILE_ENV} is needed")
+    if args.what == "drain":
+        drain(args.drain_file, args.metrics_url, args.deadline_s)
+        return 0
+    return 0 if ready(args.http_url, args.drain_file) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Model configs as data: ``ModelConfig`` protobufs built from the tensor contract, written and read with
+protobuf's ``text_format``; one writer of model folders; typed reading of a config's ``parameters``; the
+load-time check of a served config against the contract (Triton-free: unit-tested without a server).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Union
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from s3flow.contract import CONTROLS, Tensor
+
+ModelConfig = mc.ModelConfig
+PathLike = Union[str, Path]
+CONFIG_FILE = "config.pbtxt"
+
+_CONTROL_KINDS = {"START": mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_START,
+                  "END": mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_END,
+                  "READY": mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_READY,
+                  "CORRID": mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_CORRID}
+
+
+def add_tensors(config: ModelConfig, inputs: Iterable[Tensor] = (), outputs: Iterable[Tensor] = (), *,
+                n_feats: int) -> ModelConfig:
+    """Declare the contract's tensors as the config's inputs and outputs (``FEATS`` resolved)."""
+    for t in inputs:
+        config.input.add(name=t.name, data_type=mc.DataType.Value(t.config_type), dims=t.shape(n_feats),
+                         optional=t.optional, allow_ragged_batch=t.ragged)
+    for t in outputs:
+        config.output.add(name=t.name, data_type=mc.DataType.Value(t.config_type), dims=t.shape(n_feats))
+    return config
+
+
+def set_parameters(config: ModelConfig, params: Mapping[str, object]) -> ModelConfig:
+    """``parameters`` entries; booleans are spelled ``true``/``false`` (what :class:`Params` reads)."""
+    for key, value in params.items():
+        config.parameters[key].string_value = str(value).lower() if isinstance(value, bool) else str(value)
+    return config
+
+
+def add_sequence_controls(config: ModelConfig, idle_us: int) -> mc.ModelSequenceBatching:
+    """Sequence batching with the four controls the stateful models read (``contract.CONTROLS``)."""
+    seq = config.sequence_batching
+    seq.max_sequence_idle_microseconds = idle_us
+    for name in CONTROLS:
+        control = seq.control_input.add(name=name).control.add(kind=_CONTROL_KINDS[name])
+        if name == "CORRID":
+            control.data_type = mc.TYPE_UINT64
+        else:
+            control.int32_false_true.extend([0, 1])
+    return seq
+
+
+def add_instances(config: ModelConfig, count: int, gpu: bool) -> ModelConfig:
+    config.instance_group.add(count=count, kind=mc.ModelInstanceGroup.KIND_GPU if gpu else
+                              mc.ModelInstanceGroup.KIND_CPU)
+    return config
+
+
+def to_text(config: ModelConfig) -> str:
+    return text_format.MessageToString(config)
+
+
+def read_config(path: PathLike) -> ModelConfig:
+    """A ``config.pbtxt`` (or the model folder holding one) as a ModelConfig."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CONFIG_FILE
+    return text_format.Parse(path.read_text(), ModelConfig())
+
+
+def write_config(folder: PathLike, config: ModelConfig) -> Path:
+    path = Path(folder) / CONFIG_FILE
+    path.write_text(to_text(config))
+    return path
+
+
+def write_model_folder(repository: PathLike, config: ModelConfig, files: Optional[Mapping[str, str]] = None,
+                       *, replace: bool = True) -> list[Path]:
+    """Write one model folder: ``<name>/config.pbtxt``, the version folder ``1/`` and ``files`` (relative path
+    -> text, e.g. ``{"1/model.py": ...}``); with ``replace`` an old folder of that name goes first. Returns
+    the files written (the version folder of an ensemble gets a ``.keep``)."""
+    folder = Path(repository) / config.name
+    if replace and folder.exists():
+        shutil.rmtree(folder)
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    written = [write_config(folder, config)]
+    for rel, text in (files or {}).items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_text(text)
+        written.append(folder / rel)
+    if not any(p.parent == folder / "1" for p in written):
+        (folder / "1" / ".keep").write_text("")
+    return written
+
+
+class Params:
+    """Typed reading of a config's ``parameters`` (Triton's JSON form or a ModelConfig); every error names
+    the model and the key. Booleans are ``true`` or ``false`` (any case), nothing else."""
+
+    def __init__(self, config: Union[Mapping, ModelConfig], model: str = ""):
+        if isinstance(config, ModelConfig):
+            self.raw = {k: v.string_value for k, v in config.parameters.items()}
+        else:
+            self.raw = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        self.model = model or (config.name if isinstance(config, ModelConfig) else config.get("name", "model"))
+
+    def _get(self, key, default):
+        value = self.raw.get(key, "")
+        if value == "":
+            if default is None:
+                raise ValueError(f"{self.model}: config parameter {key} is required")
+            return None
+        return value
+
+    def str(self, key: str, default: Optional[str] = None) -> str:
+        value = self._get(key, default)
+        return default if value is None else value
+
+    def int(self, key: str, default: Optional[int] = None) -> int:
+        value = self._get(key, default)
+        if value is None:
+            return default
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{self.model}: config parameter {key} must be an integer, got {value!r}") from None
+
+    def float(self, key: str, default: Optional[float] = None) -> float:
+        value = self._get(key, default)
+        if value is None:
+            return default
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{self.model}: config parameter {key} must be a number, got {value!r}") from None
+
+    def bool(self, key: str, default: Optional[bool] = None) -> bool:
+        value = self._get(key, default)
+        if value is None:
+            return default
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"{self.model}: config parameter {key} must be true or false, got {value!r}")
+        return value.lower() == "true"
+
+
+def _declared(entries, kind: str) -> dict:
+    out = {}
+    for e in entries:
+        dims = tuple(int(d) for d in e.get("dims", []))
+        out[e["name"]] = (e.get("data_type", ""), dims)
+    return out
+
+
+def check_tensors(config: Mapping, inputs: Iterable[Tensor], outputs: Iterable[Tensor], n_feats: int) -> None:
+    """Raise ValueError unless the served config (Triton's JSON form) declares exactly the contract's inputs
+    and outputs with its dtypes and dims; the message names the model and the first difference."""
+    model = config.get("name", "model")
+    for kind, entries, tensors in (("input", config.get("input", []), inputs),
+                                   ("output", config.get("output", []), outputs)):
+        have = _declared(entries, kind)
+        want = {t.name: (t.config_type, t.shape(n_feats)) for t in tensors}
+        if set(have) != set(want):
+            raise ValueError(f"{model}: config {kind}s {sorted(have)} differ from the contract's {sorted(want)}")
+        for name, (dtype, dims) in want.items():
+            if have[name] != (dtype, dims):
+                raise ValueError(f"{model}: {kind} {name} is {have[name][0]} {list(have[name][1])} in the config, "
+                                 f"the contract says {dtype} {list(dims)}")

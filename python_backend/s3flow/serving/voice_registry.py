@@ -1,0 +1,143 @@
+"""The voice registry: speaker prompts stored once under a voice id, looked up by START requests.
+
+A voice is the three prompt tensors a START request would carry (``prompt_tokens`` (Np,), ``prompt_mel``
+(2 Np, 80) frames-major, ``speaker_embedding`` (192,)). Its id is a digest of those tensors (``v-`` + 16 hex
+digits), so the same reference gives the same id on every server and registering it twice stores it once.
+
+Voices are files in one folder (``<id>.npz``, written atomically), shared by the processes of one server: the
+``voice_encoder`` model writes them, the ``cfm_solver`` model reads them. The folder is
+
+* the repository parameter ``voice_dir`` when set: voices survive restarts;
+* otherwise ``/dev/shm/s3flow-voices-<server pid>``, made for this server run and removed when the
+  ``voice_encoder`` model unloads: voices survive nothing.
+
+Bounded by count (``max_voices``) and bytes (``max_voice_bytes``): registering beyond either evicts the least
+recently used voices (a lookup counts as a use). An evicted id leaves a marker, so a later lookup says it was
+evicted rather than unknown.
+
+Example::
+
+    registry = VoiceRegistry(folder, max_voices=1000, max_bytes=256 << 20)
+    voice_id = registry.put(prompt_tokens, prompt_mel, speaker_embedding)
+    tensors = registry.get(voice_id)      # START-request tensors, batch first
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from s3flow.protocol import RequestError
+
+_MARKERS_KEPT = 10000
+
+
+class UnknownVoice(RequestError):
+    """A START named a voice id this server does not hold (never registered here, or evicted)."""
+
+
+def default_dir(server_pid: Optional[int] = None) -> Path:
+    """The per-run folder of a server (its python models are its children: their parent pid is the server's)."""
+    return Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()) / \
+        f"s3flow-voices-{server_pid if server_pid is not None else os.getppid()}"
+
+
+def voice_id_of(prompt_tokens: np.ndarray, prompt_mel: np.ndarray, speaker_embedding: np.ndarray) -> str:
+    digest = hashlib.sha256()
+    for a in (prompt_tokens.astype(np.int64), prompt_mel.astype(np.float32), speaker_embedding.astype(np.float32)):
+        digest.update(str(a.shape).encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return "v-" + digest.hexdigest()[:16]
+
+
+@dataclass
+class VoiceInfo:
+    voice_id: str
+    bytes: int
+    last_used: float     # unix time
+
+
+class VoiceRegistry:
+    """Voices in ``folder``, at most ``max_voices`` of them and ``max_bytes`` in all (least recently used out)."""
+
+    def __init__(self, folder, max_voices: int = 1000, max_bytes: int = 256 << 20):
+        if max_voices < 1 or max_bytes < 1:
+            raise ValueError(f"max_voices and max_bytes must be >= 1, got {max_voices}, {max_bytes}")
+        self.folder, self.max_voices, self.max_bytes = Path(folder), int(max_voices), int(max_bytes)
+        (self.folder / "evicted").mkdir(parents=True, exist_ok=True)
+
+    def _path(self, voice_id: str) -> Path:
+        if not (voice_id.startswith("v-") and len(voice_id) == 18 and all(c in "0123456789abcdef" for c in voice_id[2:])):
+            raise UnknownVoice(f"voice_id {voice_id[:40]!r} is not a voice id (v- and 16 hex digits)")
+        return self.folder / f"{voice_id}.npz"
+
+    def put(self, prompt_tokens: np.ndarray, prompt_mel: np.ndarray, speaker_embedding: np.ndarray) -> str:
+        """Store a voice (already validated); return its id. Evicts least recently used voices if needed."""
+        voice_id = voice_id_of(prompt_tokens, prompt_mel, speaker_embedding)
+        path = self._path(voice_id)
+        if not path.exists():
+            buf = io.BytesIO()
+            np.savez(buf, prompt_tokens=prompt_tokens.astype(np.int64), prompt_mel=prompt_mel.astype(np.float32),
+                     speaker_embedding=speaker_embedding.astype(np.float32))
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(buf.getvalue())
+            os.replace(tmp, path)
+        (self.folder / "evicted" / voice_id).unlink(missing_ok=True)
+        os.utime(path)
+        self._evict(keep=voice_id)
+        return voice_id
+
+    def get(self, voice_id: str) -> dict[str, np.ndarray]:
+        """The START tensors of a voice (batch first), or UnknownVoice saying why it is not here."""
+        path = self._path(voice_id)
+        try:
+            with np.load(path) as z:
+                tensors = {k: z[k][None] for k in ("prompt_tokens", "prompt_mel", "speaker_embedding")}
+        except FileNotFoundError:
+            if (self.folder / "evicted" / voice_id).exists():
+                raise UnknownVoice(f"voice_id {voice_id} was evicted (the registry keeps at most "
+                                   f"{self.max_voices} voices and {self.max_bytes} bytes, least recently used "
+                                   f"out): register the reference again") from None
+            raise UnknownVoice(f"voice_id {voice_id} is not registered on this server: register the reference "
+                               f"(the voice_encoder model) first") from None
+        try:
+            os.utime(path)
+        except FileNotFoundError:  # evicted a moment ago: the tensors are read already
+            pass
+        return tensors
+
+    def voices(self) -> list[VoiceInfo]:
+        """The voices held, most recently used first (from the files' sizes and times: nothing is read)."""
+        out = []
+        for p in self.folder.glob("v-*.npz"):
+            try:
+                st = p.stat()
+            except OSError:  # evicted meanwhile
+                continue
+            out.append(VoiceInfo(p.stem, st.st_size, st.st_mtime))
+        return sorted(out, key=lambda v: -v.last_used)
+
+    def _evict(self, keep: str) -> None:
+        held = sorted(self.voices(), key=lambda v: v.last_used)  # least recently used first
+        total = sum(v.bytes for v in held)
+        while held and (len(held) > self.max_voices or total > self.max_bytes):
+            victim = held.pop(0)
+            if victim.voice_id == keep and held:  # the voice just registered goes last
+                held.append(victim)
+                continue
+            (self.folder / f"{victim.voice_id}.npz").unlink(missing_ok=True)
+            (self.folder / "evicted" / victim.voice_id).write_text(f"{time.time():.0f}\n")
+            total -= victim.bytes
+            if victim.voice_id == keep:
+                break
+        markers = sorted((self.folder / "evicted").iterdir(), key=lambda p: p.stat().st_mtime)
+        for p in markers[:max(0, len(markers) - _MARKERS_KEPT)]:
+            p.unlink(missing_ok=True)
+

@@ -1,0 +1,63 @@
+"""The package reads as layers: a module imports only from its own layer or lower ones (s3flow/__init__.py),
+every module outside the model ports stays under 400 lines, and the served package never imports training."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "python_backend" / "s3flow"
+#: lowest first; a module's layer is its first package below s3flow (a top-level module is its own name)
+LAYERS = {"contract": 0, "protocol": 0, "model": 1, "runtime": 2, "engine": 3, "serving": 4}
+#: torch ports of upstream modules: as long as the code they port
+MODEL_PORTS = {"model/estimator.py", "model/encoder.py", "model/vocoder.py", "model/voice/campplus.py",
+               "model/voice/tokenizer.py"}
+MAX_LINES = 400
+
+
+def _modules():
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent != PACKAGE)
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: Path):
+    """Every s3flow module the file imports, at any depth (lazy imports inside functions count too)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}: relative import (use s3flow.<layer>....)"
+            yield node.module
+
+
+def _name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def test_every_module_has_a_layer():
+    for path in _modules():
+        assert _layer(_name(path)) in LAYERS, f"{path} is outside every layer {sorted(LAYERS)}"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_a_higher_layer(path):
+    own = LAYERS[_layer(_name(path))]
+    for module in _imports(path):
+        if module.startswith("s3flow_training"):
+            pytest.fail(f"{path.name} imports {module}: training is outside the served package")
+        if module.split(".")[0] != "s3flow" or module == "s3flow":
+            continue
+        assert LAYERS[_layer(module)] <= own, f"{_name(path)} (layer {own}) imports {module} (a higher layer)"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_outside_the_model_ports_stay_short(path):
+    rel = str(path.relative_to(PACKAGE))
+    if rel in MODEL_PORTS:
+        return
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{rel} has {lines} lines (at most {MAX_LINES} outside the model ports)"
