@@ -97,7 +97,7 @@ def references(args):
 
     if args.checkpoint is not None:
         from s3flow.model.checkpoint import load_flow
-        from s3flow.serving.triton_models.torch_model import TorchRunner
+        from s3flow.runtime.torch_runner import TorchRunner
 
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -164,7 +164,7 @@ def build_one(model: str, args, profile, toolchain, reference) -> tuple[bool, st
 def set_backend(repository: Path, model: str, backend: str, checkpoint=None, dtype: str = "bf16") -> None:
     """Rewrite one stateless model of a gpu repository to serve from a TensorRT plan or torch on CUDA."""
     from s3flow.serving.repository import MODEL_PY, RepositorySettings, encoder_tensors, estimator_tensors, stateless_config
-    from s3flow.serving.triton_models.torch_model import WEIGHTS_FILE, save_module
+    from s3flow.runtime.torch_runner import WEIGHTS_FILE, save_module
     from s3flow.serving.warmup import model_warmup_of
 
     folder = repository / model
@@ -192,7 +192,7 @@ def set_backend(repository: Path, model: str, backend: str, checkpoint=None, dty
     warmup = model_warmup_of(current)  # s3flow.serving.warmup's samples serve every backend: keep them
     (folder / "config.pbtxt").write_text(stateless_config(model, tensors, settings, int(m.group(1)) if m else 1)
                                          + warmup)
-    from s3flow.serving.triton_models.torch_model import default_dtype
+    from s3flow.runtime.torch_runner import default_dtype
     print(f"{model}: now served by " + (f"the torch backend ({default_dtype(model, dtype)})" if backend == "torch"
                                         else "TensorRT"))
 

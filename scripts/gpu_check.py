@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from s3flow.runtime import tensorrt as tb  # noqa: E402
 from s3flow.model.flow import FlowConfig, S3Flow, synthesize  # noqa: E402
 from s3flow.protocol import Limits, parse_request  # noqa: E402
-from s3flow.serving.triton_models.torch_model import TorchRunner  # noqa: E402
+from s3flow.runtime.torch_runner import TorchRunner  # noqa: E402
 from s3flow.model.solver import FrameNoise  # noqa: E402
 from s3flow.engine.streaming import StreamingEngine  # noqa: E402
 

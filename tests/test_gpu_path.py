@@ -23,7 +23,7 @@ from s3flow.runtime import tensorrt as tb
 from s3flow.protocol import Limits
 from s3flow.serving.repository import (Batching, RepositorySettings, encoder_tensors, estimator_tensors, solver_config,
                                stateless_config, write_repository)
-from s3flow.serving.triton_models.torch_model import TorchModelSettings, TorchRunner, load_module, save_module
+from s3flow.runtime.torch_runner import TorchModelSettings, TorchRunner, load_module, save_module
 from s3flow_client.stream import SEQUENCE_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]

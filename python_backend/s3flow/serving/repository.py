@@ -190,7 +190,7 @@ def stateless_config(name: str, tensors: tuple[list[str], list[str]], s: Reposit
                      instances: int) -> str:
     ins, outs = tensors
     if s.target == "gpu" and s.gpu_backend == "torch":  # s3flow.serving.triton_models.torch_model on CUDA
-        from s3flow.serving.triton_models.torch_model import default_dtype
+        from s3flow.runtime.torch_runner import default_dtype
         head = f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
         group = f"instance_group [ {{ count: {instances} kind: KIND_GPU }} ]\n"
         params = _block("parameters", [_param("dtype", default_dtype(name, s.torch_dtype)),
@@ -414,7 +414,7 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
         write("flow_encoder/1/model.py", MODEL_PY["onnx"])
         write("estimator/1/model.py", MODEL_PY["onnx"])
     elif s.gpu_backend == "torch":
-        from s3flow.serving.triton_models.torch_model import WEIGHTS_FILE, save_module
+        from s3flow.runtime.torch_runner import WEIGHTS_FILE, save_module
         for name, module in (("flow_encoder", flow.encoder), ("estimator", flow.estimator)):
             write(f"{name}/1/model.py", MODEL_PY["torch"])
             summary.files.append(save_module(out / name / "1" / WEIGHTS_FILE, name, module))
