@@ -61,3 +61,13 @@ def test_modules_outside_the_model_ports_stay_short(path):
         return
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{rel} has {lines} lines (at most {MAX_LINES} outside the model ports)"
+
+
+OTHER_CODE = [p for folder in ("client", "scripts", "training")
+              for p in sorted((PACKAGE.parents[1] / folder).rglob("*.py"))]
+
+
+@pytest.mark.parametrize("path", OTHER_CODE, ids=lambda p: str(p.relative_to(PACKAGE.parents[1])))
+def test_client_scripts_and_training_stay_short(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.name} has {lines} lines (at most {MAX_LINES})"
