@@ -45,7 +45,8 @@ from s3flow.model.checkpoint import load_flow, write_checkpoint  # noqa: E402
 from s3flow_training.data import DataSettings, Dataset, espeak_available  # noqa: E402
 from s3flow_training.evaluate import (heldout_utterances, save_demo_input, save_heldout,  # noqa: E402
                                       synthesize_one)
-from s3flow_training.train import TrainSettings, train_student, train_teacher  # noqa: E402
+from s3flow_training.distill import train_student  # noqa: E402
+from s3flow_training.train import TrainSettings, train_teacher  # noqa: E402
 
 DEFAULT_OUT = ROOT / "checkpoints" / "trained"
 DEFAULT_WORKDIR = ROOT / "build" / "small_data"

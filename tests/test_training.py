@@ -20,8 +20,8 @@ from s3flow.model.flow import FlowConfig
 from s3flow_training.data import DataSettings, Dataset, Utterance, make_sentences, make_xvectors
 from s3flow_training.evaluate import load_heldout, synthesize_one
 from s3flow_training.mel import S3GEN_MEL, hz_to_mel_slaney, log_mel, mel_filterbank, mel_to_hz_slaney, resample
-from s3flow_training.train import (Batch, cfm_loss, distill_grid, guided_trajectory, make_batch, make_student,
-                                   masked_mse, trained_config)
+from s3flow_training.distill import distill_grid, guided_trajectory, make_student
+from s3flow_training.train import cfm_loss, make_batch, masked_mse, trained_config
 
 TRAINED = Path(__file__).resolve().parents[1] / "checkpoints" / "trained"
 

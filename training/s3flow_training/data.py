@@ -34,7 +34,6 @@ import tempfile
 import wave
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch

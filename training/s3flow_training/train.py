@@ -1,4 +1,4 @@
-"""Training the small demo models: a CFM teacher and a meanflow student distilled from its guided flow.
+"""Training the small demo models' CFM teacher (the meanflow student: ``s3flow_training.distill``).
 
 Teacher (``train_teacher``): the package's FlowEncoder + ConditionalDecoder in ``trained_config()``,
 trained jointly with S3Gen's conditional flow-matching loss (``cfm_loss``, as upstream
@@ -14,17 +14,7 @@ of another utterance of the same voice and ``cond`` holds its mel (zeros after),
 inference; otherwise there is no prompt and ``cond`` is all zeros. Utterances longer than ``max_tokens``
 are cut to a random window (compute). The shipped weights are an exponential moving average (``EMA``).
 
-Student (``train_student``): a copy of the teacher whose estimator has the meanflow time mixer at
-``[I | 0]`` (``make_student``), so it starts as exactly the teacher. The encoder is frozen (shared with the
-teacher). For a batch, the *guided* teacher (w = 0.7, one 2B call per step) integrates from noise over
-its own cosine grid of ``fine_steps`` steps with ``keep_times`` (0, 1/2, 1) inserted
-(``guided_trajectory``), keeping its state there. The student learns the average velocity over [t, r]
-between kept states::
-
-    student(x_t, t, r | mu, spks, cond)  ~  (x_r - x_t) / (r - t)
-
-for three pairs per example: (0, 1) (the 1-step solver), one of (0, 1/2) and (1/2, 1) (the 2-step
-solver's intervals), and a random pair.
+Student: s3flow_training.distill.
 
 Everything is seeded (``TrainSettings.seed``): a rerun with the same settings and thread count gives the
 same weights.
@@ -33,13 +23,10 @@ Example::
 
     ds = Dataset.load("build/small_data/dataset.npz")
     teacher = train_teacher(ds, TrainSettings(teacher_steps=50))
-    student = train_student(teacher, ds, TrainSettings(student_rounds=20))
-    write_checkpoint(student, "student.safetensors")   # records trained_config(meanflow=True)
+    write_checkpoint(teacher, "teacher.safetensors")   # records trained_config()
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -49,9 +36,8 @@ import numpy as np
 import torch
 
 from s3flow.model.encoder import EncoderConfig
-from s3flow.model.estimator import EstimatorConfig, reset_time_embed_mixer
+from s3flow.model.estimator import EstimatorConfig
 from s3flow.model.flow import FlowConfig, S3Flow
-from s3flow.model.solver import ClassifierFreeGuidance, time_grid
 from s3flow_training.data import Dataset, prompt_for
 
 SIGMA_MIN = 1e-6
@@ -293,110 +279,3 @@ class EMA:
         state = module.state_dict()
         for k, v in self.shadow.items():
             state[k].copy_(v)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Student
-
-
-def make_student(teacher: S3Flow) -> S3Flow:
-    """A meanflow copy of ``teacher``: same weights, plus the time mixer at ``[I | 0]`` (so the student
-    starts out giving exactly the teacher's conditional velocity, whatever r is)."""
-    est_cfg = dataclasses.replace(teacher.config.estimator, meanflow=True)
-    student = S3Flow(FlowConfig(copy.deepcopy(teacher.config.encoder), est_cfg))
-    student.encoder.load_state_dict(teacher.encoder.state_dict())
-    missing, unexpected = student.estimator.load_state_dict(teacher.estimator.state_dict(), strict=False)
-    if missing != ["time_embed_mixer.weight"] or unexpected:
-        raise RuntimeError(f"teacher -> student copy: missing {missing}, unexpected {unexpected}")
-    reset_time_embed_mixer(student.estimator.time_embed_mixer)
-    return student.eval()
-
-
-def distill_grid(fine_steps: int, keep_times: Sequence[float]) -> tuple[torch.Tensor, list[int]]:
-    """The fine integration grid (the cosine grid of ``fine_steps`` with ``keep_times`` inserted) and
-    the grid index of each kept time."""
-    grid = time_grid(fine_steps, "cosine", dtype=torch.float64)
-    extra = [k for k in keep_times if (grid - k).abs().min() > 1e-6]  # 0.5 is on the 6-step grid
-    grid = torch.sort(torch.cat([grid, torch.tensor(extra, dtype=torch.float64)])).values
-    keep = [int(torch.argmin((grid - k).abs())) for k in keep_times]
-    grid[keep] = torch.tensor(list(keep_times), dtype=torch.float64)
-    return grid.float(), keep
-
-
-@torch.no_grad()
-def guided_trajectory(estimator, z: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor,
-                      cond: torch.Tensor, rate: float, grid: torch.Tensor, keep: Sequence[int]) -> torch.Tensor:
-    """Euler-integrate the guided teacher over ``grid`` from z; (len(keep), B, n_feats, T) states at the
-    grid indices ``keep``."""
-    field = ClassifierFreeGuidance(estimator, mu, mask, spks, cond, rate=rate)
-    x, states = z.clone(), {}
-    if 0 in keep:
-        states[0] = x.clone()
-    for i in range(grid.shape[0] - 1):
-        t, r = grid[i], grid[i + 1]
-        x = x + (r - t) * field(x, t, r)
-        if i + 1 in keep:
-            states[i + 1] = x.clone()
-    return torch.stack([states[k] for k in keep])
-
-
-def sample_pairs(b: int, n_keep: int, rng: np.random.Generator) -> list[tuple[int, int]]:
-    """Three (start, end) kept-state indices per example: the full interval, one half (the 2-step
-    solver's intervals), and a random interval."""
-    mid, last = n_keep // 2, n_keep - 1
-    pairs = []
-    for _ in range(b):
-        i, j = sorted(rng.choice(n_keep, 2, replace=False).tolist())
-        pairs += [(0, last), (0, mid) if rng.random() < 0.5 else (mid, last), (i, j)]
-    return pairs
-
-
-def train_student(teacher: S3Flow, ds: Dataset, settings: TrainSettings = TrainSettings(),
-                  log: Log = print) -> S3Flow:
-    """Distil ``teacher`` into a meanflow student (see the module docstring)."""
-    s = settings
-    torch.manual_seed(s.seed + 20)
-    student = make_student(teacher)
-    student.estimator.train()
-    for p in student.encoder.parameters():
-        p.requires_grad_(False)
-    params = [p for p in student.estimator.parameters()]
-    opt = torch.optim.AdamW(params, lr=s.student_lr, betas=(0.9, 0.98), weight_decay=0.0)
-    rng = np.random.default_rng([s.seed, 20])
-    gen = torch.Generator().manual_seed(s.seed + 21)
-    grid, keep = distill_grid(s.fine_steps, s.keep_times)
-    times = grid[keep]
-    batches = length_batches(ds, ds.split(heldout=False), s.student_batch_size, rng)
-    teacher_est = teacher.estimator.eval()
-    ema = EMA(student.estimator, s.student_ema_decay)
-    t0, recent = time.perf_counter(), []
-    for step in range(s.student_rounds):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, s.student_rounds, s.student_lr, min(s.warmup_steps, s.student_rounds // 10))
-        batch = make_batch(ds, next(batches), rng, s.prompt_prob, s.prompt_tokens, s.max_tokens)
-        with torch.no_grad():
-            mu, mask, spks = teacher.encoder(batch.tokens, batch.token_len, batch.xvector)
-            z = torch.randn(batch.mel.shape, generator=gen) * mask
-            states = guided_trajectory(teacher_est, z, mu, mask, spks, batch.cond, s.guidance_rate, grid, keep)
-        b = z.shape[0]
-        pairs = sample_pairs(b, len(keep), rng)
-        rows = torch.tensor([k // 3 for k in range(len(pairs))])
-        i_idx = torch.tensor([p[0] for p in pairs])
-        j_idx = torch.tensor([p[1] for p in pairs])
-        x_t, x_r = states[i_idx, rows], states[j_idx, rows]
-        t, r = times[i_idx], times[j_idx]
-        target = (x_r - x_t) / (r - t)[:, None, None]
-        pred = student.estimator(x_t, mask[rows], mu[rows], t, spks[rows], batch.cond[rows], r)
-        loss = masked_mse(pred, target, mask[rows])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
-        opt.step()
-        ema.update(student.estimator, step)
-        recent.append(loss.item())
-        if (step + 1) % s.log_every == 0 or step + 1 == s.student_rounds:
-            log(f"student round {step + 1}/{s.student_rounds}: loss {np.mean(recent):.4f} "
-                f"({time.perf_counter() - t0:.0f} s)")
-            recent = []
-    ema.copy_to(student.estimator)
-    return student.eval()
