@@ -63,6 +63,25 @@ def by_name(tensors: Iterable[Tensor]) -> dict[str, Tensor]:
 
 
 # -- the public request (token2mel / token2wav ensembles, cfm_solver) ------------------------------------
+# Request tensors (client -> ``token2mel``; every tensor has a leading batch dimension of 1):
+#
+# =================  =======  ==========  ==========================================================
+# name               dtype    shape       meaning
+# =================  =======  ==========  ==========================================================
+# speech_tokens      INT64    [1, N]      next chunk of S3 speech tokens, ids in [0, 6561); N >= 1,
+#                                         except that an END request may carry N = 0 (finalise only)
+# prompt_tokens      INT64    [1, Np]     START only: the speaker prompt's tokens (Np >= 1)
+# prompt_mel         FP32     [1, 2Np, 80] START only: the prompt's mel, frames-major
+# speaker_embedding  FP32     [1, 192]    START only: the speaker x-vector (any scale: L2-normalised)
+# n_timesteps        INT32    [1, 1]      START only, optional: Euler steps (default from the config)
+# guidance_rate      FP32     [1, 1]      START only, optional: classifier-free guidance w
+# seed               INT64    [1, 1]      START only, optional: noise seed (default 0)
+# voice_id           BYTES    [1, 1]      START only, optional: a registered voice instead of the prompt
+# =================  =======  ==========  ==========================================================
+#
+# Response tensors: ``mel`` FP32 [1, 80, F] the frames that became final with this request, and
+# ``frame_offset`` INT64 [1, 1] the index of the first of them among the utterance's generated frames
+# (the prompt region excluded). Offsets continue without gap; after END the total is 2 per speech token.
 REQUEST = (
     Tensor("speech_tokens", "int64", (-1,), ragged=True),
     Tensor("prompt_tokens", "int64", (-1,), optional=True, ragged=True, start_only=True),
