@@ -39,6 +39,8 @@ INPUTS = {"estimator": contract.names(contract.estimator_inputs(meanflow=True)),
 OUTPUTS = {"estimator": contract.names(contract.ESTIMATOR_OUTPUTS),
            "flow_encoder": contract.names(contract.ENCODER_OUTPUTS)}
 WEIGHTS_FILE = "model.pt"
+#: The estimator's compute dtype where a builder is not told one (build_repository, build_engines, the image).
+DEFAULT_ESTIMATOR_DTYPE = "bf16"
 
 
 @dataclass
