@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import torch
 
 from s3flow.model.checkpoint import random_flow
@@ -31,15 +30,8 @@ def make_engine(flow, limits: Limits | None = None) -> StreamingEngine:
 
 
 def request_inputs(u: Utterance, lo: int, hi: int, first: bool) -> dict:
-    inputs = {"speech_tokens": u.speech_tokens[lo:hi][None].astype(np.int64)}
-    if first:
-        inputs.update(prompt_tokens=u.prompt_tokens[None], prompt_mel=u.prompt_mel[None],
-                      speaker_embedding=u.speaker_embedding[None], seed=np.array([[u.seed]], dtype=np.int64))
-        if u.n_timesteps is not None:
-            inputs["n_timesteps"] = np.array([[u.n_timesteps]], dtype=np.int32)
-        if u.guidance_rate is not None:
-            inputs["guidance_rate"] = np.array([[u.guidance_rate]], dtype=np.float32)
-    return inputs
+    """The tensors of the chunk speech_tokens[lo:hi] as the client sends them (``Utterance.request``)."""
+    return u.request(lo, hi, first)
 
 
 def stream_in_process(engine: StreamingEngine, utts: list[Utterance], sizes: list[list[int]]):

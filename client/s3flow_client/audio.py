@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .state import SAMPLES_PER_FRAME
+
 SAMPLE_RATE = 24000
-SAMPLES_PER_FRAME = 480
 
 
 def to_pcm16(audio: np.ndarray) -> bytes:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .stream import Utterance
+from s3flow.contract import VOCAB_SIZE, XVECTOR_DIM
 
-VOCAB_SIZE = 6561
+from .stream import Utterance
 
 
 def demo_utterance(seconds: float = 5.0, *, seed: int = 0, prompt_seconds: float = 1.0,
@@ -21,7 +21,7 @@ def demo_utterance(seconds: float = 5.0, *, seed: int = 0, prompt_seconds: float
     return Utterance(speech_tokens=rng.integers(0, VOCAB_SIZE, n, dtype=np.int64),
                      prompt_tokens=rng.integers(0, VOCAB_SIZE, np_, dtype=np.int64),
                      prompt_mel=mel,
-                     speaker_embedding=rng.standard_normal(192).astype(np.float32),
+                     speaker_embedding=rng.standard_normal(XVECTOR_DIM).astype(np.float32),
                      seed=noise_seed)
 
 

@@ -41,16 +41,17 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from s3flow.contract import AUDIO_RESPONSE, MEL_RESPONSE, request_arrays
+
+from .state import UtteranceState, new_corr_id
+from .wire import infer_inputs, requested_outputs
+
 log = logging.getLogger("s3flow_client")
 
-FRAMES_PER_TOKEN = 2
-SAMPLES_PER_FRAME = 480                # 24 kHz audio from token2wav
 #: gRPC metadata naming the stream's first sequence id: a load balancer hashing on it (docker/k8s/) keeps
 #: every chunk of the stream's utterances on one server, which sequence batching requires.
 SEQUENCE_HEADER = "x-sequence-id"
 PROBE_S = 2.0                          # liveness probe of an address whose stream broke
-_corr_ids = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
-_DTYPES = {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32", np.object_: "BYTES"}
 
 _SEQUENCE = re.compile(r"sequence (\d+)")
 _RETRY_IN = re.compile(r"retry in ([0-9.]+) s")
@@ -83,15 +84,9 @@ class _Conn:
                                  stream_timeout=timeout_s, headers={SEQUENCE_HEADER: str(header)})
 
     def send(self, model: str, tensors: dict, request_id: str, corr_id: int, start: bool, end: bool,
-             outputs: list[str]) -> None:
-        inputs = []
-        for name, value in tensors.items():
-            t = grpcclient.InferInput(name, list(value.shape), _DTYPES[value.dtype.type])
-            t.set_data_from_numpy(value)
-            inputs.append(t)
-        self.client.async_stream_infer(model, inputs, request_id=request_id, sequence_id=corr_id,
-                                       sequence_start=start, sequence_end=end,
-                                       outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
+             outputs: tuple) -> None:
+        self.client.async_stream_infer(model, infer_inputs(tensors), request_id=request_id, sequence_id=corr_id,
+                                       sequence_start=start, sequence_end=end, outputs=requested_outputs(outputs))
 
     def close(self) -> None:
         self.alive = False
@@ -101,95 +96,10 @@ class _Conn:
             self.client.close()
 
 
-class _Stream:
-    """Book-keeping for one utterance: what was delivered, and where its current attempt stands."""
-
-    def __init__(self, index: int, utt, sizes: list[int], tolerance: float):
-        self.index, self.utt, self.sizes, self.tolerance = index, utt, sizes, tolerance
-        self.corr_id, self.url_i, self.conn = next(_corr_ids), 0, None
-        self.next_chunk, self.answered = 0, 0          # chunk to send in this attempt; chunks ever answered
-        self.server_frames = self.server_samples = 0   # what this attempt's responses covered
-        self.parts: list[np.ndarray] = []              # delivered mel, in order
-        self.audio_parts: list[np.ndarray] = []
-        self.frames = self.samples = 0                 # delivered
-        self.latencies: list[float] = []
-        self.sent_at = self.t0 = 0.0
-        self.first_audio_at = float("nan")
-        self.error: Optional[str] = None
-        self.done = False
-        self.wall: Optional[float] = None
-        self.retries: list[str] = []
-        self.resumes: list[str] = []
-        self.replayed_frames, self.replay_max_diff = 0, 0.0
-        self.by_voice_id = utt.voice_id is not None   # START names the voice; False: it carries the prompt
-
-    def tensors(self) -> dict:
-        i, u = self.next_chunk, self.utt
-        lo = sum(self.sizes[:i])
-        t = {"speech_tokens": u.speech_tokens[lo:lo + self.sizes[i]].astype(np.int64)[None]}
-        if i == 0 and self.by_voice_id:
-            t.update(voice_id=np.array([[u.voice_id.encode()]], dtype=np.object_),
-                     seed=np.array([[u.seed]], dtype=np.int64))
-        elif i == 0:
-            t.update(prompt_tokens=u.prompt_tokens.astype(np.int64)[None],
-                     prompt_mel=u.prompt_mel.astype(np.float32)[None],
-                     speaker_embedding=u.speaker_embedding.astype(np.float32).reshape(1, -1),
-                     seed=np.array([[u.seed]], dtype=np.int64))
-        if i == 0:
-            if u.n_timesteps is not None:
-                t["n_timesteps"] = np.array([[u.n_timesteps]], dtype=np.int32)
-            if u.guidance_rate is not None:
-                t["guidance_rate"] = np.array([[u.guidance_rate]], dtype=np.float32)
-        return t
-
-    def where(self) -> str:
-        return (f"sequence {self.corr_id} reached frame {self.frames} of {2 * sum(self.sizes)} "
-                f"(chunk {self.next_chunk + 1} of {len(self.sizes)} in flight)")
-
-    def _merge(self, got: np.ndarray, offset: int, have: int, parts: list, axis: int, what: str) -> np.ndarray:
-        """The part of ``got`` (starting at ``offset``) beyond the ``have`` delivered; the rest must agree."""
-        n = min(max(have - offset, 0), got.shape[axis])
-        if n:
-            old = np.concatenate(parts, axis=axis).take(range(offset, offset + n), axis=axis)
-            diff = float(np.max(np.abs(old - got.take(range(n), axis=axis))))
-            self.replay_max_diff = max(self.replay_max_diff, diff)
-            if not diff <= self.tolerance:
-                raise ValueError(f"sequence {self.corr_id}: replayed {what} {offset}..{offset + n} differ from "
-                                 f"the delivered ones by {diff:.3g} (replay_tolerance {self.tolerance}): not "
-                                 f"splicing two different syntheses")
-        return got.take(range(n, got.shape[axis]), axis=axis)
-
-    def accept(self, mel: np.ndarray, offset: int, new_chunk: bool) -> None:
-        """A response's frames: those delivered already are checked; a new chunk's part is kept (even empty)."""
-        if offset != self.server_frames:
-            raise ValueError(f"sequence {self.corr_id}: frame offset {offset} does not continue the "
-                             f"{self.server_frames} frames received (gap or duplicate)")
-        self.server_frames += mel.shape[1]
-        new = self._merge(mel, offset, self.frames, self.parts, 1, "frames")
-        self.replayed_frames += mel.shape[1] - new.shape[1]
-        if new_chunk or new.shape[1]:
-            self.parts.append(new)
-            self.frames += new.shape[1]
-
-    def accept_audio(self, audio: np.ndarray, offset: int, now: float, new_chunk: bool) -> np.ndarray:
-        """Returns the newly delivered samples."""
-        if offset != self.server_samples:
-            raise ValueError(f"sequence {self.corr_id}: sample offset {offset} does not continue the "
-                             f"{self.server_samples} samples received (gap or duplicate)")
-        self.server_samples += audio.size
-        new = self._merge(audio, offset, self.samples, self.audio_parts, 0, "samples")
-        if new_chunk or new.size:
-            self.audio_parts.append(new)
-            self.samples += new.size
-            if self.first_audio_at != self.first_audio_at:
-                self.first_audio_at = now - self.t0
-        return new
-
-
 class Run:
     """One ``StreamingClient.synthesize`` call: the event loop over all utterances and connections."""
 
-    def __init__(self, client, streams: list[_Stream], progress: Optional[Callable[[int], None]],
+    def __init__(self, client, streams: list[UtteranceState], progress: Optional[Callable[[int], None]],
                  on_audio: Optional[Callable[[int, np.ndarray], None]]):
         self.c, self.streams, self.progress, self.on_audio = client, streams, progress, on_audio
         self.by_id = {s.corr_id: s for s in streams}
@@ -198,12 +108,12 @@ class Run:
         self.conns: dict[int, _Conn] = {}
         self.suspect: set[str] = set()                 # addresses whose stream broke
         self.events: queue.Queue = queue.Queue()
-        self.due: list[tuple[float, _Stream]] = []     # sends scheduled for later (back-off)
-        self.outputs = ["mel", "frame_offset"] + (["audio", "sample_offset"] if client.audio else [])
+        self.due: list[tuple[float, UtteranceState]] = []  # sends scheduled for later (back-off)
+        self.outputs = MEL_RESPONSE + (AUDIO_RESPONSE if client.audio else ())
         self._ids = itertools.count()
 
     # -- connections ---------------------------------------------------------------------------------
-    def conn_for(self, s: _Stream) -> _Conn:
+    def conn_for(self, s: UtteranceState) -> _Conn:
         url = self.c.urls[s.url_i]
         for conn in self.conns.values():
             if conn.alive and conn.url == url:
@@ -238,7 +148,7 @@ class Run:
             self.suspect.discard(url)
         return why
 
-    def send(self, s: _Stream) -> None:
+    def send(self, s: UtteranceState) -> None:
         url = self.c.urls[s.url_i]
         why = self.answers(url) if url in self.suspect else None
         if why is not None:
@@ -269,7 +179,7 @@ class Run:
             self.events.put(event)
         return found
 
-    def end_sequence(self, s: _Stream) -> None:
+    def end_sequence(self, s: UtteranceState) -> None:
         """Give up this attempt's sequence: its answers are ignored; an empty END frees its server slot."""
         self.retired.add(s.corr_id)
         conn = s.conn
@@ -277,18 +187,18 @@ class Run:
             return  # nothing was sent, the stream is gone, or the END itself was in flight
         rid = f"end:{s.corr_id}"
         try:
-            conn.send(self.c.model, {"speech_tokens": np.zeros((1, 0), np.int64)}, rid, s.corr_id, False, True,
+            conn.send(self.c.model, request_arrays([]), rid, s.corr_id, False, True,
                       self.outputs)
             self.cleanups.add(rid)
         except InferenceServerException:
             pass
 
     # -- outcomes -----------------------------------------------------------------------------------
-    def fail(self, s: _Stream, message: str) -> None:
+    def fail(self, s: UtteranceState, message: str) -> None:
         s.error, s.done = message, True
         self.end_sequence(s)
 
-    def resume(self, s: _Stream, why: str, delay: Optional[float] = None) -> None:
+    def resume(self, s: UtteranceState, why: str, delay: Optional[float] = None) -> None:
         """Start the utterance again as a new sequence on the next address and replay what was answered."""
         now = time.perf_counter()
         if len(s.resumes) >= self.c.max_resumes or now >= self.deadline:
@@ -307,9 +217,9 @@ class Run:
         log.warning("utterance %d: %s", s.index, note)
         self.due.append((now + delay, s))
 
-    def new_attempt(self, s: _Stream, url_i: int) -> None:
+    def new_attempt(self, s: UtteranceState, url_i: int) -> None:
         """The utterance starts over as a new sequence at address ``url_i`` (its answered chunks replayed)."""
-        s.url_i, s.corr_id = url_i, next(_corr_ids)
+        s.url_i, s.corr_id = url_i, new_corr_id()
         self.by_id[s.corr_id] = s
         s.next_chunk, s.server_frames, s.server_samples, s.conn = 0, 0, 0, None
 

@@ -37,7 +37,10 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from .resume import FRAMES_PER_TOKEN, SAMPLES_PER_FRAME, SEQUENCE_HEADER, Run, _Stream  # noqa: F401
+from s3flow.contract import request_arrays
+
+from .resume import SEQUENCE_HEADER, Run  # noqa: F401 (SEQUENCE_HEADER re-exported)
+from .state import FRAMES_PER_TOKEN, SAMPLES_PER_FRAME, UtteranceState
 
 FRAMES_PER_SECOND = 50.0
 
@@ -69,6 +72,18 @@ class Utterance:
     #: a registered voice (s3flow_client.voices): the START names it instead of carrying the prompt; the
     #: prompt above is sent instead where a server does not hold that voice
     voice_id: Optional[str] = None
+
+    def request(self, lo: int, hi: int, start: bool, by_voice_id: bool = False) -> dict[str, np.ndarray]:
+        """The tensors of the chunk ``speech_tokens[lo:hi]`` (``s3flow.contract.request_arrays``): a START
+        carries the prompt (or, ``by_voice_id``, the voice id instead), the seed and the options."""
+        tokens = self.speech_tokens[lo:hi]
+        if not start:
+            return request_arrays(tokens)
+        prompt = (dict(voice_id=self.voice_id) if by_voice_id else
+                  dict(prompt_tokens=self.prompt_tokens, prompt_mel=self.prompt_mel,
+                       speaker_embedding=self.speaker_embedding))
+        return request_arrays(tokens, start=True, seed=self.seed, n_timesteps=self.n_timesteps,
+                              guidance_rate=self.guidance_rate, **prompt)
 
 
 @dataclass
@@ -158,7 +173,7 @@ class StreamingClient:
             sizes = u.chunks or chunk_schedule(len(u.speech_tokens))
             if sum(sizes) != len(u.speech_tokens) or min(sizes, default=1) < 0:
                 raise ValueError(f"chunk sizes {sizes} do not add up to {len(u.speech_tokens)} tokens")
-            streams.append(_Stream(i, u, sizes, self.replay_tolerance))
+            streams.append(UtteranceState(i, u, sizes, self.replay_tolerance))
         Run(self, streams, progress, on_audio).run()
         results = [self._result(s) for s in streams]
         failed = [r.error for r in results if r.error]
@@ -166,7 +181,7 @@ class StreamingClient:
             raise StreamError("; ".join(failed), results)
         return results
 
-    def _result(self, s: _Stream) -> StreamResult:
+    def _result(self, s: UtteranceState) -> StreamResult:
         expected = FRAMES_PER_TOKEN * len(s.utt.speech_tokens)
         mel = np.concatenate(s.parts, axis=1) if s.parts else np.zeros((0, 0), np.float32)
         if s.error is None and s.frames != expected:

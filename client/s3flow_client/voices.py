@@ -22,7 +22,10 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from s3flow.contract import PROMPT, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS, VOICE_ID, by_name
+
 from .stream import Utterance
+from .wire import infer_inputs, requested_outputs
 
 MODEL = "voice_encoder"
 
@@ -61,16 +64,17 @@ def read_wav(path) -> tuple[np.ndarray, int]:
     return (data / float(1 << (8 * width - 1))).astype(np.float32), rate
 
 
-def _call(url: str, inputs: dict, outputs: list[str]) -> dict:
+def _arrays(**values) -> dict[str, np.ndarray]:
+    """The voice encoder's input tensors, with the dtypes ``s3flow.contract.VOICE_ENCODER_INPUTS`` declares."""
+    spec = by_name(VOICE_ENCODER_INPUTS)
+    return {name: np.ascontiguousarray(value, dtype=spec[name].np_dtype) for name, value in values.items()}
+
+
+def _call(url: str, inputs: dict, outputs: tuple[str, ...]) -> dict:
     client = grpcclient.InferenceServerClient(url)
     try:
-        tensors = []
-        for name, value in inputs.items():
-            t = grpcclient.InferInput(name, list(value.shape), {"float32": "FP32", "int32": "INT32", "int64": "INT64",
-                                                               "bool": "BOOL"}[value.dtype.name])
-            t.set_data_from_numpy(value)
-            tensors.append(t)
-        result = client.infer(MODEL, tensors, outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
+        result = client.infer(MODEL, infer_inputs(inputs, VOICE_ENCODER_INPUTS),
+                              outputs=requested_outputs(t for t in VOICE_ENCODER_OUTPUTS if t.name in outputs))
         return {n: result.as_numpy(n) for n in outputs}
     finally:
         client.close()
@@ -81,27 +85,25 @@ def _voice(out: dict) -> Voice:
                  out["speaker_embedding"])
 
 
-_PROMPT_OUT = ["voice_id", "prompt_tokens", "prompt_mel", "speaker_embedding"]
+_PROMPT_OUT = (VOICE_ID,) + PROMPT
 
 
 def register_voice(url: str, wav: np.ndarray, sample_rate: int) -> Voice:
     """Register a reference (mono float32 samples at their own rate); the server checks it (1-20 s, no NaN,
     not silent, a supported rate) and answers INVALID_ARG naming what is wrong."""
-    return _voice(_call(url, {"wav": np.ascontiguousarray(wav, dtype=np.float32),
-                              "sample_rate": np.array([sample_rate], np.int32)}, _PROMPT_OUT))
+    return _voice(_call(url, _arrays(wav=wav, sample_rate=[sample_rate]), _PROMPT_OUT))
 
 
 def register_prompt(url: str, prompt_tokens: np.ndarray, prompt_mel: np.ndarray,
                     speaker_embedding: np.ndarray) -> Voice:
     """Register a prompt made elsewhere (e.g. Chatterbox's ``conds.pt``, see ``read_conds``)."""
-    return _voice(_call(url, {"prompt_tokens": prompt_tokens.astype(np.int64),
-                              "prompt_mel": prompt_mel.astype(np.float32),
-                              "speaker_embedding": speaker_embedding.astype(np.float32)}, _PROMPT_OUT))
+    return _voice(_call(url, _arrays(prompt_tokens=prompt_tokens, prompt_mel=prompt_mel,
+                                     speaker_embedding=speaker_embedding), _PROMPT_OUT))
 
 
 def list_voices(url: str) -> list[str]:
     """The voice ids the server holds, most recently used first."""
-    out = _call(url, {"list_voices": np.array([True])}, ["voice_ids"])["voice_ids"]
+    out = _call(url, _arrays(list_voices=[True]), ("voice_ids",))["voice_ids"]
     return [v.decode() for v in out.reshape(-1)]
 
 

@@ -1,0 +1,95 @@
+"""The client's book-keeping of one utterance: what was delivered, and where its current attempt stands.
+
+An attempt is one Triton sequence (correlation id) on one server; a resume starts a new attempt that replays
+the chunks answered before. Frames (and samples) are delivered once: those a replay computes again are
+compared with the delivered ones (``replay_tolerance``) and dropped (see ``s3flow_client.resume``).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Optional
+
+import numpy as np
+
+FRAMES_PER_TOKEN = 2
+SAMPLES_PER_FRAME = 480                # 24 kHz audio from token2wav
+_corr_ids = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
+
+
+def new_corr_id() -> int:
+    """A correlation id no other attempt of this process uses (and other processes very likely do not)."""
+    return next(_corr_ids)
+
+
+class UtteranceState:
+    """Book-keeping for one utterance: what was delivered, and where its current attempt stands."""
+
+    def __init__(self, index: int, utt, sizes: list[int], tolerance: float):
+        self.index, self.utt, self.sizes, self.tolerance = index, utt, sizes, tolerance
+        self.corr_id, self.url_i, self.conn = new_corr_id(), 0, None
+        self.next_chunk, self.answered = 0, 0          # chunk to send in this attempt; chunks ever answered
+        self.server_frames = self.server_samples = 0   # what this attempt's responses covered
+        self.parts: list[np.ndarray] = []              # delivered mel, in order
+        self.audio_parts: list[np.ndarray] = []
+        self.frames = self.samples = 0                 # delivered
+        self.latencies: list[float] = []
+        self.sent_at = self.t0 = 0.0
+        self.first_audio_at = float("nan")
+        self.error: Optional[str] = None
+        self.done = False
+        self.wall: Optional[float] = None
+        self.retries: list[str] = []
+        self.resumes: list[str] = []
+        self.replayed_frames, self.replay_max_diff = 0, 0.0
+        self.by_voice_id = utt.voice_id is not None   # START names the voice; False: it carries the prompt
+
+    def tensors(self) -> dict:
+        """The tensors of this attempt's next chunk (a START carries the voice id or the prompt, and the options)."""
+        i = self.next_chunk
+        lo = sum(self.sizes[:i])
+        return self.utt.request(lo, lo + self.sizes[i], start=i == 0, by_voice_id=self.by_voice_id)
+
+    def where(self) -> str:
+        return (f"sequence {self.corr_id} reached frame {self.frames} of {FRAMES_PER_TOKEN * sum(self.sizes)} "
+                f"(chunk {self.next_chunk + 1} of {len(self.sizes)} in flight)")
+
+    def _merge(self, got: np.ndarray, offset: int, have: int, parts: list, axis: int, what: str) -> np.ndarray:
+        """The part of ``got`` (starting at ``offset``) beyond the ``have`` delivered; the rest must agree."""
+        n = min(max(have - offset, 0), got.shape[axis])
+        if n:
+            old = np.concatenate(parts, axis=axis).take(range(offset, offset + n), axis=axis)
+            diff = float(np.max(np.abs(old - got.take(range(n), axis=axis))))
+            self.replay_max_diff = max(self.replay_max_diff, diff)
+            if not diff <= self.tolerance:
+                raise ValueError(f"sequence {self.corr_id}: replayed {what} {offset}..{offset + n} differ from "
+                                 f"the delivered ones by {diff:.3g} (replay_tolerance {self.tolerance}): not "
+                                 f"splicing two different syntheses")
+        return got.take(range(n, got.shape[axis]), axis=axis)
+
+    def accept(self, mel: np.ndarray, offset: int, new_chunk: bool) -> None:
+        """A response's frames: those delivered already are checked; a new chunk's part is kept (even empty)."""
+        if offset != self.server_frames:
+            raise ValueError(f"sequence {self.corr_id}: frame offset {offset} does not continue the "
+                             f"{self.server_frames} frames received (gap or duplicate)")
+        self.server_frames += mel.shape[1]
+        new = self._merge(mel, offset, self.frames, self.parts, 1, "frames")
+        self.replayed_frames += mel.shape[1] - new.shape[1]
+        if new_chunk or new.shape[1]:
+            self.parts.append(new)
+            self.frames += new.shape[1]
+
+    def accept_audio(self, audio: np.ndarray, offset: int, now: float, new_chunk: bool) -> np.ndarray:
+        """Returns the newly delivered samples."""
+        if offset != self.server_samples:
+            raise ValueError(f"sequence {self.corr_id}: sample offset {offset} does not continue the "
+                             f"{self.server_samples} samples received (gap or duplicate)")
+        self.server_samples += audio.size
+        new = self._merge(audio, offset, self.samples, self.audio_parts, 0, "samples")
+        if new_chunk or new.size:
+            self.audio_parts.append(new)
+            self.samples += new.size
+            if self.first_audio_at != self.first_audio_at:
+                self.first_audio_at = now - self.t0
+        return new
+
