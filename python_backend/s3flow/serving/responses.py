@@ -1,7 +1,14 @@
-"""What the python models share: an error response with its code. Imported only inside the Triton stub."""
+"""The python backend's utilities module and the error response every python model sends.
+
+``pb_utils`` is ``triton_python_backend_utils`` inside the Triton stub, and None outside it, so that the
+models stay importable there (the Docker image's build check imports them; tests give a stand-in).
+"""
 from __future__ import annotations
 
-import triton_python_backend_utils as pb_utils
+try:
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # outside the stub: importable, not runnable
+    pb_utils = None
 
 
 def error_response(message: str, code):

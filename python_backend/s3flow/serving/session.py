@@ -31,6 +31,7 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
+from s3flow.contract import PROMPT
 from s3flow.protocol import VOICE_ID, RequestError, ServerBusy, parse_request
 from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
 
@@ -91,7 +92,7 @@ class SolverSession:
             raise RequestError(f"{VOICE_ID} may only be sent with the sequence's START request")
         if raw.size != 1 or raw.dtype != np.object_:
             raise RequestError(f"{VOICE_ID} must be one string (BYTES), got {raw.dtype.name} shape {list(raw.shape)}")
-        both = [n for n in ("prompt_tokens", "prompt_mel", "speaker_embedding") if n in req.inputs]
+        both = [n for n in PROMPT if n in req.inputs]
         if both:
             raise RequestError(f"send either {VOICE_ID} or the speaker prompt, not both (got {VOICE_ID} and {both})")
         if self.voices is None:

@@ -18,11 +18,10 @@ from typing import Mapping
 
 import numpy as np
 
+from s3flow.contract import PROMPT
 from s3flow.protocol import Limits, RequestError, parse_request
 from s3flow.model.voice.frontend import VoiceFrontend
 from s3flow.serving.voice_registry import VoiceRegistry
-
-PROMPT = ("prompt_tokens", "prompt_mel", "speaker_embedding")
 
 
 class VoiceService:

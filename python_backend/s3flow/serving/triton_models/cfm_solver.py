@@ -1,4 +1,4 @@
-"""The ``cfm_solver`` python-backend model: per-utterance state and the Euler loop, over BLS.
+"""The ``cfm_solver`` python-backend model: the Triton side of the streaming solver.
 
 Sequence batching (strategy ``oldest``) routes every chunk of an utterance (one correlation id) here; the
 control inputs START / END / READY / CORRID arrive as tensors. The encoder (``flow_encoder``) and the
@@ -6,29 +6,34 @@ estimator (``estimator``) are separate Triton models reached by BLS, so the same
 Runtime models on CPU hosts and TensorRT plans on GPU hosts. Tensors cross BLS by DLPack (no copy).
 
 Validation, admission, state changes, cancellation and the mapping of failures to error codes are in
-``s3flow.serving.session`` (over ``s3flow.engine.streaming``), unit-tested without a server; this file holds the Triton
-glue: config checks, BLS calls, tensors in and out, the idle reaper thread and metrics.
+``s3flow.serving.session`` (over ``s3flow.engine.streaming``, which holds the state and the Euler loop),
+unit-tested without a server. This file holds what needs the stub: the config's parameters and its check
+against the contract (through ``base.TritonModel``), the BLS adapter the engine calls as its encoder and
+estimator, the request tensors in and the mel out, the idle reaper thread, and the solver's metrics.
 """
 from __future__ import annotations
 
-import json
 import threading
 
 import numpy as np
 import torch
-import triton_python_backend_utils as pb_utils
 from torch.utils import dlpack
 
-from s3flow.serving.drain import draining_probe
-from s3flow.serving.metrics import FAMILIES, LIVE, SolverBook
-from s3flow.protocol import INPUT_DTYPES, VOICE_ID, Limits
-from s3flow.serving.heap import trim_heap
-from s3flow.serving.responses import error_response
-from s3flow.serving.session import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE, Incoming, ModelCallError, SolverSession
+from s3flow.contract import (ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, MEL_RESPONSE, REQUEST,
+                             by_name, estimator_inputs, names)
 from s3flow.engine.streaming import StreamingEngine
+from s3flow.protocol import Limits
+from s3flow.serving.drain import draining_probe
+from s3flow.serving.heap import trim_heap
+from s3flow.serving.metrics import FAMILIES, LIVE, SolverBook
+from s3flow.serving.session import Incoming, ModelCallError, SolverSession
+from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
+                                               read_controls)
 from s3flow.serving.warmup import warm_up_solver
 
-CONTROLS = ("START", "END", "READY", "CORRID")
+#: After a batch that made this many frames, give the freed heap back (s3flow.serving.heap).
+_TRIM_AFTER_FRAMES = 500
+_MEL, _FRAME_OFFSET = (by_name(MEL_RESPONSE)[n] for n in ("mel", "frame_offset"))
 
 
 def _to_triton(name: str, t: torch.Tensor):
@@ -40,20 +45,24 @@ def _to_torch(tensor) -> torch.Tensor:
 
 
 class BlsModel:
-    """Call another Triton model by name, check the response for errors, return torch tensors."""
+    """Call another Triton model by name with its contract inputs (positional, in contract order); check the
+    response for errors; return its contract outputs as torch tensors."""
 
-    def __init__(self, model_name: str, outputs: list[str], device_id: int | None = None):
-        self.model_name, self.outputs = model_name, outputs
+    def __init__(self, model_name: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
+                 device_id: int | None = None):
+        self.model_name, self.inputs, self.outputs = model_name, inputs, outputs
         # on a GPU instance, ask for outputs in that GPU's memory: the Euler loop never leaves the device
         self.memory = ({} if device_id is None else
                        {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, device_id)})
 
-    def __call__(self, **inputs: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, *values: torch.Tensor) -> list[torch.Tensor]:
+        if len(values) != len(self.inputs):
+            raise ModelCallError(f"model '{self.model_name}' takes {list(self.inputs)}, got {len(values)} tensors")
         if self.memory:  # the callee reads our device buffers on its own stream: finish writing them first
             torch.cuda.current_stream().synchronize()
         request = pb_utils.InferenceRequest(
-            model_name=self.model_name, requested_output_names=self.outputs,
-            inputs=[_to_triton(k, v) for k, v in inputs.items()], **self.memory)
+            model_name=self.model_name, requested_output_names=list(self.outputs),
+            inputs=[_to_triton(k, v) for k, v in zip(self.inputs, values)], **self.memory)
         response = request.exec()
         if response.has_error():
             raise ModelCallError(f"model '{self.model_name}' failed: {response.error().message()}")
@@ -66,48 +75,34 @@ class BlsModel:
         return out
 
 
-class TritonPythonModel:
-    def initialize(self, args):
-        config = json.loads(args["model_config"])
-        self.name = args["model_name"]
-        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        try:
-            self.limits = Limits.from_parameters(params)
-            self.n_feats = int(params["n_feats"])
-            self.meanflow = params["meanflow"].lower() == "true"
-        except (KeyError, ValueError) as exc:
-            raise pb_utils.TritonModelException(f"{self.name}: bad config parameters: {exc}") from None
-        if "sequence_batching" not in config:
-            raise pb_utils.TritonModelException(f"{self.name}: needs sequence_batching in its config")
-        controls = {c["name"] for c in config["sequence_batching"].get("control_input", [])}
-        if set(CONTROLS) - controls:
-            raise pb_utils.TritonModelException(
-                f"{self.name}: sequence_batching must declare control inputs {CONTROLS}, has {sorted(controls)}")
-        if config.get("max_batch_size", 0) < 1:
-            raise pb_utils.TritonModelException(f"{self.name}: max_batch_size must be >= 1")
-        torch.set_num_threads(int(params.get("torch_threads", "1")))
+class TritonPythonModel(TritonModel):
+    sequence_batching = True
+
+    def setup(self, args):
+        p = self.params
+        self.limits = Limits.from_parameters(p.raw)
+        self.n_feats, self.meanflow = p.int("n_feats"), p.bool("meanflow")
+        self.check_contract(REQUEST, MEL_RESPONSE, self.n_feats)  # the solver declares its inputs optional
+        torch.set_num_threads(p.int("torch_threads", 1))
         device_id = None  # KIND_GPU (gpu target): BLS outputs on this GPU, the solve stays there
-        if args.get("model_instance_kind", "CPU") == "GPU":
-            device_id = int(args.get("model_instance_device_id", 0))
+        if self.instance_kind == "GPU":
+            device_id = self.device_id
             torch.cuda.set_device(device_id)
-        self.encoder = BlsModel(params.get("encoder_model", "flow_encoder"), ["mu", "mask", "spks"], device_id)
-        self.estimator = BlsModel(params.get("estimator_model", "estimator"), ["velocity"], device_id)
-        try:
-            bucket_ratio = float(params.get("length_bucket_ratio", "0") or 0)
-            engine = StreamingEngine(self._encode, self._estimate, n_feats=self.n_feats,
-                                     meanflow=self.meanflow, limits=self.limits, bucket_ratio=bucket_ratio)
-        except ValueError as exc:
-            raise pb_utils.TritonModelException(f"{self.name}: bad config parameter: {exc}") from None
-        self.logger = pb_utils.Logger
+        self.encoder = BlsModel(p.str("encoder_model", "flow_encoder"), names(ENCODER_INPUTS),
+                                names(ENCODER_OUTPUTS), device_id)
+        self.estimator = BlsModel(p.str("estimator_model", "estimator"), names(estimator_inputs(self.meanflow)),
+                                  names(ESTIMATOR_OUTPUTS), device_id)
+        engine = StreamingEngine(self.encoder, self._estimate, n_feats=self.n_feats, meanflow=self.meanflow,
+                                 limits=self.limits, bucket_ratio=p.float("length_bucket_ratio", 0.0))
         self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name))
         self.metrics.book.instrument(engine)  # chunk latency, NFE, frames, sequences per Euler step
-        if params.get("warmup", "true").lower() != "false":  # s3flow.serving.warmup: no first-run cost on a real chunk
+        if p.bool("warmup", True):  # s3flow.serving.warmup: no first-run cost on a real chunk
             self.logger.log_info(warm_up_solver(engine).describe())
         voices = None
-        if params.get("voices", "false").lower() == "true":  # START may name a voice the voice_encoder stored
+        if p.bool("voices", False):  # START may name a voice the voice_encoder stored
             from s3flow.serving.voice_registry import VoiceRegistry, default_dir
-            voices = VoiceRegistry(params.get("voice_dir", "") or default_dir(), int(params["max_voices"]),
-                                   int(params["max_voice_bytes"])).get
+            voices = VoiceRegistry(p.str("voice_dir", "") or default_dir(), p.int("max_voices"),
+                                   p.int("max_voice_bytes")).get
         self.session = SolverSession(engine, on_drop=self._dropped, name=self.name, draining=draining_probe(),
                                      voices=voices)
         # Triton drops an idle sequence without telling the model: a reaper thread evicts idle states even
@@ -116,29 +111,15 @@ class TritonPythonModel:
         self._reaper = threading.Thread(target=self._reap, name=f"{self.name}-idle-reaper", daemon=True)
         self._reaper.start()
 
-    # -- the engine's two callables ---------------------------------------------------------------
-    def _encode(self, tokens, token_len, embedding):
-        return self.encoder(tokens=tokens, token_len=token_len, embedding=embedding)
-
     def _estimate(self, x, mask, mu, t, spks, cond, r=None):
-        inputs = dict(x=x, mask=mask, mu=mu, t=t, spks=spks, cond=cond)
-        if r is not None:
-            inputs["r"] = r
-        return self.estimator(**inputs)[0]
+        """The engine's estimator: velocity (B, n_feats, T) over BLS (r only for meanflow)."""
+        return self.estimator(x, mask, mu, t, spks, cond, *((r,) if self.meanflow else ()))[0]
 
     # -- execute ----------------------------------------------------------------------------------
     def _incoming(self, request) -> Incoming:
-        controls = {}
-        for name in CONTROLS:
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            controls[name] = tensor.as_numpy().reshape(-1)[0] if tensor is not None else 0
-        inputs = {}
-        for name in (*INPUT_DTYPES, VOICE_ID):
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            if tensor is not None:
-                inputs[name] = tensor.as_numpy()
-        return Incoming(corr_id=int(controls["CORRID"]), start=bool(controls["START"]), end=bool(controls["END"]),
-                        inputs=inputs, ready=bool(controls["READY"]), is_cancelled=request.is_cancelled)
+        c = read_controls(request)
+        return Incoming(corr_id=c.corr_id, start=c.start, end=c.end, inputs=input_arrays(request, REQUEST),
+                        ready=c.ready, is_cancelled=request.is_cancelled)
 
     def execute(self, requests):
         started = self.metrics.book.begin()
@@ -152,14 +133,13 @@ class TritonPythonModel:
         responses = []
         for o in outcomes:
             if o.error is not None:
-                responses.append(error_response(o.error, _CODES[o.code]()))
+                responses.append(self.error(o.error, o.code))
             elif o.result is None:  # an empty slot of the direct strategy
-                responses.append(pb_utils.InferenceResponse(output_tensors=[]))
+                responses.append(empty_response())
             else:
-                mel = o.result.mel[None].astype(np.float32, copy=False)
-                offset = np.array([[o.result.frame_offset]], dtype=np.int64)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("mel", mel), pb_utils.Tensor("frame_offset", offset)]))
+                responses.append(ok_response({
+                    _MEL.name: o.result.mel[None].astype(_MEL.np_dtype, copy=False),
+                    _FRAME_OFFSET.name: np.array([[o.result.frame_offset]], dtype=_FRAME_OFFSET.np_dtype)}))
         with self._lock:
             self.metrics.book.end(started)  # s3flow_chunk_seconds etc. of the chunks answered
         return responses
@@ -232,11 +212,3 @@ class _SolverMetrics:
         """Metrics must go before their families (the stub checks)."""
         self._metrics = {}
         self._families = {}
-
-
-#: After a batch that made this many frames, give the freed heap back (s3flow.serving.heap).
-_TRIM_AFTER_FRAMES = 500
-
-
-_CODES = {INVALID_ARG: lambda: pb_utils.TritonError.INVALID_ARG, CANCELLED: lambda: pb_utils.TritonError.CANCELLED,
-          UNAVAILABLE: lambda: pb_utils.TritonError.UNAVAILABLE, INTERNAL: lambda: pb_utils.TritonError.INTERNAL}

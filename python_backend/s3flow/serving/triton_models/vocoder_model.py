@@ -5,111 +5,88 @@ the ``token2wav`` ensemble; the control inputs START / END / READY / CORRID arri
 networks run in this process, as the ``vocoder_backend`` parameter says: ``onnx`` (``<version>/f0.onnx``,
 ``<version>/decoder.onnx`` in ONNX Runtime, KIND_CPU) or ``torch`` (``<version>/hift.safetensors``, on
 ``cuda:<device id>`` for a KIND_GPU instance, else the CPU); the excitation, the state and the seams are
-``s3flow.engine.vocoder_stream``'s, the same for both. Inputs: ``mel`` [1, n_feats, F] the
-newly final frames, ``frame_offset`` [1, 1], ``seed`` [1, 1] (START, optional: the source noise's seed).
-Outputs: ``audio`` [1, S] the newly final samples and ``sample_offset`` [1, 1] the index of the first.
+``s3flow.engine.vocoder_stream``'s, the same for both. Tensors (``contract.VOCODER_INPUTS`` / ``_OUTPUTS``):
+``mel`` [1, n_feats, F] the newly final frames, ``frame_offset`` [1, 1], ``seed`` [1, 1] (START, optional:
+the source noise's seed) in; ``audio`` [1, S] the newly final samples and ``sample_offset`` [1, 1] the index
+of the first out.
 """
 from __future__ import annotations
 
-import json
-import os
+from dataclasses import fields
 
 import numpy as np
-import triton_python_backend_utils as pb_utils
 
-from s3flow.protocol import RequestError
+from s3flow.contract import VOCODER_INPUTS, VOCODER_OUTPUTS, by_name
 from s3flow.engine.streaming import SequenceStore
-from s3flow.serving.warmup import warm_up_vocoder
-from s3flow.model.vocoder import VocoderRunnerSettings, open_vocoder_runner
 from s3flow.engine.vocoder_stream import SourceParams, StreamError, StreamSettings, VocoderStream
-from s3flow.serving.responses import error_response
+from s3flow.protocol import RequestError
+from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
+from s3flow.serving.model_config import Params
+from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response,
+                                               read_controls)
+from s3flow.serving.warmup import warm_up_vocoder
 
-CONTROLS = ("START", "END", "READY", "CORRID")
-
-
-def source_params_from(params: dict) -> SourceParams:
-    kwargs = {}
-    for name, default in SourceParams().__dict__.items():
-        if name in params:
-            kwargs[name] = type(default)(float(params[name]))
-    return SourceParams(**kwargs)
+_MEL, _FRAME_OFFSET, _SEED = (t.name for t in VOCODER_INPUTS)
+_AUDIO, _SAMPLE_OFFSET = (by_name(VOCODER_OUTPUTS)[n] for n in ("audio", "sample_offset"))
 
 
-class TritonPythonModel:
-    def initialize(self, args):
-        config = json.loads(args["model_config"])
-        self.name = args["model_name"]
-        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        try:
-            self.settings = StreamSettings.from_parameters(params)
-            self.source = source_params_from(params)
-            self.n_feats = int(params["n_feats"])
-            runner_settings = VocoderRunnerSettings.from_args(params, args.get("model_instance_kind", "CPU"),
-                                                              args.get("model_instance_device_id", 0))
-        except (KeyError, ValueError) as exc:
-            raise pb_utils.TritonModelException(f"{self.name}: bad config parameters: {exc}") from None
-        if "sequence_batching" not in config:
-            raise pb_utils.TritonModelException(f"{self.name}: needs sequence_batching in its config")
-        controls = {c["name"] for c in config["sequence_batching"].get("control_input", [])}
-        if set(CONTROLS) - controls:
-            raise pb_utils.TritonModelException(
-                f"{self.name}: sequence_batching must declare control inputs {CONTROLS}, has {sorted(controls)}")
-        if config.get("max_batch_size", 0) < 1:
-            raise pb_utils.TritonModelException(f"{self.name}: max_batch_size must be >= 1")
-        directory = os.path.join(args["model_repository"], args["model_version"])
-        try:
-            runner = open_vocoder_runner(directory, runner_settings)
-        except (FileNotFoundError, RuntimeError) as exc:
-            raise pb_utils.TritonModelException(f"{self.name}: {exc}") from None
+def source_params_from(params: Params) -> SourceParams:
+    """The neural source filter's constants from the config (each one optional; numbers)."""
+    return SourceParams(**{f.name: type(f.default)(params.float(f.name, f.default)) for f in fields(SourceParams)})
+
+
+class TritonPythonModel(TritonModel):
+    sequence_batching = True
+    request_errors = (RequestError, StreamError)
+
+    def setup(self, args):
+        p = self.params
+        self.n_feats = p.int("n_feats")
+        self.check_contract(VOCODER_INPUTS, VOCODER_OUTPUTS, self.n_feats)
+        self.settings = StreamSettings.from_parameters(p.raw)
+        self.source = source_params_from(p)
+        runner_settings = VocoderRunnerSettings.from_args(p.raw, self.instance_kind, self.device_id)
+        runner = open_vocoder_runner(self.version_dir, runner_settings)
         self.stream = VocoderStream(runner.f0, runner.decode, self.source, self.settings, n_feats=self.n_feats)
         self.store = SequenceStore(self.settings)   # idle_timeout_s, max_live_sequences
-        self.logger = pb_utils.Logger
         self.logger.log_info(f"{self.name}: HiFT in {runner_settings.backend} on {runner_settings.device}")
-        if params.get("warmup", "true").lower() != "false":  # s3flow.serving.warmup: a throw-away state, no store entry
+        if p.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no store entry
             self.logger.log_info(warm_up_vocoder(self.stream).describe())
-
-    def _input(self, request, name):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        return None if tensor is None else tensor.as_numpy()
-
-    def _one(self, request):
-        controls = {}
-        for name in CONTROLS:
-            value = self._input(request, name)
-            controls[name] = value.reshape(-1)[0] if value is not None else 0
-        if not controls["READY"]:  # an empty slot of the direct strategy
-            return pb_utils.InferenceResponse(output_tensors=[])
-        corr_id, end = int(controls["CORRID"]), bool(controls["END"])
-        try:
-            mel, offset = self._input(request, "mel"), self._input(request, "frame_offset")
-            if mel is None or offset is None:
-                raise RequestError("the vocoder needs 'mel' and 'frame_offset' in every request")
-            if mel.ndim != 3 or mel.shape[0] != 1 or mel.dtype != np.float32:
-                raise RequestError(f"mel must be float32 [1, {self.n_feats}, frames], got {mel.dtype} {list(mel.shape)}")
-            if controls["START"]:
-                seed = self._input(request, "seed")
-                seed = 0 if seed is None else int(seed.reshape(-1)[0])
-                if seed < 0:
-                    raise RequestError(f"seed must be >= 0, got {seed}")
-                self.store.create(corr_id, self.stream.start(seed))
-            state = self.store.get(corr_id)
-            chunk = self.stream.push(state, mel[0], int(offset.reshape(-1)[0]), end=end)
-        except (RequestError, StreamError) as exc:
-            self.store.drop(corr_id)  # a broken stream cannot continue seamlessly
-            return error_response(f"{self.name}: {exc}", pb_utils.TritonError.INVALID_ARG)
-        except Exception as exc:  # a failed network call: this sequence is lost, the others go on
-            self.store.drop(corr_id)
-            return error_response(f"{self.name}: {type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
-        if end:
-            self.store.drop(corr_id)
-        return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("audio", chunk.audio[None].astype(np.float32, copy=False)),
-            pb_utils.Tensor("sample_offset", np.array([[chunk.sample_offset]], dtype=np.int64))])
 
     def execute(self, requests):
         for corr_id in self.store.evict_idle():
             self.logger.log_info(f"{self.name}: evicted idle sequence {corr_id}")
-        return [self._one(request) for request in requests]
+        return super().execute(requests)
+
+    def respond(self, request):
+        c = read_controls(request)
+        if not c.ready:  # an empty slot of the direct strategy
+            return empty_response()
+        try:
+            chunk = self._push(c, input_arrays(request, VOCODER_INPUTS))
+        except Exception:  # a bad request or a failed network call: this sequence is lost, the others go on
+            self.store.drop(c.corr_id)  # a broken stream cannot continue seamlessly
+            raise
+        if c.end:
+            self.store.drop(c.corr_id)
+        return ok_response({
+            _AUDIO.name: chunk.audio[None].astype(_AUDIO.np_dtype, copy=False),
+            _SAMPLE_OFFSET.name: np.array([[chunk.sample_offset]], dtype=_SAMPLE_OFFSET.np_dtype)})
+
+    def _push(self, c, inputs: dict):
+        mel, offset = inputs.get(_MEL), inputs.get(_FRAME_OFFSET)
+        if mel is None or offset is None:
+            raise RequestError(f"the vocoder needs '{_MEL}' and '{_FRAME_OFFSET}' in every request")
+        if mel.ndim != 3 or mel.shape[0] != 1 or mel.dtype != np.float32:
+            raise RequestError(f"mel must be float32 [1, {self.n_feats}, frames], got {mel.dtype} {list(mel.shape)}")
+        if c.start:
+            seed = inputs.get(_SEED)
+            seed = 0 if seed is None else int(seed.reshape(-1)[0])
+            if seed < 0:
+                raise RequestError(f"seed must be >= 0, got {seed}")
+            self.store.create(c.corr_id, self.stream.start(seed))
+        state = self.store.get(c.corr_id)
+        return self.stream.push(state, mel[0], int(offset.reshape(-1)[0]), end=c.end)
 
     def finalize(self):
         self.stream = self.store = None

@@ -1,0 +1,194 @@
+"""The python models' shared base (s3flow.serving.triton_models.base) without a server: configs built from the
+contract (as the generator writes them) load; a config that differs from the contract, a boolean spelled
+other than true/false, or missing sequence controls fail the load with a TritonModelException naming the model
+and the value; one bad request gets its own error response and the others still get theirs.
+
+The stub's ``triton_python_backend_utils`` is replaced by a small stand-in (``FakePbUtils``); the served path
+through a real tritonserver is tests/test_serving.py, tests/test_faults.py and tests/test_vocoder.py.
+"""
+from __future__ import annotations
+
+import json
+import types
+
+import numpy as np
+import pytest
+from google.protobuf import json_format
+
+from s3flow import contract
+from s3flow.protocol import RequestError
+from s3flow.serving import model_config as mc
+from s3flow.serving import responses
+from s3flow.serving.triton_models import base, cfm_solver, voice_encoder_model, vocoder_model
+
+
+class TritonModelException(Exception):
+    pass
+
+
+class TritonError:
+    INVALID_ARG, INTERNAL, UNAVAILABLE, CANCELLED = "INVALID_ARG", "INTERNAL", "UNAVAILABLE", "CANCELLED"
+
+    def __init__(self, message, code=INTERNAL):
+        self._message, self.code = message, code
+
+    def message(self):
+        return self._message
+
+
+class Response:
+    def __init__(self, output_tensors=(), error=None):
+        self.outputs = {t.name: t.array for t in output_tensors}
+        self.error = error
+
+
+class Tensor:
+    def __init__(self, name, array):
+        self.name, self.array = name, array
+
+    def as_numpy(self):
+        return self.array
+
+
+class Request(dict):
+    """Input arrays by name."""
+
+
+def FakePbUtils():  # noqa: N802 (a module stand-in)
+    return types.SimpleNamespace(
+        TritonModelException=TritonModelException, TritonError=TritonError, InferenceResponse=Response,
+        Tensor=Tensor, Logger=types.SimpleNamespace(log_info=lambda message: None),
+        get_input_tensor_by_name=lambda request, name: Tensor(name, request[name]) if name in request else None)
+
+
+@pytest.fixture(autouse=True)
+def pb_utils(monkeypatch):
+    fake = FakePbUtils()
+    for module in (responses, base, cfm_solver):
+        monkeypatch.setattr(module, "pb_utils", fake)
+    return fake
+
+
+def args_of(config: mc.ModelConfig, folder="/nonexistent") -> dict:
+    """``initialize``'s args: the config in Triton's JSON form (int64 dims as strings, enum names)."""
+    as_json = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    return {"model_config": json.dumps(as_json), "model_name": config.name, "model_repository": folder,
+            "model_version": "1", "model_instance_kind": "CPU"}
+
+
+def solver_config(**params) -> mc.ModelConfig:
+    config = mc.ModelConfig(name="cfm_solver", backend="python", max_batch_size=4)
+    mc.add_tensors(config, contract.REQUEST, contract.MEL_RESPONSE, n_feats=80)
+    mc.add_sequence_controls(config, idle_us=10_000_000)
+    return mc.set_parameters(config, {"n_feats": 80, "meanflow": False, "warmup": False, **params})
+
+
+def vocoder_config(n_feats: int = 80, **params) -> mc.ModelConfig:
+    config = mc.ModelConfig(name="vocoder", backend="python", max_batch_size=4)
+    mc.add_tensors(config, contract.VOCODER_INPUTS, contract.VOCODER_OUTPUTS, n_feats=n_feats)
+    mc.add_sequence_controls(config, idle_us=10_000_000)
+    return mc.set_parameters(config, {"n_feats": 80, **params})
+
+
+# ------------------------------------------------------------------------------------------ load-time checks
+def load_error(model, config) -> str:
+    with pytest.raises(TritonModelException) as info:
+        model.initialize(args_of(config))
+    return str(info.value)
+
+
+def test_the_solver_refuses_a_boolean_not_spelled_true_or_false():
+    message = load_error(cfm_solver.TritonPythonModel(), solver_config(warmup="yes"))
+    assert message.startswith("cfm_solver: ") and "warmup must be true or false, got 'yes'" in message, message
+
+
+def test_the_solver_refuses_a_config_that_differs_from_the_contract():
+    config = solver_config()
+    next(t for t in config.output if t.name == "frame_offset").data_type = mc.mc.TYPE_INT32
+    message = load_error(cfm_solver.TritonPythonModel(), config)
+    assert message.startswith("cfm_solver: ") and "frame_offset is TYPE_INT32" in message \
+        and "TYPE_INT64" in message, message
+    config = solver_config()
+    del config.input[-1]  # voice_id
+    assert "voice_id" in load_error(cfm_solver.TritonPythonModel(), config)
+
+
+def test_sequence_models_need_every_control_and_batching():
+    config = solver_config()
+    del config.sequence_batching.control_input[-1]  # CORRID
+    message = load_error(cfm_solver.TritonPythonModel(), config)
+    assert "control inputs ('START', 'END', 'READY', 'CORRID')" in message and "['END', 'READY', 'START']" in message
+    config = vocoder_config()
+    config.max_batch_size = 0
+    assert load_error(vocoder_model.TritonPythonModel(), config) == "vocoder: max_batch_size must be >= 1, got 0"
+    config = vocoder_config()
+    config.ClearField("sequence_batching")
+    assert load_error(vocoder_model.TritonPythonModel(), config) == "vocoder: needs sequence_batching in its config"
+
+
+def test_the_vocoder_checks_its_mel_bins_and_then_its_files():
+    message = load_error(vocoder_model.TritonPythonModel(), vocoder_config(n_feats=79))
+    assert "vocoder: input mel is TYPE_FP32 [79, -1] in the config, the contract says TYPE_FP32 [80, -1]" in message
+    message = load_error(vocoder_model.TritonPythonModel(), vocoder_config(vocoder_backend="onnx"))
+    assert message.startswith("vocoder: ") and "f0.onnx" in message, message  # the contract held: on to the files
+
+
+def test_the_voice_encoder_checks_its_contract_before_its_weights():
+    config = mc.ModelConfig(name="voice_encoder", backend="python", max_batch_size=0)
+    mc.add_tensors(config, contract.VOICE_ENCODER_INPUTS[:-1], contract.VOICE_ENCODER_OUTPUTS, n_feats=80)
+    message = load_error(voice_encoder_model.TritonPythonModel(), config)
+    assert message.startswith("voice_encoder: config inputs") and "list_voices" in message, message
+
+
+def test_config_feats_reads_the_mel_bins_the_config_declares():
+    config = json.loads(args_of(vocoder_config(n_feats=100))["model_config"])
+    assert base.config_feats(config, contract.VOCODER_INPUTS) == 100
+    assert base.config_feats(config, contract.ENCODER_OUTPUTS) is None
+
+
+# ------------------------------------------------------------------------------------------ requests
+class Doubler(base.TritonModel):
+    """The smallest model: ``mel`` in, twice it out; a negative value is a bad request, a NaN a failure."""
+
+    def setup(self, args):
+        self.check_contract(contract.VOCODER_INPUTS, contract.VOCODER_OUTPUTS)
+        self.gain = self.params.float("gain", 2.0)
+
+    def respond(self, request):
+        mel = base.input_arrays(request, contract.VOCODER_INPUTS)["mel"]
+        if (mel < 0).any():
+            raise RequestError(f"mel must be >= 0, got {mel.min()}")
+        if np.isnan(mel).any():
+            raise RuntimeError("the network gave up")
+        return base.ok_response({"audio": mel * self.gain})
+
+
+def test_one_bad_request_gets_its_error_and_the_others_their_answers():
+    model = Doubler()
+    model.initialize(args_of(vocoder_config(gain=3)))
+    good, bad, broken = (Request(mel=np.full((1, 80, 2), v, np.float32)) for v in (1.0, -1.0, np.nan))
+    out = model.execute([good, bad, broken, good])
+    assert [r.error is None for r in out] == [True, False, False, True]
+    np.testing.assert_array_equal(out[0].outputs["audio"], np.full((1, 80, 2), 3.0, np.float32))
+    assert (out[1].error.code, out[1].error.message()) == ("INVALID_ARG", "vocoder: mel must be >= 0, got -1.0")
+    assert (out[2].error.code, out[2].error.message()) == ("INTERNAL", "vocoder: RuntimeError: the network gave up")
+
+
+def test_controls_read_as_triton_sends_them():
+    request = Request(START=np.array([[1]], np.int32), END=np.array([[0]], np.int32),
+                      READY=np.array([[1]], np.int32), CORRID=np.array([[7]], np.uint64))
+    assert base.read_controls(request) == base.Controls(start=True, end=False, ready=True, corr_id=7)
+    assert base.read_controls(Request()) == base.Controls(start=False, end=False, ready=False, corr_id=0)
+
+
+def test_the_solver_reads_every_request_tensor_of_the_contract():
+    model = cfm_solver.TritonPythonModel()
+    arrays = contract.request_arrays([1, 2, 3], start=True, prompt_tokens=[4], prompt_mel=np.zeros((2, 80)),
+                                     speaker_embedding=np.zeros(192), n_timesteps=3, guidance_rate=0.5, seed=1,
+                                     voice_id="v-0")
+    request = Request(arrays, START=np.array([[1]], np.int32), READY=np.array([[1]], np.int32),
+                      CORRID=np.array([[9]], np.uint64))
+    request.is_cancelled = lambda: False
+    incoming = model._incoming(request)
+    assert (incoming.corr_id, incoming.start, incoming.end) == (9, True, False)
+    assert sorted(incoming.inputs) == sorted(contract.names(contract.REQUEST))
