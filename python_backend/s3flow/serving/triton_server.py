@@ -1,14 +1,7 @@
 """Launch and stop a real ``tritonserver`` process (no Docker, no GPU needed).
 
-Two ways to get a server binary are supported:
-
-* **The nvidia-pytriton wheel** (the default on a plain host): the wheel ships ``tritonserver``, its shared
-  libraries (``site-packages/nvidia_pytriton.libs``), the python backend and one python-backend stub per
-  Python version (``pytriton/tritonserver/python_backend_stubs/<X.Y>/``). The stub is *not* inside the
-  backend folder, so :func:`prepare_backend_dir` builds a small backend folder (symlinks, kept in a cache
-  folder) whose ``python/`` holds the stub for the Python version of the model venv.
-* **An NGC container / own build**: set ``TRITONSERVER`` (path or name on ``PATH``) or pass ``binary=``;
-  backends default to ``/opt/tritonserver/backends`` (override with ``TRITONSERVER_BACKEND_DIR``).
+Where the binary and its backends come from is :mod:`s3flow.serving.triton_install`; processes and ports
+by number are :mod:`s3flow.serving.processes`; both are re-exported here.
 
 How the python models find their packages: the stub embeds the system ``libpython3.X`` and ignores
 ``PYTHONPATH``; the embedded interpreter looks ``python3`` up on ``PATH`` and uses the ``pyvenv.cfg`` next to
@@ -30,15 +23,10 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import importlib.util
 import os
 import pathlib
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,7 +35,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from s3flow.serving.processes import (free_port, has_nvidia_gpu, is_running, kill, log_tail, port_open, read_cmdline,
+                                      stop_pid, tree_rss_bytes)
+from s3flow.serving.triton_install import (NGC_BACKEND_DIR, TritonPaths, TritonServerError, check_venv, default_venv,
+                                           find_tritonserver, prepare_backend_dir, venv_numpy_version,
+                                           venv_python_version)
+
 __all__ = [
+    "NGC_BACKEND_DIR",
     "TritonPaths",
     "TritonServer",
     "TritonServerError",
@@ -57,268 +52,18 @@ __all__ = [
     "prepare_backend_dir",
     "read_cmdline",
     "stop_pid",
+    "tree_rss_bytes",
     "venv_numpy_version",
     "venv_python_version",
 ]
 
-#: Default backend folder inside NGC ``tritonserver`` containers.
-NGC_BACKEND_DIR = pathlib.Path("/opt/tritonserver/backends")
 #: Model control modes accepted by ``--model-control-mode``.
 MODEL_CONTROL_MODES = ("none", "explicit", "poll")
 
 _PORT_IN_USE = re.compile(r"already in use|Address already in use|failed to start (GRPC|HTTP|Metrics)", re.I)
 
-
 #: MALLOC_MMAP_THRESHOLD_ for the server and its stubs (see TritonServer.environment).
 MMAP_THRESHOLD_BYTES = 1 << 20
-
-
-class TritonServerError(RuntimeError):
-    """The server could not be found, did not start, or died; the message carries the log tail."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TritonPaths:
-    """Where a Triton installation lives.
-
-    Attributes:
-        binary: the ``tritonserver`` executable.
-        backend_dir: the installation's backend folder (``<dir>/python/libtriton_python.so``, ...).
-        lib_dirs: folders to put on ``LD_LIBRARY_PATH`` (the wheel's ``nvidia_pytriton.libs``; empty in NGC).
-        stubs_dir: the wheel's ``python_backend_stubs`` folder (one ``<X.Y>/triton_python_backend_stub``
-            per Python version), or None when the backend folder already holds its stub (NGC).
-        source: ``"pytriton"``, ``"env"`` (``TRITONSERVER``), ``"explicit"`` or ``"path"``.
-    """
-
-    binary: pathlib.Path
-    backend_dir: pathlib.Path
-    lib_dirs: tuple[pathlib.Path, ...] = ()
-    stubs_dir: pathlib.Path | None = None
-    source: str = "pytriton"
-
-    def stub_versions(self) -> list[str]:
-        """Python versions (``"3.11"``) the wheel has a python-backend stub for."""
-        if self.stubs_dir is None:
-            return []
-        return sorted(p.parent.name for p in self.stubs_dir.glob("*/triton_python_backend_stub"))
-
-
-def _pytriton_paths() -> TritonPaths | None:
-    """Locate the server inside an installed nvidia-pytriton wheel without importing pytriton."""
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    root = pathlib.Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
-    binary = root / "bin" / "tritonserver"
-    if not binary.is_file():
-        return None
-    # Wheel install: libs sit next to the package; an editable pytriton checkout keeps them in external_libs.
-    lib_dirs = [p for p in (root.parent.parent / "nvidia_pytriton.libs", root / "external_libs") if p.is_dir()]
-    return TritonPaths(
-        binary=binary,
-        backend_dir=root / "backends",
-        lib_dirs=tuple(lib_dirs),
-        stubs_dir=root / "python_backend_stubs",
-        source="pytriton",
-    )
-
-
-def _external_paths(binary: str | os.PathLike, backend_dir: str | os.PathLike | None, source: str) -> TritonPaths:
-    resolved = shutil.which(str(binary)) if os.sep not in str(binary) else str(binary)
-    if not resolved or not os.path.isfile(resolved):
-        raise TritonServerError(f"tritonserver binary not found: {binary!r} ({source})")
-    binary_path = pathlib.Path(resolved).absolute()
-    if backend_dir is None:
-        backend_dir = os.environ.get("TRITONSERVER_BACKEND_DIR")
-    if backend_dir is None:
-        sibling = binary_path.parent.parent / "backends"  # /opt/tritonserver/bin/.. -> /opt/tritonserver/backends
-        backend_dir = sibling if sibling.is_dir() else NGC_BACKEND_DIR
-    return TritonPaths(binary=binary_path, backend_dir=pathlib.Path(backend_dir), source=source)
-
-
-def find_tritonserver(
-    binary: str | os.PathLike | None = None, backend_dir: str | os.PathLike | None = None
-) -> TritonPaths:
-    """Find a ``tritonserver`` installation.
-
-    Order: ``binary`` argument, ``TRITONSERVER`` env var (a path or a name on ``PATH``), the installed
-    nvidia-pytriton wheel, then ``tritonserver`` on ``PATH`` (NGC containers). For the non-wheel cases the
-    backend folder is ``backend_dir``, ``TRITONSERVER_BACKEND_DIR``, ``<binary>/../../backends`` or
-    ``/opt/tritonserver/backends``.
-
-    Raises:
-        TritonServerError: nothing found.
-    """
-    if binary is not None:
-        return _external_paths(binary, backend_dir, "explicit")
-    if os.environ.get("TRITONSERVER"):
-        return _external_paths(os.environ["TRITONSERVER"], backend_dir, "env")
-    paths = _pytriton_paths()
-    if paths is not None:
-        if backend_dir is not None:
-            paths = dataclasses.replace(paths, backend_dir=pathlib.Path(backend_dir), stubs_dir=None)
-        return paths
-    if shutil.which("tritonserver"):
-        return _external_paths("tritonserver", backend_dir, "path")
-    raise TritonServerError(
-        "no tritonserver found: install nvidia-pytriton (pip install nvidia-pytriton==0.7.0), "
-        "or set TRITONSERVER=/path/to/tritonserver"
-    )
-
-
-def venv_python_version(venv: str | os.PathLike) -> str:
-    """``"X.Y"`` of the Python a venv was made from (read from ``pyvenv.cfg``, else by running it)."""
-    cfg = pathlib.Path(venv) / "pyvenv.cfg"
-    if cfg.is_file():
-        for line in cfg.read_text().splitlines():
-            key, _, value = line.partition("=")
-            if key.strip() in ("version", "version_info"):
-                return ".".join(value.strip().split(".")[:2])
-    python = pathlib.Path(venv) / "bin" / "python3"
-    out = subprocess.run(
-        [str(python), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-        check=True, capture_output=True, text=True,
-    )
-    return out.stdout.strip()
-
-
-def venv_numpy_version(venv: str | os.PathLike) -> str | None:
-    """numpy version installed in a venv (from its ``.dist-info`` folder name), or None."""
-    found = sorted(pathlib.Path(venv).glob("lib/python*/site-packages/numpy-*.dist-info"))
-    return found[-1].name[len("numpy-"):-len(".dist-info")] if found else None
-
-
-def _cache_root() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "s3flow" / "tritonserver"
-
-
-def prepare_backend_dir(
-    paths: TritonPaths, python_version: str | None = None, cache_dir: str | os.PathLike | None = None
-) -> pathlib.Path:
-    """Return a backend folder whose ``python/`` holds the stub for ``python_version``.
-
-    The wheel keeps its stubs outside the backend folder (pytriton copies the whole server into a
-    workspace). Here we build ``<cache>/<hash>-py<X.Y>/`` once, made of symlinks to the wheel's backends plus
-    the matching stub, and reuse it; it is created under a temporary name and renamed, so concurrent
-    launchers are safe. Installations whose backend folder already has a stub (NGC) are returned as is.
-
-    Args:
-        paths: from :func:`find_tritonserver`.
-        python_version: ``"3.11"``; defaults to the running interpreter's.
-        cache_dir: where to build; defaults to ``$XDG_CACHE_HOME/s3flow/tritonserver``.
-
-    Raises:
-        TritonServerError: the wheel has no stub for ``python_version``.
-    """
-    if paths.stubs_dir is None or (paths.backend_dir / "python" / "triton_python_backend_stub").exists():
-        return paths.backend_dir
-    version = python_version or "%d.%d" % sys.version_info[:2]
-    stub = paths.stubs_dir / version / "triton_python_backend_stub"
-    if not stub.is_file():
-        raise TritonServerError(
-            f"the Triton wheel has no python-backend stub for Python {version} "
-            f"(has {paths.stub_versions()}); make the model venv with one of those system Pythons"
-        )
-    key = hashlib.sha1(f"{paths.backend_dir.resolve()}:{stub.stat().st_mtime_ns}".encode()).hexdigest()[:12]
-    root = pathlib.Path(cache_dir) if cache_dir is not None else _cache_root()
-    target = root / f"{key}-py{version}"
-    if (target / "python" / "triton_python_backend_stub").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
-    try:
-        for backend in paths.backend_dir.iterdir():
-            if not backend.is_dir():
-                continue
-            (tmp / backend.name).mkdir()
-            for item in backend.iterdir():
-                if item.name != "__pycache__":
-                    (tmp / backend.name / item.name).symlink_to(item.resolve())
-        (tmp / "python" / "triton_python_backend_stub").symlink_to(stub.resolve())
-        tmp.chmod(0o755)
-        os.rename(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "python" / "triton_python_backend_stub").exists():
-            raise
-    return target
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (the OS picks it; another process may still take it later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _log_tail(path: pathlib.Path | None, lines: int = 40) -> str:
-    if path is None or not path.exists():
-        return "(no log)"
-    text = path.read_text(errors="replace").splitlines()
-    # Triton prints long config dumps and tables; keep the last lines that say something.
-    text = [line for line in text if line.strip() and not line.startswith(("+", "|"))]
-    return "\n".join(text[-lines:])
-
-
-def read_cmdline(pid: int) -> list[str] | None:
-    """argv of a running process (Linux ``/proc``), or None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        if state in (b"Z", b"X"):
-            return None
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except (OSError, IndexError):
-        return None
-
-
-def is_running(pid: int) -> bool:
-    """Whether ``pid`` is a live (not zombie) process."""
-    return read_cmdline(pid) is not None
-
-
-def stop_pid(pid: int, timeout: float = 30.0, kill_group: bool = True) -> bool:
-    """Stop one process by PID: SIGTERM, wait up to ``timeout`` s, then SIGKILL.
-
-    Works for processes that are not our children (a server started by ``scripts/server.py start``). If the
-    process leads its own process group (``start_new_session=True``), the SIGKILL goes to that group so the
-    python-backend stubs go too. Nothing is ever looked up by name.
-
-    Returns:
-        True if it exited after SIGTERM, False if it had to be killed (or was already gone).
-    """
-    if not is_running(pid):
-        return False
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not is_running(pid):
-            return True
-        time.sleep(0.05)
-    _kill(pid, kill_group)
-    deadline = time.monotonic() + 10
-    while is_running(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return False
-
-
-def _kill(pid: int, kill_group: bool) -> None:
-    try:
-        if kill_group and os.getpgid(pid) == pid:
-            os.killpg(pid, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _default_venv() -> pathlib.Path | None:
-    return pathlib.Path(sys.prefix) if sys.prefix != sys.base_prefix else None
 
 
 class TritonServer:
@@ -373,7 +118,7 @@ class TritonServer:
         self.log_file = pathlib.Path(log_file).absolute() if log_file is not None else None
         self.model_control_mode = model_control_mode
         self.load_models = list(load_models)
-        self.venv = _default_venv() if venv == "auto" else (pathlib.Path(venv).absolute() if venv else None)
+        self.venv = default_venv() if venv == "auto" else (pathlib.Path(venv).absolute() if venv else None)
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
         self.paths = paths or find_tritonserver()
@@ -427,7 +172,7 @@ class TritonServer:
         ]
         if self.shm_byte_size is not None:
             cmd.append(f"--backend-config=python,shm-default-byte-size={self.shm_byte_size}")
-        if not _has_nvidia_gpu():
+        if not has_nvidia_gpu():
             cmd.append("--allow-gpu-metrics=false")  # otherwise: "Error: Failed to initialize NVML" in the log
         cmd += [f"--load-model={name}" for name in self.load_models]
         cmd += self.extra_args
@@ -466,23 +211,13 @@ class TritonServer:
     def _python_version(self) -> str | None:
         return venv_python_version(self.venv) if self.venv is not None else None
 
-    def _check_venv(self) -> None:
-        if not (self.venv / "bin" / "python3").exists():
-            raise TritonServerError(f"venv has no bin/python3: {self.venv}")
-        numpy_version = venv_numpy_version(self.venv)
-        if numpy_version is not None and int(numpy_version.split(".")[0]) >= 2:
-            # Measured with this wheel's stub: numpy 2 silently corrupts tensors (inputs repeated, outputs empty).
-            raise TritonServerError(
-                f"numpy {numpy_version} in {self.venv}: the python-backend stub needs numpy<2 (pip install 'numpy<2')"
-            )
-
     # ----------------------------------------------------------------------------------------- lifecycle
     def start(self) -> TritonServer:
         """Launch the server in its own session and return at once (see :meth:`wait_ready`)."""
         if self.process is not None and self.process.poll() is None:
             raise TritonServerError(f"server already running (pid {self.process.pid})")
         if self.venv is not None:
-            self._check_venv()
+            check_venv(self.venv)
         chosen: set[int] = {p for p in self._fixed_ports.values() if p is not None}
         for name, fixed in self._fixed_ports.items():
             port = fixed
@@ -528,11 +263,11 @@ class TritonServer:
                     continue
                 raise TritonServerError(
                     f"tritonserver exited with code {code} before it was ready "
-                    f"(log {self.log_file}):\n{_log_tail(self.log_file)}"
+                    f"(log {self.log_file}):\n{log_tail(self.log_file)}"
                 )
             # A gRPC channel that failed to connect backs off for seconds before it retries, so wait for
             # the port to accept TCP first and use a fresh client for each probe.
-            if _port_open(self.host, self.grpc_port):
+            if port_open(self.host, self.grpc_port):
                 client = self.client()
                 try:
                     if client.is_server_live(client_timeout=2.0) and client.is_server_ready(client_timeout=2.0):
@@ -546,7 +281,7 @@ class TritonServer:
                 self.stop()
                 raise TritonServerError(
                     f"tritonserver not ready after {timeout:.0f} s (log {self.log_file}):\n"
-                    f"{_log_tail(self.log_file)}"
+                    f"{log_tail(self.log_file)}"
                 )
             time.sleep(0.1)
 
@@ -554,7 +289,7 @@ class TritonServer:
         """Triton opens its metrics port a moment after it reports ready: wait for it (bounded)."""
         if "--allow-metrics=false" in self.extra_args:
             return
-        while not _port_open(self.host, self.metrics_port) and time.monotonic() < until:
+        while not port_open(self.host, self.metrics_port) and time.monotonic() < until:
             time.sleep(0.05)
 
     def _retry_on_port_clash(self) -> bool:
@@ -582,7 +317,7 @@ class TritonServer:
                 self.process.send_signal(signal.SIGTERM)
                 self.process.wait(timeout + (self.drain_s or 0.0))
             except subprocess.TimeoutExpired:
-                _kill(self.process.pid, kill_group=True)
+                kill(self.process.pid, kill_group=True)
                 self.process.wait(10)
         self._close_log()
         self._cleanup_shm()
@@ -602,7 +337,7 @@ class TritonServer:
 
     def log_tail(self, lines: int = 40) -> str:
         """The last meaningful lines of the server log."""
-        return _log_tail(self.log_file, lines)
+        return log_tail(self.log_file, lines)
 
     def __enter__(self) -> TritonServer:
         self.start()
@@ -618,37 +353,3 @@ class TritonServer:
 
     def __repr__(self) -> str:
         return f"TritonServer(pid={self.pid}, grpc={self.grpc_url}, repository={self.model_repository})"
-
-
-def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of ``pid`` and all its descendants, from /proc (0 for processes already gone)."""
-    children: dict[int, list[int]] = {}
-    for entry in pathlib.Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            with open(f"/proc/{p}/status") as f:
-                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-        except OSError:
-            pass
-    return total
-
-
-def _port_open(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def _has_nvidia_gpu() -> bool:
-    return os.path.exists("/dev/nvidia0") or os.path.exists("/dev/nvidiactl")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import onnxruntime as ort
 
 from s3flow.contract import ESTIMATOR_OUTPUTS, MEANFLOW_INPUT, names
