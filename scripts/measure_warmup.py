@@ -35,33 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))  # fallbacks when the packages are not installed
 sys.path.insert(0, str(ROOT / "client"))
 
+from s3flow_client.bench.repos import warmup_repository  # noqa: E402
+from s3flow_client.bench.served import model_stats  # noqa: E402
+
 MODELS = ("flow_encoder", "estimator", "cfm_solver", "vocoder")
-
-
-def build(out: Path, warmup: bool, seed: int = 0) -> Path:
-    """The small seeded repository (with ``token2wav``) into ``out``."""
-    from s3flow.model.checkpoint import load_flow, write_random_checkpoint
-    from s3flow.model.flow import FlowConfig
-    from s3flow.protocol import Limits
-    from s3flow.serving.repository import Batching, RepositorySettings, write_repository
-    from s3flow.model.vocoder import VocoderConfig, random_vocoder
-
-    out.mkdir(parents=True, exist_ok=True)
-    flow = load_flow(write_random_checkpoint(out / "ckpt.safetensors", FlowConfig.small(), seed=seed))
-    settings = RepositorySettings(limits=Limits(max_steps=20, max_live_sequences=8),
-                                  batching=Batching(max_queue_delay_us=2000, max_candidate_sequences=16),
-                                  ort_threads=1, warmup=warmup)
-    write_repository(out / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=seed))
-    return out / "repo"
-
-
-def model_stats(client) -> dict:
-    """{model: (executions, compute_infer ns)} from Triton's statistics."""
-    out = {}
-    for m in client.get_inference_statistics(as_json=True).get("model_stats", []):
-        compute = int(m.get("inference_stats", {}).get("compute_infer", {}).get("ns", 0))
-        out[m["name"]] = (int(m.get("execution_count", 0)), compute)
-    return out
 
 
 def per_execution_ms(a: dict, b: dict, model: str) -> float:
@@ -150,7 +127,7 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory(prefix="s3flow-warmup-") as tmp:
         for name in args.variants.split(","):
-            repo = build(Path(tmp) / name, warmup=name == "on")
+            repo = warmup_repository(Path(tmp) / name, warmup=name == "on")
             results[name] = []
             for k in range(args.starts):
                 r = one_start(repo, args.model, args.utterances, args.seconds, args.steps, Path(tmp))

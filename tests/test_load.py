@@ -1,4 +1,5 @@
-"""Short versions of ``scripts/load_test.py`` against a real tritonserver: bounded load and a memory soak.
+"""Short versions of ``scripts/load_test.py`` (its engine: ``s3flow_client.bench.load``) against a real
+tritonserver: bounded load and a memory soak.
 
 The full run (16 streams x 20 utterances, 1,000 utterances for memory) is ``scripts/load_test.py``; its
 figures are in ``results/load_test.md``.
@@ -12,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from s3flow.serving.triton_server import TritonServer
+from s3flow_client import StreamResult
+from s3flow_client.bench.load import (check_chunks, load_utterance, memory_utterance, run_load, run_memory,
+                                      solver_stub_pid)
+from s3flow_client.bench.repos import load_test_repository
 
-import load_test  # noqa: E402
-from load_test import check_chunks, load_utterance, memory_utterance, run_load, run_memory  # noqa: E402
-from s3flow.serving.triton_server import TritonServer  # noqa: E402
-from s3flow_client import StreamResult  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 #: allowed growth of the solver's RSS over 150 short utterances after warm-up; a leak of each utterance's
 #: state (prompt mel, prompt noise, noised_mels: about 20 KB for these) would add about 3 MiB
@@ -28,9 +29,9 @@ RSS_BOUND_MB = 2.0
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("load")
-    repo = load_test.build_small_repository(root, streams=4)
+    repo = load_test_repository(root, streams=4)
     with TritonServer(repo, log_file=root / "server.log") as srv:
-        srv.stub_pid = load_test.solver_stub_pid(srv.pid)
+        srv.stub_pid = solver_stub_pid(srv.pid)
         srv.metrics_url = f"127.0.0.1:{srv.metrics_port}"
         assert srv.stub_pid is not None, "no cfm_solver stub among the server's children"
         yield srv

@@ -9,21 +9,16 @@ their counts equal to what the client received.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from s3flow.serving import metrics as m  # noqa: E402
-from s3flow.protocol import Limits, parse_request  # noqa: E402
-from s3flow.engine.streaming import StreamingEngine  # noqa: E402
-from s3flow.serving.warmup import (WARMUP_ITERATIONS, encoder_warmup, estimator_warmup, warm_up_solver,  # noqa: E402
-                           write_model_warmup)
+from s3flow.contract import VOCAB_SIZE, XVECTOR_DIM, request_arrays
+from s3flow.engine.streaming import StreamingEngine
+from s3flow.protocol import Limits, parse_request
+from s3flow.serving import metrics as m
+from s3flow.serving.warmup import (WARMUP_ITERATIONS, encoder_warmup, estimator_warmup, warm_up_solver,
+                                   write_model_warmup)
 
 N_FEATS = 8
 
@@ -42,13 +37,11 @@ def _engine(meanflow: bool = False) -> StreamingEngine:
 
 def _request(start: bool, end: bool, tokens: int, steps: int, rate=None, seed: int = 0):
     rng = np.random.default_rng(seed)
-    inputs = {"speech_tokens": rng.integers(0, 6561, (1, tokens), dtype=np.int64)}
+    speech_tokens, options = rng.integers(0, VOCAB_SIZE, tokens), {}
     if start:
-        inputs.update(prompt_tokens=rng.integers(0, 6561, (1, 5), dtype=np.int64),
-                      prompt_mel=np.zeros((1, 10, N_FEATS), np.float32),
-                      speaker_embedding=np.ones((1, 192), np.float32), n_timesteps=np.array([[steps]], np.int32))
-        if rate is not None:
-            inputs["guidance_rate"] = np.array([[rate]], np.float32)
+        options = dict(prompt_tokens=rng.integers(0, VOCAB_SIZE, 5), prompt_mel=np.zeros((10, N_FEATS)),
+                       speaker_embedding=np.ones(XVECTOR_DIM), n_timesteps=steps, guidance_rate=rate)
+    inputs = request_arrays(speech_tokens, start=start, **options)
     return parse_request(inputs, start=start, end=end, limits=Limits(max_utterance_frames=1000), n_feats=N_FEATS)
 
 
@@ -217,12 +210,11 @@ def test_vocoder_warm_up_runs_both_networks():
 # ------------------------------------------------------------------------------------------ real server
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from measure_warmup import build
-
     from s3flow.serving.triton_server import TritonServer
+    from s3flow_client.bench.repos import warmup_repository
 
     root = tmp_path_factory.mktemp("metrics")
-    repo = build(root, warmup=True)
+    repo = warmup_repository(root, warmup=True)
     with TritonServer(repo, log_file=root / "server.log") as server:
         server.log_path = root / "server.log"
         yield server
@@ -230,9 +222,8 @@ def served(tmp_path_factory):
 
 @pytest.mark.server
 def test_every_model_warmed_up_before_the_first_request(served):
-    from measure_warmup import model_stats
-
     from s3flow.serving.warmup import VOCODER_WARMUP_FRAMES
+    from s3flow_client.bench.served import model_stats
 
     stats = model_stats(served.client())
     assert stats["flow_encoder"][0] == WARMUP_ITERATIONS and stats["estimator"][0] == WARMUP_ITERATIONS, stats
@@ -248,7 +239,7 @@ def test_every_model_warmed_up_before_the_first_request(served):
 
 @pytest.mark.server
 def test_histograms_show_in_metrics_during_a_short_load(served):
-    import load_test
+    from s3flow_client.bench import load as load_test
 
     before = m.read_metrics(f"127.0.0.1:{served.metrics_port}")
     steps = 2

@@ -1,0 +1,296 @@
+"""The load test's engine (``scripts/load_test.py`` is its CLI; tests/test_load.py runs short versions).
+
+Phase 1, :func:`run_load`: ``streams`` client threads, each streaming ``utterances`` utterances one after the
+other (seeded stand-in tokens, growing chunks), all at once against one server. Every chunk's frames are
+checked (:func:`check_chunks`): offsets continue without gap or duplicate, each chunk brings exactly the
+frames its tokens made final (2 per token, less the 6 look-ahead frames until END), and the END completes
+the utterance with 2 frames per token. Then ``check_outputs`` of the utterances are streamed again alone and
+must match what they gave under load within ``OUTPUT_ATOL``. With the server's metrics address, the solver's
+histograms over the load are read back (``s3flow.serving.metrics``) and checked against the client's counts.
+
+Phase 2, :func:`run_memory`: short utterances in a row, the solver stub's resident memory sampled as they go.
+
+Example::
+
+    from s3flow_client.bench.load import run_load, solver_stub_pid
+    report = run_load("127.0.0.1:8001", streams=4, utterances=3, stub_pid=solver_stub_pid(server_pid))
+    assert report.ok, report.errors
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from s3flow.serving.metrics import HISTOGRAMS, histogram, metric_sum, read_metrics
+
+from ..demo import demo_utterance
+from ..state import FRAMES_PER_TOKEN
+from ..stream import StreamError, StreamingClient, chunk_schedule
+
+LOOKAHEAD_FRAMES = 6     # 3 pre-lookahead tokens x 2 frames: withheld until the next chunk or END
+OUTPUT_ATOL = 5e-4       # batched under load vs alone (padding changes float summation order)
+
+
+# ------------------------------------------------------------------------------ the server's processes
+def solver_stub_pid(server_pid: int, model: str = "cfm_solver") -> Optional[int]:
+    """PID of the python-backend stub serving ``model`` (a child of the server; its argv names model.py)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            if ppid != server_pid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if len(argv) > 1 and argv[1].decode(errors="replace").endswith(f"/{model}/1/model.py"):
+            return int(entry)
+    return None
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of ``pid`` in MiB (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+
+
+# ------------------------------------------------------------------------------------------ utterances
+def load_utterance(index: int, steps: int):
+    """Utterance ``index`` of the load: 0.8-2.4 s of tokens, a 0.4-1.0 s prompt, growing chunks."""
+    rng = np.random.default_rng(index)
+    u = demo_utterance(float(rng.uniform(0.8, 2.4)), seed=1000 + index, noise_seed=index,
+                       prompt_seconds=float(rng.uniform(0.4, 1.0)))
+    u.chunks = chunk_schedule(len(u.speech_tokens), 6, 2.0, 24)
+    u.n_timesteps = steps
+    return u
+
+
+def memory_utterance(index: int, steps: int):
+    """A 0.3 s utterance (8 tokens, chunks 4 + 4) with a 0.4 s prompt."""
+    u = demo_utterance(0.3, seed=index % 50, noise_seed=index, prompt_seconds=0.4)
+    u.chunks, u.n_timesteps = [4, 4], steps
+    return u
+
+
+def check_chunks(u, result, holdback_frames: int = 0) -> Optional[str]:
+    """Exact per-chunk frame accounting of one streamed utterance; None if right, else what is wrong.
+
+    (Order and continuity of frame offsets are checked by the client as responses arrive.)
+    """
+    if len(result.chunk_frames) != len(u.chunks):
+        return f"{len(result.chunk_frames)} responses for {len(u.chunks)} chunks"
+    tokens = frames = made = 0
+    for k, (size, got) in enumerate(zip(u.chunks, result.chunk_frames)):
+        tokens += size
+        final = k == len(u.chunks) - 1
+        made = FRAMES_PER_TOKEN * tokens if final else max(
+            FRAMES_PER_TOKEN * tokens - LOOKAHEAD_FRAMES - holdback_frames, made)
+        if frames + got != made:
+            return f"chunk {k}: {got} frames after {frames}, expected {made - frames} ({tokens} tokens so far)"
+        frames += got
+    if result.mel.shape[1] != FRAMES_PER_TOKEN * len(u.speech_tokens):
+        return f"{result.mel.shape[1]} frames for {len(u.speech_tokens)} tokens"
+    if not np.isfinite(result.mel).all():
+        return "non-finite mel values"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ phase 1: load
+@dataclass
+class LoadReport:
+    streams: int
+    utterances: int
+    steps: int
+    wall_s: float = 0.0
+    done: int = 0
+    not_run: int = 0
+    errors: list = field(default_factory=list)
+    frame_errors: list = field(default_factory=list)
+    output_mismatches: list = field(default_factory=list)
+    chunk_latencies: list = field(default_factory=list)   # later chunks, seconds
+    first_latencies: list = field(default_factory=list)   # first chunk of each utterance
+    chunks: int = 0
+    audio_s: float = 0.0
+    rss_before_mb: Optional[float] = None
+    rss_after_mb: Optional[float] = None
+    live_after: Optional[float] = None
+    #: the solver's histograms over the load phase (s3flow.serving.metrics.HISTOGRAMS): {name: Histogram of the deltas}
+    server_histograms: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.errors or self.frame_errors or self.output_mismatches or self.not_run)
+
+    def percentile_ms(self, which: str, q: float) -> float:
+        values = getattr(self, which)
+        return 1000 * float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_load(url: str, streams: int, utterances: int, steps: int = 2, time_limit_s: float = 600.0,
+             check_outputs: int = 2, stub_pid: Optional[int] = None, metrics_url: Optional[str] = None,
+             holdback_frames: int = 0, log=print) -> LoadReport:
+    """``streams`` threads x ``utterances`` utterances each; see the module docstring."""
+    report = LoadReport(streams, utterances, steps)
+    report.rss_before_mb = rss_mb(stub_pid) if stub_pid else None
+    results: dict[int, object] = {}
+    lock = threading.Lock()
+    before = read_metrics(metrics_url) if metrics_url else None
+    start = time.monotonic()
+    deadline = start + time_limit_s
+
+    def worker(w: int):
+        for j in range(utterances):
+            index = w * utterances + j
+            left = deadline - time.monotonic()
+            if left <= 1.0:
+                with lock:
+                    report.not_run += utterances - j
+                return
+            u = load_utterance(index, steps)
+            client = StreamingClient(url, timeout_s=left, response_timeout_s=min(left, 60.0))
+            try:
+                [r] = client.synthesize([u])
+            except Exception as exc:  # noqa: BLE001 -- counted, never lost: a load test reports every failure
+                with lock:
+                    report.errors.append(f"utterance {index}: {exc if isinstance(exc, StreamError) else repr(exc)}")
+                continue
+            bad = check_chunks(u, r, holdback_frames)
+            with lock:
+                results[index] = r
+                report.done += 1
+                report.chunks += len(r.chunk_frames)
+                report.audio_s += r.audio_s
+                report.first_latencies.append(r.chunk_latencies_s[0])
+                report.chunk_latencies.extend(r.chunk_latencies_s[1:])
+                if bad:
+                    report.frame_errors.append(f"utterance {index}: {bad}")
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(deadline - time.monotonic(), 0) + 30)
+    report.wall_s = time.monotonic() - start
+    if any(t.is_alive() for t in threads):
+        report.errors.append(f"client threads still running {report.wall_s:.0f} s after the start")
+    log(f"load: {report.done} utterances, {report.chunks} chunks in {report.wall_s:.1f} s; "
+        f"{len(report.errors)} errors, {len(report.frame_errors)} frame-accounting errors")
+    if before is not None:
+        report.errors += server_histograms(report, before, read_metrics(metrics_url))
+
+    # the same utterances alone must give what they gave batched under load
+    for index in sorted(results)[:check_outputs]:
+        u = load_utterance(index, steps)
+        try:
+            [alone] = StreamingClient(url, timeout_s=120).synthesize([u])
+        except StreamError as exc:
+            report.errors.append(f"utterance {index} alone: {exc}")
+            continue
+        err = float(np.abs(alone.mel - results[index].mel).max())
+        if not err <= OUTPUT_ATOL:
+            report.output_mismatches.append(f"utterance {index}: under load vs alone differ by {err:.2e}")
+    report.rss_after_mb = rss_mb(stub_pid) if stub_pid else None
+    if metrics_url:
+        report.live_after = live_sequences(metrics_url)
+    return report
+
+
+def server_histograms(report: LoadReport, before: dict, after: dict) -> list[str]:
+    """Fill ``report.server_histograms`` with what the load phase added to the solver's histograms; return
+    what disagrees with the client's own counts (every answered chunk observed once, a first chunk per
+    utterance). Only exact when this load is the server's only traffic and nothing failed."""
+    problems = []
+    for family in HISTOGRAMS:
+        h0, h1 = histogram(before, family.name), histogram(after, family.name)
+        h1.buckets = {le: v - h0.buckets.get(le, 0.0) for le, v in h1.buckets.items()}
+        h1.sum, h1.count = h1.sum - h0.sum, h1.count - h0.count
+        report.server_histograms[family.name] = h1
+        if not h1.buckets:
+            problems.append(f"/metrics has no histogram {family.name}")
+    if report.errors or report.not_run:
+        return problems
+    for name, want in (("s3flow_chunk_seconds", report.chunks), ("s3flow_first_chunk_seconds", report.done)):
+        got = report.server_histograms[name].count
+        if got != want:
+            problems.append(f"{name}_count grew by {got:g} over the load, the client got {want} answers")
+    return problems
+
+
+def live_sequences(metrics_url: str, settle_s: float = 5.0) -> float:
+    """The solver's live-sequence gauge, after waiting up to ``settle_s`` for it to reach 0."""
+    end = time.monotonic() + settle_s
+    while True:
+        live = metric_sum(read_metrics(metrics_url), "s3flow_live_sequences")
+        if live == 0 or time.monotonic() > end:
+            return live
+        time.sleep(0.1)
+
+
+# ------------------------------------------------------------------------------------------ phase 2: memory
+@dataclass
+class MemoryReport:
+    utterances: int
+    warmup: int
+    steps: int
+    samples: list = field(default_factory=list)   # (utterances done, RSS MiB)
+    wall_s: float = 0.0
+    errors: list = field(default_factory=list)
+    live_after: Optional[float] = None
+
+    @property
+    def start_mb(self) -> float:
+        return self.samples[0][1]
+
+    @property
+    def end_mb(self) -> float:
+        return self.samples[-1][1]
+
+    @property
+    def growth_mb(self) -> float:
+        return self.end_mb - self.start_mb
+
+    @property
+    def peak_growth_mb(self) -> float:
+        return max(s[1] for s in self.samples) - self.start_mb
+
+
+def run_memory(url: str, stub_pid: int, utterances: int, steps: int = 1, warmup: int = 50,
+               samples: int = 10, metrics_url: Optional[str] = None, log=print) -> MemoryReport:
+    """``warmup`` utterances, then RSS; then ``utterances`` in a row, RSS sampled ``samples`` times."""
+    report = MemoryReport(utterances, warmup, steps)
+    client = StreamingClient(url, timeout_s=60, response_timeout_s=30)
+    every = max(utterances // max(samples, 1), 1)
+    start = time.monotonic()
+    for i in range(-warmup, utterances):
+        if i == 0:
+            report.samples.append((0, rss_mb(stub_pid)))
+            start = time.monotonic()
+        u = memory_utterance(i + warmup, steps)
+        try:
+            [r] = client.synthesize([u])
+            bad = check_chunks(u, r)
+            if bad:
+                report.errors.append(f"utterance {i}: {bad}")
+        except StreamError as exc:
+            report.errors.append(f"utterance {i}: {exc}")
+        if i >= 0 and (i + 1) % every == 0:
+            report.samples.append((i + 1, rss_mb(stub_pid)))
+    report.wall_s = time.monotonic() - start
+    if metrics_url:
+        report.live_after = live_sequences(metrics_url)
+    log(f"memory: {utterances} utterances in {report.wall_s:.1f} s; solver RSS {report.start_mb:.2f} -> "
+        f"{report.end_mb:.2f} MiB (peak growth {report.peak_growth_mb:+.2f} MiB); {len(report.errors)} errors")
+    return report
