@@ -76,7 +76,7 @@ HEALTH_PATHS = {"/v2/health/ready", "/v2/health/live"}
 READY_PATH = "/v2/health/ready"  # what a readiness probe must ask (live says nothing of the models)
 METRICS_PATH = "/metrics"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
-#: the graceful drain (python_backend/s3flow/drain.py): the entrypoint's supervisor, the preStop hook, the
+#: the graceful drain (python_backend/s3flow/serving/drain.py): the entrypoint's supervisor, the preStop hook, the
 #: readiness probe / compose healthcheck; the drain file's environment variable
 DRAIN_MODULE = "s3flow.serving.drain"
 DRAIN_FILE_ENV = "S3FLOW_DRAIN_FILE"

@@ -35,9 +35,11 @@ import urllib.error
 import urllib.request
 from typing import Callable, Optional
 
+from s3flow.serving.metrics import LIVE, metric_sum, read_metrics
+
 DRAIN_FILE_ENV = "S3FLOW_DRAIN_FILE"
 DEFAULT_DEADLINE_S = 60.0     # the longest utterance (60 s of audio) streams in well under this on a GPU
-LIVE_METRIC = "s3flow_live_sequences"
+LIVE_METRIC = LIVE.name
 
 
 def draining_probe(path: Optional[str] = None) -> Callable[[], bool]:
@@ -49,13 +51,8 @@ def draining_probe(path: Optional[str] = None) -> Callable[[], bool]:
 
 
 def live_sequences(metrics_url: str, timeout_s: float = 3.0) -> int:
-    """Sum of the solvers' ``s3flow_live_sequences`` gauges, read with prometheus_client's parser."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
-        text = response.read().decode()
-    return int(sum(sample.value for family in text_string_to_metric_families(text)
-                   if family.name == LIVE_METRIC for sample in family.samples))
+    """Sum of the solvers' ``s3flow_live_sequences`` gauges (``metrics_url``: host:port or a URL)."""
+    return int(metric_sum(read_metrics(metrics_url, timeout_s=timeout_s), LIVE_METRIC))
 
 
 def drain(drain_file: str, metrics_url: str, deadline_s: float = DEFAULT_DEADLINE_S, poll_s: float = 0.2,
