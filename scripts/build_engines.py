@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
 
+from s3flow.protocol import Limits  # noqa: E402
 from s3flow.runtime import tensorrt as tb  # noqa: E402
+from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE  # noqa: E402
+from s3flow.serving.model_config import Params, read_config  # noqa: E402
+
+SOLVER = "cfm_solver"
 
 
 def parse_args(argv=None):
@@ -70,7 +74,7 @@ def parse_args(argv=None):
     b.add_argument("--dry-run", action="store_true", help="print profiles and names, build nothing")
     b.add_argument("--fallback", choices=["none", "torch"], default="none",
                    help="torch: serve a model whose engine fails with the torch backend (default: %(default)s)")
-    b.add_argument("--torch-dtype", choices=["fp32", "bf16", "fp16"], default="bf16",
+    b.add_argument("--torch-dtype", choices=["fp32", "bf16", "fp16"], default=DEFAULT_ESTIMATOR_DTYPE,
                    help="the fallback estimator's dtype (default: %(default)s)")
     s = p.add_argument_group("profile overrides (default: from the repository's limits)")
     s.add_argument("--max-batch", type=int, help="utterances per solver batch (estimator gets 2x when guided)")
@@ -81,8 +85,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def read_solver_settings(repository: Path) -> tb.SolverSettings:
+    """What the engines' profiles need from the repository's ``cfm_solver`` config: batch size, limits,
+    mel bins, meanflow (read as a ModelConfig, parameters through ``Params``)."""
+    folder = Path(repository) / SOLVER
+    if not (folder / "config.pbtxt").is_file():
+        raise FileNotFoundError(f"{folder / 'config.pbtxt'} not found: is {repository} a repository from "
+                                "build_repository.py?")
+    config = read_config(folder)
+    params = Params(config)
+    return tb.SolverSettings(max_batch=config.max_batch_size, limits=Limits.from_parameters(params.raw),
+                             n_feats=params.int("n_feats"), meanflow=params.bool("meanflow"))
+
+
 def profiles(args) -> dict:
-    st = tb.read_solver_settings(args.repository)
+    st = read_solver_settings(args.repository)
     batch = args.max_batch or st.max_batch
     return {"estimator": tb.estimator_profile(st.n_feats, st.meanflow, batch,
                                               args.max_frames or tb.max_frames(st.limits),
@@ -91,28 +108,22 @@ def profiles(args) -> dict:
                                                opt_tokens=args.opt_tokens, n_feats=st.n_feats)}
 
 
-def references(args):
-    """(estimator reference, encoder reference): fp32 callables on torch tensors."""
+def references(args) -> dict:
+    """model -> its fp32 reference: a callable taking torch tensors by input name and returning them by output
+    name (the torch modules of --checkpoint on this GPU, TF32 off; else ONNX Runtime on the fp32 ONNX)."""
+    if args.checkpoint is None:
+        return {model: tb.onnxruntime_engine(args.repository / model / "model.onnx") for model in tb.MODELS}
     import torch
 
-    if args.checkpoint is not None:
-        from s3flow.model.checkpoint import load_flow
-        from s3flow.runtime.torch_runner import TorchRunner
+    from s3flow.model.checkpoint import load_flow
+    from s3flow.runtime.torch_runner import TorchRunner
 
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-        flow = load_flow(args.checkpoint)
-        dev = f"cuda:{args.device}"
-        est = TorchRunner(flow.estimator, "estimator", dev)
-        enc = TorchRunner(flow.encoder, "flow_encoder", dev)
-
-        def encoder(**inputs):
-            out = enc(**inputs)
-            return out["mu"], out["mask"], out["spks"]
-        return (lambda **inputs: est(**inputs)["velocity"]), encoder
-    repo = args.repository
-    return (tb.onnxruntime_reference(repo / "estimator" / "model.onnx", ["velocity"]),
-            tb.onnxruntime_reference(repo / "flow_encoder" / "model.onnx", ["mu", "mask", "spks"]))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    flow = load_flow(args.checkpoint)
+    dev = f"cuda:{args.device}"
+    return {"estimator": TorchRunner(flow.estimator, "estimator", dev),
+            "flow_encoder": TorchRunner(flow.encoder, "flow_encoder", dev)}
 
 
 def precisions(choice: str) -> list[str]:
@@ -145,8 +156,7 @@ def build_one(model: str, args, profile, toolchain, reference) -> tuple[bool, st
             ok = True
         else:
             engine = tb.TrtEngine(res.path, args.device)
-            check = tb.check_estimator_engine if model == "estimator" else tb.check_encoder_engine
-            parity = check(engine, reference, profile, precision)
+            parity = tb.check_engine(engine, reference, profile, precision)
             del engine
             ok = all(p.ok for p in parity)
             for p in parity:
@@ -161,20 +171,28 @@ def build_one(model: str, args, profile, toolchain, reference) -> tuple[bool, st
     return False, "; ".join(notes)
 
 
-def set_backend(repository: Path, model: str, backend: str, checkpoint=None, dtype: str = "bf16") -> None:
-    """Rewrite one stateless model of a gpu repository to serve from a TensorRT plan or torch on CUDA."""
-    from s3flow.serving.repository import MODEL_PY, RepositorySettings, encoder_tensors, estimator_tensors, stateless_config
-    from s3flow.runtime.torch_runner import WEIGHTS_FILE, save_module
-    from s3flow.serving.warmup import model_warmup_of
+def set_backend(repository: Path, model: str, backend: str, checkpoint=None,
+                dtype: str = DEFAULT_ESTIMATOR_DTYPE) -> None:
+    """Rewrite one stateless model of a gpu repository to serve from a TensorRT plan or torch on CUDA: the
+    config the generator writes for that backend (same instance count, warm-up kept), written by the one
+    model-folder writer."""
+    from s3flow.runtime.torch_runner import WEIGHTS_FILE, default_dtype, save_module
+    from s3flow.serving.model_config import write_model_folder
+    from s3flow.serving.repository import MODEL_PY
+    from s3flow.serving.repository_configs import stateless_config
+    from s3flow.serving.repository_settings import RepositorySettings
+    from s3flow.serving.warmup import add_model_warmup
 
     folder = repository / model
-    current = (folder / "config.pbtxt").read_text()
-    if backend == "tensorrt" and 'platform: "tensorrt_plan"' in current:
+    current = read_config(folder)
+    if backend == "tensorrt" and current.platform == "tensorrt_plan":
         return
-    st = tb.read_solver_settings(repository)
-    m = re.search(r"count:\s*(\d+)", current)
-    tensors = (estimator_tensors(st.n_feats, st.meanflow) if model == "estimator" else encoder_tensors(st.n_feats))
+    st = read_solver_settings(repository)
+    instances = current.instance_group[0].count if current.instance_group else 1
     settings = RepositorySettings(target="gpu", gpu_backend=backend, torch_dtype=dtype)
+    config = stateless_config(model, st.n_feats, st.meanflow, settings, instances)
+    # s3flow.serving.warmup's samples serve every backend: keep them where the repository has them
+    files = add_model_warmup(config, st.n_feats, st.meanflow) if current.model_warmup else {}
     version = folder / "1"
     version.mkdir(exist_ok=True)
     if backend == "torch":
@@ -183,16 +201,13 @@ def set_backend(repository: Path, model: str, backend: str, checkpoint=None, dty
         from s3flow.model.checkpoint import load_flow
         flow = load_flow(checkpoint)
         save_module(version / WEIGHTS_FILE, model, flow.estimator if model == "estimator" else flow.encoder)
-        (version / "model.py").write_text(MODEL_PY["torch"])
-        for stale in ("model.plan", "engine.json"):
-            (version / stale).unlink(missing_ok=True)
+        files["1/model.py"] = MODEL_PY["torch"]
+        stale = ("model.plan", "engine.json")
     else:
-        for stale in ("model.py", WEIGHTS_FILE):
-            (version / stale).unlink(missing_ok=True)
-    warmup = model_warmup_of(current)  # s3flow.serving.warmup's samples serve every backend: keep them
-    (folder / "config.pbtxt").write_text(stateless_config(model, tensors, settings, int(m.group(1)) if m else 1)
-                                         + warmup)
-    from s3flow.runtime.torch_runner import default_dtype
+        stale = ("model.py", WEIGHTS_FILE)
+    for name in stale:
+        (version / name).unlink(missing_ok=True)
+    write_model_folder(repository, config, files, replace=False)
     print(f"{model}: now served by " + (f"the torch backend ({default_dtype(model, dtype)})" if backend == "torch"
                                         else "TensorRT"))
 
@@ -221,12 +236,11 @@ def main(argv=None) -> int:
                 print("  " + tb.engine_name(model, gpu=gpu, compute_capability=cc, trt_version=toolchain.version,
                                             precision=precision, profile=profs[model], source_digest=digest))
         return 0
-    reference = (None, None) if args.no_check else references(args)
+    reference = {} if args.no_check else references(args)
     failed = 0
     for model in args.models:
-        ref = reference[0] if model == "estimator" else reference[1]
         t0 = time.perf_counter()
-        ok, what = build_one(model, args, profs[model], toolchain, ref)
+        ok, what = build_one(model, args, profs[model], toolchain, reference.get(model))
         print(f"{model}: {'OK' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s: {what}")
         if ok:
             set_backend(args.repository, model, "tensorrt")

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from s3flow import contract
 from s3flow.model.estimator import ConditionalDecoder, EstimatorConfig, reset_time_embed_mixer
 from s3flow.runtime.onnx_export import (
     ESTIMATOR_OUTPUT_NAME,
@@ -286,8 +287,8 @@ def test_onnx_small_matches_torch(meanflow: bool, tmp_path) -> None:
     path = export_estimator(model, tmp_path / "estimator.onnx")
     graph = onnx.load(str(path)).graph
     names = [i.name for i in graph.input]
-    assert names == estimator_input_names(meanflow)
-    assert [o.name for o in graph.output] == [ESTIMATOR_OUTPUT_NAME]
+    assert names == estimator_input_names(meanflow) == list(contract.names(contract.estimator_inputs(meanflow)))
+    assert [o.name for o in graph.output] == [ESTIMATOR_OUTPUT_NAME] == list(contract.names(contract.ESTIMATOR_OUTPUTS))
     x_dims = [d.dim_param or d.dim_value for d in graph.input[0].type.tensor_type.shape.dim]
     assert x_dims == ["batch", N_FEATS, "time"]
 

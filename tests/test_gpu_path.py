@@ -19,16 +19,20 @@ import pytest
 import torch
 
 from helpers import small_flow
-from s3flow.runtime import tensorrt as tb
+from s3flow import contract
 from s3flow.protocol import Limits
-from s3flow.serving.repository import (Batching, RepositorySettings, encoder_tensors, estimator_tensors, solver_config,
-                               stateless_config, write_repository)
+from s3flow.runtime import tensorrt as tb
 from s3flow.runtime.torch_runner import TorchModelSettings, TorchRunner, load_module, save_module
+from s3flow.serving.model_config import Params, read_config
+from s3flow.serving.repository import Batching, RepositorySettings, write_repository
+from s3flow.serving.repository_configs import solver_config, stateless_config
 from s3flow_client.stream import SEQUENCE_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 LIMITS = Limits(max_utterance_frames=600, max_prompt_tokens=100)
+sys.path.insert(0, str(ROOT / "scripts"))
+import build_engines  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -46,40 +50,40 @@ def gpu_repos(tmp_path_factory):
     return trt.path, torch_repo.path, flow, batching
 
 
-def _blocks(config: str) -> tuple[str, str]:
-    """The input [...] and output [...] blocks of a config.pbtxt."""
-    ins = re.search(r"^input \[\n.*?\n\]", config, re.S | re.M).group(0)
-    outs = re.search(r"^output \[\n.*?\n\]", config, re.S | re.M).group(0)
-    return ins, outs
+def _tensors(config) -> tuple[list, list]:
+    """The declared inputs and outputs of a ModelConfig: (name, data type, dims) each."""
+    def entries(xs):
+        return [(x.name, x.data_type, list(x.dims)) for x in xs]
+    return entries(config.input), entries(config.output)
 
 
 def test_gpu_repository_writes_tensorrt_plan_configs_with_the_cpu_targets_tensors(gpu_repos):
     trt, _, flow, batching = gpu_repos
     cpu = RepositorySettings(target="cpu", limits=LIMITS, batching=batching)
     n_feats = flow.config.n_feats
-    for name, tensors, instances in (("estimator", estimator_tensors(n_feats, False), 2),
-                                     ("flow_encoder", encoder_tensors(n_feats), 1)):
-        config = (trt / name / "config.pbtxt").read_text()
-        assert 'platform: "tensorrt_plan"' in config and "backend:" not in config
-        assert f"instance_group [ {{ count: {instances} kind: KIND_GPU }} ]" in config
-        assert "max_batch_size: 0" in config
-        assert _blocks(config) == _blocks(stateless_config(name, tensors, cpu, instances)), name
+    for name, instances in (("estimator", 2), ("flow_encoder", 1)):
+        config = read_config(trt / name)
+        assert config.platform == "tensorrt_plan" and not config.backend
+        assert [(g.count, g.kind) for g in config.instance_group] == [(instances, config.instance_group[0].KIND_GPU)]
+        assert config.max_batch_size == 0
+        assert _tensors(config) == _tensors(stateless_config(name, n_feats, False, cpu, instances)), name
         assert (trt / name / "model.onnx").is_file(), "the engines' ONNX source sits beside the version folder"
         assert not (trt / name / "1" / "model.py").exists()
-    solver = (trt / "cfm_solver" / "config.pbtxt").read_text()
-    assert "kind: KIND_GPU" in solver
-    assert _blocks(solver) == _blocks(solver_config(n_feats, False, cpu))
+    solver = read_config(trt / "cfm_solver")
+    assert solver.instance_group[0].kind == solver.instance_group[0].KIND_GPU
+    assert _tensors(solver) == _tensors(solver_config(n_feats, False, cpu))
 
 
 def test_gpu_repository_tensor_names_match_the_onnx_sources(gpu_repos):
     onnx = pytest.importorskip("onnx")
     trt = gpu_repos[0]
-    for name in ("estimator", "flow_encoder"):
-        config = (trt / name / "config.pbtxt").read_text()
-        ins, outs = (re.findall(r'name: "(\w+)"', b) for b in _blocks(config))
+    for name, inputs, outputs in (("estimator", contract.estimator_inputs(False), contract.ESTIMATOR_OUTPUTS),
+                                  ("flow_encoder", contract.ENCODER_INPUTS, contract.ENCODER_OUTPUTS)):
+        ins, outs = ([n for n, _, _ in entries] for entries in _tensors(read_config(trt / name)))
         graph = onnx.load(str(trt / name / "model.onnx"), load_external_data=False).graph
-        assert ins == [i.name for i in graph.input] and outs == [o.name for o in graph.output]
-        profile = tb.profiles_for(tb.read_solver_settings(trt))[name]
+        assert ins == [i.name for i in graph.input] == list(contract.names(inputs))
+        assert outs == [o.name for o in graph.output] == list(contract.names(outputs))
+        profile = tb.profiles_for(build_engines.read_solver_settings(trt))[name]
         assert list(profile.input_shapes()) == ins, "the profile covers exactly the engine's inputs"
 
 
@@ -88,7 +92,7 @@ def test_engine_install_places_model_plan_and_records_its_name(gpu_repos, tmp_pa
     trt = shutil.copytree(gpu_repos[0], tmp_path / "repo")
     plan = tmp_path / "x.plan"
     plan.write_bytes(b"not really an engine")
-    prof = tb.profiles_for(tb.read_solver_settings(trt))["estimator"]
+    prof = tb.profiles_for(build_engines.read_solver_settings(trt))["estimator"]
     res = tb.BuildResult(plan, "estimator__X__trt10.0.0__fp16__b__src0123456789ab.plan", "fp16", prof, "python",
                          "10.0.0", 1.0, False)
     parity = [tb.Parity("estimator fp16 B=2 T=300", 1e-3, 1e-2, True, 2e-2)]
@@ -102,7 +106,7 @@ def test_engine_install_places_model_plan_and_records_its_name(gpu_repos, tmp_pa
 
 
 def test_solver_settings_and_profiles_follow_the_repository(gpu_repos):
-    st = tb.read_solver_settings(gpu_repos[0])
+    st = build_engines.read_solver_settings(gpu_repos[0])
     assert (st.max_batch, st.n_feats, st.meanflow) == (4, 80, False)
     assert st.limits.max_utterance_frames == 600 and st.limits.max_prompt_tokens == 100
     profs = tb.profiles_for(st)
@@ -114,11 +118,11 @@ def test_solver_settings_and_profiles_follow_the_repository(gpu_repos):
 def test_torch_backend_repository(gpu_repos):
     _, repo, flow, _ = gpu_repos
     for name, dtype in (("estimator", "bf16"), ("flow_encoder", "fp32")):
-        config = (repo / name / "config.pbtxt").read_text()
-        assert 'backend: "python"' in config and "tensorrt_plan" not in config
-        assert "kind: KIND_GPU" in config
-        assert f'key: "dtype" value: {{ string_value: "{dtype}" }}' in config
-        assert 'key: "FORCE_CPU_ONLY_INPUT_TENSORS" value: { string_value: "no" }' in config
+        config = read_config(repo / name)
+        assert config.backend == "python" and not config.platform
+        assert config.instance_group[0].kind == config.instance_group[0].KIND_GPU
+        params = Params(config)
+        assert params.str("dtype") == dtype and params.str("FORCE_CPU_ONLY_INPUT_TENSORS") == "no"
         assert "s3flow.serving.triton_models.torch_model" in (repo / name / "1" / "model.py").read_text()
     kind, module = load_module(repo / "estimator" / "1" / "model.pt")
     assert kind == "estimator"
@@ -137,8 +141,10 @@ def test_bad_gpu_backend_is_refused(tmp_path):
 
 def test_gpu_target_vocoder_runs_hift_in_torch_on_the_gpu(tmp_path):
     """The vocoder of each target and vocoder_backend: instance kind, parameters and weight files."""
+    from s3flow.model.vocoder import VocoderConfig, load_vocoder, random_vocoder
+    from s3flow.runtime.vocoder import VocoderRunnerSettings
+    from s3flow.serving.model_config import to_text
     from s3flow.serving.repository import write_vocoder_models
-    from s3flow.model.vocoder import VocoderConfig, VocoderRunnerSettings, load_vocoder, random_vocoder
 
     hift = random_vocoder(VocoderConfig.small(), seed=2)
     written, contracts = {}, set()
@@ -146,16 +152,18 @@ def test_gpu_target_vocoder_runs_hift_in_torch_on_the_gpu(tmp_path):
         out = tmp_path / f"{target}_{backend}"
         files = write_vocoder_models(out, hift, 80, RepositorySettings(target=target, limits=LIMITS,
                                                                        vocoder_backend=backend))
-        config = (out / "vocoder" / "config.pbtxt").read_text()
-        kind = re.search(r"instance_group \[ \{ count: 1 kind: (\w+) \} \]", config).group(1)
-        params = dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', config))
+        config = read_config(out / "vocoder")
+        [group] = config.instance_group
+        kind = type(group).Kind.Name(group.kind)
+        assert group.count == 1
+        params = Params(config).raw
         names = sorted(f.name for f in (out / "vocoder" / "1").iterdir() if f.name != "__pycache__")
         written[(target, backend)] = (kind, params["vocoder_backend"], names)
         assert sorted(f.name for f in files if f.parent.name == "1") == names
         # the model reads its placement from these: KIND_GPU -> cuda:<id>, the backend from the parameter
         st = VocoderRunnerSettings.from_args(params, kind.replace("KIND_", ""), 0)
         assert st.device == ("cuda:0" if kind == "KIND_GPU" else "cpu") and st.backend == params["vocoder_backend"]
-        contracts.add((_blocks(config), (out / "token2wav" / "config.pbtxt").read_text()))
+        contracts.add((str(_tensors(config)), to_text(read_config(out / "token2wav"))))
     assert written == {
         ("gpu", "auto"): ("KIND_GPU", "torch", ["hift.safetensors", "model.py"]),
         ("gpu", "onnx"): ("KIND_CPU", "onnx", ["decoder.onnx", "f0.onnx", "model.py"]),
@@ -262,11 +270,10 @@ def test_build_engines_falls_back_to_torch_per_model_and_back(gpu_repos, tmp_pat
         assert (repo / model / "config.pbtxt").read_text() == (torch_repo / model / "config.pbtxt").read_text()
         kind, _ = load_module(repo / model / "1" / "model.pt")
         assert kind == model and (repo / model / "1" / "model.py").is_file()
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import build_engines
     build_engines.set_backend(repo, "estimator", "tensorrt")
     assert (repo / "estimator" / "config.pbtxt").read_text() == (trt / "estimator" / "config.pbtxt").read_text()
-    assert sorted(p.name for p in (repo / "estimator" / "1").iterdir()) == []
+    assert sorted(p.name for p in (repo / "estimator" / "1").iterdir()) == \
+        sorted(p.name for p in (trt / "estimator" / "1").iterdir()), "nothing of the torch backend is left"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -355,27 +362,45 @@ def test_compare_fails_on_nan_and_measures_valid_frames_only():
         tb.compare(torch.ones(2), torch.ones(3), 1.0)
 
 
-def test_parity_checks_run_against_any_engine_callable():
-    """check_estimator_engine / check_encoder_engine with the torch module standing in for an engine
-    (identical -> 0 error) and a broken one (NaN -> fail)."""
+def test_parity_checks_run_against_any_engine_callable(tmp_path):
+    """check_estimator_engine / check_encoder_engine with ONNX Runtime on the exported graphs standing in for
+    engines against the torch modules as the fp32 reference: an independent code path passes its precision's
+    bound without being identical; an engine off by 1 % passes the fp16 bound and fails the fp32 one; NaN fails."""
+    pytest.importorskip("onnxruntime")
+    from s3flow.runtime.onnx_export import export_encoder, export_estimator
+
     flow = small_flow()
     prof = tb.estimator_profile(80, False, 2, 100, opt_frames=32)
-    ref = lambda **i: flow.estimator(**i)  # noqa: E731
-    same = lambda **i: {"velocity": flow.estimator(**i)}  # noqa: E731
-    with torch.inference_mode():
-        good = tb.check_estimator_engine(same, ref, prof, "fp16")
-        bad = tb.check_estimator_engine(lambda **i: {"velocity": flow.estimator(**i) * float("nan")}, ref, prof, "fp16")
-    assert [(c.rel_error, c.ok) for c in good] == [(0.0, True)] * 2
-    assert [c.ok for c in bad] == [False, False]
-    assert [c.what for c in good] == ["estimator fp16 B=2 T=32", "estimator fp16 B=3 T=81"]
-    eprof = tb.encoder_profile(2, 40, opt_tokens=12)
-    enc_ref = lambda **i: flow.encoder(i["tokens"], i["token_len"], i["embedding"])  # noqa: E731
+    ref = TorchRunner(flow.estimator, "estimator")
+    ort_fp32 = tb.onnxruntime_engine(export_estimator(flow.estimator, tmp_path / "est.onnx"))
+    ort_fp16 = tb.onnxruntime_engine(tb.prepare_onnx(tmp_path / "est.onnx", "fp16", tmp_path))
 
-    def enc_engine(**i):
-        mu, mask, spks = enc_ref(**i)
-        return {"mu": mu, "mask": mask, "spks": spks}
+    def scaled(factor: float):
+        return lambda **i: {k: v * factor for k, v in ort_fp32(**i).items()}
     with torch.inference_mode():
-        assert all(c.ok for c in tb.check_encoder_engine(enc_engine, enc_ref, eprof, "fp32"))
+        fp32 = tb.check_estimator_engine(ort_fp32, ref, prof, "fp32")
+        fp16 = tb.check_estimator_engine(ort_fp16, ref, prof, "fp16")
+        off_fp32 = tb.check_estimator_engine(scaled(1.01), ref, prof, "fp32")
+        off_fp16 = tb.check_estimator_engine(scaled(1.01), ref, prof, "fp16")
+        nan = tb.check_estimator_engine(scaled(float("nan")), ref, prof, "fp16")
+    assert [c.what for c in fp32] == ["estimator fp32 B=2 T=32", "estimator fp32 B=3 T=81"]
+    assert all(c.ok and 0.0 < c.rel_error < 1e-4 for c in fp32), [c.describe() for c in fp32]
+    assert all(c.ok and 1e-4 < c.rel_error < tb.PARITY_BOUNDS["fp16"] for c in fp16), [c.describe() for c in fp16]
+    assert [c.ok for c in off_fp32] == [False, False] and [c.ok for c in off_fp16] == [True, True]
+    assert all(c.rel_error == pytest.approx(0.01, rel=0.05) for c in off_fp32)
+    assert [c.ok for c in nan] == [False, False] and not any(c.finite for c in nan)
+
+    eprof = tb.encoder_profile(2, 40, opt_tokens=12)
+    enc_ref = TorchRunner(flow.encoder, "flow_encoder")
+    enc_ort = tb.onnxruntime_engine(export_encoder(flow.encoder, tmp_path / "enc.onnx"))
+    with torch.inference_mode():
+        enc = tb.check_encoder_engine(enc_ort, enc_ref, eprof, "fp32")
+        bad = tb.check_encoder_engine(lambda **i: {**enc_ort(**i), "mu": enc_ort(**i)["mu"] * 1.01}, enc_ref,
+                                      eprof, "fp32")
+    assert [c.what for c in enc] == ["encoder mu fp32 B=1 N=12", "encoder spks fp32 B=1",
+                                     "encoder mu fp32 B=2 N=40", "encoder spks fp32 B=2"]
+    assert all(c.ok for c in enc) and any(c.rel_error > 0 for c in enc), [c.describe() for c in enc]
+    assert [c.ok for c in bad] == [False, True, False, True]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -444,8 +469,6 @@ def test_entrypoint_scripts_are_valid_and_use_existing_flags():
         assert os.access(path, os.X_OK), f"{script} must be executable"
         subprocess.run(["bash", "-n", str(path)], check=True)
     text = (DOCKER / "entrypoint.sh").read_text()
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import build_engines
     import build_repository
     build_repository.parse_args(["--target", "gpu", "--gpu-backend", "torch", "--torch-dtype", "bf16",
                                  "--checkpoint", "c.safetensors", "--output", "r"])

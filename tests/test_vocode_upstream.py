@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from s3flow.model.vocoder import VocoderConfig, random_vocoder, upstream_harmonics, write_vocoder_checkpoint
-from s3flow.engine.vocoder_stream import SourceParams
+from s3flow.model.vocoder_source import SourceParams
 
 ROOT = Path(__file__).resolve().parent.parent
 

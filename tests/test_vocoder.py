@@ -28,11 +28,11 @@ from s3flow.model.checkpoint import CheckpointMismatch, flow_state_dict, load_fl
 from s3flow.model.flow import FlowConfig
 from s3flow.protocol import Limits
 from s3flow.engine.streaming import SequenceStore
-from s3flow.model.vocoder import (HiFTGenerator, TorchVocoder, VocoderConfig, check_vocoder_onnx, export_vocoder,
-                            hann_window, load_vocoder, random_vocoder, vocode, vocoder_state_dict,
-                            write_vocoder_checkpoint)
-from s3flow.engine.vocoder_stream import (F0_LOOKAHEAD_FRAMES, HOP_SAMPLES, Excitation, OnnxVocoder, StreamError,
-                                   StreamSettings, VocoderStream, harmonic_source, offline_vocode, trim_fade)
+from s3flow.engine.vocoder_stream import F0_LOOKAHEAD_FRAMES, StreamError, StreamSettings, VocoderStream
+from s3flow.model.vocoder import (HiFTGenerator, TorchVocoder, VocoderConfig, hann_window, load_vocoder,
+                                  random_vocoder, vocode, vocoder_state_dict, write_vocoder_checkpoint)
+from s3flow.model.vocoder_source import HOP_SAMPLES, Excitation, harmonic_source, offline_vocode, trim_fade
+from s3flow.runtime.vocoder import OnnxVocoder, check_vocoder_onnx, export_vocoder
 
 SMALL = VocoderConfig.small()
 STREAM_TOL = 1e-6
@@ -279,7 +279,7 @@ def _repository_runners(tmp_path, hift):
     """The served vocoder's two runners, each opened from a version folder the repository writer made
     (``vocoder_backend`` onnx and torch, cpu target, so the torch one runs on the CPU)."""
     from s3flow.serving.repository import RepositorySettings, write_vocoder_models
-    from s3flow.model.vocoder import VocoderRunnerSettings, open_vocoder_runner
+    from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
 
     runners = {}
     for backend in ("onnx", "torch"):
@@ -317,7 +317,7 @@ def test_torch_backend_streams_like_the_onnx_backend_and_like_offline(tmp_path):
 
 
 def test_vocoder_runner_settings():
-    from s3flow.model.vocoder import VocoderRunnerSettings, open_vocoder_runner, vocoder_backend_for
+    from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner, vocoder_backend_for
 
     s = VocoderRunnerSettings.from_args({"vocoder_backend": "torch", "intra_op_threads": "2"}, "GPU", "1")
     assert (s.backend, s.device, s.threads) == ("torch", "cuda:1", 2)
@@ -432,6 +432,10 @@ def test_stream_rejects_broken_input():
         vs.push(state, stand_in_mel(41), 10, end=False)
     with pytest.raises(ValueError, match="context_frames must be >= 5"):
         StreamSettings(context_frames=F0_LOOKAHEAD_FRAMES - 1).check()
+    with pytest.raises(ValueError, match=r"idle_timeout_s must be > 0, got 0.0$"):
+        StreamSettings(idle_timeout_s=0.0).check()
+    with pytest.raises(ValueError, match=r"lookahead_frames must be >= 0, got -1$"):
+        StreamSettings(lookahead_frames=-1).check()
 
 
 def test_idle_states_are_evicted():
@@ -539,7 +543,7 @@ def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_
     own server, against the ONNX-backed server of the module: same flow, same vocoder weights, same stream."""
     from s3flow.serving.repository import Batching, RepositorySettings, write_repository
     from s3flow.serving.triton_server import TritonServer
-    from s3flow.model.vocoder import VocoderRunnerSettings, open_vocoder_runner
+    from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
     from s3flow_client import StreamingClient, chunk_schedule
     from s3flow_client.demo import demo_utterance
 

@@ -46,9 +46,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: ONNX graph input and output names used by ``export_encoder``.
-ONNX_INPUT_NAMES = ("tokens", "token_len", "embedding")
-ONNX_OUTPUT_NAMES = ("mu", "mask", "spks")
+from s3flow import contract
+
+#: ONNX graph input and output names used by ``export_encoder`` (the contract's).
+ONNX_INPUT_NAMES = contract.names(contract.ENCODER_INPUTS)
+ONNX_OUTPUT_NAMES = contract.names(contract.ENCODER_OUTPUTS)
 
 
 @dataclass

@@ -5,7 +5,7 @@ Architecture (upstream ``chatterbox/models/s3gen/hifigan.py`` as ``s3gen.py`` co
 * ``f0_predictor``: five weight-normed 3-tap convolutions (80 -> 512 -> ... 512) with ELU, a Linear to one
   value per frame, ``abs``: F0 in Hz per mel frame.
 * the source: F0 held over each frame's 480 samples, 9 sines (F0 and 8 overtones, float64 phase), noise
-  (``s3flow.engine.vocoder_stream.harmonic_source``), merged by ``m_source.l_linear`` (9 -> 1) and ``tanh``.
+  (``s3flow.model.vocoder_source.harmonic_source``), merged by ``m_source.l_linear`` (9 -> 1) and ``tanh``.
 * ``decode``: ``conv_pre`` (80 -> 512, k 7), three upsampling stages (ConvTranspose rates 8, 5, 3, kernels
   16, 11, 7; 256, 128, 64 channels), each fused with the source's STFT (n_fft 16, hop 4) brought down to its
   rate by ``source_downs`` + ``source_resblocks`` and followed by the mean of three Snake ResBlocks (kernels
@@ -17,11 +17,11 @@ original0`` is a weight norm's g, ``original1`` its v: upstream uses ``torch.nn.
 weight_norm``). The STFT and its inverse are written as fixed convolutions (plain operators: the
 TorchScript ONNX exporter has no ``istft``), checked against ``torch.stft`` / ``torch.istft``.
 
-For serving the vocoder is two stateless graphs (``export_vocoder``): ``f0`` (mel -> F0) and ``decoder``
-(mel, harmonics -> audio); the excitation between them, which carries the phase from chunk to chunk, is
-numpy (``s3flow.engine.vocoder_stream``). The served ``vocoder`` runs them either as those graphs in ONNX Runtime
-on the CPU (``OnnxVocoder``) or as this module in torch (``TorchVocoder``, CPU or CUDA, weights in
-``hift.safetensors``): ``vocoder_backend`` ``onnx`` | ``torch``, ``open_vocoder_runner``.
+For serving the vocoder is two stateless networks: ``f0`` (mel -> F0) and ``decoder`` (mel, harmonics ->
+audio); the excitation between them, which carries the phase from chunk to chunk, is numpy
+(``s3flow.model.vocoder_source``; streamed by ``s3flow.engine.vocoder_stream``). ``TorchVocoder`` runs them as
+this module in torch (CPU or CUDA); their ONNX export, ONNX Runtime sessions and the served backend's choice
+are runtime work (``s3flow.runtime.vocoder``).
 
 Example::
 
@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -47,9 +46,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
-from s3flow.runtime.devices import instance_device
-from s3flow.engine.vocoder_stream import (DECODER_INPUTS, DECODER_OUTPUTS, F0_INPUTS, F0_OUTPUTS, Excitation, OnnxVocoder,
-                             SourceParams, apply_trim_fade, harmonic_source, offline_vocode, trim_fade)
+from s3flow.model.vocoder_source import (Excitation, SourceParams, apply_trim_fade, harmonic_source,
+                                         offline_vocode, trim_fade)
 
 #: Checkpoint prefix of the vocoder in an S3Gen checkpoint.
 VOCODER_PREFIX = "mel2wav."
@@ -383,7 +381,7 @@ def upstream_harmonics(f0: torch.Tensor, params: SourceParams, initial_phase: Op
 
 
 # ---------------------------------------------------------------------------------------------------
-# In-process callables and offline vocoding
+# In-process callables
 
 
 class TorchVocoder:
@@ -428,65 +426,7 @@ class TorchVocoder:
 
 
 # ---------------------------------------------------------------------------------------------------
-# The served vocoder's runner: ONNX Runtime (CPU) or torch (CPU or CUDA), chosen by config
-
-#: ``vocoder_backend`` values; ``auto`` resolves by target: torch on GPU hosts, onnx on CPU hosts.
-VOCODER_BACKENDS = ("onnx", "torch")
-#: The torch backend's weights in the model's version folder (``write_vocoder_checkpoint``'s format).
-VOCODER_WEIGHTS_FILE = "hift.safetensors"
-
-
-def vocoder_backend_for(target: str, requested: str = "auto") -> str:
-    """The backend a repository of ``target`` (cpu | gpu) serves: ``requested``, or for ``auto`` torch on
-    the gpu target (the GPU runs HiFT) and onnx on the cpu target."""
-    if requested == "auto":
-        return "torch" if target == "gpu" else "onnx"
-    if requested not in VOCODER_BACKENDS:
-        raise ValueError(f"vocoder_backend must be 'auto' or one of {VOCODER_BACKENDS}, got {requested!r}")
-    return requested
-
-
-@dataclass(frozen=True)
-class VocoderRunnerSettings:
-    """How the ``vocoder`` model runs its two networks: the ``vocoder_backend`` and ``intra_op_threads``
-    config parameters and the instance's placement (``KIND_GPU`` -> ``cuda:<device id>``)."""
-    backend: str = "onnx"
-    device: str = "cpu"
-    threads: int = 0                    # ONNX Runtime intra-op / torch CPU threads; 0: the library's default
-
-    @classmethod
-    def from_args(cls, params: dict, instance_kind: str = "CPU", device_id: Union[int, str] = 0
-                  ) -> "VocoderRunnerSettings":
-        backend = (params.get("vocoder_backend") or "onnx").lower()
-        if backend not in VOCODER_BACKENDS:
-            raise ValueError(f"parameter vocoder_backend must be one of {VOCODER_BACKENDS}, got {backend!r}")
-        try:
-            threads = int(params.get("intra_op_threads") or 0)
-        except ValueError:
-            raise ValueError(f"parameter intra_op_threads must be an integer, "
-                             f"got {params.get('intra_op_threads')!r}") from None
-        device = instance_device(instance_kind, device_id)
-        if backend == "onnx" and device != "cpu":
-            raise ValueError("vocoder_backend onnx runs ONNX Runtime on the CPU: give it a KIND_CPU instance "
-                             "group, or use vocoder_backend torch on the GPU")
-        return cls(backend=backend, device=device, threads=threads)
-
-
-def open_vocoder_runner(directory: Union[str, Path], settings: VocoderRunnerSettings):
-    """The ``f0`` / ``decode`` callables over a model version folder: ``f0.onnx`` + ``decoder.onnx``
-    (onnx) or ``hift.safetensors`` (torch, on ``settings.device``)."""
-    if settings.backend == "onnx":
-        return OnnxVocoder(directory, threads=settings.threads)
-    if settings.backend != "torch":
-        raise ValueError(f"vocoder backend must be one of {VOCODER_BACKENDS}, got {settings.backend!r}")
-    path = Path(directory) / VOCODER_WEIGHTS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"vocoder weights not found: {path}")
-    if settings.device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"vocoder device {settings.device} but torch sees no CUDA device")
-    if settings.device == "cpu" and settings.threads:
-        torch.set_num_threads(settings.threads)
-    return TorchVocoder(load_vocoder(path), settings.device)
+# Offline vocoding
 
 
 def vocode(hift: HiFTGenerator, mel, seed: int = 0, fade: bool = True) -> np.ndarray:
@@ -615,55 +555,6 @@ def write_random_vocoder_checkpoint(path: Union[str, Path], config: VocoderConfi
     return write_vocoder_checkpoint(random_vocoder(config, seed), path)
 
 
-# ---------------------------------------------------------------------------------------------------
-# ONNX
-
-
-
-def export_vocoder(hift: HiFTGenerator, out_dir: Union[str, Path], opset: int = 17) -> tuple[Path, Path]:
-    """Export ``f0.onnx`` (mel (B, C, T) float32 -> f0 (B, T) float64, see ``F0Float64``) and
-    ``decoder.onnx`` (mel, harmonics (B, H + 1, 480 T) -> audio (B, 480 T), float32) into ``out_dir``,
-    weight norms folded, batch and time dynamic."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model = hift.folded()
-    c = model.config
-    gen = torch.Generator().manual_seed(0)
-    mel = torch.randn(2, c.in_channels, 23, generator=gen)
-    harmonics = 0.1 * torch.randn(2, c.nb_harmonics + 1, 23 * c.hop_samples, generator=gen)
-    f0_path, dec_path = out_dir / "f0.onnx", out_dir / "decoder.onnx"
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Constant folding - Only steps=1")
-        torch.onnx.export(F0Float64(model.f0_predictor).eval(), (mel,), str(f0_path), dynamo=False, opset_version=opset,
-                          input_names=F0_INPUTS, output_names=F0_OUTPUTS, do_constant_folding=True,
-                          dynamic_axes={"mel": {0: "batch", 2: "frames"}, "f0": {0: "batch", 1: "frames"}})
-        torch.onnx.export(model, (mel, harmonics), str(dec_path), dynamo=False, opset_version=opset,
-                          input_names=DECODER_INPUTS, output_names=DECODER_OUTPUTS, do_constant_folding=True,
-                          dynamic_axes={"mel": {0: "batch", 2: "frames"}, "harmonics": {0: "batch", 2: "samples"},
-                                        "audio": {0: "batch", 1: "samples"}})
-    return f0_path, dec_path
-
-
-def check_vocoder_onnx(hift: HiFTGenerator, out_dir: Union[str, Path], frames: int = 37, seed: int = 0) -> dict:
-    """ONNX Runtime against torch on random mel (B = 2, a T unlike the export's): worst abs errors.
-
-    Returns ``{"f0": Hz, "audio": samples, "audio_rms": reference RMS}``.
-    """
-    c = hift.config
-    gen = torch.Generator().manual_seed(seed)
-    mel = (-4.0 + 1.5 * torch.randn(2, c.in_channels, frames, generator=gen)).numpy()
-    harmonics = (0.1 * torch.randn(2, c.nb_harmonics + 1, frames * c.hop_samples, generator=gen)).numpy()
-    ref, ort_ = TorchVocoder(hift), OnnxVocoder(out_dir)
-    a_ref, a_ort = ref.decode(mel, harmonics), ort_.decode(mel, harmonics)
-    f_ref, f_ort = ref.f0(mel), ort_.f0(mel)
-    if a_ref.shape != a_ort.shape or f_ref.shape != f_ort.shape:
-        raise AssertionError(f"shapes differ: audio {a_ort.shape} vs {a_ref.shape}, f0 {f_ort.shape} vs {f_ref.shape}")
-    return {"f0": float(np.abs(f_ref - f_ort).max()), "audio": float(np.abs(a_ref - a_ort).max()),
-            "audio_rms": float(np.sqrt(np.mean(a_ref ** 2)))}
-
-
-__all__ = ["VocoderConfig", "HiFTGenerator", "TorchVocoder", "OnnxVocoder", "VocoderRunnerSettings",
-           "open_vocoder_runner", "vocoder_backend_for", "VOCODER_BACKENDS", "VOCODER_WEIGHTS_FILE", "vocode", "random_vocoder",
-           "load_vocoder", "write_vocoder_checkpoint", "write_random_vocoder_checkpoint", "export_vocoder",
-           "upstream_harmonics",
-           "check_vocoder_onnx", "trim_fade", "apply_trim_fade", "VOCODER_PREFIX"]
+__all__ = ["VocoderConfig", "HiFTGenerator", "F0Float64", "TorchVocoder", "vocode", "random_vocoder", "load_vocoder",
+           "write_vocoder_checkpoint", "write_random_vocoder_checkpoint", "upstream_harmonics", "trim_fade",
+           "apply_trim_fade", "VOCODER_PREFIX"]

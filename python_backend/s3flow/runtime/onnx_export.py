@@ -19,7 +19,8 @@ velocity (B, n_feats, T)    output: predicted dx/dt, zero on padded frames
 ======== ================== ==================================================
 
 Inputs appear in the graph in exactly the order above (``r`` last, only for
-mean-flow models).
+mean-flow models). Names, order and dynamic axes come from ``s3flow.contract``
+(``estimator_inputs`` / ``ESTIMATOR_OUTPUTS``).
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ from typing import Dict, List, Tuple, Union
 import numpy as np
 import torch
 
+from s3flow import contract
 from s3flow.model.estimator import ConditionalDecoder
 
 __all__ = [
     "ESTIMATOR_OUTPUT_NAME",
     "estimator_input_names",
+    "dynamic_axes",
     "export_estimator",
     "check_estimator_onnx",
     "make_estimator_inputs",
@@ -44,30 +47,23 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-#: Output tensor name of the estimator graph.
-ESTIMATOR_OUTPUT_NAME = "velocity"
+#: Output tensor name of the estimator graph (the contract's).
+[ESTIMATOR_OUTPUT_NAME] = contract.names(contract.ESTIMATOR_OUTPUTS)
 
-_BT = {0: "batch", 2: "time"}
-_B = {0: "batch"}
-_ESTIMATOR_AXES: Dict[str, Dict[int, str]] = {
-    "x": _BT,
-    "mask": _BT,
-    "mu": _BT,
-    "t": _B,
-    "spks": _B,
-    "cond": _BT,
-    "r": _B,
-    ESTIMATOR_OUTPUT_NAME: _BT,
-}
+
+def dynamic_axes(tensors, length_axis: str) -> Dict[str, Dict[int, str]]:
+    """``torch.onnx.export``'s dynamic axes from the contract's dims: a ``-1`` first dim is ``batch``, any
+    other ``-1`` is ``length_axis``."""
+    return {t.name: {k: "batch" if k == 0 else length_axis for k, d in enumerate(t.dims) if d == -1}
+            for t in tensors}
 
 
 # --------------------------------------------------------------------------- #
 # Estimator
 # --------------------------------------------------------------------------- #
 def estimator_input_names(meanflow: bool) -> List[str]:
-    """Graph input names, in order: x, mask, mu, t, spks, cond (+ r if ``meanflow``)."""
-    names = ["x", "mask", "mu", "t", "spks", "cond"]
-    return names + ["r"] if meanflow else names
+    """Graph input names, in order: x, mask, mu, t, spks, cond (+ r if ``meanflow``), from the contract."""
+    return list(contract.names(contract.estimator_inputs(meanflow)))
 
 
 def make_estimator_inputs(
@@ -104,16 +100,13 @@ def make_estimator_inputs(
         raise ValueError("len(lengths) must equal batch")
     g = torch.Generator().manual_seed(seed)
     n = model.config.n_feats
-    inputs = {
-        "x": torch.randn(batch, n, frames, generator=g),
-        "mask": (torch.arange(frames)[None, :] < torch.tensor(lengths)[:, None]).float().unsqueeze(1),
-        "mu": torch.randn(batch, n, frames, generator=g),
-        "t": torch.rand(batch, generator=g),
-        "spks": torch.randn(batch, n, generator=g),
-        "cond": torch.randn(batch, n, frames, generator=g),
-    }
+    mask = (torch.arange(frames)[None, :] < torch.tensor(lengths)[:, None]).float().unsqueeze(1)
+    values = [torch.randn(batch, n, frames, generator=g), mask,                    # x, mask
+              torch.randn(batch, n, frames, generator=g), torch.rand(batch, generator=g),  # mu, t
+              torch.randn(batch, n, generator=g), torch.randn(batch, n, frames, generator=g)]  # spks, cond
     if model.meanflow:
-        inputs["r"] = torch.rand(batch, generator=g)
+        values.append(torch.rand(batch, generator=g))                               # r
+    inputs = dict(zip(estimator_input_names(model.meanflow), values))
     p = next(model.parameters())
     return {k: v.to(device=p.device, dtype=p.dtype) for k, v in inputs.items()}
 
@@ -153,7 +146,8 @@ def export_estimator(model: ConditionalDecoder, path: PathLike, opset: int = 17)
                 opset_version=opset,
                 input_names=names,
                 output_names=[ESTIMATOR_OUTPUT_NAME],
-                dynamic_axes={k: _ESTIMATOR_AXES[k] for k in names + [ESTIMATOR_OUTPUT_NAME]},
+                dynamic_axes=dynamic_axes(contract.estimator_inputs(model.meanflow) + contract.ESTIMATOR_OUTPUTS,
+                                          "time"),
                 do_constant_folding=True,
             )
     finally:

@@ -16,7 +16,8 @@ Example::
     encoder = OrtEncoder("model_repository/flow_encoder/1/model.onnx", threads=2)
     engine = StreamingEngine(encoder, estimator, n_feats=80, meanflow=estimator.meanflow, limits=Limits())
 
-Shapes as in ``s3flow.runtime.onnx_export`` (estimator) and ``s3flow.model.encoder.export_encoder`` (encoder).
+Shapes as in ``s3flow.runtime.onnx_export`` (estimator) and ``s3flow.model.encoder.export_encoder`` (encoder);
+tensor names are the contract's (``s3flow.contract``).
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ from typing import Optional, Sequence
 import numpy as np
 import onnxruntime as ort
 import torch
+
+from s3flow import contract
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32}
 
@@ -189,17 +192,16 @@ class OrtEstimator:
         if threads is not None:
             settings = dataclasses.replace(settings or OrtSettings(), threads=threads)
         self.model = OrtModel(path, settings, io_binding=io_binding)
-        self.meanflow = "r" in self.model.inputs
+        self.meanflow = contract.MEANFLOW_INPUT.name in self.model.inputs
+        self.names = contract.names(contract.estimator_inputs(self.meanflow))
+        [self.output] = contract.names(contract.ESTIMATOR_OUTPUTS)
         self.copy_outputs = copy_outputs
 
     def __call__(self, x, mask, mu, t, spks, cond, r=None) -> torch.Tensor:
         if (r is not None) != self.meanflow:
             raise ValueError(f"this estimator {'needs' if self.meanflow else 'takes no'} r (meanflow)")
-        feeds = {"x": _np(x), "mask": _np(mask), "mu": _np(mu), "t": _np(t), "spks": _np(spks),
-                 "cond": _np(cond)}
-        if r is not None:
-            feeds["r"] = _np(r)
-        [v] = self.model.run(feeds, out_shapes={"velocity": tuple(x.shape)}, outputs=["velocity"],
+        feeds = {name: _np(a) for name, a in zip(self.names, (x, mask, mu, t, spks, cond, r))}
+        [v] = self.model.run(feeds, out_shapes={self.output: tuple(x.shape)}, outputs=[self.output],
                              copy_outputs=self.copy_outputs)
         return torch.from_numpy(v)
 
@@ -214,8 +216,9 @@ class OrtEncoder:
         self.model = OrtModel(path, settings, io_binding=io_binding)
 
     def __call__(self, tokens, token_len, embedding):
-        mu, mask, spks = self.model.run({"tokens": _np(tokens), "token_len": _np(token_len),
-                                         "embedding": _np(embedding)}, outputs=["mu", "mask", "spks"])
+        names = contract.names(contract.ENCODER_INPUTS)
+        feeds = {name: _np(a) for name, a in zip(names, (tokens, token_len, embedding))}
+        mu, mask, spks = self.model.run(feeds, outputs=list(contract.names(contract.ENCODER_OUTPUTS)))
         return torch.from_numpy(mu), torch.from_numpy(mask), torch.from_numpy(spks)
 
 
