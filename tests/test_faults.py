@@ -27,25 +27,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from s3flow.contract import request_arrays
+from s3flow.model.checkpoint import load_flow, read_checkpoint, write_random_checkpoint
+from s3flow.model.flow import FlowConfig
+from s3flow.protocol import Limits
+from s3flow.serving.metrics import metric_sum, read_metrics
+from s3flow.serving.repository import TRITON_IDLE_GRACE_S, Batching, RepositorySettings, write_repository
+from s3flow.serving.triton_server import TritonServer, free_port
+from s3flow_client import StreamError, StreamingClient
+from s3flow_client.demo import demo_utterance
+from s3flow_client.wire import infer_inputs
 
-from load_test import metric_sum, read_metrics  # noqa: E402
-from s3flow.model.checkpoint import load_flow, read_checkpoint, write_random_checkpoint  # noqa: E402
-from s3flow.model.flow import FlowConfig  # noqa: E402
-from s3flow.protocol import Limits  # noqa: E402
-from s3flow.serving.repository import TRITON_IDLE_GRACE_S, Batching, RepositorySettings, write_repository  # noqa: E402
-from s3flow.serving.triton_server import TritonServer, free_port  # noqa: E402
-from s3flow_client import StreamError, StreamingClient  # noqa: E402
-from s3flow_client.demo import demo_utterance  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 IDLE_S = 2.0
 LIMITS = Limits(max_steps=20, max_utterance_frames=1000, max_live_sequences=3, idle_timeout_s=IDLE_S)
 MODELS = ["token2mel", "cfm_solver", "flow_encoder", "estimator"]
-DTYPES = {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32"}
 
 
 @pytest.fixture(scope="module")
@@ -87,23 +86,12 @@ def wait_live(server, want: float, timeout: float) -> float:
         time.sleep(0.1)
 
 
-def tensors(u, lo: int, hi: int, start: bool, steps: int | None = None) -> dict:
-    out = {"speech_tokens": u.speech_tokens[None, lo:hi]}
-    if start:
-        out.update(prompt_tokens=u.prompt_tokens[None], prompt_mel=u.prompt_mel[None],
-                   speaker_embedding=u.speaker_embedding[None])
-        if steps is not None:
-            out["n_timesteps"] = np.array([[steps]], np.int32)
-    return out
-
-
-def infer_inputs(values: dict) -> list:
-    out = []
-    for name, value in values.items():
-        t = grpcclient.InferInput(name, list(value.shape), DTYPES[value.dtype.type])
-        t.set_data_from_numpy(np.ascontiguousarray(value))
-        out.append(t)
-    return out
+def tensors(u, lo: int, hi: int, start: bool, steps: int | None = None, seed: int | None = None) -> dict:
+    """The chunk speech_tokens[lo:hi] of u; a START carries u's prompt (not its seed: the server's default)."""
+    if not start:
+        return request_arrays(u.speech_tokens[lo:hi])
+    return request_arrays(u.speech_tokens[lo:hi], start=True, prompt_tokens=u.prompt_tokens, prompt_mel=u.prompt_mel,
+                          speaker_embedding=u.speaker_embedding, n_timesteps=steps, seed=seed)
 
 
 def infer(server, seq_id: int, start: bool, end: bool, values: dict, model: str = "token2mel"):
@@ -176,9 +164,7 @@ def test_a_failed_chunk_leaves_the_sequence_as_before_and_can_be_sent_again(tmp_
 
     def send(srv, seq_id, k):
         lo, hi = bounds[k]
-        values = tensors(u, lo, hi, k == 0, steps=3)
-        if k == 0:
-            values["seed"] = np.array([[u.seed]], np.int64)
+        values = tensors(u, lo, hi, k == 0, steps=3, seed=u.seed if k == 0 else None)
         r = infer(srv, seq_id, k == 0, k == len(bounds) - 1, values)
         return int(r.as_numpy("frame_offset")[0, 0]), r.as_numpy("mel")[0]
 
@@ -265,19 +251,29 @@ def test_client_vanishing_through_the_ensemble_frees_the_state_after_the_idle_ti
 
 
 @pytest.mark.server
-def test_idle_sequence_is_evicted_and_a_later_chunk_is_refused(server):
+def test_idle_sequence_is_evicted_and_a_later_chunk_gets_the_solvers_message(server):
+    """The solver evicts a sequence idle for idle_timeout_s; Triton forgets it TRITON_IDLE_GRACE_S later, so a
+    chunk sent in between still reaches the solver, whose message says what happened. The late chunk goes
+    in the middle of that window, idle_timeout_s + grace / 2 after the START: without the grace (Triton's
+    idle timeout equal to the solver's) Triton would have forgotten the sequence grace / 2 earlier and
+    answer "must specify the START flag" itself; with it, Triton forgets it only grace / 2 later."""
     wait_live(server, 0, IDLE_S + 3)
     u = demo_utterance(1.0, seed=53)
     infer(server, 803, True, False, tensors(u, 0, 10, True, steps=2))
+    answered = time.monotonic()   # both idle clocks started before this: at the START's arrival
     assert solver_metrics(server)[0] == 1
     took = wait_live(server, 0, IDLE_S + 3)
     assert took > IDLE_S - 0.5
+    late = answered + IDLE_S + TRITON_IDLE_GRACE_S / 2
+    time.sleep(max(late - time.monotonic(), 0.0))
+    sent = time.monotonic() - answered
     with pytest.raises(InferenceServerException) as info:
         infer(server, 803, False, True, tensors(u, 10, 20, False))
-    # Triton forgets the sequence 5 s after the solver (TRITON_IDLE_GRACE_S), so it still routes this late
-    # chunk to the solver, whose message says what happened (not Triton's "must specify the START flag")
+    assert sent < IDLE_S + TRITON_IDLE_GRACE_S - 1.0, f"the late chunk went {sent:.1f} s after the START: too " \
+        f"close to Triton's own timeout ({IDLE_S + TRITON_IDLE_GRACE_S} s) to tell the two apart"
     message = str(info.value)
     assert "sequence 803 is not active" in message and f"evicted after {IDLE_S} s idle" in message, message
+    assert "START flag" not in message, message
 
 
 @pytest.mark.server

@@ -11,9 +11,10 @@ import threading
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from helpers import make_engine, offline, stream_in_process
+from s3flow.contract import request_arrays
 from s3flow.model.checkpoint import load_flow, write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.protocol import Limits
@@ -21,6 +22,7 @@ from s3flow.serving.repository import Batching, RepositorySettings, write_reposi
 from s3flow.serving.triton_server import TritonServer
 from s3flow_client import StreamError, StreamingClient, chunk_schedule
 from s3flow_client.demo import demo_utterance
+from s3flow_client.wire import infer_inputs
 
 pytestmark = pytest.mark.server
 LIMITS = Limits(max_steps=20, max_utterance_frames=600, max_request_bytes=200_000, max_live_sequences=32)
@@ -42,7 +44,9 @@ def stats(server, model):
     return int(s.inference_count), int(s.execution_count)
 
 
-def test_streamed_served_equals_in_process_and_offline(served):
+def test_streamed_served_equals_in_process_and_first_chunk_equals_offline(served):
+    """The whole stream equals the in-process engine's, chunk for chunk; its first chunk (no context yet, in
+    either streaming mode) equals offline synthesis of those 8 tokens, not finalised, from the same seed."""
     server, flow = served
     u = demo_utterance(2.4, seed=11, noise_seed=3)
     u.chunks = chunk_schedule(len(u.speech_tokens), 8, 2.0, 40)
@@ -51,6 +55,9 @@ def test_streamed_served_equals_in_process_and_offline(served):
     assert got.chunk_frames[0] == 2 * 8 - 6, "first chunk holds back the 6 lookahead frames"
     [local] = stream_in_process(make_engine(flow, LIMITS), [u], [u.chunks])
     np.testing.assert_allclose(got.mel, np.concatenate([r.mel for r in local], 1), atol=5e-4, rtol=0)
+    first = offline(flow, u, n_tokens=8, finalize=False)
+    assert first.shape == (80, got.chunk_frames[0])
+    np.testing.assert_allclose(got.mel[:, :first.shape[1]], first, atol=5e-4, rtol=0)
 
 
 def test_one_chunk_served_equals_offline(served):
@@ -109,20 +116,25 @@ def test_ensemble_is_the_entry_and_solver_reaches_encoder_and_estimator_by_bls(s
 # Bad input: each answered with a clear error; a healthy utterance streamed meanwhile finishes correctly.
 
 
-def infer(server, seq_id, start, end, **tensors):
+def raw_inputs(arrays: dict) -> list:
+    """The arrays on the wire as they are, each with its own dtype: how a malformed request gets there (the
+    client's ``infer_inputs`` refuses a dtype the contract does not declare)."""
     inputs = []
-    for name, value in tensors.items():
-        t = grpcclient.InferInput(name, list(value.shape), {np.dtype("int64"): "INT64", np.dtype("int32"): "INT32",
-                                                           np.dtype("float32"): "FP32", np.dtype("float64"): "FP64"}[value.dtype])
+    for name, value in arrays.items():
+        t = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
         t.set_data_from_numpy(value)
         inputs.append(t)
+    return inputs
+
+
+def infer(server, seq_id, start, end, inputs: list):
     return server.client().infer("token2mel", inputs, sequence_id=seq_id, sequence_start=start,
                                  sequence_end=end)
 
 
 def good_start(u, n=10):
-    return dict(speech_tokens=u.speech_tokens[None, :n], prompt_tokens=u.prompt_tokens[None],
-                prompt_mel=u.prompt_mel[None], speaker_embedding=u.speaker_embedding[None])
+    return request_arrays(u.speech_tokens[:n], start=True, prompt_tokens=u.prompt_tokens, prompt_mel=u.prompt_mel,
+                          speaker_embedding=u.speaker_embedding)
 
 
 BAD = {
@@ -175,7 +187,7 @@ def test_bad_input_is_rejected_while_others_keep_streaming(served, case):
     worker.start()
     bad = demo_utterance(1.0, seed=41)
     with pytest.raises(InferenceServerException, match=None) as info:
-        infer(server, 900_000 + sorted(BAD).index(case), start, False, **make(bad))
+        infer(server, 900_000 + sorted(BAD).index(case), start, False, raw_inputs(make(bad)))
     worker.join(120)
     assert message in str(info.value), str(info.value)
     assert "r" in result
@@ -186,11 +198,11 @@ def test_bad_input_is_rejected_while_others_keep_streaming(served, case):
 def test_start_only_tensors_on_a_later_chunk_are_rejected(served):
     server, _ = served
     u = demo_utterance(1.0, seed=42)
-    infer(server, 777_001, True, False, **good_start(u))
+    infer(server, 777_001, True, False, infer_inputs(good_start(u)))
     with pytest.raises(InferenceServerException, match="may only be sent with the sequence's START"):
-        infer(server, 777_001, False, False, speech_tokens=u.speech_tokens[None, 10:12],
-              seed=np.array([[1]], np.int64))
-    out = infer(server, 777_001, False, True, speech_tokens=np.zeros((1, 0), np.int64))
+        infer(server, 777_001, False, False, raw_inputs({"speech_tokens": u.speech_tokens[None, 10:12],
+                                                         "seed": np.array([[1]], np.int64)}))
+    out = infer(server, 777_001, False, True, infer_inputs(request_arrays([])))
     assert int(out.as_numpy("frame_offset")[0, 0]) == 2 * 10 - 6
     assert out.as_numpy("mel").shape == (1, 80, 6), "END with an empty chunk releases the held-back frames"
 
