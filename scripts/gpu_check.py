@@ -29,20 +29,20 @@ error above its bound, or a section raised), else 0. Bounds (relative L2 of the 
 fp32): fp32 1e-3, TF32 1e-2, fp16 2e-2, bf16 5e-2; streamed vs offline 1e-3; engines as
 ``s3flow.runtime.tensorrt.PARITY_BOUNDS``; vocoder (relative L2 of the audio) device vs CPU 1e-4, streamed vs
 offline on the device 1e-5.
+
+The report, the plans and flows, and the sections that need no streaming engine (precision, estimator,
+TensorRT) live in ``s3flow.runtime.gpu_check``; the streaming sections (engine, token2wav, throughput) are here.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,274 +52,14 @@ for sub in ("python_backend", "client"):  # no install needed: the GPU host has 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from s3flow.runtime import tensorrt as tb  # noqa: E402
-from s3flow.model.flow import FlowConfig, S3Flow, synthesize  # noqa: E402
-from s3flow.protocol import Limits, parse_request  # noqa: E402
-from s3flow.runtime.torch_runner import TorchRunner  # noqa: E402
-from s3flow.model.solver import FrameNoise  # noqa: E402
 from s3flow.engine.streaming import StreamingEngine  # noqa: E402
-
-BOUNDS = {"fp32": 1e-3, "tf32": 1e-2, "fp16": 2e-2, "bf16": 5e-2, "trt-fp16": 2e-2, "trt-fp32": 1e-3,
-          "streamed": 1e-3, "vocoder": 1e-4, "vocoder-streamed": 1e-5}
-VOCAB = 6561
-
-
-# ---------------------------------------------------------------------------------------------------
-# set-up
-
-
-@dataclass
-class Plan:
-    """Sizes of one run (full or quick)."""
-    size: str
-    prompt_tokens: int
-    speech_tokens: int
-    frames: tuple
-    batches: tuple
-    warmup: int
-    iters: int
-    trt_max_batch: int
-    trt_max_frames: int
-    steps: int = 10            # guided Euler steps (meanflow: 2)
-
-
-FULL = Plan("full", 50, 100, (100, 300, 600), (1, 2, 4, 8, 16), 3, 10, 2, 1000)
-QUICK = Plan("small", 6, 12, (32,), (1, 2), 0, 1, 2, 128, steps=3)
-
-
-def random_flow(config: FlowConfig, seed: int) -> S3Flow:
-    """Seeded random weights in memory (the project's own when importable: it needs safetensors)."""
-    try:
-        from s3flow.model.checkpoint import random_flow as project_random_flow
-        return project_random_flow(config, seed)
-    except ImportError:
-        torch.manual_seed(seed)
-        flow = S3Flow(config)
-        gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():  # biases and norms off their fixed initial values, as checkpoint.perturb_parameters
-            for name, p in flow.named_parameters():
-                if name.endswith("bias") or "norm" in name or "time_embed_mixer" in name:
-                    p.add_(0.1 * torch.randn(p.shape, generator=gen))
-        return flow.eval()
-
-
-@dataclass
-class Utterance:
-    speech: torch.Tensor      # (N,) int64
-    prompt: torch.Tensor      # (Np,) int64
-    prompt_mel: torch.Tensor  # (2 Np, n_feats) frames-major
-    xvector: torch.Tensor     # (192,)
-    seed: int
-
-
-def utterance(plan: Plan, seed: int, n_feats: int = 80) -> Utterance:
-    g = torch.Generator().manual_seed(seed)
-    return Utterance(torch.randint(0, VOCAB, (plan.speech_tokens,), generator=g),
-                     torch.randint(0, VOCAB, (plan.prompt_tokens,), generator=g),
-                     -3.0 + 1.5 * torch.randn(2 * plan.prompt_tokens, n_feats, generator=g),
-                     torch.randn(192, generator=g), seed)
-
-
-def initial_noise(u: Utterance, n_feats: int) -> torch.Tensor:
-    """(1, n_feats, T) the utterance's whole starting noise (FrameNoise: the served path's too)."""
-    z = FrameNoise(u.seed, n_feats).full(2 * len(u.prompt), 2 * len(u.speech))
-    return torch.from_numpy(z)[None]
-
-
-class Clock:
-    """Wall time of a callable: median of ``iters`` runs after ``warmup`` (CUDA events on a GPU)."""
-
-    def __init__(self, device: torch.device, warmup: int, iters: int):
-        self.device, self.warmup, self.iters = device, warmup, iters
-
-    def ms(self, fn) -> float:
-        return self.run(fn)[1]
-
-    def run(self, fn):
-        """(fn's last result, median ms)."""
-        for _ in range(self.warmup):
-            fn()
-        times, out = [], None
-        for _ in range(self.iters):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                out = fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                out = fn()
-                times.append(1e3 * (time.perf_counter() - t0))
-        return out, float(np.median(times))
-
-
-def set_tf32(on: bool) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = on
-    torch.backends.cudnn.allow_tf32 = on
-
-
-def flops(config, batch: int, frames: int):
-    try:  # the project's analytic count (s3flow.model.flops) where present
-        from s3flow.model.flops import estimator_flops
-        return estimator_flops(config, batch, frames).total
-    except Exception:
-        return None
-
-
-# ---------------------------------------------------------------------------------------------------
-# report
-
-
-@dataclass
-class Report:
-    device: str
-    plan: Plan
-    env: dict = field(default_factory=dict)
-    sections: list = field(default_factory=list)   # (title, markdown body)
-    checks: list = field(default_factory=list)     # {name, value, bound, ok}
-    data: dict = field(default_factory=dict)
-
-    def check(self, name: str, rel: float, finite: bool, bound: float) -> bool:
-        ok = bool(finite and rel <= bound)
-        self.checks.append({"name": name, "rel_error": rel, "finite": finite, "bound": bound, "ok": ok})
-        return ok
-
-    def fail(self, name: str, why: str) -> None:
-        self.checks.append({"name": name, "rel_error": None, "finite": None, "bound": None, "ok": False,
-                            "error": why})
-
-    def add(self, title: str, body: str) -> None:
-        self.sections.append((title, body))
-        print(f"\n## {title}\n{body}", flush=True)
-
-    @property
-    def ok(self) -> bool:
-        return all(c["ok"] for c in self.checks)
-
-    def markdown(self) -> str:
-        lines = ["# GPU check", ""]
-        if self.device == "cpu":
-            lines += ["**Run on the CPU (`--device cpu`): a check of the script's code paths, not GPU figures.**", ""]
-        lines += ["| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in self.env.items()] + [""]
-        lines += ["## Verdict", "", f"**{'PASS' if self.ok else 'FAIL'}** "
-                  f"({sum(c['ok'] for c in self.checks)} of {len(self.checks)} checks passed)", "",
-                  "| check | rel. error | finite | bound | result |", "| --- | --- | --- | --- | --- |"]
-        for c in self.checks:
-            if c.get("error"):
-                lines.append(f"| {c['name']} | - | - | - | FAIL: {c['error'][:120]} |")
-            else:
-                lines.append(f"| {c['name']} | {c['rel_error']:.2e} | {c['finite']} | {c['bound']:.0e} | "
-                             f"{'ok' if c['ok'] else 'FAIL'} |")
-        for title, body in self.sections:
-            lines += ["", f"## {title}", "", body]
-        return "\n".join(lines) + "\n"
-
-
-def table(header: list, rows: list) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(out)
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
-    p = tb.compare(out, ref, 1.0)
-    return p.rel_error, p.finite
-
-
-# ---------------------------------------------------------------------------------------------------
-# sections
-
-
-def environment(device: torch.device) -> dict:
-    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
-           "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-           "cpu threads": torch.get_num_threads(), "device": str(device)}
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        env.update({"gpu": p.name, "compute capability": f"{p.major}.{p.minor}",
-                    "gpu memory": f"{p.total_memory / 2**30:.0f} GiB", "cuda (torch)": torch.version.cuda})
-    trt = tb.tensorrt_version()
-    env["tensorrt"] = trt or f"not importable (trtexec: {tb.find_trtexec() or 'not found'})"
-    for mod in ("onnx", "onnxruntime", "safetensors"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except ImportError:
-            env[mod] = "missing"
-    return env
-
-
-class FlowModes:
-    """One model on the CPU (reference) and on the device, with the device estimator in each mode."""
-
-    def __init__(self, flow: S3Flow, device: torch.device):
-        self.cpu = flow
-        self.dev = copy.deepcopy(flow).to(device)
-        self.device = device
-        self.runners = {m: TorchRunner(self.dev.estimator, "estimator", device, "fp32" if m in ("fp32", "tf32") else m)
-                        for m in ("fp32", "tf32", "bf16", "fp16")}
-        self._half = None
-
-    def estimator(self, mode: str):
-        if mode == "half":  # information only: the naive cast
-            if self._half is None:
-                self._half = copy.deepcopy(self.dev.estimator).half()
-
-            def half(x, mask, mu, t, spks, cond, r=None):
-                args = [a.half() if a is not None else None for a in (x, mask, mu, t, spks, cond, r)]
-                with torch.inference_mode():
-                    return self._half(*args).float()
-            return half
-        runner = self.runners[mode]
-        set_tf32(mode == "tf32")
-        return runner.estimator
-
-    def synthesize(self, u: Utterance, *, on_device: bool, estimator=None, steps=None) -> torch.Tensor:
-        flow, dev = (self.dev, self.device) if on_device else (self.cpu, torch.device("cpu"))
-        n_feats = flow.config.n_feats
-        out = synthesize(flow, u.speech[None].to(dev), u.prompt[None].to(dev), u.prompt_mel[None].to(dev),
-                         u.xvector[None].to(dev), speech_token_len=torch.tensor([len(u.speech)], device=dev),
-                         z=initial_noise(u, n_feats).to(dev), estimator=estimator, n_steps=steps)
-        return out.mel
-
-
-def precision_section(rep: Report, guided: FlowModes, meanflow: FlowModes, plan: Plan, clock_cpu: Clock,
-                      clock_dev: Clock) -> None:
-    u = utterance(plan, seed=1)
-    rows, data = [], {}
-    for label, fm, steps in ((f"guided, {plan.steps} steps", guided, plan.steps), ("meanflow, 2 steps", meanflow, 2)):
-        ref, cpu_ms = clock_cpu.run(lambda: fm.synthesize(u, on_device=False, steps=steps))
-        modes = ("fp32", "tf32", "bf16", "fp16", "half") if fm.device.type == "cuda" else ("fp32", "bf16", "fp16")
-        for mode in modes:
-            est = fm.estimator(mode)
-            try:
-                out, dev_ms = clock_dev.run(lambda: fm.synthesize(u, on_device=True, estimator=est, steps=steps))
-                rel, finite = rel_error(out, ref)
-            except Exception as exc:  # noqa: BLE001 - reported, and a failed check unless informational
-                if mode != "half":
-                    rep.fail(f"{label} {mode}", repr(exc))
-                rows.append([label, mode, "error", "", "", "", repr(exc)[:80]])
-                continue
-            verdict = "info" if mode == "half" else ("ok" if rep.check(f"whole flow {label}, {mode} vs CPU fp32",
-                                                                       rel, finite, BOUNDS[mode]) else "FAIL")
-            rows.append([label, mode, f"{rel:.2e}", finite, f"{dev_ms:.1f}", f"{cpu_ms / dev_ms:.1f}x", verdict])
-            data[f"{label}/{mode}"] = {"rel_error": rel, "finite": finite, "ms": dev_ms, "cpu_ms": cpu_ms}
-        rows.append([label, "CPU fp32 (reference)", "0", True, f"{cpu_ms:.1f}", "1.0x", "reference"])
-    set_tf32(False)
-    rep.data["whole_flow"] = data
-    rep.add("Whole flow: device modes vs CPU fp32 (precision and time, side by side)",
-            f"{plan.prompt_tokens} prompt + {plan.speech_tokens} speech tokens "
-            f"({2 * plan.speech_tokens / 50:.1f} s of audio); encoder fp32 in every mode; time = median wall "
-            f"time of the whole synthesis (encoder + solve); 'half' = plain module.half(), information only.\n\n"
-            + table(["model", "estimator mode", "rel. error", "finite", "ms", "vs CPU", "check"], rows))
-
-
-def request(u: Utterance, steps: int) -> dict:
-    return {"speech_tokens": u.speech.numpy()[None], "prompt_tokens": u.prompt.numpy()[None],
-            "prompt_mel": u.prompt_mel.numpy().astype(np.float32)[None],
-            "speaker_embedding": u.xvector.numpy().astype(np.float32)[None],
-            "seed": np.array([[u.seed]], dtype=np.int64), "n_timesteps": np.array([[steps]], dtype=np.int32)}
+from s3flow.model.flow import FlowConfig  # noqa: E402
+from s3flow.protocol import Limits, parse_request  # noqa: E402
+from s3flow.runtime import tensorrt as tb  # noqa: E402
+from s3flow.runtime.gpu_check.flows import (FULL, QUICK, FlowModes, Plan, Utterance, random_flow,  # noqa: E402
+                                            request, set_tf32, utterance)
+from s3flow.runtime.gpu_check.report import BOUNDS, Clock, Report, environment, rel_error, table  # noqa: E402
+from s3flow.runtime.gpu_check.sections import estimator_section, precision_section, tensorrt_section  # noqa: E402
 
 
 def device_engine(fm: FlowModes, estimator) -> StreamingEngine:
@@ -359,13 +99,6 @@ def streaming_section(rep: Report, fm: FlowModes, plan: Plan) -> None:
             + table(["speech tokens", "frames out", "rel. error", "finite", "check"], rows))
 
 
-def rel_l2(out: np.ndarray, ref: np.ndarray) -> tuple[float, bool]:
-    """(||out - ref|| / ||ref||, all finite) of two numpy arrays of one shape."""
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    if out.shape != ref.shape:
-        raise ValueError(f"shapes differ: {out.shape} vs {ref.shape}")
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)), bool(np.isfinite(out).all())
-
 
 def token_chunks(n_tokens: int, first: int, largest: int = 40) -> list[int]:
     """The client's default shape of schedule: a small first chunk, then doubling ones."""
@@ -379,8 +112,9 @@ def token_chunks(n_tokens: int, first: int, largest: int = 40) -> list[int]:
 def token2wav_section(rep: Report, fm: FlowModes, plan: Plan, clock_cpu: Clock, clock_dev: Clock, seed: int) -> None:
     """token2wav end to end on the device: the streaming engine (what cfm_solver runs) feeding a
     VocoderStream over HiFT in torch on the device (what the gpu target's vocoder model runs)."""
+    from s3flow.engine.vocoder_stream import StreamSettings, VocoderStream
     from s3flow.model.vocoder import TorchVocoder, VocoderConfig, random_vocoder
-    from s3flow.engine.vocoder_stream import StreamSettings, VocoderStream, offline_vocode
+    from s3flow.model.vocoder_source import offline_vocode
 
     config = VocoderConfig.full() if plan.size == "full" else VocoderConfig.small()
     hift = random_vocoder(config, seed)
@@ -395,7 +129,7 @@ def token2wav_section(rep: Report, fm: FlowModes, plan: Plan, clock_cpu: Clock, 
     set_tf32(False)
     ref, cpu_ms = clock_cpu.run(lambda: offline_vocode(cpu.f0, cpu.decode, mel, params, seed=u.seed))
     out, dev_ms = clock_dev.run(lambda: offline_vocode(dev.f0, dev.decode, mel, params, seed=u.seed))
-    rel, finite = rel_l2(out, ref)
+    rel, finite = tb.rel_l2(out, ref)
     f0_err = float(np.abs(dev.f0(mel[None]) - cpu.f0(mel[None])).max())
     ok = rep.check(f"vocoder ({plan.size}) on {fm.device.type} vs CPU fp32, {mel.shape[1]} frames", rel, finite,
                    BOUNDS["vocoder"]) and f0_err < 1e-6
@@ -420,8 +154,7 @@ def token2wav_section(rep: Report, fm: FlowModes, plan: Plan, clock_cpu: Clock, 
     t0 = time.perf_counter()
     for k, n in enumerate(sizes):
         end = k == len(sizes) - 1
-        inputs = request(u, plan.steps) if k == 0 else {}
-        inputs["speech_tokens"] = u.speech[at:at + n].numpy()[None]
+        inputs = request(u, plan.steps, speech=u.speech[at:at + n], start=k == 0)
         req = parse_request(inputs, start=k == 0, end=end, limits=engine.limits, n_feats=engine.n_feats)
         [res] = engine.run([engine.admit(7000, req)])
         chunk = stream.push(state, res.mel, res.frame_offset, end=end)
@@ -441,7 +174,7 @@ def token2wav_section(rep: Report, fm: FlowModes, plan: Plan, clock_cpu: Clock, 
         rep.fail("token2wav streamed sample count",
                  f"{streamed_mel.shape[1]} frames, {streamed.size} samples; want {frames}, {hop * frames}")
     offline_audio = offline_vocode(dev.f0, dev.decode, streamed_mel, params, seed=u.seed)
-    rel, finite = rel_l2(streamed, offline_audio)
+    rel, finite = tb.rel_l2(streamed, offline_audio)
     ok = rep.check(f"token2wav streamed on {fm.device.type} ({len(sizes)} chunks) vs offline vocoding of its mel",
                    rel, finite, BOUNDS["vocoder-streamed"])
     rtf = wall / (streamed.size / params.sampling_rate)
@@ -461,37 +194,6 @@ def token2wav_section(rep: Report, fm: FlowModes, plan: Plan, clock_cpu: Clock, 
             f"against offline vocoding of the streamed mel on the device. Time to first audio {first} "
             f"(computation only, chunks back to back); signal std {offline_audio.std():.3f}.\n\n"
             + table(["what", "rel. error", "max abs", "device ms", "CPU ms", "speed", "check"], rows))
-
-
-def estimator_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock, trt_engines: dict) -> None:
-    cfg = fm.dev.estimator.config
-    rows, data = [], {}
-    from s3flow.runtime.onnx_export import make_estimator_inputs
-    modes = (["fp32", "tf32"] if fm.device.type == "cuda" else ["fp32"]) + ["bf16", "fp16"]
-    modes += [f"trt-{p}" for p in trt_engines]
-    for t in plan.frames:
-        inputs = make_estimator_inputs(fm.dev.estimator, batch=2, frames=t, seed=t)
-        gf = flops(cfg, 2, t)
-        row = [t, f"{gf / 1e9:.3g}" if gf else "n/a"]
-        for mode in modes:
-            if mode.startswith("trt-"):
-                engine = trt_engines[mode[4:]]
-                if not engine["profile"].covers(2, t):
-                    row.append("outside profile")
-                    continue
-                fn = (lambda e=engine["engine"]: e(**inputs))
-            else:
-                est = fm.estimator(mode)
-                fn = (lambda e=est: e(**inputs))
-            ms = clock.ms(fn)
-            data[f"T{t}/{mode}"] = ms
-            row.append(f"{ms:.2f}" + (f" ({gf / ms / 1e9:.3g})" if gf else ""))
-        rows.append(row)
-    set_tf32(False)
-    rep.data["estimator_ms"] = data
-    rep.add("Estimator forward, B = 2 (one guided utterance)",
-            "ms per call (median), and in brackets TFLOP/s from the analytic count (s3flow.model.flops; matrix "
-            "products only).\n\n" + table(["T", "GFLOP"] + modes, rows))
 
 
 def throughput_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock, trt_engines: dict) -> None:
@@ -521,78 +223,6 @@ def throughput_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock, trt
             f"'x RT' = seconds of audio made per second of wall time.\n\n"
             + table(["batch"] + list(modes), rows))
 
-
-def tensorrt_section(rep: Report, fm: FlowModes, plan: Plan, workdir: Path, opt_level: int,
-                     precision_utt: Utterance, deadline: float = float("inf")) -> dict:
-    """Build, check and return {precision: {"engine", "profile"}}; {} when TensorRT is not here."""
-    version = tb.tensorrt_version()
-    if version is None:
-        rep.add("TensorRT", "Not run: the `tensorrt` Python package is not importable on this host "
-                f"(trtexec: {tb.find_trtexec() or 'not found'}). No engine was built or checked; in the "
-                "container (docker/) the package matching Triton's TensorRT is installed and "
-                "scripts/build_engines.py builds the served engines.")
-        return {}
-    try:
-        import onnx  # noqa: F401
-    except ImportError:
-        rep.add("TensorRT", f"TensorRT {version} is importable but onnx is not: no ONNX export, no engine.")
-        return {}
-    from s3flow.runtime.onnx_export import export_encoder, export_estimator
-
-    t0 = time.perf_counter()
-    export_estimator(fm.cpu.estimator, workdir / "estimator" / "model.onnx")
-    export_encoder(fm.cpu.encoder, workdir / "flow_encoder" / "model.onnx")
-    export_s = time.perf_counter() - t0
-    n_feats = fm.cpu.config.n_feats
-    est_prof = tb.estimator_profile(n_feats, False, plan.trt_max_batch, plan.trt_max_frames,
-                                    opt_frames=min(300, plan.trt_max_frames))
-    enc_prof = tb.encoder_profile(plan.trt_max_batch, plan.trt_max_frames // 2,
-                                  opt_tokens=min(150, plan.trt_max_frames // 2))
-    set_tf32(False)
-    ref_est = fm.runners["fp32"]
-    rows, engines = [], {}
-    for model, precision, prof in (("estimator", "fp16", est_prof), ("flow_encoder", "fp32", enc_prof),
-                                   ("estimator", "fp32", est_prof)):
-        if time.perf_counter() > deadline:  # keep the whole check inside its time budget
-            rows.append([model, precision, prof.tag(), "-", "-", "skipped: time budget (--budget-s)", "-"])
-            continue
-        try:
-            res = tb.build_engine(workdir / model / "model.onnx", workdir / "engines", prof, precision,
-                                  opt_level=opt_level, device=fm.device.index or 0)
-            engine = tb.TrtEngine(res.path, fm.device.index or 0)
-            if model == "estimator":
-                parity = tb.check_estimator_engine(engine, lambda **i: ref_est(**i)["velocity"], prof, precision)
-                engines[precision] = {"engine": engine, "profile": prof}
-            else:
-                enc = TorchRunner(fm.dev.encoder, "flow_encoder", fm.device)
-
-                def enc_ref(**i):
-                    o = enc(**i)
-                    return o["mu"], o["mask"], o["spks"]
-                parity = tb.check_encoder_engine(engine, enc_ref, prof, precision)
-            for p in parity:
-                rep.check(f"TensorRT {p.what}", p.rel_error, p.finite, p.bound)
-            rows.append([model, precision, prof.tag(), f"{res.seconds:.0f}", f"{res.path.stat().st_size / 1e6:.0f}",
-                         "; ".join(f"{p.rel_error:.1e}" for p in parity), "ok" if all(p.ok for p in parity) else "FAIL"])
-        except Exception as exc:  # noqa: BLE001
-            rep.fail(f"TensorRT {model} {precision}", repr(exc))
-            rows.append([model, precision, prof.tag(), "-", "-", repr(exc)[:100], "FAIL"])
-    body = (f"TensorRT {version}; ONNX export {export_s:.0f} s; builder optimisation level {opt_level}; "
-            "narrow profiles for the check's time budget (the served engines use the repository's limits).\n\n"
-            + table(["model", "precision", "profile", "build s", "MB", "parity rel. errors", "check"], rows))
-    if "fp16" in engines:  # the whole guided flow on the fp16 engine, vs CPU fp32
-        ref = fm.synthesize(precision_utt, on_device=False, steps=plan.steps)
-        est = tb.TrtEstimator(engines["fp16"]["engine"])
-        out = fm.synthesize(precision_utt, on_device=True, estimator=est, steps=plan.steps)
-        rel, finite = rel_error(out, ref)
-        ok = rep.check(f"whole flow guided, {plan.steps} steps, TensorRT fp16 vs CPU fp32", rel, finite, BOUNDS["trt-fp16"])
-        body += f"\n\nWhole guided flow on the fp16 engine vs CPU fp32: rel. error {rel:.2e}, finite {finite} " \
-                f"({'ok' if ok else 'FAIL'})."
-    rep.add("TensorRT", body)
-    return engines
-
-
-# ---------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv=None):
