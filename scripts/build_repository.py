@@ -13,8 +13,9 @@ Examples::
     # HiFT in torch on the GPU, --vocoder-backend onnx keeps it in ONNX Runtime on the CPU)
     .venv/bin/python scripts/build_repository.py --target gpu
 
-    # a GPU host without TensorRT: the estimator and encoder as torch on CUDA (bf16 autocast)
-    .venv/bin/python scripts/build_repository.py --target gpu --gpu-backend torch --torch-dtype bf16
+    # a GPU host without TensorRT: the estimator and encoder as torch on CUDA (the estimator under fp32,
+    # bf16 (the default) or fp16 autocast)
+    .venv/bin/python scripts/build_repository.py --target gpu --gpu-backend torch --torch-dtype fp16
 
     # mel only (no token2wav / vocoder)
     .venv/bin/python scripts/build_repository.py --no-vocoder
@@ -37,8 +38,9 @@ sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is
 from s3flow.model.checkpoint import load_flow, write_random_checkpoint  # noqa: E402
 from s3flow.model.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402
-from s3flow.serving.repository import Batching, RepositorySettings, VoiceSettings, write_repository  # noqa: E402
+from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES  # noqa: E402
 from s3flow.engine.vocoder_stream import StreamSettings  # noqa: E402
+from s3flow.serving.repository import Batching, RepositorySettings, VoiceSettings, write_repository  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -76,7 +78,7 @@ def parse_args(argv=None):
     o.add_argument("--target", choices=["cpu", "gpu"], default="cpu", help="(default: %(default)s)")
     o.add_argument("--gpu-backend", choices=["tensorrt", "torch"], default="tensorrt",
                    help="gpu target: TensorRT plans (scripts/build_engines.py) or torch on CUDA (default: %(default)s)")
-    o.add_argument("--torch-dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+    o.add_argument("--torch-dtype", choices=sorted(DTYPES), default=DEFAULT_ESTIMATOR_DTYPE,
                    help="--gpu-backend torch: the estimator's compute dtype (default: %(default)s)")
     o.add_argument("--no-check", action="store_true", help="skip the ONNX Runtime vs torch check")
     b = p.add_argument_group("batching")
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
             print("ONNX check FAILED", file=sys.stderr)
             return 1
         if hift is not None and (args.output / "vocoder" / "1" / "f0.onnx").is_file():  # torch backend: no graphs
-            from s3flow.model.vocoder import check_vocoder_onnx
+            from s3flow.runtime.vocoder import check_vocoder_onnx
             err = check_vocoder_onnx(hift, args.output / "vocoder" / "1")
             print(f"ONNX Runtime vs torch, vocoder: audio {err['audio']:.2e} (rms {err['audio_rms']:.2e}), "
                   f"f0 {err['f0']:.2e} Hz")

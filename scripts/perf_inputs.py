@@ -51,11 +51,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))  # fallbacks when the packages are not installed
 sys.path.insert(0, str(ROOT / "client"))
 
+from s3flow.contract import REQUEST, request_arrays  # noqa: E402
 from s3flow.model.chunks import TOKEN_MEL_RATIO  # noqa: E402
-from s3flow.protocol import INPUT_DTYPES, START_ONLY, Limits, parse_request  # noqa: E402
+from s3flow.protocol import START_ONLY, Limits, parse_request  # noqa: E402
+from s3flow.serving.model_config import read_config  # noqa: E402
 
 HELDOUT = ROOT / "checkpoints" / "trained" / "heldout.npz"
-TRITON_DTYPES = {np.int64: "INT64", np.int32: "INT32", np.float32: "FP32"}
+#: Triton's wire type -> numpy dtype, for the request's tensors (s3flow.contract)
+NP_DTYPES = {t.wire_type: t.np_dtype for t in REQUEST}
 
 
 # ------------------------------------------------------------------------------------------ model inputs
@@ -68,16 +71,15 @@ class ModelInput:
     optional: bool
 
 
-def model_inputs(config_text: Optional[str] = None, n_feats: int = 80) -> dict[str, ModelInput]:
-    """The inputs of ``token2mel`` (``token2wav`` takes the same) from a ``config.pbtxt`` text, or from the
-    config ``s3flow.serving.repository`` generates when none is given."""
+def model_inputs(config=None, n_feats: int = 80) -> dict[str, ModelInput]:
+    """The inputs of ``token2mel`` (``token2wav`` takes the same) from its ``ModelConfig`` (a served one, or
+    ``s3flow.serving.model_config.read_config`` of a ``config.pbtxt``), or from the config
+    ``s3flow.serving.repository`` generates when none is given."""
     from tritonclient.grpc import model_config_pb2
-    from google.protobuf import text_format
 
-    if config_text is None:
+    if config is None:
         from s3flow.serving.repository import RepositorySettings, ensemble_config
-        config_text = ensemble_config(n_feats, RepositorySettings())
-    config = text_format.Parse(config_text, model_config_pb2.ModelConfig())
+        config = ensemble_config(n_feats, RepositorySettings())
     return {i.name: ModelInput(i.name, model_config_pb2.DataType.Name(i.data_type).removeprefix("TYPE_"),
                                tuple(i.dims), i.optional) for i in config.input}
 
@@ -146,18 +148,12 @@ def stream_steps(src: Source, steps: int, n_timesteps: Optional[int] = None,
     """One utterance as perf_analyzer steps (tensors without the batch dimension)."""
     sizes, lo, out = fixed_schedule(len(src.speech_tokens), steps), 0, []
     for k, size in enumerate(sizes):
-        step = {"speech_tokens": _tensor(src.speech_tokens[lo:lo + size].astype(np.int64))}
+        start = {} if k else dict(prompt_tokens=src.prompt_tokens, prompt_mel=src.prompt_mel,
+                                  speaker_embedding=src.speaker_embedding, seed=src.seed,
+                                  n_timesteps=n_timesteps, guidance_rate=guidance_rate)
+        arrays = request_arrays(src.speech_tokens[lo:lo + size], start=k == 0, **start)
+        out.append({name: _tensor(a[0]) for name, a in arrays.items()})   # perf_analyzer adds the batch dim
         lo += size
-        if k == 0:
-            step.update(prompt_tokens=_tensor(src.prompt_tokens.astype(np.int64)),
-                        prompt_mel=_tensor(src.prompt_mel.astype(np.float32)),
-                        speaker_embedding=_tensor(src.speaker_embedding.astype(np.float32)),
-                        seed=_tensor(np.array([src.seed], dtype=np.int64)))
-            if n_timesteps is not None:
-                step["n_timesteps"] = _tensor(np.array([n_timesteps], dtype=np.int32))
-            if guidance_rate is not None:
-                step["guidance_rate"] = _tensor(np.array([guidance_rate], dtype=np.float32))
-        out.append(step)
     return out
 
 
@@ -168,11 +164,10 @@ def input_data(sources: Iterable[Source], steps: int, **options) -> dict:
 
 def step_arrays(step: dict, inputs: dict[str, ModelInput]) -> dict[str, np.ndarray]:
     """A step's tensors as numpy arrays with the batch dimension, dtypes from the model config."""
-    np_types = {v: k for k, v in TRITON_DTYPES.items()}
     out = {}
     for name, t in step.items():
         content, shape = (t, None) if isinstance(t, list) else (t["content"], t.get("shape"))
-        arr = np.asarray(content, dtype=np_types[inputs[name].datatype])
+        arr = np.asarray(content, dtype=NP_DTYPES[inputs[name].datatype])
         out[name] = arr.reshape([1] + list(shape if shape is not None else inputs[name].dims))
     return out
 
@@ -321,8 +316,9 @@ def replay(doc: dict, url: str, model: str = "token2mel", concurrency: int = 1, 
         # a refused request stops its stream: close the sequences left open (an empty END chunk), or they
         # hold the server's sequence slots until its idle timeout
         for i in sorted(set(next_step) - done):
-            t = grpcclient.InferInput("speech_tokens", [1, 0], inputs["speech_tokens"].datatype)
-            t.set_data_from_numpy(np.zeros((1, 0), dtype=np.int64))
+            [(name, empty)] = request_arrays([]).items()
+            t = grpcclient.InferInput(name, list(empty.shape), inputs[name].datatype)
+            t.set_data_from_numpy(empty)
             client.async_stream_infer(model, [t], request_id=f"{first_sequence_id + i}:end",
                                       sequence_id=first_sequence_id + i, sequence_end=True)
             answers.get(timeout=30)
@@ -360,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rep.add_argument("--concurrency", type=int, default=1, help="utterances in flight (default: %(default)s)")
     args = p.parse_args(argv)
 
-    inputs = model_inputs(args.config.read_text() if args.config else None, n_feats=args.n_feats)
+    inputs = model_inputs(read_config(args.config) if args.config else None, n_feats=args.n_feats)
     if args.replay is not None:
         doc = json.loads(args.replay.read_text())
         res = replay(doc, args.url, args.model, concurrency=args.concurrency, inputs=inputs)

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Server-side batching experiments: one table row per setting of a grid.
 
-For each setting it rewrites the repository's configs (the ONNX files are exported once), restarts
-tritonserver (loopback only), drives the same fixed streaming load and prints one row: throughput (seconds of
-audio per wall second), p50 / p99 chunk latency, p50 first-chunk latency, chunks per solver execute and
-errors. The knobs are those of ``s3flow.serving.repository.Batching`` plus ``ort_threads``:
+For each setting it writes the repository's configs again with the generator's own
+``s3flow.serving.repository.write_flow_configs`` (the ONNX files are exported once), restarts tritonserver
+(loopback only), drives the same fixed streaming load and prints one row: throughput (seconds of audio per
+wall second), p50 / p99 chunk latency, p50 first-chunk latency, chunks per solver execute and errors. The knobs are those of ``s3flow.serving.repository.Batching`` plus ``ort_threads``:
 
   strategy (oldest | direct), max_batch_size, preferred_batch_sizes (joined by '+', e.g. 4+8),
   max_queue_delay_us, max_candidate_sequences, solver_instances, estimator_instances, encoder_instances,
@@ -50,8 +50,7 @@ from benchmark import batching_load, fmt, log, machine, markdown, percentile, ru
 from s3flow.model.checkpoint import load_flow, random_flow  # noqa: E402
 from s3flow.model.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402
-from s3flow.serving.repository import (Batching, RepositorySettings, encoder_tensors, ensemble_config,  # noqa: E402
-                               estimator_tensors, solver_config, stateless_config, write_repository)
+from s3flow.serving.repository import Batching, RepositorySettings, write_flow_configs, write_repository  # noqa: E402
 from s3flow.serving.triton_server import TritonServer, TritonServerError  # noqa: E402
 
 KNOBS = [f.name for f in dataclasses.fields(Batching)] + ["ort_threads"]
@@ -111,18 +110,6 @@ def repository_settings(setting: dict, limits: Limits) -> RepositorySettings:
         limits = dataclasses.replace(limits, max_live_sequences=min(limits.max_live_sequences,
                                                                     batching.max_candidate_sequences - 1))
     return RepositorySettings(limits=limits, batching=batching, ort_threads=setting.get("ort_threads", 0))
-
-
-def write_configs(repo: Path, n_feats: int, meanflow: bool, s: RepositorySettings) -> None:
-    """Rewrite the four config.pbtxt files for settings s (the model files stay)."""
-    s.batching.check()
-    b = s.batching
-    (repo / "token2mel" / "config.pbtxt").write_text(ensemble_config(n_feats, s))
-    (repo / "cfm_solver" / "config.pbtxt").write_text(solver_config(n_feats, meanflow, s))
-    (repo / "flow_encoder" / "config.pbtxt").write_text(
-        stateless_config("flow_encoder", encoder_tensors(n_feats), s, b.encoder_instances))
-    (repo / "estimator" / "config.pbtxt").write_text(
-        stateless_config("estimator", estimator_tensors(n_feats, meanflow), s, b.estimator_instances))
 
 
 def describe(setting: dict) -> str:
@@ -187,10 +174,10 @@ def main(argv=None) -> int:
     base = repository_settings({}, limits)
     write_repository(repo, flow, base)
     before = {p: p.read_text() for p in repo.glob("*/config.pbtxt")}
-    write_configs(repo, n_feats, meanflow, base)   # self-check: the rewrite equals the generator's output
+    write_flow_configs(repo, n_feats, meanflow, base)   # self-check: the rewrite equals the generator's output
     stale = [str(p.relative_to(repo)) for p, text in before.items() if p.read_text() != text]
     if stale:
-        print(f"config rewrite differs from write_repository for {stale}: update write_configs", file=sys.stderr)
+        print(f"config rewrite differs from write_repository for {stale}", file=sys.stderr)
         return 2
     del flow
     utts = batching_load(args.streams, args.seconds, args.prompt_seconds, args.steps)
@@ -204,7 +191,7 @@ def main(argv=None) -> int:
             log(f"time limit reached: {len(settings) - k} settings not run")
             break
         name = describe(setting)
-        write_configs(repo, n_feats, meanflow, repository_settings(setting, limits))
+        write_flow_configs(repo, n_feats, meanflow, repository_settings(setting, limits))
         try:
             with TritonServer(repo, log_file=work / f"server_{k}.log") as server:
                 run_load(server.grpc_url, utts[:1], concurrent=False, timeout_s=args.load_timeout_s)  # warm-up

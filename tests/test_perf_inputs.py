@@ -207,9 +207,7 @@ def test_replayed_json_is_never_refused_and_every_stream_gets_its_frames(served,
                              "--output", str(path)]) == 0
     doc = json.loads(path.read_text())
     config = served.client().get_model_config(model, as_json=False).config
-    from google.protobuf import text_format
-
-    inputs = perf_inputs.model_inputs(text_format.MessageToString(config))  # the served config, not ours
+    inputs = perf_inputs.model_inputs(config)  # the served config, not ours
     assert perf_inputs.check_input_data(doc, inputs) == []
     res = perf_inputs.replay(doc, served.grpc_url, model, concurrency=concurrency, inputs=inputs,
                              first_sequence_id=1000 if model == "token2mel" else 2000)

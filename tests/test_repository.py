@@ -1,35 +1,37 @@
 """Repository generation without a server: the configs are the contract the models check at load time."""
-import re
-
 import pytest
 
+from s3flow.contract import MEL_RESPONSE, REQUEST, names
 from s3flow.protocol import Limits
+from s3flow.serving.model_config import Params, to_text
 from s3flow.serving.repository import (TRITON_IDLE_GRACE_S, Batching, RepositorySettings, ensemble_config,
-                               solver_config, write_repository)
-
-
-def params(config: str) -> dict:
-    return dict(re.findall(r'key: "(\w+)" value: \{ string_value: "([^"]*)" \}', config))
+                                       solver_config, write_repository)
+from tritonclient.grpc import model_config_pb2 as mc
 
 
 def test_solver_config_carries_every_limit_and_round_trips():
     limits = Limits(max_steps=12, idle_timeout_s=7.5, holdback_frames=4, max_live_sequences=10)
     cfg = solver_config(80, False, RepositorySettings(limits=limits, batching=Batching(max_batch_size=4)))
-    assert Limits.from_parameters(params(cfg)) == limits
-    assert "max_batch_size: 4" in cfg and "oldest {" in cfg
-    idle = int(re.search(r"max_sequence_idle_microseconds: (\d+)", cfg).group(1))
+    assert Limits.from_parameters(Params(cfg).raw) == limits
+    assert cfg.max_batch_size == 4 and cfg.sequence_batching.WhichOneof("strategy_choice") == "oldest"
+    idle = cfg.sequence_batching.max_sequence_idle_microseconds
     assert idle == int((7.5 + TRITON_IDLE_GRACE_S) * 1e6), "Triton must forget a sequence after the solver"
-    for control in ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END", "CONTROL_SEQUENCE_READY",
-                    "CONTROL_SEQUENCE_CORRID"):
-        assert control in cfg
+    kinds = {c.kind for ci in cfg.sequence_batching.control_input for c in ci.control}
+    assert kinds == {mc.ModelSequenceBatching.Control.Kind.Value(k) for k in (
+        "CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END", "CONTROL_SEQUENCE_READY", "CONTROL_SEQUENCE_CORRID")}
 
 
 def test_ensemble_has_no_sequence_batching_and_maps_every_tensor():
     cfg = ensemble_config(80, RepositorySettings())
-    assert 'platform: "ensemble"' in cfg and "sequence_batching" not in cfg
+    assert cfg.platform == "ensemble" and not cfg.HasField("sequence_batching")
+    assert "sequence_batching" not in to_text(cfg)
+    [step] = cfg.ensemble_scheduling.step
     for name in ("speech_tokens", "prompt_tokens", "prompt_mel", "speaker_embedding", "n_timesteps",
-                 "guidance_rate", "seed", "mel", "frame_offset"):
-        assert f'key: "{name}" value: "{name}"' in cfg
+                 "guidance_rate", "seed"):
+        assert step.input_map[name] == name
+    for name in ("mel", "frame_offset"):
+        assert step.output_map[name] == name
+    assert set(step.input_map) == set(names(REQUEST)) and set(step.output_map) == set(names(MEL_RESPONSE))
 
 
 def test_live_sequences_above_the_batchers_candidates_is_refused(tmp_path):

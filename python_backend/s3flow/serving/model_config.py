@@ -54,6 +54,47 @@ def add_sequence_controls(config: ModelConfig, idle_us: int) -> mc.ModelSequence
     return seq
 
 
+def set_strategy(seq: mc.ModelSequenceBatching, strategy: str, max_queue_delay_us: int,
+                 max_candidate_sequences: int = 0, preferred_batch_sizes: Iterable[int] = ()) -> None:
+    """The sequence batcher's scheduling: ``oldest`` (batches chunks of up to ``max_candidate_sequences``
+    sequences) or ``direct`` (one slot per sequence)."""
+    if strategy == "oldest":
+        seq.oldest.SetInParent()
+        seq.oldest.max_candidate_sequences = max_candidate_sequences
+        seq.oldest.max_queue_delay_microseconds = max_queue_delay_us
+        seq.oldest.preferred_batch_size.extend(preferred_batch_sizes)
+    elif strategy == "direct":
+        seq.direct.SetInParent()
+        seq.direct.max_queue_delay_microseconds = max_queue_delay_us
+    else:
+        raise ValueError(f"strategy must be 'oldest' or 'direct', got {strategy!r}")
+
+
+def add_ensemble_step(config: ModelConfig, model: str, inputs: Iterable[Tensor],
+                      outputs: Iterable[Tensor]) -> mc.ModelEnsembling.Step:
+    """A step of an ensemble that calls ``model`` (its latest version) with the ensemble's tensors of the same
+    names: ``inputs`` are read from the ensemble's inputs or an earlier step's outputs."""
+    step = config.ensemble_scheduling.step.add(model_name=model, model_version=-1)
+    step.input_map.update({t.name: t.name for t in inputs})
+    step.output_map.update({t.name: t.name for t in outputs})
+    return step
+
+
+def check_ensemble(config: ModelConfig) -> None:
+    """Raise ValueError unless every step reads a tensor the ensemble has by then (an input or an earlier
+    step's output) and every ensemble output is some step's output."""
+    have = {i.name for i in config.input}
+    for k, step in enumerate(config.ensemble_scheduling.step):
+        missing = sorted(set(step.input_map.values()) - have)
+        if missing:
+            raise ValueError(f"{config.name}: step {k} ({step.model_name}) reads {missing}, which no input or "
+                             f"earlier step provides")
+        have |= set(step.output_map.values())
+    missing = sorted({o.name for o in config.output} - have)
+    if missing:
+        raise ValueError(f"{config.name}: outputs {missing} are made by no step")
+
+
 def add_instances(config: ModelConfig, count: int, gpu: bool) -> ModelConfig:
     config.instance_group.add(count=count, kind=mc.ModelInstanceGroup.KIND_GPU if gpu else
                               mc.ModelInstanceGroup.KIND_CPU)
@@ -78,11 +119,11 @@ def write_config(folder: PathLike, config: ModelConfig) -> Path:
     return path
 
 
-def write_model_folder(repository: PathLike, config: ModelConfig, files: Optional[Mapping[str, str]] = None,
-                       *, replace: bool = True) -> list[Path]:
+def write_model_folder(repository: PathLike, config: ModelConfig,
+                       files: Optional[Mapping[str, Union[str, bytes]]] = None, *, replace: bool = True) -> list[Path]:
     """Write one model folder: ``<name>/config.pbtxt``, the version folder ``1/`` and ``files`` (relative path
-    -> text, e.g. ``{"1/model.py": ...}``); with ``replace`` an old folder of that name goes first. Returns
-    the files written (the version folder of an ensemble gets a ``.keep``)."""
+    -> text or bytes, e.g. ``{"1/model.py": ...}``); with ``replace`` an old folder of that name goes first.
+    Returns the config's path and the files' (a version folder left empty also gets a ``.keep``, not listed)."""
     folder = Path(repository) / config.name
     if replace and folder.exists():
         shutil.rmtree(folder)
@@ -90,9 +131,12 @@ def write_model_folder(repository: PathLike, config: ModelConfig, files: Optiona
     written = [write_config(folder, config)]
     for rel, text in (files or {}).items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-        (folder / rel).write_text(text)
+        if isinstance(text, bytes):
+            (folder / rel).write_bytes(text)
+        else:
+            (folder / rel).write_text(text)
         written.append(folder / rel)
-    if not any(p.parent == folder / "1" for p in written):
+    if not any((folder / "1").iterdir()):
         (folder / "1" / ".keep").write_text("")
     return written
 
@@ -147,7 +191,7 @@ class Params:
         return value.lower() == "true"
 
 
-def _declared(entries, kind: str) -> dict:
+def _declared(entries) -> dict:
     out = {}
     for e in entries:
         dims = tuple(int(d) for d in e.get("dims", []))
@@ -161,7 +205,7 @@ def check_tensors(config: Mapping, inputs: Iterable[Tensor], outputs: Iterable[T
     model = config.get("name", "model")
     for kind, entries, tensors in (("input", config.get("input", []), inputs),
                                    ("output", config.get("output", []), outputs)):
-        have = _declared(entries, kind)
+        have = _declared(entries)
         want = {t.name: (t.config_type, t.shape(n_feats)) for t in tensors}
         if set(have) != set(want):
             raise ValueError(f"{model}: config {kind}s {sorted(have)} differ from the contract's {sorted(want)}")

@@ -1,12 +1,13 @@
-"""Warm start: what each served model runs before its first real request (no Triton imports here).
+"""Warm start: what each served model runs before its first real request (no server imports here).
 
 The first call of a fresh model instance pays for ONNX Runtime's (or TensorRT's) first-run set-up, the
 allocator's growth and torch's lazy kernel set-up. Two mechanisms, by the kind of model:
 
 * **stateless** ``flow_encoder`` and ``estimator`` (ONNX Runtime python models on CPU hosts, TensorRT
-  plans on GPU hosts): Triton's own ``model_warmup`` samples in ``config.pbtxt``
-  (:func:`write_model_warmup`), run by Triton on every instance before it is marked ready, whatever the
-  backend. Token ids and lengths come from ``warmup/`` data files, so the encoder sees a valid request.
+  plans on GPU hosts): Triton's own ``model_warmup`` samples in ``config.pbtxt`` (``ModelWarmup``
+  messages over the contract's tensors: :func:`add_model_warmup`, :func:`write_model_warmup`), run by
+  Triton on every instance before it is marked ready, whatever the backend. Token ids are 0 and the
+  lengths come from ``warmup/`` data files, so the encoder sees a valid request.
 * **sequence-batched** ``cfm_solver`` and ``vocoder``: a Triton warm-up request would reach them without a
   sequence slot, and the solver's would call the encoder and estimator over BLS while they may still be
   loading. They warm up inside ``initialize`` instead, through their own code path:
@@ -31,6 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+
+from s3flow.contract import ENCODER_INPUTS, VOCAB_SIZE, XVECTOR_DIM, by_name, estimator_inputs, request_arrays
+from s3flow.serving.model_config import read_config, write_config
 
 #: Speech tokens of a warm-up request (4 s: the size of a typical chunk's solve with its prompt).
 WARMUP_TOKENS = 100
@@ -40,6 +45,11 @@ WARMUP_PROMPT_TOKENS = 25
 WARMUP_ITERATIONS = 2
 #: Mel frames the vocoder's warm-up streams, in two chunks.
 VOCODER_WARMUP_FRAMES = (40, 40)
+#: The folder of a model's warm-up data files (``input_data_file`` is read from there).
+WARMUP_DIR = "warmup"
+#: The tensors a warm-up gives real values: token ids 0 (valid), their true length, a mask of ones.
+_TOKENS, _TOKEN_LEN = (by_name(ENCODER_INPUTS)[n].name for n in ("tokens", "token_len"))
+_MASK = by_name(estimator_inputs(False))["mask"].name
 
 
 @dataclass
@@ -56,70 +66,77 @@ class WarmupReport:
 
 
 # -------------------------------------------------------------------------------- stateless: model_warmup
-def _raw(path: Path, array: np.ndarray) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(np.ascontiguousarray(array).tobytes())
-    return path.name
+def _sample(name: str, tensors: tuple, n_feats: int, batch: int, length: int, iterations: int,
+            data: dict) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
+    """One ``model_warmup`` sample over the contract's ``tensors``: dims with the first ``-1`` as ``batch``,
+    the others as ``length``; ``data``: {tensor: "zero" | a numpy array}, random data for the rest. Returns
+    the sample and its data files ({path in the model folder: bytes})."""
+    sample = mc.ModelWarmup(name=name, batch_size=1, count=iterations)
+    files = {}
+    for t in tensors:
+        dims = [batch if i == 0 and d == -1 else (length if d == -1 else d) for i, d in enumerate(t.shape(n_feats))]
+        spec = sample.inputs[t.name]
+        spec.data_type = mc.DataType.Value(t.config_type)
+        spec.dims.extend(dims)
+        given = data.get(t.name)
+        if given is None:
+            spec.random_data = True
+        elif isinstance(given, str) and given == "zero":
+            spec.zero_data = True
+        else:
+            array = np.ascontiguousarray(np.broadcast_to(np.asarray(given, dtype=t.np_dtype), dims))
+            spec.input_data_file = t.name
+            files[f"{WARMUP_DIR}/{t.name}"] = array.tobytes()
+    return sample, files
 
 
-def _sample(name: str, inputs: dict, iterations: int) -> str:
-    """One ``model_warmup`` entry; ``inputs``: {tensor: (TYPE_*, dims, 'zero'|'random'|file name)}."""
-    items = []
-    for tensor, (dtype, dims, data) in inputs.items():
-        source = {"zero": "zero_data: true", "random": "random_data: true"}.get(data, f'input_data_file: "{data}"')
-        items.append(f'      {{ key: "{tensor}" value: {{ data_type: {dtype} dims: {list(dims)} {source} }} }}')
-    return (f'  {{\n    name: "{name}"\n    batch_size: 1\n    count: {iterations}\n    inputs [\n'
-            + ",\n".join(items) + "\n    ]\n  }")
+def encoder_warmup(tokens: int = WARMUP_TOKENS, iterations: int = WARMUP_ITERATIONS
+                   ) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
+    """The ``model_warmup`` sample of ``flow_encoder``: one utterance of ``tokens`` token ids 0, its true
+    length in the data file ``warmup/token_len`` (a zero length would be a request no client sends)."""
+    return _sample(f"tokens_{tokens}", ENCODER_INPUTS, 0, 1, tokens, iterations,
+                   {_TOKENS: "zero", _TOKEN_LEN: np.array([tokens])})
 
 
-def encoder_warmup(model_dir: Path, tokens: int = WARMUP_TOKENS, iterations: int = WARMUP_ITERATIONS) -> str:
-    """The ``model_warmup`` block of ``flow_encoder`` (one utterance of ``tokens`` token ids 0); writes
-    ``warmup/token_len`` (int64, the true length: a zero length would be a request no client sends)."""
-    token_len = _raw(model_dir / "warmup" / "token_len", np.array([tokens], np.int64))
-    sample = _sample(f"tokens_{tokens}", {"tokens": ("TYPE_INT64", [1, tokens], "zero"),
-                                          "token_len": ("TYPE_INT64", [1], token_len),
-                                          "embedding": ("TYPE_FP32", [1, 192], "random")}, iterations)
-    return f"model_warmup [\n{sample}\n]\n"
-
-
-def estimator_warmup(model_dir: Path, n_feats: int, meanflow: bool, frames: int = 2 * WARMUP_TOKENS,
-                     iterations: int = WARMUP_ITERATIONS) -> str:
-    """The ``model_warmup`` block of ``estimator``: one Euler step's call for one sequence, ``frames``
-    long (2 rows, as classifier-free guidance calls it; 1 for meanflow); the mask (``warmup/mask``) is
-    all ones, so every frame is computed."""
+def estimator_warmup(n_feats: int, meanflow: bool, frames: int = 2 * WARMUP_TOKENS,
+                     iterations: int = WARMUP_ITERATIONS) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
+    """The ``model_warmup`` sample of ``estimator``: one Euler step's call for one sequence, ``frames`` long
+    (2 rows, as classifier-free guidance calls it; 1 for meanflow); the mask (``warmup/mask``) is all ones,
+    so every frame is computed."""
     rows = 1 if meanflow else 2
-    mask = _raw(model_dir / "warmup" / "mask", np.ones((rows, 1, frames), np.float32))
-    inputs = {"x": ("TYPE_FP32", [rows, n_feats, frames], "random"),
-              "mask": ("TYPE_FP32", [rows, 1, frames], mask),
-              "mu": ("TYPE_FP32", [rows, n_feats, frames], "random"),
-              "t": ("TYPE_FP32", [rows], "random"),
-              "spks": ("TYPE_FP32", [rows, n_feats], "random"),
-              "cond": ("TYPE_FP32", [rows, n_feats, frames], "random")}
-    if meanflow:
-        inputs["r"] = ("TYPE_FP32", [rows], "random")
-    return f"model_warmup [\n{_sample(f'rows_{rows}_frames_{frames}', inputs, iterations)}\n]\n"
+    return _sample(f"rows_{rows}_frames_{frames}", estimator_inputs(meanflow), n_feats, rows, frames, iterations,
+                   {_MASK: np.ones(1)})
 
 
-def model_warmup_of(config: str) -> str:
-    """The ``model_warmup`` block a config written by :func:`write_model_warmup` ends with ("" if none), to
-    keep it when the rest of the config is written again (``scripts/build_engines.py`` switching backends)."""
-    at = config.find("model_warmup [")
-    return config[at:] if at >= 0 else ""
+def add_model_warmup(config: mc.ModelConfig, n_feats: int, meanflow: bool) -> dict[str, bytes]:
+    """Add the warm-up sample of ``config``'s model (``flow_encoder`` or ``estimator``) to it; return the
+    data files the sample reads ({path in the model folder: bytes})."""
+    if config.model_warmup:
+        raise ValueError(f"{config.name}'s config has a model_warmup already")
+    if config.name == "flow_encoder":
+        sample, files = encoder_warmup()
+    elif config.name == "estimator":
+        sample, files = estimator_warmup(n_feats, meanflow)
+    else:
+        raise ValueError(f"no model_warmup sample for {config.name!r} (flow_encoder and estimator have one)")
+    config.model_warmup.append(sample)
+    return files
 
 
 def write_model_warmup(repository: Path, n_feats: int, meanflow: bool) -> list[Path]:
-    """Append ``model_warmup`` to ``flow_encoder`` and ``estimator``'s ``config.pbtxt`` in ``repository``
-    and write their ``warmup/`` data files; return the files written."""
-    files = []
-    for name, block in (("flow_encoder", encoder_warmup(repository / "flow_encoder")),
-                        ("estimator", estimator_warmup(repository / "estimator", n_feats, meanflow))):
-        config = repository / name / "config.pbtxt"
-        text = config.read_text()
-        if "model_warmup" in text:
-            raise ValueError(f"{config} has a model_warmup already")
-        config.write_text(text + block)
-        files += [config, *sorted((repository / name / "warmup").iterdir())]
-    return files
+    """Add ``model_warmup`` to the configs of ``flow_encoder`` and ``estimator`` in ``repository`` and write
+    their ``warmup/`` data files; return the files written."""
+    written = []
+    for name in ("flow_encoder", "estimator"):
+        folder = Path(repository) / name
+        config = read_config(folder)
+        files = add_model_warmup(config, n_feats, meanflow)
+        written.append(write_config(folder, config))
+        for rel, data in sorted(files.items()):
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            (folder / rel).write_bytes(data)
+            written.append(folder / rel)
+    return written
 
 
 # -------------------------------------------------------------------------------- stateful: in initialize
@@ -153,11 +170,11 @@ def warm_up_solver(engine, prompt_tokens: int = WARMUP_PROMPT_TOKENS,
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     for k, size in enumerate(chunks):
-        inputs = {"speech_tokens": rng.integers(0, 6561, (1, size), dtype=np.int64)}
-        if k == 0:
-            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, prompt_tokens), dtype=np.int64),
-                          prompt_mel=np.zeros((1, 2 * prompt_tokens, engine.n_feats), np.float32),
-                          speaker_embedding=np.ones((1, 192), np.float32))
+        speech = rng.integers(0, VOCAB_SIZE, size)
+        prompt = {} if k else dict(prompt_tokens=rng.integers(0, VOCAB_SIZE, prompt_tokens),
+                                   prompt_mel=np.zeros((2 * prompt_tokens, engine.n_feats)),
+                                   speaker_embedding=np.ones(XVECTOR_DIM))
+        inputs = request_arrays(speech, start=k == 0, **prompt)
         [outcome] = session.handle([Incoming(corr_id=0, start=k == 0, end=k == len(chunks) - 1, inputs=inputs)])
         if outcome.error is not None:
             raise RuntimeError(f"the solver's warm-up request was refused: {outcome.error}")

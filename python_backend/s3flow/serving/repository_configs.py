@@ -1,0 +1,131 @@
+"""The ``config.pbtxt`` of every generated model, as a ``ModelConfig`` built from the tensor contract.
+
+One function per model, each taking the mel bins, the meanflow flag where it matters and the
+:class:`~s3flow.serving.repository_settings.RepositorySettings`; the tensors come from ``s3flow.contract``,
+the protobuf builders from ``s3flow.serving.model_config``. Nothing here writes a file
+(``s3flow.serving.repository`` does).
+
+Example::
+
+    from s3flow.serving.model_config import to_text
+    from s3flow.serving.repository_configs import solver_config
+    from s3flow.serving.repository_settings import RepositorySettings
+    print(to_text(solver_config(80, False, RepositorySettings())))
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from s3flow.contract import (AUDIO_RESPONSE, ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, MEL_RESPONSE,
+                             REQUEST, VOCODER_INPUTS, VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS,
+                             estimator_inputs)
+from s3flow.serving.model_config import (ModelConfig, add_ensemble_step, add_instances, add_sequence_controls,
+                                         add_tensors, set_parameters, set_strategy)
+from s3flow.serving.repository_settings import TRITON_IDLE_GRACE_S, RepositorySettings
+
+PYTHON = "python"
+#: The solver's BLS targets (its ``encoder_model`` / ``estimator_model`` parameters).
+ENCODER_MODEL, ESTIMATOR_MODEL = "flow_encoder", "estimator"
+STATELESS = (ENCODER_MODEL, ESTIMATOR_MODEL)
+
+
+def _python(name: str, max_batch_size: int) -> ModelConfig:
+    return ModelConfig(name=name, backend=PYTHON, max_batch_size=max_batch_size)
+
+
+def _fields(settings) -> dict:
+    """A settings dataclass's fields as ``parameters`` entries."""
+    return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+
+
+def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> ModelConfig:
+    """``cfm_solver``: sequence batching with the four controls, the request in, the mel out, every limit
+    and knob a parameter."""
+    b, lim, v = s.batching, s.limits, s.voices
+    config = _python("cfm_solver", b.max_batch_size)
+    # Triton forgets an idle sequence a little after the solver evicts it, so that a late chunk reaches the
+    # solver and gets its clear "evicted after N s idle" error rather than Triton's "must specify START".
+    seq = add_sequence_controls(config, int((lim.idle_timeout_s + TRITON_IDLE_GRACE_S) * 1e6))
+    set_strategy(seq, b.strategy, b.max_queue_delay_us, b.max_candidate_sequences, b.preferred_batch_sizes)
+    add_tensors(config, REQUEST, MEL_RESPONSE, n_feats=n_feats)
+    # on GPU hosts the solver runs on the device its BLS tensors live on
+    add_instances(config, b.solver_instances, gpu=s.target == "gpu")
+    set_parameters(config, {"n_feats": n_feats, "meanflow": meanflow, "encoder_model": ENCODER_MODEL,
+                            "estimator_model": ESTIMATOR_MODEL, "torch_threads": s.torch_threads,
+                            "length_bucket_ratio": b.length_bucket_ratio, "warmup": s.warmup, **_fields(lim),
+                            "voices": v.enabled, "voice_dir": v.voice_dir, "max_voices": v.max_voices,
+                            "max_voice_bytes": v.max_voice_bytes})
+    return config
+
+
+def ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
+    """``token2mel``: the public request straight to ``cfm_solver``, its mel back."""
+    config = ModelConfig(name="token2mel", platform="ensemble", max_batch_size=s.batching.max_batch_size)
+    add_tensors(config, REQUEST, MEL_RESPONSE, n_feats=n_feats)
+    add_ensemble_step(config, "cfm_solver", REQUEST, MEL_RESPONSE)
+    return config
+
+
+def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
+    """``token2wav``: token2mel's inputs; cfm_solver's mel feeds the vocoder; both steps' outputs out."""
+    config = ModelConfig(name="token2wav", platform="ensemble", max_batch_size=s.batching.max_batch_size)
+    add_tensors(config, REQUEST, AUDIO_RESPONSE + MEL_RESPONSE, n_feats=n_feats)
+    add_ensemble_step(config, "cfm_solver", REQUEST, MEL_RESPONSE)
+    add_ensemble_step(config, "vocoder", VOCODER_INPUTS, VOCODER_OUTPUTS)
+    return config
+
+
+def stateless_config(name: str, n_feats: int, meanflow: bool, settings: RepositorySettings,
+                     instances: int) -> ModelConfig:
+    """``flow_encoder`` or ``estimator`` (``max_batch_size: 0``: the solver sends whole batches) as served on
+    ``settings.target``: cpu: ONNX Runtime in a python model; gpu: a ``tensorrt_plan`` (built on the serving
+    GPU by scripts/build_engines.py), or with ``gpu_backend="torch"`` torch on CUDA in a python model
+    (``s3flow.serving.triton_models.torch_model``). ``meanflow`` matters to the estimator only."""
+    if name == ENCODER_MODEL:
+        inputs, outputs = ENCODER_INPUTS, ENCODER_OUTPUTS
+    elif name == ESTIMATOR_MODEL:
+        inputs, outputs = estimator_inputs(meanflow), ESTIMATOR_OUTPUTS
+    else:
+        raise ValueError(f"stateless models are {STATELESS}, got {name!r}")
+    s = settings
+    if s.target == "gpu" and s.gpu_backend == "torch":
+        from s3flow.runtime.torch_runner import default_dtype
+        config = _python(name, 0)
+        params = {"dtype": default_dtype(name, s.torch_dtype), "FORCE_CPU_ONLY_INPUT_TENSORS": "no"}
+    elif s.target == "gpu":
+        config, params = ModelConfig(name=name, platform="tensorrt_plan", max_batch_size=0), {}
+    else:
+        config, params = _python(name, 0), {"intra_op_threads": s.ort_threads}
+    add_tensors(config, inputs, outputs, n_feats=n_feats)
+    add_instances(config, instances, gpu=s.target == "gpu")
+    set_parameters(config, params)
+    return config
+
+
+def vocoder_config(n_feats: int, s: RepositorySettings, stream, source) -> ModelConfig:
+    """The stateful ``vocoder``: the solver's sequence controls and idle eviction (``stream``: its
+    ``StreamSettings``), no queue delay; ``source``: the HiFT's ``SourceParams``."""
+    from s3flow.runtime.vocoder import vocoder_backend_for
+
+    backend = vocoder_backend_for(s.target, s.vocoder_backend)   # torch on the gpu target: HiFT on the GPU
+    config = _python("vocoder", s.batching.max_batch_size)
+    seq = add_sequence_controls(config, int(stream.idle_timeout_s * 1e6))
+    set_strategy(seq, "oldest", 0, s.batching.max_candidate_sequences)
+    add_tensors(config, VOCODER_INPUTS, VOCODER_OUTPUTS, n_feats=n_feats)
+    add_instances(config, 1, gpu=backend == "torch" and s.target == "gpu")
+    set_parameters(config, {"n_feats": n_feats, "vocoder_backend": backend, "intra_op_threads": s.ort_threads,
+                            "warmup": s.warmup, **_fields(stream), **_fields(source)})
+    return config
+
+
+def voice_encoder_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
+    """``voice_encoder``: a reference wav (or a ready prompt) in, its voice id and prompt out (no batching:
+    one reference per request; s3flow.serving.voice_service)."""
+    v = s.voices
+    config = _python("voice_encoder", 0)
+    add_tensors(config, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS, n_feats=n_feats)
+    add_instances(config, 1, gpu=False)
+    set_parameters(config, {"n_feats": n_feats, "max_prompt_tokens": s.limits.max_prompt_tokens,
+                            "voice_dir": v.voice_dir, "max_voices": v.max_voices,
+                            "max_voice_bytes": v.max_voice_bytes, "torch_threads": s.torch_threads})
+    return config

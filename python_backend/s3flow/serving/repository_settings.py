@@ -1,0 +1,99 @@
+"""What a generated model repository is built for: the target, the solver's limits, the batching knobs, the
+backends and the voice registry (dataclasses; the defaults live here and nowhere else).
+
+Example::
+
+    from s3flow.serving.repository_settings import Batching, RepositorySettings
+    settings = RepositorySettings(target="gpu", batching=Batching(max_batch_size=4))
+    settings.check()                     # ValueError naming the bad value, before anything is written
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from s3flow.protocol import Limits
+from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES
+
+Target = Literal["cpu", "gpu"]
+
+#: Seconds Triton keeps an idle sequence after the solver has evicted its state.
+TRITON_IDLE_GRACE_S = 5.0
+GPU_BACKENDS = ("tensorrt", "torch")
+
+
+@dataclass
+class Batching:
+    """Server-side batching knobs of the solver (see the README's batching section)."""
+    strategy: Literal["oldest", "direct"] = "oldest"
+    max_batch_size: int = 8                 # chunks of different utterances in one execute
+    preferred_batch_sizes: tuple = ()
+    max_queue_delay_us: int = 2000          # how long a chunk may wait for others to join its batch
+    #: oldest: sequences Triton lets into the batcher at once. More than the solver's max_live_sequences,
+    #: so that a START beyond that reaches the solver and is refused at once ("retry in N s") rather than
+    #: waiting silently in Triton's backlog; the headroom also holds refused STARTs and abandoned sequences
+    #: until their slots are reclaimed (idle_timeout_s + 5 s).
+    max_candidate_sequences: int = 256
+    solver_instances: int = 1
+    estimator_instances: int = 1
+    encoder_instances: int = 1
+    length_bucket_ratio: float = 0.0        # >= 1: split a batch where a prefix is > this x the shortest; 0: off
+
+    def check(self) -> None:
+        if self.strategy not in ("oldest", "direct"):
+            raise ValueError(f"strategy must be 'oldest' or 'direct', got {self.strategy!r}")
+        for name in ("max_batch_size", "max_candidate_sequences", "solver_instances", "estimator_instances",
+                     "encoder_instances"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.length_bucket_ratio and self.length_bucket_ratio < 1:
+            raise ValueError(f"length_bucket_ratio must be 0 (off) or >= 1, got {self.length_bucket_ratio}")
+        if any(not 1 <= p <= self.max_batch_size for p in self.preferred_batch_sizes):
+            raise ValueError(f"preferred_batch_sizes must lie in [1, {self.max_batch_size}], "
+                             f"got {list(self.preferred_batch_sizes)}")
+
+
+@dataclass
+class VoiceSettings:
+    """The voice registry (s3flow.serving.voice_registry): where voices live and how many may stay."""
+    voice_dir: str = ""                     # "": a folder per server run (voices survive nothing)
+    max_voices: int = 1000
+    max_voice_bytes: int = 256 << 20
+    enabled: bool = False                   # set by write_repository when it writes voice_encoder
+
+    def check(self) -> None:
+        if self.max_voices < 1 or self.max_voice_bytes < 1:
+            raise ValueError(f"max_voices and max_voice_bytes must be >= 1, got {self.max_voices}, "
+                             f"{self.max_voice_bytes}")
+
+
+@dataclass
+class RepositorySettings:
+    target: Target = "cpu"
+    limits: Limits = field(default_factory=Limits)
+    batching: Batching = field(default_factory=Batching)
+    ort_threads: int = 0                    # ONNX Runtime intra-op threads (0: all cores)
+    torch_threads: int = 1                  # the solver's own torch work is small
+    gpu_backend: Literal["tensorrt", "torch"] = "tensorrt"  # gpu target: TensorRT plans or torch on CUDA
+    #: gpu_backend torch: the estimator's compute dtype (fp32, bf16 or fp16; the encoder stays fp32)
+    torch_dtype: Literal["fp32", "bf16", "fp16"] = DEFAULT_ESTIMATOR_DTYPE
+    warmup: bool = True                     # warm every model up at load (s3flow.serving.warmup)
+    vocoder_backend: Literal["auto", "onnx", "torch"] = "auto"  # auto: torch on the GPU (gpu), onnx (cpu)
+    voices: VoiceSettings = field(default_factory=VoiceSettings)
+
+    def check(self) -> None:
+        """Every part's own check, and the rules between them; ValueError names the bad value."""
+        if self.target not in ("cpu", "gpu"):
+            raise ValueError(f"target must be 'cpu' or 'gpu', got {self.target!r}")
+        self.limits.check()
+        self.batching.check()
+        self.voices.check()
+        if self.batching.strategy == "oldest" and self.limits.max_live_sequences >= self.batching.max_candidate_sequences:
+            raise ValueError(
+                f"max_live_sequences ({self.limits.max_live_sequences}) must be below max_candidate_sequences "
+                f"({self.batching.max_candidate_sequences}): Triton would queue the extra utterances silently "
+                f"instead of the solver refusing them; raise max_candidate_sequences or lower max_live_sequences")
+        if self.gpu_backend not in GPU_BACKENDS:
+            raise ValueError(f"gpu_backend must be 'tensorrt' or 'torch', got {self.gpu_backend!r}")
+        if self.torch_dtype not in DTYPES:
+            raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)}, got {self.torch_dtype!r}")
