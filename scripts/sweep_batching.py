@@ -4,7 +4,8 @@
 For each setting it writes the repository's configs again with the generator's own
 ``s3flow.serving.repository.write_flow_configs`` (the ONNX files are exported once), restarts tritonserver
 (loopback only), drives the same fixed streaming load and prints one row: throughput (seconds of audio per
-wall second), p50 / p99 chunk latency, p50 first-chunk latency, chunks per solver execute and errors. The knobs are those of ``s3flow.serving.repository.Batching`` plus ``ort_threads``:
+wall second), p50 / p99 chunk latency, p50 first-chunk latency, chunks per solver execute and errors. The
+knobs are those of ``s3flow.serving.repository.Batching`` plus ``ort_threads``:
 
   strategy (oldest | direct), max_batch_size, preferred_batch_sizes (joined by '+', e.g. 4+8),
   max_queue_delay_us, max_candidate_sequences, solver_instances, estimator_instances, encoder_instances,

@@ -14,7 +14,8 @@ Given a vocoder (``write_repository(..., vocoder=hift)``) it also writes::
                    cpu: f0.onnx and decoder.onnx in ONNX Runtime; gpu: torch on CUDA (hift.safetensors)
 
 On the gpu target every instance group is ``KIND_GPU``; ``gpu_backend="torch"`` serves the two stateless
-models with ``s3flow.serving.triton_models.torch_model`` (torch on CUDA, ``model.pt``) where no TensorRT engine is built.
+models with ``s3flow.serving.triton_models.torch_model`` (torch on CUDA, ``model.pt``) where no TensorRT
+engine is built.
 
 Each config is a ``ModelConfig`` (``s3flow.serving.repository_configs``, from ``s3flow.contract``) written
 with protobuf's ``text_format`` by ``s3flow.serving.model_config.write_model_folder``, the one writer of
@@ -97,7 +98,10 @@ def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings) -> list[tup
 def write_flow_configs(repository: Union[str, Path], n_feats: int, meanflow: bool,
                        s: RepositorySettings) -> list[Path]:
     """Write again the four flow models' configs (and small files) of an existing repository for settings
-    ``s``, keeping the weights (scripts/sweep_batching.py: one repository, a config per sweep point)."""
+    ``s``, keeping the weights (scripts/sweep_batching.py: one repository, a config per sweep point). The
+    solver takes registered voices if the repository has a voice encoder."""
+    voices = (Path(repository) / VOICE_MODELS[0]).is_dir()
+    s = dataclasses.replace(s, voices=dataclasses.replace(s.voices, enabled=voices))
     s.check()
     return [p for config, files in flow_models(n_feats, meanflow, s)
             for p in write_model_folder(repository, config, files, replace=False)]

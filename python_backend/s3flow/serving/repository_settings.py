@@ -88,7 +88,8 @@ class RepositorySettings:
         self.limits.check()
         self.batching.check()
         self.voices.check()
-        if self.batching.strategy == "oldest" and self.limits.max_live_sequences >= self.batching.max_candidate_sequences:
+        b, lim = self.batching, self.limits
+        if b.strategy == "oldest" and lim.max_live_sequences >= b.max_candidate_sequences:
             raise ValueError(
                 f"max_live_sequences ({self.limits.max_live_sequences}) must be below max_candidate_sequences "
                 f"({self.batching.max_candidate_sequences}): Triton would queue the extra utterances silently "
