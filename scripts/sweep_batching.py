@@ -51,6 +51,7 @@ from benchmark import batching_load, fmt, log, machine, markdown, percentile, ru
 from s3flow.model.checkpoint import load_flow, random_flow  # noqa: E402
 from s3flow.model.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402
+from s3flow.serving.model_config import read_config  # noqa: E402
 from s3flow.serving.repository import Batching, RepositorySettings, write_flow_configs, write_repository  # noqa: E402
 from s3flow.serving.triton_server import TritonServer, TritonServerError  # noqa: E402
 
@@ -174,9 +175,9 @@ def main(argv=None) -> int:
     repo = work / "repo"
     base = repository_settings({}, limits)
     write_repository(repo, flow, base)
-    before = {p: p.read_text() for p in repo.glob("*/config.pbtxt")}
+    before = {p: read_config(p) for p in repo.glob("*/config.pbtxt")}
     write_flow_configs(repo, n_feats, meanflow, base)   # self-check: the rewrite equals the generator's output
-    stale = [str(p.relative_to(repo)) for p, text in before.items() if p.read_text() != text]
+    stale = [str(p.relative_to(repo)) for p, config in before.items() if read_config(p) != config]
     if stale:
         print(f"config rewrite differs from write_repository for {stale}", file=sys.stderr)
         return 2
