@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.contract import VOCAB_SIZE, XVECTOR_DIM, request_arrays
+from s3flow.contract import ENCODER_INPUTS, VOCAB_SIZE, XVECTOR_DIM, names, request_arrays
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import Limits, parse_request
 from s3flow.serving import metrics as m
@@ -151,13 +151,15 @@ def test_warmup_configs_parse_and_carry_valid_requests(tmp_path):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    from s3flow.serving.repository import RepositorySettings, encoder_tensors, estimator_tensors, stateless_config
+    from s3flow.serving.model_config import write_config
+    from s3flow.serving.repository_configs import stateless_config
+    from s3flow.serving.repository_settings import RepositorySettings
 
     for meanflow in (False, True):
         repo = tmp_path / f"mf{meanflow}"
-        for name, tensors in (("flow_encoder", encoder_tensors(80)), ("estimator", estimator_tensors(80, meanflow))):
+        for name in ("flow_encoder", "estimator"):
             (repo / name).mkdir(parents=True)
-            (repo / name / "config.pbtxt").write_text(stateless_config(name, tensors, RepositorySettings(), 1))
+            write_config(repo / name, stateless_config(name, 80, meanflow, RepositorySettings(), 1))
         files = write_model_warmup(repo, 80, meanflow)
         for name in ("flow_encoder", "estimator"):
             config = text_format.Parse((repo / name / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
@@ -176,7 +178,8 @@ def test_warmup_configs_parse_and_carry_valid_requests(tmp_path):
         assert all(p.exists() for p in files)
         with pytest.raises(ValueError, match="model_warmup already"):
             write_model_warmup(repo, 80, meanflow)
-    assert "model_warmup" in encoder_warmup(tmp_path / "x") and "r" in estimator_warmup(tmp_path / "y", 8, True)
+    assert set(encoder_warmup()[0].inputs) == set(names(ENCODER_INPUTS))
+    assert "r" in estimator_warmup(8, True)[0].inputs and "r" not in estimator_warmup(8, False)[0].inputs
 
 
 @pytest.mark.parametrize("meanflow", [False, True])
