@@ -13,13 +13,14 @@ import types
 
 import numpy as np
 import pytest
+import torch
 from google.protobuf import json_format
 
 from s3flow import contract
 from s3flow.protocol import RequestError
 from s3flow.serving import model_config as mc
 from s3flow.serving import responses
-from s3flow.serving.triton_models import base, cfm_solver, voice_encoder_model, vocoder_model
+from s3flow.serving.triton_models import base, cfm_solver, onnx_model, torch_model, voice_encoder_model, vocoder_model
 
 
 class TritonModelException(Exception):
@@ -49,6 +50,13 @@ class Tensor:
     def as_numpy(self):
         return self.array
 
+    def to_dlpack(self):
+        return torch.utils.dlpack.to_dlpack(torch.from_numpy(self.array))
+
+    @classmethod
+    def from_dlpack(cls, name, capsule):
+        return cls(name, torch.utils.dlpack.from_dlpack(capsule).numpy())
+
 
 class Request(dict):
     """Input arrays by name."""
@@ -64,7 +72,7 @@ def FakePbUtils():  # noqa: N802 (a module stand-in)
 @pytest.fixture(autouse=True)
 def pb_utils(monkeypatch):
     fake = FakePbUtils()
-    for module in (responses, base, cfm_solver):
+    for module in (responses, base, cfm_solver, torch_model):
         monkeypatch.setattr(module, "pb_utils", fake)
     return fake
 
@@ -192,3 +200,49 @@ def test_the_solver_reads_every_request_tensor_of_the_contract():
     incoming = model._incoming(request)
     assert (incoming.corr_id, incoming.start, incoming.end) == (9, True, False)
     assert sorted(incoming.inputs) == sorted(contract.names(contract.REQUEST))
+
+
+# ------------------------------------------------------------------------------------------ the stateless shims
+@pytest.fixture(scope="module")
+def small_flows(tmp_path_factory):
+    from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+    from s3flow.model.flow import FlowConfig
+    root = tmp_path_factory.mktemp("flows")
+    return {m: load_flow(write_random_checkpoint(root / f"{m}.safetensors", FlowConfig.small(meanflow=m), seed=3))
+            for m in (False, True)}
+
+
+def stateless_config(name: str, kind: str, meanflow: bool, n_feats: int = 80) -> mc.ModelConfig:
+    config = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
+    mc.add_tensors(config, *base.stateless_tensors(kind, meanflow), n_feats=n_feats)
+    return config
+
+
+@pytest.mark.parametrize("shim", ["torch", "onnx"])
+@pytest.mark.parametrize("meanflow", [False, True])
+def test_the_stateless_shims_serve_the_estimator_by_contract_names(shim, meanflow, small_flows, tmp_path):
+    """The torch and ONNX Runtime shims load the estimator the file holds, refuse a config of the other kind,
+    and answer as the eager module does (a missing input is that request's INVALID_ARG)."""
+    from s3flow.runtime.onnx_export import export_estimator, make_estimator_inputs
+    from s3flow.runtime.torch_runner import WEIGHTS_FILE, save_module
+    flow = small_flows[meanflow]
+    (tmp_path / "1").mkdir()
+    if shim == "torch":
+        save_module(tmp_path / "1" / WEIGHTS_FILE, "estimator", flow.estimator)
+    else:
+        export_estimator(flow.estimator, tmp_path / "1" / "model.onnx")
+    module = torch_model if shim == "torch" else onnx_model
+    model = module.TritonPythonModel()
+    with pytest.raises(TritonModelException, match="estimator: config inputs .* differ from the contract's"):
+        model.initialize(args_of(stateless_config("estimator", "estimator", not meanflow), tmp_path))
+    with pytest.raises(TritonModelException, match=r"estimator: config inputs \['embedding', 'token_len', 'tokens'\] differ"):
+        model.initialize(args_of(stateless_config("estimator", "flow_encoder", meanflow), tmp_path))
+    model.initialize(args_of(stateless_config("estimator", "estimator", meanflow), tmp_path))
+    inputs = make_estimator_inputs(flow.estimator, 2, 24, seed=1)
+    with torch.inference_mode():
+        want = flow.estimator(**inputs).numpy()
+    request = Request({k: v.numpy() for k, v in inputs.items()})
+    incomplete = Request({k: v for k, v in request.items() if k != "cond"})
+    [good, bad] = model.execute([request, incomplete])
+    np.testing.assert_allclose(good.outputs["velocity"], want, atol=1e-4, rtol=0)
+    assert bad.error.code == "INVALID_ARG" and "cond" in bad.error.message(), bad.error.message()
