@@ -541,9 +541,10 @@ def test_served_streams_at_once_keep_their_own_state(served):
 def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_path):
     """token2wav with ``vocoder_backend torch`` (the gpu target's runner; here KIND_CPU, device cpu) on its
     own server, against the ONNX-backed server of the module: same flow, same vocoder weights, same stream."""
+    from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
+    from s3flow.serving.model_config import Params, read_config
     from s3flow.serving.repository import Batching, RepositorySettings, write_repository
     from s3flow.serving.triton_server import TritonServer
-    from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
     from s3flow_client import StreamingClient, chunk_schedule
     from s3flow_client.demo import demo_utterance
 
@@ -551,8 +552,9 @@ def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_
     settings = RepositorySettings(limits=LIMITS, batching=Batching(max_queue_delay_us=20_000), ort_threads=1,
                                   vocoder_backend="torch")
     write_repository(tmp_path / "repo", flow, settings, vocoder=hift)
-    config = (tmp_path / "repo" / "vocoder" / "config.pbtxt").read_text()
-    assert 'key: "vocoder_backend" value: { string_value: "torch" }' in config and "kind: KIND_CPU" in config
+    config = read_config(tmp_path / "repo" / "vocoder")
+    assert Params(config).str("vocoder_backend") == "torch"
+    assert [g.kind for g in config.instance_group] == [config.instance_group[0].KIND_CPU]
     assert not list((tmp_path / "repo" / "vocoder" / "1").glob("*.onnx"))
     local = open_vocoder_runner(tmp_path / "repo" / "vocoder" / "1",
                                 VocoderRunnerSettings.from_args({"vocoder_backend": "torch"}))
