@@ -125,7 +125,7 @@ VOCODER_INPUTS = (Tensor("mel", "float32", (FEATS, -1), ragged=True), Tensor("fr
                   Tensor("seed", "int64", (1,), optional=True))
 VOCODER_OUTPUTS = AUDIO_RESPONSE
 HIFT_F0 = ((Tensor("mel", "float32", (-1, FEATS, -1)),), (Tensor("f0", "float32", (-1, -1)),))
-HIFT_DECODER = ((Tensor("mel", "float32", (-1, FEATS, -1)), Tensor("harmonics", "float32", (-1, 1, -1))),
+HIFT_DECODER = ((Tensor("mel", "float32", (-1, FEATS, -1)), Tensor("harmonics", "float32", (-1, -1, -1))),
                 (Tensor("audio", "float32", (-1, -1)),))
 
 # -- the voice encoder: a reference wav (or a ready prompt) in, a voice id and its prompt out ------------
