@@ -39,18 +39,13 @@ from s3flow.protocol import Limits  # noqa: E402
 from s3flow.serving.repository import Batching, RepositorySettings, write_repository  # noqa: E402
 from s3flow.serving.triton_server import TritonServer  # noqa: E402
 from s3flow_client import StreamingClient  # noqa: E402
-from s3flow_client.demo import demo_utterance  # noqa: E402
+from s3flow_client.demo import demo_utterance, demo_utterances  # noqa: E402
 
 N, AFTER_CHUNKS = 8, 12
 
 
 def utterances() -> list:
-    out = []
-    for i in range(N):
-        u = demo_utterance(4.0, seed=60 + i)
-        u.chunks, u.n_timesteps, u.seed = [10] * 10, 4, i
-        out.append(u)
-    return out
+    return demo_utterances(N, 4.0, chunk=10, steps=4, seed=60)   # 10 chunks of 10 tokens each
 
 
 def disturbed_run(repo: Path, b: TritonServer, how: str, work: Path) -> dict:

@@ -19,7 +19,7 @@ from s3flow.protocol import Limits
 from s3flow.serving.repository import Batching, RepositorySettings, write_repository
 from s3flow.serving.triton_server import TritonServer
 from s3flow_client import StreamingClient
-from s3flow_client.demo import demo_utterance
+from s3flow_client.demo import demo_utterance, demo_utterances
 
 pytestmark = pytest.mark.server
 N_UTTERANCES = 8
@@ -43,12 +43,7 @@ def server_b(repo):
 
 
 def utterances():
-    out = []
-    for i in range(N_UTTERANCES):
-        u = demo_utterance(2.0, seed=60 + i)
-        u.chunks, u.n_timesteps, u.seed = [10] * 5, 4, i
-        out.append(u)
-    return out
+    return demo_utterances(N_UTTERANCES, 2.0, chunk=10, steps=4, seed=60)   # 5 chunks of 10 tokens each
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,13 @@
 """Seeded stand-in inputs (random tokens, prompt and x-vector) for demos and tests; numpy only."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from s3flow.contract import VOCAB_SIZE, XVECTOR_DIM
 
-from .stream import Utterance
+from .stream import Utterance, chunk_schedule
 
 
 def demo_utterance(seconds: float = 5.0, *, seed: int = 0, prompt_seconds: float = 1.0,
@@ -23,6 +25,18 @@ def demo_utterance(seconds: float = 5.0, *, seed: int = 0, prompt_seconds: float
                      prompt_mel=mel,
                      speaker_embedding=rng.standard_normal(XVECTOR_DIM).astype(np.float32),
                      seed=noise_seed)
+
+
+def demo_utterances(n: int, seconds: float, *, chunk: int = 10, steps: Optional[int] = None,
+                    seed: int = 0) -> list[Utterance]:
+    """``n`` utterances of ``seconds`` each in equal chunks of ``chunk`` tokens: utterance i's tokens, prompt and
+    x-vector from ``seed + i``, its noise seed i."""
+    out = []
+    for i in range(n):
+        u = demo_utterance(seconds, seed=seed + i, noise_seed=i)
+        u.chunks, u.n_timesteps = chunk_schedule(len(u.speech_tokens), chunk, 1.0, chunk), steps
+        out.append(u)
+    return out
 
 
 def load_utterance(path, noise_seed: int = 0) -> Utterance:
