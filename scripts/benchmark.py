@@ -70,13 +70,10 @@ from s3flow.serving.repository import Batching, RepositorySettings, write_reposi
 from s3flow.serving.triton_server import TritonServer  # noqa: E402
 from s3flow_client import StreamingClient, Utterance, chunk_schedule  # noqa: E402
 from s3flow_client.bench.report import (MEL_ATOL, RATIO_HEADER, SCHEDULE, CaseResult, PathResult,  # noqa: E402
-                                        Report, fmt, log, machine, markdown, percentile, ratio_table,
-                                        write_report)
-from s3flow_client.bench.served import ServerStats, batching_load, measure_batching, run_load  # noqa: E402
+                                        Report, log, machine, markdown, ratio_table, write_report)
+from s3flow_client.bench.served import ServerStats, measure_batching  # noqa: E402
 from s3flow_client.demo import demo_utterance  # noqa: E402
 
-#: names scripts/sweep_batching.py imports from here (they live in s3flow_client.bench)
-__all__ = ["batching_load", "fmt", "log", "machine", "markdown", "percentile", "run_load"]
 
 STEPS = {"regular": 10, "meanflow": 2}
 

@@ -47,7 +47,8 @@ sys.path.insert(0, str(ROOT / "python_backend"))
 sys.path.insert(0, str(ROOT / "client"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchmark import batching_load, fmt, log, machine, markdown, percentile, run_load  # noqa: E402
+from s3flow_client.bench.report import fmt, log, machine, markdown, percentile  # noqa: E402
+from s3flow_client.bench.served import batching_load, run_load  # noqa: E402
 from s3flow.model.checkpoint import load_flow, random_flow  # noqa: E402
 from s3flow.model.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402

@@ -12,8 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-FRAMES_PER_TOKEN = 2
-SAMPLES_PER_FRAME = 480                # 24 kHz audio from token2wav
+from s3flow.contract import SAMPLES_PER_FRAME, TOKEN_MEL_RATIO as FRAMES_PER_TOKEN  # noqa: F401
 _corr_ids = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
 
 

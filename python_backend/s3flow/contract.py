@@ -18,6 +18,13 @@ import numpy as np
 VOCAB_SIZE = 6561          # S3 speech-token ids lie in [0, VOCAB_SIZE)
 XVECTOR_DIM = 192          # the speaker x-vector (CAMPPlus)
 FEATS = "FEATS"            # placeholder in dims for the mel bins
+#: The stream's geometry, which every response obeys: mel frames per speech token (25 tokens/s -> 50 frames/s),
+#: frames withheld at the end of a chunk that is not the last (the encoder's 3 pre-lookahead tokens need them),
+#: and token2wav's audio samples per mel frame (24 kHz).
+TOKEN_MEL_RATIO = 2
+PRE_LOOKAHEAD_TOKENS = 3
+LOOKAHEAD_FRAMES = PRE_LOOKAHEAD_TOKENS * TOKEN_MEL_RATIO
+SAMPLES_PER_FRAME = 480
 
 #: numpy dtype name -> (Triton config type, wire type of tritonclient's InferInput)
 _TYPES = {"int64": ("TYPE_INT64", "INT64"), "int32": ("TYPE_INT32", "INT32"), "float32": ("TYPE_FP32", "FP32"),

@@ -32,7 +32,7 @@ from ..demo import demo_utterance
 from ..state import FRAMES_PER_TOKEN
 from ..stream import StreamError, StreamingClient, chunk_schedule
 
-LOOKAHEAD_FRAMES = 6     # 3 pre-lookahead tokens x 2 frames: withheld until the next chunk or END
+from s3flow.contract import LOOKAHEAD_FRAMES  # noqa: E402  withheld until the next chunk or END
 OUTPUT_ATOL = 5e-4       # batched under load vs alone (padding changes float summation order)
 
 

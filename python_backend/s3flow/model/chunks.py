@@ -27,14 +27,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+# frames per token; the encoder's pre-lookahead tokens; the frames a solve that is not finalised drops
+from s3flow.contract import LOOKAHEAD_FRAMES, PRE_LOOKAHEAD_TOKENS, TOKEN_MEL_RATIO  # noqa: F401
 from s3flow.model.solver import FrameNoise
-
-#: Mel frames per speech token (25 tokens/s -> 50 frames/s).
-TOKEN_MEL_RATIO = 2
-#: Tokens the encoder's pre-lookahead layer needs after a frame before the frame is valid.
-PRE_LOOKAHEAD_TOKENS = 3
-#: Frames dropped at the end of a solve that is not finalised.
-LOOKAHEAD_FRAMES = PRE_LOOKAHEAD_TOKENS * TOKEN_MEL_RATIO
 
 
 @dataclass

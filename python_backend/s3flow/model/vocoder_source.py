@@ -25,8 +25,10 @@ from typing import Callable
 
 import numpy as np
 
+from s3flow.contract import SAMPLES_PER_FRAME
+
 #: Audio samples per mel frame at 24 kHz (upsampling 8 * 5 * 3, inverse STFT hop 4).
-HOP_SAMPLES = 480
+HOP_SAMPLES = SAMPLES_PER_FRAME
 
 F0Fn = Callable[[np.ndarray], np.ndarray]
 DecodeFn = Callable[[np.ndarray, np.ndarray], np.ndarray]

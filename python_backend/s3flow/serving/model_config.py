@@ -164,23 +164,20 @@ class Params:
         value = self._get(key, default)
         return default if value is None else value
 
-    def int(self, key: str, default: Optional[int] = None) -> int:
+    def _number(self, key, default, kind, what):
         value = self._get(key, default)
         if value is None:
             return default
         try:
-            return int(value)
+            return kind(value)
         except ValueError:
-            raise ValueError(f"{self.model}: config parameter {key} must be an integer, got {value!r}") from None
+            raise ValueError(f"{self.model}: config parameter {key} must be {what}, got {value!r}") from None
+
+    def int(self, key: str, default: Optional[int] = None) -> int:
+        return self._number(key, default, int, "an integer")
 
     def float(self, key: str, default: Optional[float] = None) -> float:
-        value = self._get(key, default)
-        if value is None:
-            return default
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"{self.model}: config parameter {key} must be a number, got {value!r}") from None
+        return self._number(key, default, float, "a number")
 
     def bool(self, key: str, default: Optional[bool] = None) -> bool:
         value = self._get(key, default)

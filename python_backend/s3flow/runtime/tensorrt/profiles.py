@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from s3flow import contract
+from s3flow.contract import TOKEN_MEL_RATIO
 from s3flow.protocol import Limits
 
 MODELS = ("estimator", "flow_encoder")
-#: Frames per token and the encoder's relative-position table (EncoderConfig.pos_enc_max_len default).
-TOKEN_MEL_RATIO = 2
+#: The encoder's relative-position table (EncoderConfig.pos_enc_max_len default).
 ENCODER_MAX_FRAMES = 6144
 
 
