@@ -43,12 +43,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
 
-from s3flow.protocol import Limits  # noqa: E402
 from s3flow.runtime import tensorrt as tb  # noqa: E402
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE  # noqa: E402
-from s3flow.serving.model_config import Params, read_config  # noqa: E402
-
-SOLVER = "cfm_solver"
+from s3flow.serving.repository_backends import read_solver_settings, set_backend as _set_backend  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -83,19 +80,6 @@ def parse_args(argv=None):
     s.add_argument("--opt-frames", type=int, default=300, help="(default: %(default)s)")
     s.add_argument("--opt-tokens", type=int, default=150, help="(default: %(default)s)")
     return p.parse_args(argv)
-
-
-def read_solver_settings(repository: Path) -> tb.SolverSettings:
-    """What the engines' profiles need from the repository's ``cfm_solver`` config: batch size, limits,
-    mel bins, meanflow (read as a ModelConfig, parameters through ``Params``)."""
-    folder = Path(repository) / SOLVER
-    if not (folder / "config.pbtxt").is_file():
-        raise FileNotFoundError(f"{folder / 'config.pbtxt'} not found: is {repository} a repository from "
-                                "build_repository.py?")
-    config = read_config(folder)
-    params = Params(config)
-    return tb.SolverSettings(max_batch=config.max_batch_size, limits=Limits.from_parameters(params.raw),
-                             n_feats=params.int("n_feats"), meanflow=params.bool("meanflow"))
 
 
 def profiles(args) -> dict:
@@ -173,43 +157,10 @@ def build_one(model: str, args, profile, toolchain, reference) -> tuple[bool, st
 
 def set_backend(repository: Path, model: str, backend: str, checkpoint=None,
                 dtype: str = DEFAULT_ESTIMATOR_DTYPE) -> None:
-    """Rewrite one stateless model of a gpu repository to serve from a TensorRT plan or torch on CUDA: the
-    config the generator writes for that backend (same instance count, warm-up kept), written by the one
-    model-folder writer."""
-    from s3flow.runtime.torch_runner import WEIGHTS_FILE, default_dtype, save_module
-    from s3flow.serving.model_config import write_model_folder
-    from s3flow.serving.repository import MODEL_PY
-    from s3flow.serving.repository_configs import stateless_config
-    from s3flow.serving.repository_settings import RepositorySettings
-    from s3flow.serving.warmup import add_model_warmup
-
-    folder = repository / model
-    current = read_config(folder)
-    if backend == "tensorrt" and current.platform == "tensorrt_plan":
-        return
-    st = read_solver_settings(repository)
-    instances = current.instance_group[0].count if current.instance_group else 1
-    settings = RepositorySettings(target="gpu", gpu_backend=backend, torch_dtype=dtype)
-    config = stateless_config(model, st.n_feats, st.meanflow, settings, instances)
-    # s3flow.serving.warmup's samples serve every backend: keep them where the repository has them
-    files = add_model_warmup(config, st.n_feats, st.meanflow) if current.model_warmup else {}
-    version = folder / "1"
-    version.mkdir(exist_ok=True)
-    if backend == "torch":
-        if checkpoint is None:
-            raise SystemExit(f"--fallback torch needs --checkpoint (the weights of the torch {model})")
-        from s3flow.model.checkpoint import load_flow
-        flow = load_flow(checkpoint)
-        save_module(version / WEIGHTS_FILE, model, flow.estimator if model == "estimator" else flow.encoder)
-        files["1/model.py"] = MODEL_PY["torch"]
-        stale = ("model.plan", "engine.json")
-    else:
-        stale = ("model.py", WEIGHTS_FILE)
-    for name in stale:
-        (version / name).unlink(missing_ok=True)
-    write_model_folder(repository, config, files, replace=False)
-    print(f"{model}: now served by " + (f"the torch backend ({default_dtype(model, dtype)})" if backend == "torch"
-                                        else "TensorRT"))
+    try:
+        print(_set_backend(repository, model, backend, checkpoint, dtype))
+    except ValueError as exc:
+        raise SystemExit(f"{exc} (--checkpoint)") from None
 
 
 def main(argv=None) -> int:

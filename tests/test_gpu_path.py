@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 LIMITS = Limits(max_utterance_frames=600, max_prompt_tokens=100)
 sys.path.insert(0, str(ROOT / "scripts"))
-import build_engines  # noqa: E402
+import build_engines  # noqa: E402  (its command line: parse_args)
+from s3flow.serving.repository_backends import read_solver_settings, set_backend  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def test_gpu_repository_tensor_names_match_the_onnx_sources(gpu_repos):
         graph = onnx.load(str(trt / name / "model.onnx"), load_external_data=False).graph
         assert ins == [i.name for i in graph.input] == list(contract.names(inputs))
         assert outs == [o.name for o in graph.output] == list(contract.names(outputs))
-        profile = tb.profiles_for(build_engines.read_solver_settings(trt))[name]
+        profile = tb.profiles_for(read_solver_settings(trt))[name]
         assert list(profile.input_shapes()) == ins, "the profile covers exactly the engine's inputs"
 
 
@@ -92,7 +93,7 @@ def test_engine_install_places_model_plan_and_records_its_name(gpu_repos, tmp_pa
     trt = shutil.copytree(gpu_repos[0], tmp_path / "repo")
     plan = tmp_path / "x.plan"
     plan.write_bytes(b"not really an engine")
-    prof = tb.profiles_for(build_engines.read_solver_settings(trt))["estimator"]
+    prof = tb.profiles_for(read_solver_settings(trt))["estimator"]
     res = tb.BuildResult(plan, "estimator__X__trt10.0.0__fp16__b__src0123456789ab.plan", "fp16", prof, "python",
                          "10.0.0", 1.0, False)
     parity = [tb.Parity("estimator fp16 B=2 T=300", 1e-3, 1e-2, True, 2e-2)]
@@ -106,7 +107,7 @@ def test_engine_install_places_model_plan_and_records_its_name(gpu_repos, tmp_pa
 
 
 def test_solver_settings_and_profiles_follow_the_repository(gpu_repos):
-    st = build_engines.read_solver_settings(gpu_repos[0])
+    st = read_solver_settings(gpu_repos[0])
     assert (st.max_batch, st.n_feats, st.meanflow) == (4, 80, False)
     assert st.limits.max_utterance_frames == 600 and st.limits.max_prompt_tokens == 100
     profs = tb.profiles_for(st)
@@ -270,7 +271,7 @@ def test_build_engines_falls_back_to_torch_per_model_and_back(gpu_repos, tmp_pat
         assert (repo / model / "config.pbtxt").read_text() == (torch_repo / model / "config.pbtxt").read_text()
         kind, _ = load_module(repo / model / "1" / "model.pt")
         assert kind == model and (repo / model / "1" / "model.py").is_file()
-    build_engines.set_backend(repo, "estimator", "tensorrt")
+    assert set_backend(repo, "estimator", "tensorrt") == "estimator: now served by TensorRT"
     assert (repo / "estimator" / "config.pbtxt").read_text() == (trt / "estimator" / "config.pbtxt").read_text()
     assert sorted(p.name for p in (repo / "estimator" / "1").iterdir()) == \
         sorted(p.name for p in (trt / "estimator" / "1").iterdir()), "nothing of the torch backend is left"
