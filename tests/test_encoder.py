@@ -7,9 +7,10 @@ import onnx
 import pytest
 import torch
 
-from s3flow.model.encoder import (ONNX_INPUT_NAMES, ONNX_OUTPUT_NAMES, CausalUpsample, EncoderConfig, FlowEncoder,
-                            PreLookaheadLayer, RelPositionSelfAttention, check_encoder_onnx, export_encoder,
-                            length_mask, random_encoder_inputs, rel_shift, relative_position_table)
+from s3flow.model.encoder import (CausalUpsample, EncoderConfig, FlowEncoder, PreLookaheadLayer,
+                                  RelPositionSelfAttention, length_mask, random_encoder_inputs, rel_shift,
+                                  relative_position_table)
+from s3flow.runtime.onnx_export import ENCODER_INPUT_NAMES, ENCODER_OUTPUT_NAMES, check_encoder_onnx, export_encoder
 
 # Measured by building upstream's CausalMaskedDiffWithXvec encoder side (UpsampleConformerEncoder with
 # the s3gen.py arguments, input_embedding, spk_embed_affine_layer, encoder_proj) at chatterbox commit
@@ -266,8 +267,8 @@ def test_too_long_input_is_rejected():
 def test_onnx_export_dynamic_shapes_match_torch(small, tmp_path):
     path = export_encoder(small, tmp_path / "encoder.onnx")  # traced at B=2, N=13
     graph = onnx.load(str(path)).graph
-    assert [i.name for i in graph.input] == list(ONNX_INPUT_NAMES)
-    assert [o.name for o in graph.output] == list(ONNX_OUTPUT_NAMES)
+    assert [i.name for i in graph.input] == list(ENCODER_INPUT_NAMES)
+    assert [o.name for o in graph.output] == list(ENCODER_OUTPUT_NAMES)
     dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
             for v in list(graph.input) + list(graph.output)}
     assert dims["tokens"] == ["batch", "tokens"]

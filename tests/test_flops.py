@@ -6,7 +6,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import make_engine, small_flow, stream_in_process, torch_encoder
-from s3flow.model.encoder import export_encoder, random_encoder_inputs
+from s3flow.model.encoder import random_encoder_inputs
+from s3flow.runtime.onnx_export import export_encoder
 from s3flow.model.estimator import ConditionalDecoder, EstimatorConfig
 from s3flow.model.flops import chunk_calls, estimator_flops, solve_flops
 from s3flow.runtime.onnx_export import export_estimator, make_estimator_inputs

@@ -332,7 +332,8 @@ def test_fp16_estimator_graph_runs_without_nan_and_within_bound(tmp_path, meanfl
 def test_fp16_encoder_graph(tmp_path):
     onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
-    from s3flow.model.encoder import export_encoder, random_encoder_inputs
+    from s3flow.model.encoder import random_encoder_inputs
+    from s3flow.runtime.onnx_export import export_encoder
 
     flow = small_flow()
     fp16 = tb.prepare_onnx(export_encoder(flow.encoder, tmp_path / "enc.onnx"), "fp16", tmp_path)

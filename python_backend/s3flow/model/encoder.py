@@ -31,26 +31,17 @@ Example::
     enc = FlowEncoder(EncoderConfig.full()).eval()
     enc.load_state_dict({k[5:]: v for k, v in ckpt.items() if k.startswith("flow.") and ...})
     mu, mask, spks = enc(tokens, token_len, xvector)   # (B, 80, 2N), (B, 1, 2N), (B, 80)
-    export_encoder(enc, "encoder.onnx")
+    s3flow.runtime.onnx_export.export_encoder(enc, "encoder.onnx")
 """
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Tuple, Union
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from s3flow import contract
-
-#: ONNX graph input and output names used by ``export_encoder`` (the contract's).
-ONNX_INPUT_NAMES = contract.names(contract.ENCODER_INPUTS)
-ONNX_OUTPUT_NAMES = contract.names(contract.ENCODER_OUTPUTS)
 
 
 @dataclass
@@ -481,76 +472,3 @@ def random_encoder_inputs(config: EncoderConfig, batch: int, n_tokens: int, seed
     tokens[~length_mask(token_len, n_tokens)] = pad_token
     embedding = torch.randn(batch, config.spk_embed_dim, generator=gen) * 5.0
     return tokens, token_len, embedding
-
-
-def export_encoder(model: FlowEncoder, path: Union[str, Path], opset: int = 17) -> Path:
-    """Export to ONNX (TorchScript exporter) with dynamic batch and token axes.
-
-    Inputs ``tokens`` (B, N) int64, ``token_len`` (B,) int64, ``embedding`` (B, 192) float32; outputs
-    ``mu`` (B, n_feats, 2N), ``mask`` (B, 1, 2N), ``spks`` (B, n_feats), as ``FlowEncoder.forward``.
-    The graph runs for any N with ``2N <= pos_enc_max_len``.
-
-    Args:
-        model: The encoder (exported in eval mode, on its current device).
-        path: Output ``.onnx`` file.
-        opset: ONNX opset.
-
-    Returns:
-        The path written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    device = next(model.parameters()).device
-    args = tuple(a.to(device) for a in random_encoder_inputs(model.config, batch=2, n_tokens=13, seed=0))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            # F.pad lowers to reversed Slices that the folder skips; harmless.
-            warnings.filterwarnings("ignore", message="Constant folding - Only steps=1")
-            torch.onnx.export(
-                model, args, str(path), dynamo=False, opset_version=opset,
-                input_names=list(ONNX_INPUT_NAMES), output_names=list(ONNX_OUTPUT_NAMES),
-                dynamic_axes={"tokens": {0: "batch", 1: "tokens"}, "token_len": {0: "batch"},
-                              "embedding": {0: "batch"}, "mu": {0: "batch", 2: "frames"},
-                              "mask": {0: "batch", 2: "frames"}, "spks": {0: "batch"}},
-                do_constant_folding=True)
-    finally:
-        model.train(was_training)
-    return path
-
-
-def check_encoder_onnx(model: FlowEncoder, path: Union[str, Path], seed: int = 0) -> float:
-    """Worst absolute difference of ONNX Runtime (CPU) against torch on random padded batches.
-
-    Runs two shapes unlike the export's (B=1, N=7 and B=3, N=23) and compares all three outputs.
-
-    Args:
-        model: The torch encoder the file was exported from.
-        path: The ``.onnx`` file.
-        seed: Seed for the random inputs.
-
-    Returns:
-        Max |onnx - torch| over mu, mask and spks and both shapes.
-    """
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    worst = 0.0
-    try:
-        for i, (batch, n) in enumerate([(1, 7), (3, 23)]):
-            inputs = random_encoder_inputs(model.config, batch, n, seed=seed + i)
-            with torch.no_grad():
-                ref = model(*(a.to(device) for a in inputs))
-            got = sess.run(list(ONNX_OUTPUT_NAMES),
-                           {name: a.numpy() for name, a in zip(ONNX_INPUT_NAMES, inputs)})
-            for r, g in zip(ref, got):
-                if tuple(r.shape) != g.shape:
-                    raise AssertionError(f"ONNX output shape {g.shape} != torch {tuple(r.shape)}")
-                worst = max(worst, float(np.abs(r.float().cpu().numpy() - g).max()))
-    finally:
-        model.train(was_training)
-    return worst

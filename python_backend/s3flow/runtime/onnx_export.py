@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from s3flow import contract
+from s3flow.model.encoder import FlowEncoder, random_encoder_inputs
 from s3flow.model.estimator import ConditionalDecoder
 
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
     "export_estimator",
     "check_estimator_onnx",
     "make_estimator_inputs",
+    "export_encoder",
+    "check_encoder_onnx",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -130,26 +133,24 @@ def export_estimator(model: ConditionalDecoder, path: PathLike, opset: int = 17)
     names = estimator_input_names(model.meanflow)
     dummy = make_estimator_inputs(model, batch=2, frames=48, seed=0)
     args: Tuple[torch.Tensor, ...] = tuple(dummy[n] for n in names)
+    axes = dynamic_axes(contract.estimator_inputs(model.meanflow) + contract.ESTIMATOR_OUTPUTS, "time")
+    return _export(model, args, path, opset, names, [ESTIMATOR_OUTPUT_NAME], axes)
+
+
+def _export(model: torch.nn.Module, args: tuple, path: Path, opset: int, input_names, output_names,
+            axes: Dict[str, Dict[int, str]]) -> Path:
+    """``torch.onnx.export`` (TorchScript exporter) in eval mode and no_grad; the model's mode is restored."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), warnings.catch_warnings():
-            # F.pad (causal convs) exports as Pad fed by a tiny constant subgraph with a
-            # step -1 Slice that the TorchScript exporter cannot fold; onnxruntime and
-            # TensorRT fold it when the graph is loaded. Benign, so silenced.
+            # F.pad (causal convs, the encoder's padding) exports as Pad fed by a tiny constant subgraph with
+            # a step -1 Slice that the TorchScript exporter cannot fold; onnxruntime and TensorRT fold it
+            # when the graph is loaded. Benign, so silenced.
             warnings.filterwarnings("ignore", message="Constant folding - Only steps=1")
-            torch.onnx.export(
-                model,
-                args,
-                str(path),
-                dynamo=False,
-                opset_version=opset,
-                input_names=names,
-                output_names=[ESTIMATOR_OUTPUT_NAME],
-                dynamic_axes=dynamic_axes(contract.estimator_inputs(model.meanflow) + contract.ESTIMATOR_OUTPUTS,
-                                          "time"),
-                do_constant_folding=True,
-            )
+            torch.onnx.export(model, args, str(path), dynamo=False, opset_version=opset,
+                              input_names=list(input_names), output_names=list(output_names),
+                              dynamic_axes=axes, do_constant_folding=True)
     finally:
         model.train(was_training)
     return path
@@ -197,10 +198,67 @@ def check_estimator_onnx(
 
 
 # --------------------------------------------------------------------------- #
-# Encoder
+# Encoder: inputs tokens (B, N) int64, token_len (B,) int64, embedding (B, 192); outputs mu (B, n_feats, 2N),
+# mask (B, 1, 2N), spks (B, n_feats), as FlowEncoder.forward
 # --------------------------------------------------------------------------- #
-# The token encoder's export lives beside the module (inputs tokens, token_len, embedding; outputs mu,
-# mask, spks: see s3flow.model.encoder); re-exported here so that both exports have one home.
-from s3flow.model.encoder import check_encoder_onnx, export_encoder  # noqa: E402
+ENCODER_INPUT_NAMES = contract.names(contract.ENCODER_INPUTS)
+ENCODER_OUTPUT_NAMES = contract.names(contract.ENCODER_OUTPUTS)
 
-__all__ += ["export_encoder", "check_encoder_onnx"]
+
+def export_encoder(model: FlowEncoder, path: PathLike, opset: int = 17) -> Path:
+    """Export to ONNX (TorchScript exporter) with dynamic batch and token axes.
+
+    Inputs ``tokens`` (B, N) int64, ``token_len`` (B,) int64, ``embedding`` (B, 192) float32; outputs
+    ``mu`` (B, n_feats, 2N), ``mask`` (B, 1, 2N), ``spks`` (B, n_feats), as ``FlowEncoder.forward``.
+    The graph runs for any N with ``2N <= pos_enc_max_len``.
+
+    Args:
+        model: The encoder (exported in eval mode, on its current device).
+        path: Output ``.onnx`` file.
+        opset: ONNX opset.
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    device = next(model.parameters()).device
+    args = tuple(a.to(device) for a in random_encoder_inputs(model.config, batch=2, n_tokens=13, seed=0))
+    axes = {**dynamic_axes(contract.ENCODER_INPUTS, "tokens"), **dynamic_axes(contract.ENCODER_OUTPUTS, "frames")}
+    return _export(model, args, path, opset, ENCODER_INPUT_NAMES, ENCODER_OUTPUT_NAMES, axes)
+
+
+def check_encoder_onnx(model: FlowEncoder, path: PathLike, seed: int = 0) -> float:
+    """Worst absolute difference of ONNX Runtime (CPU) against torch on random padded batches.
+
+    Runs two shapes unlike the export's (B=1, N=7 and B=3, N=23) and compares all three outputs.
+
+    Args:
+        model: The torch encoder the file was exported from.
+        path: The ``.onnx`` file.
+        seed: Seed for the random inputs.
+
+    Returns:
+        Max |onnx - torch| over mu, mask and spks and both shapes.
+    """
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    worst = 0.0
+    try:
+        for i, (batch, n) in enumerate([(1, 7), (3, 23)]):
+            inputs = random_encoder_inputs(model.config, batch, n, seed=seed + i)
+            with torch.no_grad():
+                ref = model(*(a.to(device) for a in inputs))
+            got = sess.run(list(ENCODER_OUTPUT_NAMES),
+                           {name: a.numpy() for name, a in zip(ENCODER_INPUT_NAMES, inputs)})
+            for r, g in zip(ref, got):
+                if tuple(r.shape) != g.shape:
+                    raise AssertionError(f"ONNX output shape {g.shape} != torch {tuple(r.shape)}")
+                worst = max(worst, float(np.abs(r.float().cpu().numpy() - g).max()))
+    finally:
+        model.train(was_training)
+    return worst
