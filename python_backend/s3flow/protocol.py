@@ -34,6 +34,38 @@ class ServerBusy(RequestError):
         self.retry_after_s = retry_after_s
 
 
+def numbers_from_parameters(cls, params: Mapping[str, str]) -> dict:
+    """Keyword arguments for the numeric dataclass ``cls`` from Triton config ``parameters`` (string values): each
+    field present is a number, an integer where the field's default is one; unknown keys are ignored."""
+    kwargs = {}
+    for f in fields(cls):
+        if f.name in params:
+            raw = params[f.name]
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f"config parameter {f.name} must be a number, got {raw!r}") from None
+            if isinstance(f.default, int):
+                if not value.is_integer():  # also NaN and Inf
+                    raise ValueError(f"config parameter {f.name} must be an integer, got {raw!r}")
+                value = int(value)
+            kwargs[f.name] = value
+    return kwargs
+
+
+def check_numbers(settings, what: str, lowest: Mapping[str, float]) -> None:
+    """Every field of ``settings`` finite and > 0, or >= its entry in ``lowest``; the message names the field."""
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        low = lowest.get(f.name)
+        if low is None and not value > 0:
+            raise ValueError(f"{what} {f.name} must be > 0, got {value}")
+        if low is not None and not value >= low:
+            raise ValueError(f"{what} {f.name} must be >= {low}, got {value}")
+        if not math.isfinite(value):
+            raise ValueError(f"{what} {f.name} must be finite, got {value}")
+
+
 @dataclass
 class Limits:
     """Server-side limits and defaults; each is a ``parameters`` entry of the cfm_solver config."""
@@ -56,34 +88,13 @@ class Limits:
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> "Limits":
         """Build from Triton config ``parameters`` (string values); unknown keys are ignored here."""
-        kwargs = {}
-        for f in fields(cls):
-            if f.name in params:
-                raw = params[f.name]
-                try:
-                    value = float(raw)
-                except ValueError:
-                    raise ValueError(f"config parameter {f.name} must be a number, got {raw!r}") from None
-                if isinstance(f.default, int):
-                    if not value.is_integer():  # also NaN and Inf
-                        raise ValueError(f"config parameter {f.name} must be an integer, got {raw!r}")
-                    value = int(value)
-                kwargs[f.name] = value
-        limits = cls(**kwargs)
+        limits = cls(**numbers_from_parameters(cls, params))
         limits.check()
         return limits
 
     def check(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            lowest = {"holdback_frames": 0, "default_steps": 0, "default_guidance_rate": 0,
-                      "context_frames": -1}.get(f.name)
-            if lowest is None and not value > 0:
-                raise ValueError(f"limit {f.name} must be > 0, got {value}")
-            if lowest is not None and not value >= lowest:
-                raise ValueError(f"limit {f.name} must be >= {lowest}, got {value}")
-            if not math.isfinite(value):
-                raise ValueError(f"limit {f.name} must be finite, got {value}")
+        check_numbers(self, "limit", lowest={"holdback_frames": 0, "default_steps": 0, "default_guidance_rate": 0,
+                                             "context_frames": -1})
         if self.default_steps > self.max_steps:
             raise ValueError(f"default_steps {self.default_steps} exceeds max_steps {self.max_steps}")
         if self.default_guidance_rate > self.max_guidance_rate:

@@ -31,7 +31,7 @@ Example::
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 import numpy as np
@@ -39,6 +39,7 @@ import numpy as np
 # the source's excitation lives in the model layer; re-exported here, where the streaming code's users look
 from s3flow.model.vocoder_source import (HOP_SAMPLES, DecodeFn, Excitation, F0Fn, SourceParams, apply_trim_fade,
                                          harmonic_source, offline_vocode, trim_fade)
+from s3flow.protocol import check_numbers, numbers_from_parameters
 
 __all__ = ["F0_LOOKAHEAD_FRAMES", "StreamSettings", "StreamError", "VocoderState", "AudioChunk", "VocoderStream",
            "HOP_SAMPLES", "SourceParams", "Excitation", "harmonic_source", "offline_vocode", "trim_fade",
@@ -69,25 +70,13 @@ class StreamSettings:
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> "StreamSettings":
-        kwargs = {}
-        for f in fields(cls):
-            if f.name in params:
-                try:
-                    kwargs[f.name] = type(f.default)(float(params[f.name]))
-                except ValueError:
-                    raise ValueError(f"config parameter {f.name} must be a number, got {params[f.name]!r}") from None
-        s = cls(**kwargs)
+        s = cls(**numbers_from_parameters(cls, params))
         s.check()
         return s
 
     def check(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("context_frames", "lookahead_frames", "crossfade_samples"):
-                if not value >= 0:
-                    raise ValueError(f"vocoder setting {f.name} must be >= 0, got {value}")
-            elif not value > 0:
-                raise ValueError(f"vocoder setting {f.name} must be > 0, got {value}")
+        check_numbers(self, "vocoder setting",
+                      lowest={"context_frames": 0, "lookahead_frames": 0, "crossfade_samples": 0})
         if self.context_frames < F0_LOOKAHEAD_FRAMES:
             raise ValueError(f"context_frames must be >= {F0_LOOKAHEAD_FRAMES} (the F0 predictor's context), "
                              f"got {self.context_frames}")
@@ -139,7 +128,7 @@ class VocoderStream:
 
     def push(self, state: VocoderState, mel: np.ndarray, frame_offset: int, end: bool) -> AudioChunk:
         """Append the mel frames (n_feats, F) that start at ``frame_offset``; return newly final audio."""
-        s, p, hop = self.settings, self.params, self.params.hop_samples
+        s, hop = self.settings, self.params.hop_samples
         mel = np.asarray(mel, dtype=np.float32)
         if mel.ndim != 2 or mel.shape[0] != self.n_feats:
             raise StreamError(f"mel must have shape (n_feats={self.n_feats}, frames), got {list(mel.shape)}")
