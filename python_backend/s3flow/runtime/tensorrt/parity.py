@@ -110,31 +110,33 @@ def encoder_cases(profile: Profile) -> list[tuple[int, int]]:
     return list(dict.fromkeys([(b_opt, n_opt), (min(max(2, b_lo), b_hi), min(max(n_opt + 37, n_lo), n_hi))]))
 
 
+def _case(engine: Runner, reference: Runner, profile: Profile, b: int, n: int, lengths: list, seed: int):
+    """One shape's inputs (seeded by the shape) and both runners' outputs on them."""
+    g = torch.Generator().manual_seed(seed + b * 10007 + n)
+    inputs = random_inputs(profile, b, n, torch.tensor(lengths, dtype=torch.int64), g)
+    return inputs, reference(**inputs), engine(**inputs)
+
+
 def check_estimator_engine(engine: Runner, reference: Runner, profile: Profile, precision: str,
                            seed: int = 0) -> list[Parity]:
     """Engine vs the fp32 reference on random padded inputs: the velocity over valid frames."""
-    bound = PARITY_BOUNDS[precision]
     out = []
     for b, t in estimator_cases(profile):
-        g = torch.Generator().manual_seed(seed + b * 10007 + t)
-        lengths = torch.tensor([max(1, t - (i * t) // (2 * b)) for i in range(b)])
-        inputs = random_inputs(profile, b, t, lengths, g)
-        ref = reference(**inputs)[VELOCITY]
-        got = engine(**inputs)[VELOCITY]
-        out.append(compare(got, ref, bound, f"estimator {precision} B={b} T={t}", mask=inputs[MASK]))
+        lengths = [max(1, t - (i * t) // (2 * b)) for i in range(b)]
+        inputs, ref, got = _case(engine, reference, profile, b, t, lengths, seed)
+        out.append(compare(got[VELOCITY], ref[VELOCITY], PARITY_BOUNDS[precision],
+                           f"estimator {precision} B={b} T={t}", mask=inputs[MASK]))
     return out
 
 
 def check_encoder_engine(engine: Runner, reference: Runner, profile: Profile, precision: str,
                          seed: int = 0) -> list[Parity]:
     """Encoder engine vs the fp32 reference: mu over the reference's valid frames, and spks."""
-    bound = PARITY_BOUNDS[precision]
     out = []
     for b, n in encoder_cases(profile):
-        g = torch.Generator().manual_seed(seed + b * 7919 + n)
-        lens = torch.tensor([max(profile.length[0], n - (i * n) // (2 * b)) for i in range(b)], dtype=torch.int64)
-        inputs = random_inputs(profile, b, n, lens, g)
-        ref, got = reference(**inputs), engine(**inputs)
+        lengths = [max(profile.length[0], n - (i * n) // (2 * b)) for i in range(b)]
+        _, ref, got = _case(engine, reference, profile, b, n, lengths, seed)
+        bound = PARITY_BOUNDS[precision]
         out.append(compare(got[ENC_MU], ref[ENC_MU], bound, f"encoder mu {precision} B={b} N={n}",
                            mask=ref[ENC_MASK]))
         out.append(compare(got[ENC_SPKS], ref[ENC_SPKS], bound, f"encoder spks {precision} B={b}"))
