@@ -6,7 +6,7 @@ import torch
 
 from helpers import small_flow, stream_in_process, torch_encoder
 from s3flow.protocol import Limits
-from s3flow.serving.model_config import Params
+from s3flow.serving.config_params import Params
 from s3flow.serving.repository import Batching, RepositorySettings, solver_config
 from s3flow.engine.streaming import StreamingEngine
 from s3flow_client.demo import demo_utterance

@@ -23,7 +23,8 @@ from s3flow import contract
 from s3flow.protocol import Limits
 from s3flow.runtime import tensorrt as tb
 from s3flow.runtime.torch_runner import TorchModelSettings, TorchRunner, load_module, save_module
-from s3flow.serving.model_config import Params, read_config
+from s3flow.serving.config_params import Params
+from s3flow.serving.model_config import read_config
 from s3flow.serving.repository import Batching, RepositorySettings, write_repository
 from s3flow.serving.repository_configs import solver_config, stateless_config
 from s3flow_client.stream import SEQUENCE_HEADER

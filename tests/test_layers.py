@@ -71,3 +71,16 @@ OTHER_CODE = [p for folder in ("client", "scripts", "training")
 def test_client_scripts_and_training_stay_short(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.name} has {lines} lines (at most {MAX_LINES})"
+
+
+def test_the_python_models_load_neither_tritonclient_nor_protobuf():
+    """Every Triton stub imports its model module: the configs' protobuf tooling (s3flow.serving.model_config)
+    stays out of it (load time and memory per stub process)."""
+    import subprocess
+    import sys
+    models = sorted(p.stem for p in (PACKAGE / "serving" / "triton_models").glob("*.py") if p.stem != "__init__")
+    code = ("import sys\n" + "".join(f"import s3flow.serving.triton_models.{m}\n" for m in models)
+            + "print(sorted({m.split('.')[0] for m in sys.modules} & {'tritonclient', 'google', 'grpc'}))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", f"a python model imports {run.stdout.strip()}"

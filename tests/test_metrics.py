@@ -17,8 +17,8 @@ from s3flow.contract import ENCODER_INPUTS, VOCAB_SIZE, XVECTOR_DIM, names, requ
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import Limits, parse_request
 from s3flow.serving import metrics as m
-from s3flow.serving.warmup import (WARMUP_ITERATIONS, encoder_warmup, estimator_warmup, warm_up_solver,
-                                   write_model_warmup)
+from s3flow.serving.warmup import warm_up_solver
+from s3flow.serving.warmup_samples import WARMUP_ITERATIONS, encoder_warmup, estimator_warmup, write_model_warmup
 
 N_FEATS = 8
 

@@ -21,11 +21,12 @@ from google.protobuf.json_format import MessageToDict
 from helpers import small_flow
 from s3flow import contract
 from s3flow.protocol import Limits
-from s3flow.serving.model_config import (ModelConfig, Params, add_tensors, check_ensemble, check_tensors,
-                                         read_config, to_text, write_model_folder)
+from s3flow.serving.config_params import Params, check_tensors
+from s3flow.serving.model_config import (ModelConfig, add_tensors, check_ensemble, read_config, to_text,
+                                         write_model_folder)
 from s3flow.serving.repository import (TRITON_IDLE_GRACE_S, Batching, RepositorySettings, VoiceSettings,
                                        stateless_config, write_flow_configs, write_repository)
-from s3flow.serving.warmup import WARMUP_ITERATIONS, add_model_warmup
+from s3flow.serving.warmup_samples import WARMUP_ITERATIONS, add_model_warmup
 from tritonclient.grpc import model_config_pb2 as mc
 
 ROOT = Path(__file__).resolve().parents[1]

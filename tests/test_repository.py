@@ -3,7 +3,8 @@ import pytest
 
 from s3flow.contract import MEL_RESPONSE, REQUEST, names
 from s3flow.protocol import Limits
-from s3flow.serving.model_config import Params, to_text
+from s3flow.serving.config_params import Params
+from s3flow.serving.model_config import to_text
 from s3flow.serving.repository import (TRITON_IDLE_GRACE_S, Batching, RepositorySettings, ensemble_config,
                                        solver_config, write_repository)
 from tritonclient.grpc import model_config_pb2 as mc

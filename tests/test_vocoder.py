@@ -542,7 +542,8 @@ def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_
     """token2wav with ``vocoder_backend torch`` (the gpu target's runner; here KIND_CPU, device cpu) on its
     own server, against the ONNX-backed server of the module: same flow, same vocoder weights, same stream."""
     from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
-    from s3flow.serving.model_config import Params, read_config
+    from s3flow.serving.config_params import Params
+    from s3flow.serving.model_config import read_config
     from s3flow.serving.repository import Batching, RepositorySettings, write_repository
     from s3flow.serving.triton_server import TritonServer
     from s3flow_client import StreamingClient, chunk_schedule

@@ -43,8 +43,8 @@ from s3flow.serving.repository_configs import (ENCODER_MODEL, ESTIMATOR_MODEL, S
                                                solver_config, stateless_config, vocoder_config,
                                                voice_encoder_config, wav_ensemble_config)
 from s3flow.serving.repository_settings import (TRITON_IDLE_GRACE_S, Batching, RepositorySettings,  # noqa: F401
-                                                Target, VoiceSettings)
-from s3flow.serving.warmup import add_model_warmup
+                                                VoiceSettings)
+from s3flow.serving.warmup_samples import add_model_warmup
 
 MODEL_PY = {
     "vocoder": "from s3flow.serving.triton_models.vocoder_model import TritonPythonModel  # noqa: F401\n",

@@ -9,11 +9,12 @@ from s3flow.model.checkpoint import load_flow
 from s3flow.protocol import Limits
 from s3flow.runtime import tensorrt as tb
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, WEIGHTS_FILE, default_dtype, save_module
-from s3flow.serving.model_config import Params, read_config, write_model_folder
+from s3flow.serving.config_params import Params
+from s3flow.serving.model_config import read_config, write_model_folder
 from s3flow.serving.repository import MODEL_PY
 from s3flow.serving.repository_configs import stateless_config
 from s3flow.serving.repository_settings import RepositorySettings
-from s3flow.serving.warmup import add_model_warmup
+from s3flow.serving.warmup_samples import add_model_warmup
 
 SOLVER = "cfm_solver"
 

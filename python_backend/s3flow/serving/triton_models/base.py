@@ -28,7 +28,7 @@ import numpy as np
 from s3flow.contract import (CONTROLS, ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, FEATS, Tensor,
                              estimator_inputs, names)
 from s3flow.protocol import RequestError
-from s3flow.serving.model_config import Params, check_tensors
+from s3flow.serving.config_params import Params, check_tensors
 from s3flow.serving.responses import error_response, pb_utils
 
 #: error codes by name (``s3flow.serving.session``'s INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL)

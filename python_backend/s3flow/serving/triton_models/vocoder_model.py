@@ -21,7 +21,7 @@ from s3flow.engine.streaming import SequenceStore
 from s3flow.engine.vocoder_stream import SourceParams, StreamError, StreamSettings, VocoderStream
 from s3flow.protocol import RequestError
 from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
-from s3flow.serving.model_config import Params
+from s3flow.serving.config_params import Params
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response,
                                                read_controls)
 from s3flow.serving.warmup import warm_up_vocoder
