@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "python_backend"))  # fallbacks when the packages 
 sys.path.insert(0, str(ROOT / "client"))
 
 from s3flow.contract import REQUEST, request_arrays  # noqa: E402
-from s3flow.model.chunks import TOKEN_MEL_RATIO  # noqa: E402
+from s3flow.contract import TOKEN_MEL_RATIO  # noqa: E402
 from s3flow.protocol import START_ONLY, Limits, parse_request  # noqa: E402
 from s3flow.serving.model_config import read_config  # noqa: E402
 

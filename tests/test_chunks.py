@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.model.chunks import LOOKAHEAD_FRAMES, Carried, condition, solve_frames, stack_rows, starting_point
+from s3flow.contract import LOOKAHEAD_FRAMES
+from s3flow.model.chunks import Carried, condition, solve_frames, stack_rows, starting_point
 from s3flow.model.solver import FrameNoise
 
 

@@ -30,7 +30,10 @@ def _imports(path: Path):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             assert node.level == 0, f"{path}: relative import (use s3flow.<layer>....)"
-            yield node.module
+            if node.module == "s3flow":  # from s3flow import contract, serving, ...: each is a module
+                yield from (f"s3flow.{a.name}" for a in node.names)
+            else:
+                yield node.module
 
 
 def _name(path: Path) -> str:

@@ -192,7 +192,8 @@ def test_solver_warm_up_runs_the_served_path_and_leaves_no_state(meanflow):
 
 
 def test_vocoder_warm_up_runs_both_networks():
-    from s3flow.engine.vocoder_stream import SourceParams, StreamSettings, VocoderStream
+    from s3flow.engine.vocoder_stream import StreamSettings, VocoderStream
+    from s3flow.model.vocoder_source import SourceParams
     from s3flow.serving.warmup import warm_up_vocoder
 
     calls = {"f0": 0, "decode": 0}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .state import SAMPLES_PER_FRAME
+from s3flow.contract import SAMPLES_PER_FRAME
 
 SAMPLE_RATE = 24000
 

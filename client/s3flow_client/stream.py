@@ -37,10 +37,10 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from s3flow.contract import request_arrays
+from s3flow.contract import SAMPLES_PER_FRAME, request_arrays
 
 from .resume import SEQUENCE_HEADER, Run  # noqa: F401 (SEQUENCE_HEADER re-exported)
-from .state import FRAMES_PER_TOKEN, SAMPLES_PER_FRAME, UtteranceState
+from .state import FRAMES_PER_TOKEN, UtteranceState
 
 FRAMES_PER_SECOND = 50.0
 

@@ -12,6 +12,8 @@ contract declares for each name, and refuses a name or dtype the contract does n
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -20,13 +22,18 @@ import tritonclient.grpc as grpcclient
 from s3flow.contract import REQUEST, Tensor, by_name
 
 
+@functools.lru_cache(maxsize=16)
+def _spec(tensors: tuple) -> dict:
+    return by_name(tensors)
+
+
 def infer_inputs(arrays: Mapping[str, np.ndarray], tensors: Iterable[Tensor] = REQUEST) -> list:
     """One ``InferInput`` per array, with the wire type ``tensors`` (default: the public request) declares.
 
     Raises:
         ValueError: a name ``tensors`` does not declare, or an array whose dtype is not the declared one.
     """
-    spec = by_name(tensors)
+    spec = _spec(tuple(tensors))
     inputs = []
     for name, value in arrays.items():
         t = spec.get(name)

@@ -101,6 +101,7 @@ REQUEST = (
     Tensor("voice_id", "bytes", (1,), optional=True, start_only=True),
 )
 VOICE_ID = "voice_id"
+_REQUEST_BY_NAME = by_name(REQUEST)
 PROMPT = ("prompt_tokens", "prompt_mel", "speaker_embedding")
 #: Triton's sequence controls, as the solver and the vocoder receive them
 CONTROLS = ("START", "END", "READY", "CORRID")
@@ -158,7 +159,7 @@ def request_arrays(speech_tokens, *, start: bool = False, prompt_tokens=None, pr
     given = {k: v for k, v in given.items() if v is not None}
     if given and not start:
         raise ValueError(f"{sorted(given)} may only be sent with a sequence's START request")
-    spec = by_name(REQUEST)
+    spec = _REQUEST_BY_NAME
     out = {"speech_tokens": np.asarray(speech_tokens, dtype=spec["speech_tokens"].np_dtype).reshape(1, -1)}
     for name, value in given.items():
         t = spec[name]

@@ -38,10 +38,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from s3flow.contract import TOKEN_MEL_RATIO as FRAMES_PER_TOKEN
 from s3flow_training.mel import S3GEN_MEL, log_mel, resample
 
-#: Mel frames per speech token and audio samples per token at 24 kHz.
-FRAMES_PER_TOKEN = 2
+#: Audio samples per speech token at 24 kHz.
 SAMPLES_PER_TOKEN = FRAMES_PER_TOKEN * S3GEN_MEL.hop_size
 #: Width of the x-vector the flow encoder takes.
 XVECTOR_DIM = 192

@@ -36,7 +36,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from s3flow.model.chunks import TOKEN_MEL_RATIO, Carried, condition, solve_frames, stack_rows, starting_point
+from s3flow.contract import TOKEN_MEL_RATIO
+from s3flow.model.chunks import Carried, condition, solve_frames, stack_rows, starting_point
 from s3flow.protocol import ChunkRequest, Limits, RequestError, ServerBusy, parse_request
 from s3flow.model.solver import FrameNoise, default_steps, solve_cfm
 

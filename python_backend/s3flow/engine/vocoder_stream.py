@@ -36,14 +36,11 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-# the source's excitation lives in the model layer; re-exported here, where the streaming code's users look
-from s3flow.model.vocoder_source import (HOP_SAMPLES, DecodeFn, Excitation, F0Fn, SourceParams, apply_trim_fade,
-                                         harmonic_source, offline_vocode, trim_fade)
+from s3flow.model.vocoder_source import (DecodeFn, Excitation, F0Fn, SourceParams, apply_trim_fade,
+                                         harmonic_source, trim_fade)
 from s3flow.protocol import check_numbers, numbers_from_parameters
 
-__all__ = ["F0_LOOKAHEAD_FRAMES", "StreamSettings", "StreamError", "VocoderState", "AudioChunk", "VocoderStream",
-           "HOP_SAMPLES", "SourceParams", "Excitation", "harmonic_source", "offline_vocode", "trim_fade",
-           "apply_trim_fade"]
+__all__ = ["F0_LOOKAHEAD_FRAMES", "StreamSettings", "StreamError", "VocoderState", "AudioChunk", "VocoderStream"]
 
 #: Mel frames after a frame that the F0 predictor (five 3-tap convolutions) reads.
 F0_LOOKAHEAD_FRAMES = 5

@@ -27,8 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-# frames per token; the encoder's pre-lookahead tokens; the frames a solve that is not finalised drops
-from s3flow.contract import LOOKAHEAD_FRAMES, PRE_LOOKAHEAD_TOKENS, TOKEN_MEL_RATIO  # noqa: F401
+from s3flow.contract import LOOKAHEAD_FRAMES, TOKEN_MEL_RATIO
 from s3flow.model.solver import FrameNoise
 
 

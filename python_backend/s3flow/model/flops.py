@@ -23,7 +23,8 @@ from typing import Iterable
 
 import torch
 
-from s3flow.model.chunks import TOKEN_MEL_RATIO, solve_frames
+from s3flow.contract import TOKEN_MEL_RATIO
+from s3flow.model.chunks import solve_frames
 from s3flow.model.estimator import EstimatorConfig
 
 

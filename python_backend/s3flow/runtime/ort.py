@@ -10,13 +10,14 @@ it is off by default and kept for providers where copies cost more.
 
 Example::
 
-    from s3flow.runtime.ort import OrtEncoder, OrtEstimator
     from s3flow.engine.streaming import StreamingEngine
+    from s3flow.protocol import Limits
+    from s3flow.runtime.ort import OrtEncoder, OrtEstimator
     estimator = OrtEstimator("model_repository/estimator/1/model.onnx", threads=2)
     encoder = OrtEncoder("model_repository/flow_encoder/1/model.onnx", threads=2)
     engine = StreamingEngine(encoder, estimator, n_feats=80, meanflow=estimator.meanflow, limits=Limits())
 
-Shapes as in ``s3flow.runtime.onnx_export`` (estimator) and ``s3flow.model.encoder.export_encoder`` (encoder);
+Shapes as in ``s3flow.runtime.onnx_export`` (``export_estimator``, ``export_encoder``);
 tensor names are the contract's (``s3flow.contract``).
 """
 from __future__ import annotations

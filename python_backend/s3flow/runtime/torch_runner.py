@@ -1,20 +1,19 @@
 """The estimator or encoder in torch on a device: the gpu target's fallback where no engine is built.
 
 ``s3flow.serving.triton_models.torch_model`` serves the ``estimator`` (or the ``flow_encoder``) of the gpu
-target with it (``--gpu-backend torch``), with the contract's tensor names and shapes. The weights are ``<version>/model.pt`` (written by :func:`save_module`: the module's kind, config and
-state dict; loaded with ``weights_only=True``).
+target with it (``--gpu-backend torch``), with the contract's tensor names and shapes. The weights are
+``<version>/model.pt`` (written by :func:`save_module`: the module's kind, config and state dict; loaded with
+``weights_only=True``).
 
-Config parameters:
+``dtype``: ``fp32``, ``bf16`` or ``fp16`` (the generator's default for the estimator:
+``DEFAULT_ESTIMATOR_DTYPE``; the encoder stays fp32). Weights stay fp32; bf16/fp16 run under
+``torch.autocast``, so matrix products and convolutions use the reduced precision while LayerNorm, softmax,
+the sinusoidal time embedding (``t * 1000`` through ``sin``/``cos``) and the ``-1e10`` attention-mask
+arithmetic stay fp32 (a plain ``.half()`` of the module turns that bias into ``-inf``).
 
-* ``dtype``: ``fp32`` (default), ``bf16`` or ``fp16``. Weights stay fp32; bf16/fp16 run under
-  ``torch.autocast``, so matrix products and convolutions use the reduced precision while LayerNorm,
-  softmax, the sinusoidal time embedding (``t * 1000`` through ``sin``/``cos``) and the ``-1e10``
-  attention-mask arithmetic stay fp32 (a plain ``.half()`` of the module turns that bias into ``-inf``).
-* ``FORCE_CPU_ONLY_INPUT_TENSORS: "no"`` (written by the generator): BLS inputs that live on the GPU
-  arrive on the GPU, and outputs go back by DLPack without a host copy.
-
-The instance's device comes from its instance group (``KIND_GPU`` -> ``cuda:<device id>``; ``KIND_CPU``
--> ``cpu``, which the CPU tests use). """
+The device comes from the Triton instance group (``KIND_GPU`` -> ``cuda:<device id>``; ``KIND_CPU`` -> ``cpu``,
+which the CPU tests use).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -27,7 +26,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.utils import dlpack
 
 from s3flow import contract
 from s3flow.runtime.devices import instance_device
@@ -133,5 +131,5 @@ class TorchRunner:
 
 def default_dtype(kind: str, dtype: Optional[str]) -> str:
     """The generator's choice: the encoder stays fp32 (cheap, and its masks use -inf); the estimator
-    takes the requested dtype."""
-    return "fp32" if kind == "flow_encoder" else (dtype or "fp32")
+    takes the requested dtype (``DEFAULT_ESTIMATOR_DTYPE`` when none is)."""
+    return "fp32" if kind == "flow_encoder" else (dtype or DEFAULT_ESTIMATOR_DTYPE)

@@ -8,7 +8,7 @@ passes; then stop the server. Utterances still open at the deadline break, and a
 (``StreamingClient`` with several addresses) replays them on another server.
 
 Triton 2.51 itself closes its gRPC streams at once on SIGTERM, so the drain must come before Triton's
-SIGTERM. Three entry points (``python -m s3flow.serving.drain ...`` or ``scripts/drain.py ...``):
+SIGTERM. Three entry points (``python -m s3flow.serving.drain ...``):
 
 * ``supervise [--deadline-s 60] -- tritonserver ARGS``: run the server as a child; on SIGTERM or SIGINT drain,
   then SIGTERM the server and exit with its code (the container's entrypoint, ``TritonServer(drain_s=...)``);

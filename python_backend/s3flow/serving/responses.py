@@ -10,6 +10,9 @@ try:
 except ImportError:  # outside the stub: importable, not runnable
     pb_utils = None
 
+#: the error codes the models answer with, by the name of their ``pb_utils.TritonError`` attribute
+INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL"
+
 
 def error_response(message: str, code):
     """An InferenceResponse carrying ``message`` with ``code`` (a ``pb_utils.TritonError`` code)."""

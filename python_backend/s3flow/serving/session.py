@@ -34,8 +34,7 @@ import numpy as np
 from s3flow.contract import PROMPT
 from s3flow.protocol import VOICE_ID, RequestError, ServerBusy, parse_request
 from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
-
-INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL = "INVALID_ARG", "UNAVAILABLE", "CANCELLED", "INTERNAL"
+from s3flow.serving.responses import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE  # noqa: F401 (re-exported)
 
 
 class Cancelled(RuntimeError):

@@ -37,12 +37,11 @@ from typing import Any
 
 from s3flow.serving.processes import (free_port, has_nvidia_gpu, is_running, kill, log_tail, port_open, read_cmdline,
                                       stop_pid, tree_rss_bytes)
-from s3flow.serving.triton_install import (NGC_BACKEND_DIR, TritonPaths, TritonServerError, check_venv, default_venv,
+from s3flow.serving.triton_install import (TritonPaths, TritonServerError, check_venv, default_venv,
                                            find_tritonserver, prepare_backend_dir, venv_numpy_version,
                                            venv_python_version)
 
 __all__ = [
-    "NGC_BACKEND_DIR",
     "TritonPaths",
     "TritonServer",
     "TritonServerError",
@@ -54,7 +53,6 @@ __all__ = [
     "stop_pid",
     "tree_rss_bytes",
     "venv_numpy_version",
-    "venv_python_version",
 ]
 
 #: Model control modes accepted by ``--model-control-mode``.

@@ -21,7 +21,7 @@ from s3flow.runtime.tensorrt.profiles import Profile
 #: Relative L2 error bound against the fp32 reference, per engine precision (estimator and encoder).
 PARITY_BOUNDS = {"fp32": 1e-3, "fp16": 2e-2}
 
-X, MASK, MU, T, SPKS, COND = contract.names(contract.estimator_inputs(meanflow=False))
+MASK = contract.by_name(contract.estimator_inputs(meanflow=False))["mask"].name
 [VELOCITY] = contract.names(contract.ESTIMATOR_OUTPUTS)
 ENC_MU, ENC_MASK, ENC_SPKS = contract.names(contract.ENCODER_OUTPUTS)
 

@@ -29,10 +29,8 @@ from s3flow.contract import (CONTROLS, ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATO
                              estimator_inputs, names)
 from s3flow.protocol import RequestError
 from s3flow.serving.config_params import Params, check_tensors
-from s3flow.serving.responses import error_response, pb_utils
+from s3flow.serving.responses import INTERNAL, INVALID_ARG, error_response, pb_utils
 
-#: error codes by name (``s3flow.serving.session``'s INVALID_ARG, UNAVAILABLE, CANCELLED, INTERNAL)
-INVALID_ARG, INTERNAL = "INVALID_ARG", "INTERNAL"
 
 
 @dataclass(frozen=True)

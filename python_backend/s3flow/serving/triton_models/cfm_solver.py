@@ -51,17 +51,18 @@ class BlsModel:
     def __init__(self, model_name: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
                  device_id: int | None = None):
         self.model_name, self.inputs, self.outputs = model_name, inputs, outputs
+        self.output_list = list(outputs)
         # on a GPU instance, ask for outputs in that GPU's memory: the Euler loop never leaves the device
         self.memory = ({} if device_id is None else
                        {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, device_id)})
 
     def __call__(self, *values: torch.Tensor) -> list[torch.Tensor]:
-        if len(values) != len(self.inputs):
-            raise ModelCallError(f"model '{self.model_name}' takes {list(self.inputs)}, got {len(values)} tensors")
+        if len(values) != len(self.inputs):  # a bug of the caller, not of the callee: INTERNAL
+            raise TypeError(f"model '{self.model_name}' takes {list(self.inputs)}, got {len(values)} tensors")
         if self.memory:  # the callee reads our device buffers on its own stream: finish writing them first
             torch.cuda.current_stream().synchronize()
         request = pb_utils.InferenceRequest(
-            model_name=self.model_name, requested_output_names=list(self.outputs),
+            model_name=self.model_name, requested_output_names=self.output_list,
             inputs=[_to_triton(k, v) for k, v in zip(self.inputs, values)], **self.memory)
         response = request.exec()
         if response.has_error():

@@ -55,6 +55,8 @@ class TritonPythonModel(TritonModel):
             raise self.load_error(
                 f"config tensors {list(names(self.inputs))} -> {list(names(self.outputs))} do not match the "
                 f"ONNX file's {sorted(onnx_in)} -> {sorted(onnx_out)}")
+        self.out_names = list(names(self.outputs))
+        self.required = [t.name for t in self.inputs if not t.optional]
         self.run_options = ort.RunOptions()
         if p.bool("arena_shrinkage", True):
             self.run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
@@ -68,13 +70,12 @@ class TritonPythonModel(TritonModel):
 
     def respond(self, request):
         feeds = input_arrays(request, self.inputs)
-        missing = [t.name for t in self.inputs if t.name not in feeds and not t.optional]
+        missing = [name for name in self.required if name not in feeds]
         if missing:
             raise RequestError(f"missing inputs {missing}")
-        out_names = list(names(self.outputs))
-        values = self.session.run(out_names, feeds, run_options=self.run_options)
+        values = self.session.run(self.out_names, feeds, run_options=self.run_options)
         self._bytes += sum(v.nbytes for v in feeds.values()) + sum(v.nbytes for v in values)
-        return ok_response(dict(zip(out_names, values)))
+        return ok_response(dict(zip(self.out_names, values)))
 
     def finalize(self):
         self.session = None

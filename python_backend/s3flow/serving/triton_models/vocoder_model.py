@@ -12,14 +12,13 @@ of the first out.
 """
 from __future__ import annotations
 
-from dataclasses import fields
-
 import numpy as np
 
 from s3flow.contract import VOCODER_INPUTS, VOCODER_OUTPUTS, by_name
 from s3flow.engine.streaming import SequenceStore
-from s3flow.engine.vocoder_stream import SourceParams, StreamError, StreamSettings, VocoderStream
-from s3flow.protocol import RequestError
+from s3flow.engine.vocoder_stream import StreamError, StreamSettings, VocoderStream
+from s3flow.model.vocoder_source import SourceParams
+from s3flow.protocol import RequestError, numbers_from_parameters
 from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
 from s3flow.serving.config_params import Params
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response,
@@ -31,8 +30,8 @@ _AUDIO, _SAMPLE_OFFSET = (by_name(VOCODER_OUTPUTS)[n] for n in ("audio", "sample
 
 
 def source_params_from(params: Params) -> SourceParams:
-    """The neural source filter's constants from the config (each one optional; numbers)."""
-    return SourceParams(**{f.name: type(f.default)(params.float(f.name, f.default)) for f in fields(SourceParams)})
+    """The neural source filter's constants from the config (each one optional; integers where they are)."""
+    return SourceParams(**numbers_from_parameters(SourceParams, params.raw))
 
 
 class TritonPythonModel(TritonModel):
