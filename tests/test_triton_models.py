@@ -214,7 +214,7 @@ def small_flows(tmp_path_factory):
 
 def stateless_config(name: str, kind: str, meanflow: bool, n_feats: int = 80) -> mc.ModelConfig:
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
-    mc.add_tensors(config, *base.stateless_tensors(kind, meanflow), n_feats=n_feats)
+    mc.add_tensors(config, *contract.stateless_tensors(kind, meanflow), n_feats=n_feats)
     return config
 
 

@@ -128,6 +128,20 @@ def estimator_inputs(meanflow: bool) -> tuple[Tensor, ...]:
     return _ESTIMATOR_INPUTS + ((MEANFLOW_INPUT,) if meanflow else ())
 
 
+#: the models the solver calls (BLS), by their Triton names
+ENCODER_MODEL, ESTIMATOR_MODEL = "flow_encoder", "estimator"
+STATELESS_MODELS = (ENCODER_MODEL, ESTIMATOR_MODEL)
+
+
+def stateless_tensors(model: str, meanflow: bool = False) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """(inputs, outputs) of ``flow_encoder`` or ``estimator`` (``meanflow`` matters to the estimator only)."""
+    if model == ESTIMATOR_MODEL:
+        return estimator_inputs(meanflow), ESTIMATOR_OUTPUTS
+    if model == ENCODER_MODEL:
+        return ENCODER_INPUTS, ENCODER_OUTPUTS
+    raise ValueError(f"the stateless models are {STATELESS_MODELS}, got {model!r}")
+
+
 # -- the vocoder (token2wav's second step) and its two ONNX graphs --------------------------------------
 VOCODER_INPUTS = (Tensor("mel", "float32", (FEATS, -1), ragged=True), Tensor("frame_offset", "int64", (1,)),
                   Tensor("seed", "int64", (1,), optional=True))

@@ -31,11 +31,7 @@ from s3flow import contract
 from s3flow.runtime.devices import instance_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-KINDS = ("estimator", "flow_encoder")
-INPUTS = {"estimator": contract.names(contract.estimator_inputs(meanflow=True)),
-          "flow_encoder": contract.names(contract.ENCODER_INPUTS)}
-OUTPUTS = {"estimator": contract.names(contract.ESTIMATOR_OUTPUTS),
-           "flow_encoder": contract.names(contract.ENCODER_OUTPUTS)}
+KINDS = contract.STATELESS_MODELS
 WEIGHTS_FILE = "model.pt"
 #: The estimator's compute dtype where a builder is not told one (build_repository, build_engines, the image).
 DEFAULT_ESTIMATOR_DTYPE = "bf16"
@@ -103,8 +99,11 @@ class TorchRunner:
 
     @property
     def input_names(self) -> tuple:
-        names = INPUTS[self.kind]
-        return names if self.kind != "estimator" or self.meanflow else names[:-1]
+        return contract.names(contract.stateless_tensors(self.kind, self.meanflow)[0])
+
+    @property
+    def output_names(self) -> tuple:
+        return contract.names(contract.stateless_tensors(self.kind)[1])
 
     def _autocast(self):
         if self.dtype == "fp32":
@@ -122,7 +121,7 @@ class TorchRunner:
         with torch.inference_mode(), self._autocast():
             out = self.module(*args)
         out = (out,) if isinstance(out, torch.Tensor) else tuple(out)
-        return {name: o.float() for name, o in zip(OUTPUTS[self.kind], out)}
+        return {name: o.float() for name, o in zip(self.output_names, out)}
 
     def estimator(self, x, mask, mu, t, spks, cond, r=None) -> torch.Tensor:
         """The solver's estimator signature (for in-process use: tests, gpu_check)."""

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
+from s3flow.contract import ENCODER_MODEL, ESTIMATOR_MODEL, STATELESS_MODELS
 from s3flow.serving.model_config import ModelConfig, write_model_folder
-from s3flow.serving.repository_configs import (ENCODER_MODEL, ESTIMATOR_MODEL, STATELESS, ensemble_config,  # noqa: F401
+from s3flow.serving.repository_configs import (ensemble_config,  # noqa: F401
                                                solver_config, stateless_config, vocoder_config,
                                                voice_encoder_config, wav_ensemble_config)
 from s3flow.serving.repository_settings import (TRITON_IDLE_GRACE_S, Batching, RepositorySettings,  # noqa: F401
@@ -180,7 +181,7 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
         summary.files.append(out / name / onnx_dir / "model.onnx")
     if s.target == "gpu" and s.gpu_backend == "torch":
         from s3flow.runtime.torch_runner import WEIGHTS_FILE, save_module
-        for name in STATELESS:
+        for name in STATELESS_MODELS:
             summary.files.append(save_module(out / name / "1" / WEIGHTS_FILE, name, modules[name]))
     # a model left from an earlier build would serve another checkpoint's vocoder or voices
     for present, names in ((vocoder is not None, VOCODER_MODELS), (voice_checkpoint is not None, VOICE_MODELS)):

@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from s3flow.contract import (AUDIO_RESPONSE, ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, MEL_RESPONSE,
-                             REQUEST, VOCODER_INPUTS, VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS,
-                             estimator_inputs)
+from s3flow.contract import (AUDIO_RESPONSE, ENCODER_MODEL, ESTIMATOR_MODEL, MEL_RESPONSE, REQUEST,
+                             VOCODER_INPUTS, VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS,
+                             VOICE_ENCODER_OUTPUTS, stateless_tensors)
 from s3flow.serving.model_config import (ModelConfig, add_ensemble_step, add_instances, add_sequence_controls,
                                          add_tensors, set_parameters, set_strategy)
 from s3flow.serving.repository_settings import TRITON_IDLE_GRACE_S, RepositorySettings
 
 PYTHON = "python"
-#: The solver's BLS targets (its ``encoder_model`` / ``estimator_model`` parameters).
-ENCODER_MODEL, ESTIMATOR_MODEL = "flow_encoder", "estimator"
-STATELESS = (ENCODER_MODEL, ESTIMATOR_MODEL)
 
 
 def _python(name: str, max_batch_size: int) -> ModelConfig:
@@ -81,12 +78,7 @@ def stateless_config(name: str, n_feats: int, meanflow: bool, settings: Reposito
     ``settings.target``: cpu: ONNX Runtime in a python model; gpu: a ``tensorrt_plan`` (built on the serving
     GPU by scripts/build_engines.py), or with ``gpu_backend="torch"`` torch on CUDA in a python model
     (``s3flow.serving.triton_models.torch_model``). ``meanflow`` matters to the estimator only."""
-    if name == ENCODER_MODEL:
-        inputs, outputs = ENCODER_INPUTS, ENCODER_OUTPUTS
-    elif name == ESTIMATOR_MODEL:
-        inputs, outputs = estimator_inputs(meanflow), ESTIMATOR_OUTPUTS
-    else:
-        raise ValueError(f"stateless models are {STATELESS}, got {name!r}")
+    inputs, outputs = stateless_tensors(name, meanflow)
     s = settings
     if s.target == "gpu" and s.gpu_backend == "torch":
         from s3flow.runtime.torch_runner import default_dtype

@@ -25,8 +25,7 @@ from typing import Iterable, Mapping, Optional
 
 import numpy as np
 
-from s3flow.contract import (CONTROLS, ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, FEATS, Tensor,
-                             estimator_inputs, names)
+from s3flow.contract import CONTROLS, FEATS, Tensor, names
 from s3flow.protocol import RequestError
 from s3flow.serving.config_params import Params, check_tensors
 from s3flow.serving.responses import INTERNAL, INVALID_ARG, error_response, pb_utils
@@ -85,15 +84,6 @@ def config_feats(config: Mapping, tensors: Iterable[Tensor]) -> Optional[int]:
         if FEATS in t.dims and t.name in declared and len(declared[t.name]) == len(t.dims):
             return int(declared[t.name][t.dims.index(FEATS)])
     return None
-
-
-def stateless_tensors(kind: str, meanflow: bool = False) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """(inputs, outputs) of a model the solver calls by BLS: ``estimator`` or ``flow_encoder``."""
-    if kind == "estimator":
-        return estimator_inputs(meanflow), ESTIMATOR_OUTPUTS
-    if kind == "flow_encoder":
-        return ENCODER_INPUTS, ENCODER_OUTPUTS
-    raise ValueError(f"kind must be 'estimator' or 'flow_encoder', got {kind!r}")
 
 
 class TritonModel:

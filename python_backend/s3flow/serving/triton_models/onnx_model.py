@@ -18,11 +18,11 @@ import os
 
 import onnxruntime as ort
 
-from s3flow.contract import ESTIMATOR_OUTPUTS, MEANFLOW_INPUT, names
+from s3flow.contract import ESTIMATOR_OUTPUTS, MEANFLOW_INPUT, names, stateless_tensors
 from s3flow.protocol import RequestError
 from s3flow.runtime.ort import OrtModel, OrtSettings, auto_threads
 from s3flow.serving.heap import trim_heap
-from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response, stateless_tensors
+from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response
 
 #: Batches whose inputs and outputs hold more bytes than this are followed by trim_heap (about 1,600
 #: frames of one (2, 80, T) tensor).
