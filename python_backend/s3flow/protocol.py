@@ -66,8 +66,22 @@ def check_numbers(settings, what: str, lowest: Mapping[str, float]) -> None:
             raise ValueError(f"{what} {f.name} must be finite, got {value}")
 
 
+class NumericSettings:
+    """A dataclass of numbers, each a Triton config ``parameters`` entry, checked by its ``check``."""
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str]):
+        """Build from Triton config ``parameters`` (string values); unknown keys are ignored here."""
+        settings = cls(**numbers_from_parameters(cls, params))
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        raise NotImplementedError
+
+
 @dataclass
-class Limits:
+class Limits(NumericSettings):
     """Server-side limits and defaults; each is a ``parameters`` entry of the cfm_solver config."""
     max_steps: int = 50
     max_guidance_rate: float = 10.0
@@ -84,13 +98,6 @@ class Limits:
     #: C >= 0: bounded context, each chunk solves prompt + the last C emitted frames (as conditioning)
     #: + its new tokens (see s3flow.engine.streaming). 100 (2 s): see results/streaming.md and the README.
     context_frames: int = 100
-
-    @classmethod
-    def from_parameters(cls, params: Mapping[str, str]) -> "Limits":
-        """Build from Triton config ``parameters`` (string values); unknown keys are ignored here."""
-        limits = cls(**numbers_from_parameters(cls, params))
-        limits.check()
-        return limits
 
     def check(self) -> None:
         check_numbers(self, "limit", lowest={"holdback_frames": 0, "default_steps": 0, "default_guidance_rate": 0,

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Optional
 
 import numpy as np
 
 from s3flow.model.vocoder_source import (DecodeFn, Excitation, F0Fn, SourceParams, apply_trim_fade,
                                          harmonic_source, trim_fade)
-from s3flow.protocol import check_numbers, numbers_from_parameters
+from s3flow.protocol import NumericSettings, check_numbers
 
 __all__ = ["F0_LOOKAHEAD_FRAMES", "StreamSettings", "StreamError", "VocoderState", "AudioChunk", "VocoderStream"]
 
@@ -51,7 +51,7 @@ F0_LOOKAHEAD_FRAMES = 5
 
 
 @dataclass
-class StreamSettings:
+class StreamSettings(NumericSettings):
     """The vocoder model's knobs (each a ``parameters`` entry of its Triton config).
 
     ``context_frames`` and ``lookahead_frames`` default to cover the full-size HiFT's receptive field (about
@@ -64,12 +64,6 @@ class StreamSettings:
     idle_timeout_s: float = 60.0
     max_live_sequences: int = 256
     max_utterance_frames: int = 3000
-
-    @classmethod
-    def from_parameters(cls, params: Mapping[str, str]) -> "StreamSettings":
-        s = cls(**numbers_from_parameters(cls, params))
-        s.check()
-        return s
 
     def check(self) -> None:
         check_numbers(self, "vocoder setting",
