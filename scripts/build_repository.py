@@ -40,7 +40,8 @@ from s3flow.model.flow import FlowConfig  # noqa: E402
 from s3flow.protocol import Limits  # noqa: E402
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES  # noqa: E402
 from s3flow.engine.vocoder_stream import StreamSettings  # noqa: E402
-from s3flow.serving.repository import Batching, RepositorySettings, VoiceSettings, write_repository  # noqa: E402
+from s3flow.serving.repository import (TRITON_IDLE_GRACE_S, Batching, RepositorySettings, VoiceSettings,  # noqa: E402
+                                       write_repository)
 
 
 def parse_args(argv=None):
@@ -88,6 +89,10 @@ def parse_args(argv=None):
     b.add_argument("--preferred-batch-sizes", type=int, nargs="*", default=list(d.preferred_batch_sizes))
     b.add_argument("--max-queue-delay-us", type=int, default=d.max_queue_delay_us)
     b.add_argument("--max-candidate-sequences", type=int, default=d.max_candidate_sequences)
+    b.add_argument("--triton-idle-grace-s", type=float, default=None,
+                   help="seconds Triton keeps an idle sequence after the models' --idle-timeout-s; it counts a "
+                        "computing chunk as idle, so it must exceed the longest chunk (default: "
+                        + ", ".join(f"{k} {v:g}" for k, v in TRITON_IDLE_GRACE_S.items()) + ")")
     b.add_argument("--solver-instances", type=int, default=d.solver_instances)
     b.add_argument("--estimator-instances", type=int, default=d.estimator_instances)
     b.add_argument("--ort-threads", type=int, default=0,
@@ -119,7 +124,7 @@ def main(argv=None) -> int:
                         solver_instances=args.solver_instances, estimator_instances=args.estimator_instances)
     settings = RepositorySettings(target=args.target, limits=limits, batching=batching, ort_threads=args.ort_threads,
                                   gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype,
-                                  vocoder_backend=args.vocoder_backend,
+                                  vocoder_backend=args.vocoder_backend, triton_idle_grace_s=args.triton_idle_grace_s,
                                   voices=VoiceSettings(args.voice_dir, args.max_voices, args.max_voice_bytes))
     voice_ckpt = None
     if args.voice:

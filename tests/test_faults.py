@@ -34,7 +34,7 @@ from s3flow.model.checkpoint import load_flow, read_checkpoint, write_random_che
 from s3flow.model.flow import FlowConfig
 from s3flow.protocol import Limits
 from s3flow.serving.metrics import metric_sum, read_metrics
-from s3flow.serving.repository import TRITON_IDLE_GRACE_S, Batching, RepositorySettings, write_repository
+from s3flow.serving.repository import Batching, RepositorySettings, write_repository
 from s3flow.serving.triton_server import TritonServer, free_port
 from s3flow_client import StreamError, StreamingClient
 from s3flow_client.demo import demo_utterance
@@ -43,6 +43,7 @@ from s3flow_client.wire import infer_inputs
 ROOT = Path(__file__).resolve().parents[1]
 
 IDLE_S = 2.0
+GRACE_S = 5.0   # Triton forgets a sequence GRACE_S after the solver (chunks here take well under a second)
 LIMITS = Limits(max_steps=20, max_utterance_frames=1000, max_live_sequences=3, idle_timeout_s=IDLE_S)
 MODELS = ["token2mel", "cfm_solver", "flow_encoder", "estimator"]
 
@@ -51,7 +52,8 @@ MODELS = ["token2mel", "cfm_solver", "flow_encoder", "estimator"]
 def repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=3))
-    settings = RepositorySettings(limits=LIMITS, batching=Batching(max_queue_delay_us=2000), ort_threads=1)
+    settings = RepositorySettings(limits=LIMITS, batching=Batching(max_queue_delay_us=2000), ort_threads=1,
+                                  triton_idle_grace_s=GRACE_S)
     write_repository(root / "repo", flow, settings)
     return root / "repo"
 
@@ -252,7 +254,7 @@ def test_client_vanishing_through_the_ensemble_frees_the_state_after_the_idle_ti
 
 @pytest.mark.server
 def test_idle_sequence_is_evicted_and_a_later_chunk_gets_the_solvers_message(server):
-    """The solver evicts a sequence idle for idle_timeout_s; Triton forgets it TRITON_IDLE_GRACE_S later, so a
+    """The solver evicts a sequence idle for idle_timeout_s; Triton forgets it GRACE_S later, so a
     chunk sent in between still reaches the solver, whose message says what happened. The late chunk goes
     in the middle of that window, idle_timeout_s + grace / 2 after the START: without the grace (Triton's
     idle timeout equal to the solver's) Triton would have forgotten the sequence grace / 2 earlier and
@@ -264,13 +266,13 @@ def test_idle_sequence_is_evicted_and_a_later_chunk_gets_the_solvers_message(ser
     assert solver_metrics(server)[0] == 1
     took = wait_live(server, 0, IDLE_S + 3)
     assert took > IDLE_S - 0.5
-    late = answered + IDLE_S + TRITON_IDLE_GRACE_S / 2
+    late = answered + IDLE_S + GRACE_S / 2
     time.sleep(max(late - time.monotonic(), 0.0))
     sent = time.monotonic() - answered
     with pytest.raises(InferenceServerException) as info:
         infer(server, 803, False, True, tensors(u, 10, 20, False))
-    assert sent < IDLE_S + TRITON_IDLE_GRACE_S - 1.0, f"the late chunk went {sent:.1f} s after the START: too " \
-        f"close to Triton's own timeout ({IDLE_S + TRITON_IDLE_GRACE_S} s) to tell the two apart"
+    assert sent < IDLE_S + GRACE_S - 1.0, f"the late chunk went {sent:.1f} s after the START: too " \
+        f"close to Triton's own timeout ({IDLE_S + GRACE_S} s) to tell the two apart"
     message = str(info.value)
     assert "sequence 803 is not active" in message and f"evicted after {IDLE_S} s idle" in message, message
     assert "START flag" not in message, message
@@ -316,7 +318,7 @@ def test_abandoned_and_refused_sequences_cannot_jam_the_server(server):
     began = {}
     [r] = StreamingClient(server.grpc_url, timeout_s=60).synthesize(
         [good], progress=lambda _: began.setdefault("t", time.monotonic()))
-    reclaim = IDLE_S + TRITON_IDLE_GRACE_S
+    reclaim = IDLE_S + GRACE_S
     print(f"\nfull server answered in {answered:.2f} s; the new utterance began {began['t'] - t0:.2f} s after "
           f"the rogue vanished (reclaim {reclaim} s); retries {r.retries}")
     assert answered < 2.0 and r.error is None and r.mel.shape == (80, 50)

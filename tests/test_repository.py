@@ -16,10 +16,23 @@ def test_solver_config_carries_every_limit_and_round_trips():
     assert Limits.from_parameters(Params(cfg).raw) == limits
     assert cfg.max_batch_size == 4 and cfg.sequence_batching.WhichOneof("strategy_choice") == "oldest"
     idle = cfg.sequence_batching.max_sequence_idle_microseconds
-    assert idle == int((7.5 + TRITON_IDLE_GRACE_S) * 1e6), "Triton must forget a sequence after the solver"
+    assert idle == int((7.5 + TRITON_IDLE_GRACE_S["cpu"]) * 1e6), "Triton must forget a sequence after the solver"
     kinds = {c.kind for ci in cfg.sequence_batching.control_input for c in ci.control}
     assert kinds == {mc.ModelSequenceBatching.Control.Kind.Value(k) for k in (
         "CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END", "CONTROL_SEQUENCE_READY", "CONTROL_SEQUENCE_CORRID")}
+
+
+def test_triton_idle_grace_is_per_target_and_a_setting():
+    """Triton counts a computing chunk as idle: its window is the idle timeout + a grace that outlasts the longest
+    chunk (seconds on CPU, milliseconds on a GPU), for the solver and the vocoder alike."""
+    limits = Limits(idle_timeout_s=5.0)
+    def idle(settings):
+        return solver_config(80, False, settings).sequence_batching.max_sequence_idle_microseconds
+    assert idle(RepositorySettings(limits=limits)) == 35_000_000
+    assert idle(RepositorySettings(target="gpu", limits=limits)) == 10_000_000
+    assert idle(RepositorySettings(limits=limits, triton_idle_grace_s=12.5)) == 17_500_000
+    with pytest.raises(ValueError, match="triton_idle_grace_s must be > 0, got 0"):
+        RepositorySettings(triton_idle_grace_s=0).check()
 
 
 def test_ensemble_has_no_sequence_batching_and_maps_every_tensor():

@@ -21,7 +21,7 @@ from s3flow.contract import (AUDIO_RESPONSE, ENCODER_MODEL, ESTIMATOR_MODEL, MEL
                              VOICE_ENCODER_OUTPUTS, stateless_tensors)
 from s3flow.serving.model_config import (ModelConfig, add_ensemble_step, add_instances, add_sequence_controls,
                                          add_tensors, set_parameters, set_strategy)
-from s3flow.serving.repository_settings import TRITON_IDLE_GRACE_S, RepositorySettings
+from s3flow.serving.repository_settings import RepositorySettings
 
 PYTHON = "python"
 
@@ -40,9 +40,7 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> ModelC
     and knob a parameter."""
     b, lim, v = s.batching, s.limits, s.voices
     config = _python("cfm_solver", b.max_batch_size)
-    # Triton forgets an idle sequence a little after the solver evicts it, so that a late chunk reaches the
-    # solver and gets its clear "evicted after N s idle" error rather than Triton's "must specify START".
-    seq = add_sequence_controls(config, int((lim.idle_timeout_s + TRITON_IDLE_GRACE_S) * 1e6))
+    seq = add_sequence_controls(config, s.triton_idle_us(lim.idle_timeout_s))
     set_strategy(seq, b.strategy, b.max_queue_delay_us, b.max_candidate_sequences, b.preferred_batch_sizes)
     add_tensors(config, REQUEST, MEL_RESPONSE, n_feats=n_feats)
     # on GPU hosts the solver runs on the device its BLS tensors live on
@@ -101,7 +99,7 @@ def vocoder_config(n_feats: int, s: RepositorySettings, stream, source) -> Model
 
     backend = vocoder_backend_for(s.target, s.vocoder_backend)   # torch on the gpu target: HiFT on the GPU
     config = _python("vocoder", s.batching.max_batch_size)
-    seq = add_sequence_controls(config, int(stream.idle_timeout_s * 1e6))
+    seq = add_sequence_controls(config, s.triton_idle_us(stream.idle_timeout_s))
     set_strategy(seq, "oldest", 0, s.batching.max_candidate_sequences)
     add_tensors(config, VOCODER_INPUTS, VOCODER_OUTPUTS, n_feats=n_feats)
     add_instances(config, 1, gpu=backend == "torch" and s.target == "gpu")

@@ -10,15 +10,19 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Optional
 
 from s3flow.protocol import Limits
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES
 
 Target = Literal["cpu", "gpu"]
 
-#: Seconds Triton keeps an idle sequence after the solver has evicted its state.
-TRITON_IDLE_GRACE_S = 5.0
+#: Seconds Triton keeps an idle sequence after the solver's (and the vocoder's) idle timeout, by target, unless
+#: ``RepositorySettings.triton_idle_grace_s`` says otherwise. Triton counts a sequence idle while its chunk
+#: computes (no request of it queued), so the grace must exceed the longest chunk: milliseconds on a GPU; on 2 CPU
+#: cores the full-size model's last chunk of a 10 s utterance took over 10 s (scripts/benchmark.py lost that
+#: sequence with a 5 s grace).
+TRITON_IDLE_GRACE_S = {"cpu": 30.0, "gpu": 5.0}
 GPU_BACKENDS = ("tensorrt", "torch")
 
 
@@ -80,6 +84,18 @@ class RepositorySettings:
     warmup: bool = True                     # warm every model up at load (s3flow.serving.warmup)
     vocoder_backend: Literal["auto", "onnx", "torch"] = "auto"  # auto: torch on the GPU (gpu), onnx (cpu)
     voices: VoiceSettings = field(default_factory=VoiceSettings)
+    #: seconds Triton keeps an idle sequence after the models' idle timeout (None: TRITON_IDLE_GRACE_S[target])
+    triton_idle_grace_s: Optional[float] = None
+
+    @property
+    def idle_grace_s(self) -> float:
+        return TRITON_IDLE_GRACE_S[self.target] if self.triton_idle_grace_s is None else self.triton_idle_grace_s
+
+    def triton_idle_us(self, idle_timeout_s: float) -> int:
+        """Triton's ``max_sequence_idle_microseconds`` for a model that evicts after ``idle_timeout_s``: a
+        late chunk reaches the model and gets its clear "evicted after N s idle" rather than Triton's "must
+        specify START", and a chunk computing for up to the grace is not taken for idleness."""
+        return int((idle_timeout_s + self.idle_grace_s) * 1e6)
 
     def check(self) -> None:
         """Every part's own check, and the rules between them; ValueError names the bad value."""
@@ -98,3 +114,5 @@ class RepositorySettings:
             raise ValueError(f"gpu_backend must be 'tensorrt' or 'torch', got {self.gpu_backend!r}")
         if self.torch_dtype not in DTYPES:
             raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)}, got {self.torch_dtype!r}")
+        if not self.idle_grace_s > 0:
+            raise ValueError(f"triton_idle_grace_s must be > 0, got {self.idle_grace_s}")
