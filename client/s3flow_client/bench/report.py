@@ -241,7 +241,8 @@ def write_report(report: Report, path: Path) -> str:
         f"- utterances: {', '.join(f'{x:g}' for x in s['seconds'])} s of speech tokens after a {s['prompt_seconds']:g} s "
         f"prompt; regular = 10 Euler steps, guided (B = 2 per utterance); meanflow = 2 steps, B = 1",
         f"- streaming chunk schedule: first {SCHEDULE[0]} tokens, x{SCHEDULE[1]:g}, at most {SCHEDULE[2]} "
-        f"(each chunk re-runs the prefix); offline = one request with every token",
+        f"(bounded context: each chunk solves the prompt, the last context_frames emitted frames and its new "
+        f"tokens); offline = one request with every token",
         f"- timings: best of {s['repeats']} (offline, first chunk); the served stream once; "
         f"batching section: {report.batching_size}",
         f"- served repository: {s['batching']}",
