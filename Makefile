@@ -3,7 +3,8 @@
 #               tritonserver, stream its ~5 s held-out demo utterance, write out/mel_0.npy and
 #               out/mel_0.png (ground truth above the streamed mel), stop the server.
 #               MEANFLOW=1: the 2-step student; SIZE=full: full-size seeded random weights (cost only);
-#               VOICE=1: start by a voice registered from a reference wav made here (voice_encoder)
+#               VOICE=1: start by a voice registered from a reference wav made here (voice_encoder);
+#               TEXT="..." [SPEAKER=0-7]: speak your own sentence in one of the corpus' voices (espeak-ng)
 #   make test   set up and run the test suite (what .ci/run calls)
 PY311   ?= /usr/bin/python3.11
 VENV    ?= .venv
@@ -12,19 +13,21 @@ SIZE    ?= small
 SECONDS ?= 5
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast benchmark clean train
+.PHONY: setup demo test test-fast benchmark clean train espeak
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml contract/pyproject.toml client/pyproject.toml
 	@test -x $(PY311) || { echo "need the system Python 3.11 at $(PY311) (the Triton stub embeds it): apt-get install python3.11-venv"; exit 1; }
 	test -x $(PYTHON) || $(PY311) -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
-	$(PYTHON) -m pip install -q $$(test -d /opt/wheels && echo --find-links /opt/wheels) -e ".[server,test]"
+	$(PYTHON) -m pip install -q $$(test -d /opt/wheels && echo --find-links /opt/wheels) -e contract -e client \
+	  -e ".[server,test,train]"
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-demo: setup
-	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS) $(if $(MEANFLOW),--meanflow) $(if $(VOICE),--voice)
+demo: setup $(if $(TEXT),espeak)
+	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS) $(if $(MEANFLOW),--meanflow) $(if $(VOICE),--voice) \
+	  $(if $(TEXT),--text "$(TEXT)" --speaker $(or $(SPEAKER),0))
 
 test: setup
 	$(PYTHON) -m pytest -q -rs
@@ -39,11 +42,14 @@ clean:
 	rm -rf $(VENV) model_repository/*/ out/
 	find checkpoints -mindepth 1 -maxdepth 1 ! -name trained -exec rm -rf {} + 2>/dev/null || true
 
-# Retrain the small demo models (checkpoints/trained/) from scratch: espeak-ng corpus, CFM teacher,
-# meanflow student (scripts/train_small.py), about 31 minutes on 2 cores, seeded. Installs espeak-ng when
-# missing. Figures: scripts/evaluate_small.py (results/small_model.md).
-train: setup
+# Retrain the small demo models (checkpoints/trained/) from scratch: espeak-ng corpus, HiFT vocoder, CFM
+# teacher, meanflow student (scripts/train_small.py), seeded, several hours on 2 cores; BUDGET=60 stops after
+# an hour (run again to go on from where it stopped). Figures: scripts/evaluate_small.py (results/small_model.md).
+train: setup espeak
+	$(PYTHON) scripts/train_small.py $(if $(BUDGET),--budget-min $(BUDGET))
+
+# espeak-ng (Debian) for the corpus and for `make demo TEXT=...`; installed when missing
+espeak:
 	@command -v espeak-ng >/dev/null || { echo "installing espeak-ng (apt-get)"; \
 	  apt-get update -qq && apt-get install -y -qq espeak-ng >/dev/null; } || \
 	  { echo "espeak-ng is needed: apt-get install -y espeak-ng (as root)"; exit 1; }
-	$(PYTHON) scripts/train_small.py

@@ -12,7 +12,7 @@
 #   S3FLOW_STATE                where the repository, random checkpoint and engines live [/var/lib/s3flow]
 #   S3FLOW_CUDA_POOL_BYTES      CUDA memory pool per GPU for GPU tensors between models [2147483648]
 #   S3FLOW_DRAIN_DEADLINE_S     on SIGTERM: how long utterances in flight may take to finish while new ones
-#                               are refused (python -m s3flow.serving.drain; docs/reliability.md, "Rollout") [60]
+#                               are refused (python -m s3flow.server.drain; docs/reliability.md, "Rollout") [60]
 #   S3FLOW_DRAIN_FILE           the drain flag file the solver checks; the k8s preStop hook and readiness
 #                               probe use the same path [/tmp/s3flow-draining]
 #   S3FLOW_EXIT_TIMEOUT_S       after the drain: how long tritonserver waits for requests still open [15]
@@ -76,7 +76,7 @@ log "starting tritonserver on $GPUS GPU(s) under the drain supervisor"
 export S3FLOW_DRAIN_FILE=${S3FLOW_DRAIN_FILE:-/tmp/s3flow-draining}
 # allocations of 1 MiB and more are mapped one by one, so what a long utterance needed goes back to the system
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-1048576}
-exec python3 -m s3flow.serving.drain supervise --deadline-s "${S3FLOW_DRAIN_DEADLINE_S:-60}" \
+exec python3 -m s3flow.server.drain supervise --deadline-s "${S3FLOW_DRAIN_DEADLINE_S:-60}" \
     --drain-file "$S3FLOW_DRAIN_FILE" --metrics-url http://127.0.0.1:8002/metrics -- \
     tritonserver --model-repository="$REPO" --model-control-mode=none --disable-auto-complete-config \
     --http-port=8000 --grpc-port=8001 --metrics-port=8002 --allow-metrics=true --allow-gpu-metrics=true \

@@ -18,7 +18,7 @@ latency at 1, 2, 4 and 8 concurrent streams against the same utterances streamed
 It prints one table of ratios against the targets and writes it, with the machine, the settings and the
 detail tables, to ``results/benchmark.md``. It checks its own outputs (ONNX Runtime and served mel against
 eager, served first chunk against in-process) and exits non-zero when one is off. The results and tables
-are ``s3flow_client.bench.report``, the served loads ``s3flow_client.bench.served``.
+are ``s3flow_tools.bench.report``, the served loads ``s3flow_tools.bench.served``.
 
 Examples::
 
@@ -54,25 +54,25 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
-sys.path.insert(0, str(ROOT / "client"))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from s3flow.engine.streaming import StreamingEngine, planned_calls  # noqa: E402
-from s3flow.model.checkpoint import load_flow, random_flow  # noqa: E402
-from s3flow.model.flops import chunk_calls, estimator_flops, solve_flops  # noqa: E402
-from s3flow.model.flow import FlowConfig, TorchEstimator, synthesize  # noqa: E402
-from s3flow.protocol import Limits, parse_request  # noqa: E402
-from s3flow.runtime.ort import OrtEncoder, OrtEstimator, OrtSettings  # noqa: E402
-from s3flow.serving.repository import Batching, RepositorySettings, write_repository  # noqa: E402
-from s3flow.serving.triton_server import TritonServer  # noqa: E402
-from s3flow_client import StreamingClient, Utterance, chunk_schedule  # noqa: E402
-from s3flow_client.bench.report import (MEL_ATOL, RATIO_HEADER, SCHEDULE, CaseResult, PathResult,  # noqa: E402
+from s3flow.engine.streaming import StreamingEngine, planned_calls
+from s3flow.model.checkpoint import load_flow, random_flow
+from s3flow.model.flops import chunk_calls, estimator_flops, solve_flops
+from s3flow.model.flow import FlowConfig, TorchEstimator, synthesize
+from s3flow.engine.settings import SolverSettings
+from s3flow.serving.session import SolverSession, stream_in_process
+from s3flow.runtime.ort import OrtEncoder, OrtEstimator, OrtSettings
+from s3flow.repository.generator import write_repository
+from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.server.triton_server import TritonServer
+from s3flow_client import StreamingClient, Utterance, chunk_schedule
+from s3flow_tools.bench.report import (MEL_ATOL, RATIO_HEADER, SCHEDULE, CaseResult, PathResult,
                                         Report, log, machine, markdown, ratio_table, write_report)
-from s3flow_client.bench.served import ServerStats, measure_batching  # noqa: E402
-from s3flow_client.demo import demo_utterance  # noqa: E402
+from s3flow_tools.bench.served import ServerStats, measure_batching
+from s3flow_client.demo import demo_utterance
 
 
 STEPS = {"regular": 10, "meanflow": 2}
@@ -93,11 +93,11 @@ class TimedEstimator:
     def reset(self) -> None:
         self.calls, self.seconds = [], 0.0
 
-    def __call__(self, x, mask, mu, t, spks, cond, r=None):
+    def __call__(self, inputs):
         t0 = time.perf_counter()
-        v = self.fn(x, mask, mu, t, spks, cond, r)
+        v = self.fn(inputs)
         self.seconds += time.perf_counter() - t0
-        self.calls.append((int(x.shape[0]), int(x.shape[2])))
+        self.calls.append((int(inputs.x.shape[0]), int(inputs.x.shape[2])))
         return v
 
 
@@ -120,14 +120,15 @@ def _timed(fn: Callable) -> float:
 
 
 def engine_chunk(engine: StreamingEngine, u: Utterance, n_tokens: int, final: bool, corr_id: int = 1):
-    """Time the first chunk (n_tokens) of u through an in-process engine; return (seconds, mel)."""
-    t0 = time.perf_counter()
-    req = parse_request(u.request(0, n_tokens, start=True), start=True, end=final, limits=engine.limits,
-                        n_feats=engine.n_feats)
-    [res] = engine.run([engine.admit(corr_id, req)])
-    seconds = time.perf_counter() - t0
-    engine.store.drop(corr_id)
-    return seconds, res.mel
+    """Time the first chunk (n_tokens) of u through an in-process engine (``stream_in_process``); return
+    (seconds, mel)."""
+    session = SolverSession(engine)
+    got = stream_in_process(session, u.speech_tokens, [n_tokens], corr_id=corr_id, end=final,
+                            prompt_tokens=u.prompt_tokens, prompt_mel=u.prompt_mel,
+                            speaker_embedding=u.speaker_embedding, seed=u.seed, n_timesteps=u.n_timesteps,
+                            guidance_rate=u.guidance_rate)
+    session.cancel(corr_id)
+    return got.latencies_s[0], got.mel
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,6 +146,7 @@ MICRO_FRAMES = (300, 64)
 def measure_estimator_alone(flow, repo: Path, args, report: Report) -> None:
     """One estimator forward at B = 2 (one guided utterance), T = 300 and 64 frames: eager, ONNX Runtime on
     the file as exported, and with the load-time CPU rewrite; interleaved, best of N."""
+    from s3flow.model.solver import EstimatorInputs
     from s3flow.runtime.onnx_export import make_estimator_inputs
 
     path = repo / "estimator" / "1" / "model.onnx"
@@ -153,13 +155,13 @@ def measure_estimator_alone(flow, repo: Path, args, report: Report) -> None:
            "ort": OrtEstimator(path, OrtSettings(threads=args.threads))}
     reps = max(args.repeats, 2) + 1
     for frames in MICRO_FRAMES:
-        inputs = make_estimator_inputs(flow.estimator, 2, frames, lengths=[frames, frames])
+        inputs = EstimatorInputs(**make_estimator_inputs(flow.estimator, 2, frames, lengths=[frames, frames]))
         for fn in fns.values():
-            fn(**inputs)
+            fn(inputs)
         times = {k: [] for k in fns}
         for _ in range(reps if frames >= 300 else 3 * reps):   # interleaved: all see the same machine
             for name, fn in fns.items():
-                times[name].append(_timed(lambda: fn(**inputs)))
+                times[name].append(_timed(lambda: fn(inputs)))
         report.micro[frames] = {k: min(v) for k, v in times.items()}
         report.micro_flops[frames] = estimator_flops(flow.config.estimator, 2, frames).total
         log(f"estimator alone, B=2 T={frames}: " + ", ".join(f"{k} {v:.3f} s" for k, v in report.micro[frames].items()))
@@ -170,7 +172,7 @@ def measure_mode(mode: str, flow, repo: Path, args, report: Report, batching_her
     meanflow = flow.config.meanflow
     cfg = flow.config.estimator
     threads = args.threads
-    limits = Limits()
+    solver = SolverSettings()
     ort_settings = OrtSettings(threads=threads)
 
     eager_est = TimedEstimator(TorchEstimator(flow.estimator))
@@ -180,10 +182,11 @@ def measure_mode(mode: str, flow, repo: Path, args, report: Report, batching_her
             return flow.encoder(tokens, token_len, embedding)
 
     eager_engine = StreamingEngine(encode_torch, eager_est, n_feats=flow.config.n_feats, meanflow=meanflow,
-                                   limits=limits)
+                                   solving=solver.solving)
     ort_est = TimedEstimator(OrtEstimator(repo / "estimator" / "1" / "model.onnx", ort_settings))
     ort_enc = OrtEncoder(repo / "flow_encoder" / "1" / "model.onnx", OrtSettings(threads=threads))
-    ort_engine = StreamingEngine(ort_enc, ort_est, n_feats=flow.config.n_feats, meanflow=meanflow, limits=limits)
+    ort_engine = StreamingEngine(ort_enc, ort_est, n_feats=flow.config.n_feats, meanflow=meanflow,
+                                 solving=solver.solving)
 
     if mode == "regular" and not args.no_micro:
         measure_estimator_alone(flow, repo, args, report)
@@ -245,7 +248,7 @@ def measure_mode(mode: str, flow, repo: Path, args, report: Report, batching_her
             served.nfe_stream = d["estimator"][1]
             served.stream_estimator_s = d["estimator"][0]
             served.stream_flops = solve_flops(cfg, planned_calls(cfg.out_channels, len(u.prompt_tokens), sched,
-                                                                 limits.context_frames, steps, meanflow=meanflow))
+                                                                 solver.solving.context_frames, steps, meanflow=meanflow))
             eager.nfe_stream = ort_r.nfe_stream = served.nfe_stream
             case.paths = {"eager": eager, "ort": ort_r, "served": served}
             case.checks = {"ort vs eager (offline mel)": float(np.abs(ort_mel - ref_mel).max()),
@@ -309,7 +312,7 @@ def parse_args(argv=None):
 
 def build_repo(flow, out: Path, threads: int, batching: Batching) -> Path:
     t0 = time.perf_counter()
-    write_repository(out, flow, RepositorySettings(limits=Limits(), batching=batching, ort_threads=threads))
+    write_repository(out, flow, RepositorySettings(batching=batching, ort_threads=threads))
     log(f"wrote repository {out} ({time.perf_counter() - t0:.0f} s)")
     return out
 

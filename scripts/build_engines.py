@@ -41,14 +41,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
 
-from s3flow.runtime import tensorrt as tb  # noqa: E402
-from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE  # noqa: E402
-from s3flow.serving.repository_backends import read_solver_settings, set_backend as _set_backend  # noqa: E402
+from s3flow.runtime import tensorrt as tb
+from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE
+from s3flow.repository.backends import read_served_shapes, set_backend as _set_backend
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repository", type=Path, default=ROOT / "model_repository",
                    help="gpu-target repository from build_repository.py (default: %(default)s)")
@@ -79,16 +78,20 @@ def parse_args(argv=None):
     s.add_argument("--max-tokens", type=int, help="encoder tokens, prompt included")
     s.add_argument("--opt-frames", type=int, default=300, help="(default: %(default)s)")
     s.add_argument("--opt-tokens", type=int, default=150, help="(default: %(default)s)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def profiles(args) -> dict:
-    st = read_solver_settings(args.repository)
+    st = read_served_shapes(args.repository)
     batch = args.max_batch or st.max_batch
     return {"estimator": tb.estimator_profile(st.n_feats, st.meanflow, batch,
-                                              args.max_frames or tb.max_frames(st.limits),
+                                              args.max_frames or tb.max_frames(st),
                                               opt_frames=args.opt_frames),
-            "flow_encoder": tb.encoder_profile(batch, args.max_tokens or tb.max_tokens(st.limits),
+            "flow_encoder": tb.encoder_profile(batch, args.max_tokens or tb.max_tokens(st),
                                                opt_tokens=args.opt_tokens, n_feats=st.n_feats)}
 
 

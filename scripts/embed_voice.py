@@ -27,10 +27,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "python_backend"))
 
-from s3flow.model.voice import VoiceFrontend, VoiceLimits  # noqa: E402
-from s3flow.model.voice.wavio import read_wav  # noqa: E402
+from s3flow.model.voice import VoiceFrontend, VoiceLimits
+from s3flow_client.audio import read_wav
 
 
 def parse_args(argv=None) -> argparse.Namespace:

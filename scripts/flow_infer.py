@@ -29,12 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backend"))
 
-from s3flow.model.checkpoint import load_flow  # noqa: E402
-from s3flow.contract import LOOKAHEAD_FRAMES, TOKEN_MEL_RATIO  # noqa: E402
-from s3flow.model.flow import synthesize  # noqa: E402
+from s3flow.model.checkpoint import load_flow
+from s3flow_contract.tensors import LOOKAHEAD_FRAMES, TOKEN_MEL_RATIO
+from s3flow.model.flow import synthesize
 
 REQUIRED = ("speech_tokens", "prompt_tokens", "prompt_feat", "embedding", "z", "n_timesteps", "finalize")
 

@@ -31,7 +31,7 @@ fp32): fp32 1e-3, TF32 1e-2, fp16 2e-2, bf16 5e-2; streamed vs offline 1e-3; eng
 offline on the device 1e-5.
 
 The report, the plans and flows, and the sections that need no streaming engine (precision, estimator,
-TensorRT) live in ``s3flow.runtime.gpu_check``; the streaming sections (engine, token2wav, throughput) are here.
+TensorRT) live in ``s3flow_tools.gpu_check``; the streaming sections (engine, token2wav, throughput) are here.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for sub in ("python_backend", "client"):  # no install needed: the GPU host has torch but not our .venv
+for sub in ("python_backend", "contract", "tools"):  # no install: the GPU host has torch but not our .venv
     sys.path.insert(0, str(ROOT / sub))
 
 import numpy as np  # noqa: E402
@@ -54,12 +54,13 @@ import torch  # noqa: E402
 
 from s3flow.engine.streaming import StreamingEngine  # noqa: E402
 from s3flow.model.flow import FlowConfig  # noqa: E402
-from s3flow.protocol import Limits, parse_request  # noqa: E402
+from s3flow.engine.sequences import Capacity  # noqa: E402
+from s3flow.serving.session import Incoming, SolverSession  # noqa: E402
 from s3flow.runtime import tensorrt as tb  # noqa: E402
-from s3flow.runtime.gpu_check.flows import (FULL, QUICK, FlowModes, Plan, Utterance, random_flow,  # noqa: E402
+from s3flow_tools.gpu_check.flows import (FULL, QUICK, FlowModes, Plan, Utterance, random_flow,  # noqa: E402
                                             request, set_tf32, utterance)
-from s3flow.runtime.gpu_check.report import BOUNDS, Clock, Report, environment, rel_error, table  # noqa: E402
-from s3flow.runtime.gpu_check.sections import estimator_section, precision_section, tensorrt_section  # noqa: E402
+from s3flow_tools.gpu_check.report import BOUNDS, Clock, Report, environment, rel_error, table  # noqa: E402
+from s3flow_tools.gpu_check.sections import estimator_section, precision_section, tensorrt_section  # noqa: E402
 
 
 def device_engine(fm: FlowModes, estimator) -> StreamingEngine:
@@ -69,15 +70,22 @@ def device_engine(fm: FlowModes, estimator) -> StreamingEngine:
         with torch.inference_mode():
             return enc(tokens.to(dev), token_len.to(dev), embedding.to(dev))
     return StreamingEngine(encode, estimator, n_feats=fm.dev.config.n_feats, meanflow=fm.dev.config.meanflow,
-                           limits=Limits())
+                           capacity=Capacity(max_live_sequences=256))
+
+
+def answers(session: SolverSession, incoming: list[Incoming]) -> list:
+    """The results of one batch of requests through the served session logic (raises on an error answer)."""
+    outcomes = session.handle(incoming)
+    errors = [o.error for o in outcomes if o.error is not None]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    return [o.result for o in outcomes]
 
 
 def run_batch(engine: StreamingEngine, utts: list[Utterance], base_id: int, steps: int) -> list:
-    items = []
-    for i, u in enumerate(utts):
-        req = parse_request(request(u, steps), start=True, end=True, limits=engine.limits, n_feats=engine.n_feats)
-        items.append(engine.admit(base_id + i, req))
-    return engine.run(items)
+    """Each utterance as one START+END request, all in one batch (one padded solve)."""
+    return answers(SolverSession(engine), [Incoming(base_id + i, start=True, end=True, inputs=request(u, steps))
+                                           for i, u in enumerate(utts)])
 
 
 def streaming_section(rep: Report, fm: FlowModes, plan: Plan) -> None:
@@ -151,12 +159,12 @@ def token2wav_section(rep: Report, fm: FlowModes, plan: Plan, clock_cpu: Clock, 
     stream = VocoderStream(dev.f0, dev.decode, params, StreamSettings(), n_feats=fm.dev.config.n_feats)
     sizes = token_chunks(len(u.speech), first=max(1, plan.speech_tokens // 10))
     state, mels, audio, first_audio_s, at = stream.start(u.seed), [], [], None, 0
+    session = SolverSession(engine)
     t0 = time.perf_counter()
     for k, n in enumerate(sizes):
         end = k == len(sizes) - 1
         inputs = request(u, plan.steps, speech=u.speech[at:at + n], start=k == 0)
-        req = parse_request(inputs, start=k == 0, end=end, limits=engine.limits, n_feats=engine.n_feats)
-        [res] = engine.run([engine.admit(7000, req)])
+        [res] = answers(session, [Incoming(7000, start=k == 0, end=end, inputs=inputs)])
         chunk = stream.push(state, res.mel, res.frame_offset, end=end)
         if chunk.sample_offset != sum(a.size for a in audio):
             raise AssertionError(f"sample offset {chunk.sample_offset} does not continue {sum(a.size for a in audio)}")

@@ -17,7 +17,7 @@ It builds a small seeded model repository into a temporary folder and starts tri
 (or takes ``--repository``, or ``--url`` of a running server), writes a markdown report (default
 ``results/load_test.md``) and exits non-zero on any lost, misordered or miscounted frame, any error, an
 output mismatch, a time-limit overrun or RSS growth beyond the bound. The phases and the frame accounting
-are ``s3flow_client.bench.load``; this script finds or starts the server and writes the report.
+are ``s3flow_tools.bench.load``; this script finds or starts the server and writes the report.
 
 Examples (from the repository root)::
 
@@ -41,10 +41,8 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backend"))  # fallbacks when the packages are not installed
-sys.path.insert(0, str(ROOT / "client"))
 
-from s3flow_client.bench.load import (OUTPUT_ATOL, LoadReport, MemoryReport, run_load, run_memory,  # noqa: E402
+from s3flow_tools.bench.load import (OUTPUT_ATOL, LoadReport, MemoryReport, run_load, run_memory,
                                       solver_stub_pid)
 
 
@@ -155,8 +153,8 @@ def main(argv=None) -> int:
             url, pid, metrics_url = args.url, args.server_pid, args.metrics_url
             setup = f"running server at {url}."
         else:
-            from s3flow.serving.triton_server import TritonServer
-            from s3flow_client.bench.repos import load_test_repository
+            from s3flow.server.triton_server import TritonServer
+            from s3flow_tools.bench.repos import load_test_repository
 
             repo = args.repository or load_test_repository(Path(tmp), streams=args.streams)
             what = f"the repository {repo}" if args.repository else \

@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
 
-from s3flow_training.data import VOCAB_SIZE, DataSettings, Dataset, build_dataset, espeak_available  # noqa: E402
+from s3flow_training.data import VOCAB_SIZE, DataSettings, Dataset, build_dataset, espeak_available
 
 DEFAULT_OUT = ROOT / "build" / "small_data" / "dataset.npz"
 
@@ -72,7 +71,7 @@ def main(argv=None) -> int:
     settings = DataSettings(n_sentences=args.sentences, voices_per_sentence=args.voices_per_sentence,
                             codebook_size=args.codebook_size, heldout_fraction=args.heldout_fraction,
                             seed=args.seed)
-    ds = make(settings, args.out)
+    make(settings, args.out)
     problems = check(Dataset.load(args.out))
     for line in problems:
         print("error:", line, file=sys.stderr)

@@ -30,16 +30,15 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backend"))
-sys.path.insert(0, str(ROOT / "client"))
 
-from s3flow.model.checkpoint import load_flow, write_random_checkpoint  # noqa: E402
-from s3flow.model.flow import FlowConfig  # noqa: E402
-from s3flow.protocol import Limits  # noqa: E402
-from s3flow.serving.repository import Batching, RepositorySettings, write_repository  # noqa: E402
-from s3flow.serving.triton_server import TritonServer  # noqa: E402
-from s3flow_client import StreamingClient  # noqa: E402
-from s3flow_client.demo import demo_utterance, demo_utterances  # noqa: E402
+from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.flow import FlowConfig
+from s3flow.engine.settings import SolverSettings
+from s3flow.repository.generator import write_repository
+from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.server.triton_server import TritonServer
+from s3flow_client import StreamingClient
+from s3flow_client.demo import demo_utterance, demo_utterances
 
 N, AFTER_CHUNKS = 8, 12
 
@@ -97,7 +96,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="failover-"))
     flow = load_flow(write_random_checkpoint(work / "ckpt.safetensors", FlowConfig.small(), seed=4))
-    write_repository(work / "repo", flow, RepositorySettings(limits=Limits(max_steps=20), batching=Batching(),
+    write_repository(work / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=20), batching=Batching(),
                                                              ort_threads=1))
     rows = []
     with TritonServer(work / "repo", log_file=work / "b.log") as b:

@@ -30,13 +30,12 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
-sys.path.insert(0, str(ROOT / "client"))
 
-from s3flow.model.checkpoint import load_flow  # noqa: E402
-from s3flow_training.evaluate import load_heldout, synthesize_one  # noqa: E402
-from s3flow_training.streaming_eval import long_utterances, measure  # noqa: E402
-from s3flow_client import chunk_schedule  # noqa: E402
+from s3flow.model.checkpoint import load_flow
+from s3flow_training.evaluate import synthesize_one
+from s3flow_training.package import load_heldout
+from s3flow_training.streaming_eval import long_utterances, measure
+from s3flow_client import chunk_schedule
 
 TRAINED = ROOT / "checkpoints" / "trained"
 

@@ -32,11 +32,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backend"))  # fallbacks when the packages are not installed
-sys.path.insert(0, str(ROOT / "client"))
 
-from s3flow_client.bench.repos import warmup_repository  # noqa: E402
-from s3flow_client.bench.served import model_stats  # noqa: E402
+from s3flow_tools.bench.repos import warmup_repository
+from s3flow_tools.bench.served import model_stats
 
 MODELS = ("flow_encoder", "estimator", "cfm_solver", "vocoder")
 
@@ -47,7 +45,7 @@ def per_execution_ms(a: dict, b: dict, model: str) -> float:
 
 
 def one_start(repo: Path, model: str, utterances: int, seconds: float, steps: int, log_dir: Path) -> dict:
-    from s3flow.serving.triton_server import TritonServer
+    from s3flow.server.triton_server import TritonServer
     from s3flow_client import StreamingClient
     from s3flow_client.demo import demo_utterance
 

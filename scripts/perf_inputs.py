@@ -10,7 +10,7 @@ correlation id. Step 0 (sent with sequence START) carries the prompt tensors (``
 ``guidance_rate``) and the first speech-token chunk; the later steps carry only ``speech_tokens``; the last
 step is sent with END. Every tensor is ``{"content": [...row-major...], "shape": [...]}`` without the
 batch dimension (perf_analyzer adds it: ``-b 1``). Names, dtypes and dims are those of the generated model
-config (``s3flow.serving.repository``); every step also passes the server's own validator
+config (``s3flow.repository.generator``); every step also passes the server's own validator
 (``s3flow.protocol.parse_request``) before the file is written.
 
 Every stream has exactly ``--sequence-length`` steps (the client's growing chunk schedule, the tail merged
@@ -48,16 +48,14 @@ from typing import Iterable, Optional
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backend"))  # fallbacks when the packages are not installed
-sys.path.insert(0, str(ROOT / "client"))
 
-from s3flow.contract import REQUEST, request_arrays  # noqa: E402
-from s3flow.contract import TOKEN_MEL_RATIO  # noqa: E402
-from s3flow.protocol import START_ONLY, Limits, parse_request  # noqa: E402
-from s3flow.serving.model_config import read_config  # noqa: E402
+from s3flow_contract.tensors import REQUEST, request_arrays
+from s3flow_contract.tensors import TOKEN_MEL_RATIO
+from s3flow.protocol import START_ONLY, RequestRules, parse_request
+from s3flow.repository.model_config import read_config
 
 HELDOUT = ROOT / "checkpoints" / "trained" / "heldout.npz"
-#: Triton's wire type -> numpy dtype, for the request's tensors (s3flow.contract)
+#: Triton's wire type -> numpy dtype, for the request's tensors (s3flow_contract.tensors)
 NP_DTYPES = {t.wire_type: t.np_dtype for t in REQUEST}
 
 
@@ -73,12 +71,13 @@ class ModelInput:
 
 def model_inputs(config=None, n_feats: int = 80) -> dict[str, ModelInput]:
     """The inputs of ``token2mel`` (``token2wav`` takes the same) from its ``ModelConfig`` (a served one, or
-    ``s3flow.serving.model_config.read_config`` of a ``config.pbtxt``), or from the config
-    ``s3flow.serving.repository`` generates when none is given."""
+    ``s3flow.repository.model_config.read_config`` of a ``config.pbtxt``), or from the config
+    ``s3flow.repository.generator`` generates when none is given."""
     from tritonclient.grpc import model_config_pb2
 
     if config is None:
-        from s3flow.serving.repository import RepositorySettings, ensemble_config
+        from s3flow.repository.settings import RepositorySettings
+        from s3flow.repository.configs import ensemble_config
         config = ensemble_config(n_feats, RepositorySettings())
     return {i.name: ModelInput(i.name, model_config_pb2.DataType.Name(i.data_type).removeprefix("TYPE_"),
                                tuple(i.dims), i.optional) for i in config.input}
@@ -172,7 +171,7 @@ def step_arrays(step: dict, inputs: dict[str, ModelInput]) -> dict[str, np.ndarr
     return out
 
 
-def check_input_data(doc: dict, inputs: dict[str, ModelInput], limits: Limits = Limits(),
+def check_input_data(doc: dict, inputs: dict[str, ModelInput], rules: RequestRules = RequestRules(),
                      n_feats: int = 80) -> list[str]:
     """The rules perf_analyzer's loader applies (docs/input_data.md; src/data_loader.cc) and then the
     server's: returns the problems found, [] when the document is good.
@@ -229,7 +228,7 @@ def check_input_data(doc: dict, inputs: dict[str, ModelInput], limits: Limits = 
                 continue
             try:
                 parse_request(step_arrays(step, inputs), start=k == 0, end=k == len(stream) - 1,
-                              limits=limits, n_feats=n_feats)
+                              rules=rules, n_feats=n_feats)
             except ValueError as err:
                 problems.append(f"{where}: the server would refuse it: {err}")
         if stream and isinstance(stream[0], dict) and not set(START_ONLY) & set(stream[0]):

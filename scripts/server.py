@@ -24,11 +24,7 @@ import pathlib
 import sys
 import time
 
-try:
-    from s3flow.serving import triton_server
-except ImportError:  # not pip-installed yet: use the source tree
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "python_backend"))
-    from s3flow.serving import triton_server
+from s3flow.server import triton_server
 
 
 def _read_pid(pid_file: pathlib.Path) -> int | None:

@@ -2,10 +2,10 @@
 """Server-side batching experiments: one table row per setting of a grid.
 
 For each setting it writes the repository's configs again with the generator's own
-``s3flow.serving.repository.write_flow_configs`` (the ONNX files are exported once), restarts tritonserver
+``s3flow.repository.generator.write_flow_configs`` (the ONNX files are exported once), restarts tritonserver
 (loopback only), drives the same fixed streaming load and prints one row: throughput (seconds of audio per
 wall second), p50 / p99 chunk latency, p50 first-chunk latency, chunks per solver execute and errors. The
-knobs are those of ``s3flow.serving.repository.Batching`` plus ``ort_threads``:
+knobs are those of ``s3flow.repository.generator.Batching`` plus ``ort_threads``:
 
   strategy (oldest | direct), max_batch_size, preferred_batch_sizes (joined by '+', e.g. 4+8),
   max_queue_delay_us, max_candidate_sequences, solver_instances, estimator_instances, encoder_instances,
@@ -45,17 +45,15 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backend"))
-sys.path.insert(0, str(ROOT / "client"))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from s3flow_client.bench.report import fmt, log, machine, markdown, percentile  # noqa: E402
-from s3flow_client.bench.served import batching_load, run_load  # noqa: E402
-from s3flow.model.checkpoint import load_flow, random_flow  # noqa: E402
-from s3flow.model.flow import FlowConfig  # noqa: E402
-from s3flow.protocol import Limits  # noqa: E402
-from s3flow.serving.repository import Batching, RepositorySettings, write_flow_configs, write_repository  # noqa: E402
-from s3flow.serving.triton_server import TritonServer, TritonServerError  # noqa: E402
+from s3flow_tools.bench.report import fmt, log, machine, markdown, percentile
+from s3flow_tools.bench.served import batching_load, run_load
+from s3flow.model.checkpoint import load_flow, random_flow
+from s3flow.model.flow import FlowConfig
+from s3flow.engine.settings import SolverSettings
+from s3flow.repository.generator import write_flow_configs, write_repository
+from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.server.triton_server import TritonServer, TritonServerError
 
 KNOBS = [f.name for f in dataclasses.fields(Batching)] + ["ort_threads"]
 
@@ -107,13 +105,13 @@ def settings_from_args(args) -> list[dict]:
     return [dict(s) for s in DEFAULT_SETTINGS]
 
 
-def repository_settings(setting: dict, limits: Limits) -> RepositorySettings:
+def repository_settings(setting: dict, solver: SolverSettings) -> RepositorySettings:
     knobs = {k: v for k, v in setting.items() if k != "ort_threads"}
     batching = dataclasses.replace(Batching(), **knobs)
     if batching.strategy == "oldest":  # as write_repository requires: the solver refuses what Triton would queue
-        limits = dataclasses.replace(limits, max_live_sequences=min(limits.max_live_sequences,
-                                                                    batching.max_candidate_sequences - 1))
-    return RepositorySettings(limits=limits, batching=batching, ort_threads=setting.get("ort_threads", 0))
+        solver = solver.replace(max_live_sequences=min(solver.capacity.max_live_sequences,
+                                                       batching.max_candidate_sequences - 1))
+    return RepositorySettings(solver=solver, batching=batching, ort_threads=setting.get("ort_threads", 0))
 
 
 def served_differs(grpc_url: str, s: RepositorySettings) -> str:
@@ -164,7 +162,7 @@ def parse_args(argv=None):
     try:
         args.settings = settings_from_args(args)
         for s in args.settings:
-            repository_settings(s, Limits()).batching.check()
+            repository_settings(s, SolverSettings()).batching.check()
     except (argparse.ArgumentTypeError, ValueError) as exc:
         p.error(str(exc))
     return args
@@ -187,9 +185,9 @@ def main(argv=None) -> int:
         flow = random_flow(config, seed=0).eval()
     n_feats, meanflow = flow.config.n_feats, flow.config.meanflow
     # the solver holds fewer live sequences than Triton's oldest batcher keeps candidates (256 by default)
-    limits = Limits(max_live_sequences=min(Batching().max_candidate_sequences - 1, max(8, 4 * args.streams)))
+    solver = SolverSettings.of(max_live_sequences=min(Batching().max_candidate_sequences - 1, max(8, 4 * args.streams)))
     repo = work / "repo"
-    base = repository_settings({}, limits)
+    base = repository_settings({}, solver)
     write_repository(repo, flow, base)
     del flow
     utts = batching_load(args.streams, args.seconds, args.prompt_seconds, args.steps)
@@ -203,7 +201,7 @@ def main(argv=None) -> int:
             log(f"time limit reached: {len(settings) - k} settings not run")
             break
         name = describe(setting)
-        wanted = repository_settings(setting, limits)
+        wanted = repository_settings(setting, solver)
         write_flow_configs(repo, n_feats, meanflow, wanted)
         try:
             with TritonServer(repo, log_file=work / f"server_{k}.log") as server:

@@ -1,32 +1,42 @@
 #!/usr/bin/env python3
-"""Retrain the small demo models from scratch: corpus, CFM teacher, meanflow student, held-out files.
+"""Train the small demo models in time-boxed, resumable runs: corpus, vocoder, CFM teacher, meanflow student.
 
 Examples::
 
-    make train                                       # installs espeak-ng when missing, then runs this
-    .venv/bin/python scripts/train_small.py          # the shipped checkpoints/trained/ (about 31 min, 2 cores)
-    .venv/bin/python scripts/train_small.py --quick --out /tmp/trained   # a smoke run of a minute or two
+    make train                                               # installs espeak-ng when missing, runs this to the end
+    .venv/bin/python scripts/train_small.py --budget-min 60  # one hour of work, then stop; run again to go on
+    .venv/bin/python scripts/train_small.py --phases vocoder --budget-min 30
+    .venv/bin/python scripts/train_small.py --quick --out /tmp/trained   # a smoke run of a few minutes
 
-Steps (all seeded; see ``s3flow_training``):
+Phases (all seeded; see ``s3flow_training``), in this order:
 
-1. ``scripts/make_dataset.py``: espeak-ng corpus -> ``<workdir>/dataset.npz`` (reused when it exists
-   and was made with the same settings);
-2. teacher: ``train_teacher`` (CFM loss, condition dropout 0.2) -> ``<out>/teacher.safetensors``;
-3. student: ``train_student`` (meanflow, distilled from the guided teacher) -> ``<out>/student.safetensors``;
-4. ``<out>/heldout.npz`` (the held-out utterances with prompts and ground truth, the first one per voice
-   first),
-   ``<out>/demo_utt.npz`` (a ~5 s held-out utterance in flow_infer / s3flow_client ``--inputs`` format),
-   ``<out>/training.json`` (settings, losses, time of each step).
+1. ``dataset``: the espeak-ng corpus -> ``<workdir>/dataset.npz`` (+ its waveforms), reused when it exists
+   and was made with the same settings;
+2. ``package``: the files that ship beside the checkpoints: ``heldout.npz`` (held-out sentences with
+   prompts, ground-truth mel and the 16 kHz reference recordings), ``demo_utt.npz`` (the demo's ~5 s
+   held-out sentence in the client's ``--inputs`` format, with its recording), ``frontend.npz`` (the
+   corpus' voices, codebook and voice statistics: the small model's stand-in for T3's tokens);
+3. ``vocoder``: HiFT on the corpus' waveforms -> ``<out>/vocoder.safetensors`` (``mel2wav.*`` layout);
+4. ``teacher``: CFM loss, condition dropout 0.2 -> ``<out>/teacher.safetensors``;
+5. ``student``: meanflow, distilled from the guided teacher -> ``<out>/student.safetensors``.
 
-Both checkpoints record their FlowConfig, so ``load_flow`` and ``scripts/build_repository.py
---checkpoint`` need no flags. At the end the script reloads both files and checks that the teacher's
-guided 10-step mel of the held-out utterances is closer to the ground truth than the mean-mel baseline
-(the mel every frame of which is the voice's mean); it exits non-zero if not, or on any failure.
+A phase's schedule is fixed (its total steps); each run does as much of it as ``--budget-min`` leaves
+(the budget covers the whole invocation), writes the phase's current EMA weights to ``<out>`` and its
+whole state to ``<workdir>/train_state/<phase>.pt``, and the next run goes on from there. Without that
+state (a fresh clone) an unfinished phase goes on from its committed checkpoint and the step
+``training.json`` records (fresh optimiser). The student starts when the teacher is finished.
+``<out>/training.json`` records the settings, the configs, and for every phase each run's steps, losses,
+wall and CPU seconds.
+
+Checks at the end, on held-out sentences, for each finished phase (exit 1 when one fails): the teacher's
+guided 10-step mel is closer to the ground truth than the voice's mean spectrum; the vocoder's audio of the
+true mel is more intelligible (ESTOI) than Griffin-Lim's of the same mel.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import platform
 import resource
@@ -38,22 +48,20 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python_backend"))  # fallback when the package is not installed
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from s3flow.model.checkpoint import load_flow, write_checkpoint  # noqa: E402
-from s3flow_training.data import DataSettings, Dataset, espeak_available  # noqa: E402
-from s3flow_training.evaluate import (heldout_utterances, save_demo_input, save_heldout,  # noqa: E402
-                                      synthesize_one)
-from s3flow_training.distill import train_student  # noqa: E402
-from s3flow_training.train import TrainSettings, train_teacher  # noqa: E402
+from s3flow.model.checkpoint import load_flow, write_checkpoint
+from s3flow.model.vocoder import load_vocoder, vocode, write_vocoder_checkpoint
+from s3flow_training.data import DataSettings, Dataset, build_dataset, espeak_available
+from s3flow_training.distill import train_student
+from s3flow_training.evaluate import synthesize_one
+from s3flow_training.intelligibility import griffin_lim, intelligibility
+from s3flow_training.package import load_heldout, write_package
+from s3flow_training.train import TrainSettings, train_teacher
+from s3flow_training.vocoder_train import VocoderCorpus, VocoderTrainSettings, train_vocoder
 
 DEFAULT_OUT = ROOT / "checkpoints" / "trained"
 DEFAULT_WORKDIR = ROOT / "build" / "small_data"
-#: The demo utterance's target length in tokens (5 s). Every other held-out utterance ships in heldout.npz
-#: (sentences never seen in training, with prompts and ground truth: a few MB), so evaluation and the
-#: streaming measurements need no espeak-ng.
-DEMO_TOKENS = 125
+PHASES = ("dataset", "package", "vocoder", "teacher", "student")
 
 
 def cpu_seconds() -> float:
@@ -62,9 +70,7 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
 
 
-def get_dataset(settings: DataSettings, workdir: Path, log) -> Dataset:
-    import make_dataset
-    path = workdir / "dataset.npz"
+def get_dataset(settings: DataSettings, path: Path, log) -> Dataset:
     if path.is_file():
         ds = Dataset.load(path)
         if ds.settings == settings:
@@ -73,108 +79,181 @@ def get_dataset(settings: DataSettings, workdir: Path, log) -> Dataset:
         log(f"{path} was made with other settings: rebuilding")
     if not espeak_available():
         raise SystemExit("error: espeak-ng not found; `make train` installs it (apt-get install -y espeak-ng)")
-    make_dataset.make(settings, path, log=log)
+    build_dataset(settings, log=log).save(path)
     return Dataset.load(path)
 
 
-def pick_shipped(utts, n: int, demo_tokens: int):
-    """The demo utterance (length closest to demo_tokens) and n utterances spread over the voices."""
-    demo = min(range(len(utts)), key=lambda k: abs(len(utts[k].speech_tokens) - demo_tokens))
-    chosen, voices = [], set()
-    for k, u in enumerate(utts):  # first one per voice, then fill in order
-        if u.voice not in voices and k != demo:
-            chosen.append(k)
-            voices.add(u.voice)
-    chosen += [k for k in range(len(utts)) if k not in chosen and k != demo]
-    return demo, sorted(chosen[:n])
+def settings_for(args) -> tuple[DataSettings, VocoderTrainSettings, TrainSettings]:
+    data, voc, flow = DataSettings(seed=args.seed), VocoderTrainSettings(seed=args.seed), TrainSettings(seed=args.seed)
+    if args.quick:
+        data = dataclasses.replace(data, n_sentences=40, voices_per_sentence=2, codebook_size=64, kmeans_iters=10)
+        voc = dataclasses.replace(voc, steps=20, true_f0_steps=10, warmup_steps=5, log_every=10, save_every=10)
+        flow = dataclasses.replace(flow, teacher_steps=30, student_rounds=8, batch_size=8, fine_steps=6,
+                                   prompt_tokens=(5, 40), uncond_steps=10, warmup_steps=10, log_every=10,
+                                   save_every=10)
+    return data, voc, flow
+
+
+class Record:
+    """``training.json``: settings, configs and every phase's runs; written after each phase run."""
+
+    def __init__(self, path: Path, base: dict):
+        self.path = path
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        same = all(old.get(k) == v for k, v in base.items())
+        self.data = {**base, "phases": old.get("phases", {}) if same else {}}
+        self.data.update({k: old[k] for k in ("configs", "parameters") if same and k in old})
+
+    def phase(self, name: str) -> dict:
+        return self.data["phases"].setdefault(name, {"finished": False, "steps_done": 0, "runs": []})
+
+    def add_run(self, name: str, run: dict, steps_done: int, finished: bool) -> None:
+        p = self.phase(name)
+        p["runs"].append(run)
+        p["steps_done"], p["finished"] = steps_done, finished
+        p["wall_s"] = round(sum(r["wall_s"] for r in p["runs"]), 1)
+        p["cpu_s"] = round(sum(r["cpu_s"] for r in p["runs"]), 1)
+        self.write()
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1) + "\n")
 
 
 def main(argv=None) -> int:
-    t_all, c_all = time.perf_counter(), cpu_seconds()
-    d, s = DataSettings(), TrainSettings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="(default: %(default)s)")
-    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help="corpus cache (default: %(default)s)")
+    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
+                   help="corpus and training state (default: %(default)s)")
+    p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset (default: %(default)s)")
+    p.add_argument("--budget-min", type=float, default=None,
+                   help="stop after this many minutes of this invocation (default: run every phase to its end)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
                    help="torch threads (default: %(default)s = this machine's cores)")
-    p.add_argument("--seed", type=int, default=s.seed, help="(default: %(default)s)")
-    p.add_argument("--teacher-steps", type=int, default=s.teacher_steps, help="(default: %(default)s)")
-    p.add_argument("--student-rounds", type=int, default=s.student_rounds, help="(default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="a small corpus and a few steps: a smoke run")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="a tiny corpus and a few steps: a smoke run")
     args = p.parse_args(argv)
+    phases = [x.strip() for x in args.phases.split(",") if x.strip()]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        p.error(f"unknown phases {sorted(unknown)}; choose from {', '.join(PHASES)}")
     torch.set_num_threads(args.threads)
-    lines = []
+    t_all = time.perf_counter()
+    deadline = None if args.budget_min is None else t_all + 60 * args.budget_min
+    workdir = args.workdir if not (args.quick and args.workdir == DEFAULT_WORKDIR) else args.out / "data_quick"
+    corpus = workdir / "dataset.npz"
+    state_dir = workdir / "train_state"
+    data_s, voc_s, flow_s = settings_for(args)
+    record = Record(args.out / "training.json", {
+        "data_settings": dataclasses.asdict(data_s), "vocoder_settings": dataclasses.asdict(voc_s),
+        "train_settings": dataclasses.asdict(flow_s), "quick": args.quick})
 
     def log(msg: str) -> None:
-        line = f"[{time.perf_counter() - t_all:7.1f} s] {msg}"
-        print(line, flush=True)
-        lines.append(line)
+        print(f"[{time.perf_counter() - t_all:7.1f} s] {msg}", flush=True)
 
-    data_settings = dataclasses.replace(d, seed=args.seed)
-    settings = dataclasses.replace(s, seed=args.seed, teacher_steps=args.teacher_steps,
-                                   student_rounds=args.student_rounds)
-    if args.quick:
-        data_settings = dataclasses.replace(data_settings, n_sentences=40, codebook_size=64, kmeans_iters=10)
-        settings = dataclasses.replace(settings, teacher_steps=min(args.teacher_steps, 40),
-                                       student_rounds=min(args.student_rounds, 10), batch_size=8,
-                                       fine_steps=6, log_every=10)
-    timings = {}
+    def budget_left() -> float | None:
+        return None if deadline is None else max(0.0, deadline - time.perf_counter())
 
-    def phase(name, fn):
+    def run_phase(name, fn):
+        """Run one slice of a phase; fn(budget_s) -> (steps_done, finished, losses)."""
         t, c = time.perf_counter(), cpu_seconds()
-        out = fn()
-        timings[name] = {"wall_s": round(time.perf_counter() - t, 1), "cpu_s": round(cpu_seconds() - c, 1)}
-        log(f"{name}: {timings[name]['wall_s']} s wall, {timings[name]['cpu_s']} s CPU")
-        return out
+        steps_done, finished, losses = fn(budget_left())
+        run = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "steps_to": steps_done,
+               "wall_s": round(time.perf_counter() - t, 1), "cpu_s": round(cpu_seconds() - c, 1),
+               "threads": args.threads, "losses": losses,
+               "load_average": [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]}
+        record.add_run(name, run, steps_done, finished)
+        log(f"{name}: {run['wall_s']} s wall, {run['cpu_s']} s CPU, at step {steps_done}"
+            f"{'' if finished else ' (not finished: run again to go on)'}")
+        return finished
 
-    workdir = args.workdir if not args.quick or args.workdir != DEFAULT_WORKDIR else args.out / "data_quick"
-    ds = phase("dataset", lambda: get_dataset(data_settings, workdir, log))
-    teacher = phase("teacher", lambda: train_teacher(ds, settings, log=log))
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_checkpoint(teacher, args.out / "teacher.safetensors")
-    student = phase("student", lambda: train_student(teacher, ds, settings, log=log))
-    write_checkpoint(student, args.out / "student.safetensors")
+    ds = get_dataset(data_s, corpus, log) if set(phases) - {"dataset"} or "dataset" in phases else None
+    if "dataset" in phases and not record.phase("dataset")["finished"]:
+        record.add_run("dataset", {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                                   "wall_s": round(time.perf_counter() - t_all, 1), "cpu_s": round(cpu_seconds(), 1),
+                                   "utterances": len(ds.utterances)}, 0, True)
+    if "package" in phases:
+        write_package(ds, corpus, args.out, seed=args.seed, log=log)
 
-    utts = heldout_utterances(ds, seed=args.seed)
-    demo, shipped = pick_shipped(utts, len(utts), DEMO_TOKENS)
-    save_heldout(args.out / "heldout.npz", [utts[k] for k in shipped])
-    save_demo_input(args.out / "demo_utt.npz", utts[demo], seed=0)
-    log(f"wrote {args.out}/teacher.safetensors, student.safetensors, heldout.npz ({len(shipped)} utterances), "
-        f"demo_utt.npz ({len(utts[demo].speech_tokens) / 25:.1f} s: {utts[demo].text!r})")
+    if "vocoder" in phases and not record.phase("vocoder")["finished"] and budget_left() != 0:
+        def vocoder_run(budget):
+            ckpt = args.out / "vocoder.safetensors"
+            done = record.phase("vocoder")["steps_done"]
+            start = load_vocoder(ckpt) if done and ckpt.is_file() else None
+            hift, info = train_vocoder(VocoderCorpus.open(corpus, log=log), voc_s, state_dir / "vocoder.pt",
+                                       budget, start=start, start_step=done if start else 0, log=log)
+            write_vocoder_checkpoint(hift, ckpt)
+            return info["steps_done"], info["finished"], info["last_losses"]
+        run_phase("vocoder", vocoder_run)
 
-    # self-check: reload both files (no flags) and compare with a mean-mel baseline
-    teacher2, student2 = load_flow(args.out / "teacher.safetensors"), load_flow(args.out / "student.safetensors")
-    ok = not teacher2.config.meanflow and student2.config.meanflow
-    errs, base = [], []
-    for k in shipped[:3]:
-        u = utts[k]
-        mel, _ = synthesize_one(teacher2, u, 10, 0.7, seed=k)
-        errs.append(np.abs(mel - u.mel).mean())
-        base.append(np.abs(ds.voice_stats[u.voice, 0][:, None] - u.mel).mean())
-    ok = ok and float(np.mean(errs)) < float(np.mean(base))
-    log(f"check: teacher guided 10-step mean abs error {np.mean(errs):.3f} vs mean-mel baseline "
-        f"{np.mean(base):.3f} on 3 held-out utterances: {'ok' if ok else 'FAILED'}")
+    if "teacher" in phases and not record.phase("teacher")["finished"] and budget_left() != 0:
+        def teacher_run(budget):
+            ckpt = args.out / "teacher.safetensors"
+            done = record.phase("teacher")["steps_done"]
+            start = load_flow(ckpt) if done and ckpt.is_file() else None
+            flow, info = train_teacher(ds, flow_s, log=log, state_path=state_dir / "teacher.pt", budget_s=budget,
+                                       start=start, start_step=done if start else 0)
+            write_checkpoint(flow, ckpt)
+            return info["steps_done"], info["finished"], {"loss": info["last_loss"]}
+        run_phase("teacher", teacher_run)
 
-    total = {"wall_s": round(time.perf_counter() - t_all, 1), "cpu_s": round(cpu_seconds() - c_all, 1)}
-    log(f"total: {total['wall_s']} s wall ({total['wall_s'] / 60:.1f} min), {total['cpu_s']} s CPU")
-    info = {"data_settings": dataclasses.asdict(data_settings), "train_settings": dataclasses.asdict(settings),
-            "teacher_config": teacher.config.to_dict(), "student_config": student.config.to_dict(),
-            "parameters": {"teacher": sum(p.numel() for p in teacher.parameters()),
-                           "teacher_estimator": sum(p.numel() for p in teacher.estimator.parameters()),
-                           "student_estimator": sum(p.numel() for p in student.estimator.parameters())},
-            "timings": {**timings, "total": total}, "threads": args.threads,
-            "machine": {"cpus": torch.get_num_threads(), "processor": platform.processor() or platform.machine(),
-                        "torch": torch.__version__, "load_average_at_end": list(map(float, _loadavg()))},
-            "log": lines, "quick": args.quick}
-    (args.out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    if "student" in phases and not record.phase("student")["finished"] and budget_left() != 0:
+        if not record.phase("teacher")["finished"]:
+            log("student: waits for the teacher to finish")
+        else:
+            def student_run(budget):
+                ckpt = args.out / "student.safetensors"
+                done = record.phase("student")["steps_done"]
+                start = load_flow(ckpt) if done and ckpt.is_file() else None
+                student, info = train_student(load_flow(args.out / "teacher.safetensors"), ds, flow_s, log=log,
+                                              state_path=state_dir / "student.pt", budget_s=budget, start=start,
+                                              start_step=done if start else 0)
+                write_checkpoint(student, ckpt)
+                return info["steps_done"], info["finished"], {"loss": info["last_loss"]}
+            run_phase("student", student_run)
+
+    ok = check(args.out, record, log)
+    configs = {}
+    for name in ("teacher", "student"):
+        if (args.out / f"{name}.safetensors").is_file():
+            flow = load_flow(args.out / f"{name}.safetensors")
+            configs[name] = flow.config.to_dict()
+            record.data.setdefault("parameters", {})[f"{name}_estimator"] = sum(
+                q.numel() for q in flow.estimator.parameters())
+            record.data["parameters"][name] = sum(q.numel() for q in flow.parameters())
+    if (args.out / "vocoder.safetensors").is_file():
+        hift = load_vocoder(args.out / "vocoder.safetensors")
+        configs["vocoder"] = hift.config.to_dict()
+        record.data.setdefault("parameters", {})["vocoder"] = sum(q.numel() for q in hift.parameters())
+    record.data["configs"] = configs
+    record.data["machine"] = {"processor": platform.processor() or platform.machine(), "torch": torch.__version__,
+                              "cores": len(__import__("os").sched_getaffinity(0))}
+    record.write()
+    log(f"total: {time.perf_counter() - t_all:.0f} s wall; phases finished: "
+        f"{[n for n in PHASES if record.phase(n)['finished']]}")
     return 0 if ok else 1
 
 
-def _loadavg():
-    try:
-        return Path("/proc/loadavg").read_text().split()[:3]
-    except OSError:
-        return []
+def check(out: Path, record: Record, log) -> bool:
+    """The end-of-run checks of every finished phase on three held-out sentences (module docstring)."""
+    utts = load_heldout(out / "heldout.npz")[:3]
+    ok = True
+    if record.phase("teacher")["finished"]:
+        flow = load_flow(out / "teacher.safetensors")
+        err = np.mean([np.abs(synthesize_one(flow, u, 10, 0.7, seed=k)[0] - u.mel).mean() for k, u in enumerate(utts)])
+        base = np.mean([np.abs(u.voice_mean[:, None] - u.mel).mean() for u in utts])
+        good = bool(err < base)
+        ok &= good
+        log(f"check: teacher guided 10-step mean abs error {err:.3f} vs mean-spectrum baseline {base:.3f}: "
+            f"{'ok' if good else 'FAILED'}")
+    if record.phase("vocoder")["finished"]:
+        hift = load_vocoder(out / "vocoder.safetensors")
+        ours = np.mean([intelligibility(u.reference, vocode(hift, u.mel)).estoi for u in utts])
+        gl = np.mean([intelligibility(u.reference, griffin_lim(u.mel)).estoi for u in utts])
+        good = bool(ours > gl)
+        ok &= good
+        log(f"check: vocoder ESTOI on the true mel {ours:.3f} vs Griffin-Lim {gl:.3f}: {'ok' if good else 'FAILED'}")
+    return ok
 
 
 if __name__ == "__main__":

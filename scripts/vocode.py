@@ -26,9 +26,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "python_backend"))
 
-from s3flow.model.vocoder import load_vocoder  # noqa: E402
+from s3flow.model.vocoder import load_vocoder
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -7,7 +7,9 @@ import torch
 
 from s3flow.model.checkpoint import random_flow
 from s3flow.model.flow import FlowConfig, TorchEstimator, synthesize
-from s3flow.protocol import Limits, parse_request
+from s3flow.engine.observer import NO_OBSERVER, Observer
+from s3flow.engine.settings import SolverSettings
+from s3flow.protocol import RequestRules, parse_request
 from s3flow.engine.streaming import StreamingEngine
 from s3flow_client import Utterance
 
@@ -24,9 +26,23 @@ def torch_encoder(flow):
     return encode
 
 
-def make_engine(flow, limits: Limits | None = None) -> StreamingEngine:
+class DropLog(Observer):
+    """An engine observer that records every dropped sequence as (corr_id, reason), in order."""
+
+    def __init__(self, drops: list | None = None):
+        self.drops: list[tuple[object, str]] = [] if drops is None else drops
+
+    def sequence_dropped(self, corr_id, reason: str) -> None:
+        self.drops.append((corr_id, reason))
+
+
+def make_engine(flow, settings: SolverSettings | None = None, observer: Observer = NO_OBSERVER) -> StreamingEngine:
+    """The served engine over the flow's torch modules, with ``settings``' chunk solving and capacity (the
+    request rules are the driver's: ``stream_in_process(..., rules=settings.rules)``)."""
+    settings = settings or SolverSettings()
     return StreamingEngine(torch_encoder(flow), TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
-                           meanflow=flow.config.meanflow, limits=limits or Limits())
+                           meanflow=flow.config.meanflow, solving=settings.solving, capacity=settings.capacity,
+                           observer=observer)
 
 
 def request_inputs(u: Utterance, lo: int, hi: int, first: bool) -> dict:
@@ -34,9 +50,11 @@ def request_inputs(u: Utterance, lo: int, hi: int, first: bool) -> dict:
     return u.request(lo, hi, first)
 
 
-def stream_in_process(engine: StreamingEngine, utts: list[Utterance], sizes: list[list[int]]):
-    """Drive several utterances chunk by chunk; chunks of the same round go in one engine.run batch.
-    Returns per utterance the list of ChunkResults."""
+def stream_in_process(engine: StreamingEngine, utts: list[Utterance], sizes: list[list[int]],
+                      rules: RequestRules | None = None):
+    """Drive several utterances chunk by chunk; chunks of the same round go in one engine.run batch, each
+    request validated by ``rules`` (default: the defaults). Returns per utterance the list of ChunkResults."""
+    rules = rules or RequestRules()
     out = [[] for _ in utts]
     rounds = max(len(s) for s in sizes)
     for k in range(rounds):
@@ -47,7 +65,7 @@ def stream_in_process(engine: StreamingEngine, utts: list[Utterance], sizes: lis
             lo = sum(s[:k])
             end = k == len(s) - 1
             req = parse_request(request_inputs(u, lo, lo + s[k], k == 0), start=k == 0, end=end,
-                                limits=engine.limits, n_feats=engine.n_feats)
+                                rules=rules, n_feats=engine.n_feats)
             items.append(engine.admit(100 + i, req))
             who.append(i)
         for i, res in zip(who, engine.run(items)):

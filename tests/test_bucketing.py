@@ -5,20 +5,19 @@ import pytest
 import torch
 
 from helpers import small_flow, stream_in_process, torch_encoder
-from s3flow.protocol import Limits
 from s3flow.serving.config_params import Params
-from s3flow.serving.repository import Batching, RepositorySettings, solver_config
+from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.repository.configs import solver_config
 from s3flow.engine.streaming import StreamingEngine
 from s3flow_client.demo import demo_utterance
 
 
 def engine(flow, ratio: float, calls: list):
-    def estimator(x, mask, mu, t, spks, cond, r=None):
-        calls.append((x.shape[0], x.shape[2]))
+    def estimator(inputs):
+        calls.append((inputs.x.shape[0], inputs.x.shape[2]))
         with torch.inference_mode():
-            return flow.estimator(x, mask, mu, t, spks, cond, r)
-    return StreamingEngine(torch_encoder(flow), estimator, n_feats=80, meanflow=False, limits=Limits(),
-                           bucket_ratio=ratio)
+            return flow.estimator(**inputs.named())
+    return StreamingEngine(torch_encoder(flow), estimator, n_feats=80, meanflow=False, bucket_ratio=ratio)
 
 
 def test_buckets_split_by_length_and_give_the_same_frames():
@@ -47,4 +46,4 @@ def test_bucket_ratio_is_a_checked_repository_setting():
     with pytest.raises(ValueError, match="length_bucket_ratio"):
         Batching(length_bucket_ratio=0.5).check()
     with pytest.raises(ValueError, match="bucket_ratio"):
-        StreamingEngine(None, None, n_feats=80, meanflow=False, limits=Limits(), bucket_ratio=0.5)
+        StreamingEngine(None, None, n_feats=80, meanflow=False, bucket_ratio=0.5)

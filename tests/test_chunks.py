@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.contract import LOOKAHEAD_FRAMES
-from s3flow.model.chunks import Carried, condition, solve_frames, stack_rows, starting_point
+from s3flow_contract.tensors import LOOKAHEAD_FRAMES
+from s3flow.model.chunks import NoisedMels, condition, solve_frames, stack_rows, starting_point
 from s3flow.model.solver import FrameNoise
 
 
@@ -33,7 +33,7 @@ def test_condition_puts_each_rows_prefix_in_cond_and_masks_from_the_lengths():
 def test_starting_point_pins_carried_frames_and_draws_fresh_noise_beyond():
     noise = FrameNoise(3, 4)
     prompt = noise.prompt(6)
-    carried = Carried(np.full((4, 10), 9.0, np.float32), start=2)      # frames [2, 12)
+    carried = NoisedMels(np.full((4, 10), 9.0, np.float32), start=2)      # frames [2, 12)
     z = starting_point(noise, prompt, 4, 20, carried)
     assert z.shape == (4, 6 + 16)
     np.testing.assert_array_equal(z[:, :6], prompt)
@@ -46,7 +46,7 @@ def test_starting_point_pins_carried_frames_and_draws_fresh_noise_beyond():
 def test_starting_point_refuses_a_carried_block_that_starts_after_the_window():
     noise = FrameNoise(0, 4)
     with pytest.raises(ValueError, match="noised_mels start at frame 8, after the solve's first frame 4"):
-        starting_point(noise, noise.prompt(2), 4, 10, Carried(np.zeros((4, 3), np.float32), start=8))
+        starting_point(noise, noise.prompt(2), 4, 10, NoisedMels(np.zeros((4, 3), np.float32), start=8))
 
 
 def test_stack_rows_pads_at_the_end():

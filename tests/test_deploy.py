@@ -16,10 +16,10 @@ What is checked, and against what:
   script it calls exists (and is copied into the image), every flag parses with that script's own argparse
   parser (``parse_args``); every ``python3 -m MODULE`` is importable in the image (a package root of
   pyproject.toml, copied in) and its arguments parse with the module's ``build_parser()``; the command after
-  ``s3flow.serving.drain supervise ... --`` is the server's; every tritonserver flag is one ``tritonserver --help``
+  ``s3flow.server.drain supervise ... --`` is the server's; every tritonserver flag is one ``tritonserver --help``
   lists, the ports are 8000/8001/8002, the repository it serves is the one it built, and the engine build gets
   the checkpoint the repository was built from;
-- probes and the compose healthcheck, ``httpGet`` or an exec of ``s3flow.serving.drain ready`` (what its ready() asks),
+- probes and the compose healthcheck, ``httpGet`` or an exec of ``s3flow.server.drain ready`` (what its ready() asks),
   ask Triton's health endpoints on the HTTP port (readiness: ``/v2/health/ready``); their modules import no
   torch (a probe starts every few seconds);
 - the stop sequence, against what the entrypoint runs: the hooks (preStop, probes, healthcheck), in the
@@ -76,9 +76,9 @@ HEALTH_PATHS = {"/v2/health/ready", "/v2/health/live"}
 READY_PATH = "/v2/health/ready"  # what a readiness probe must ask (live says nothing of the models)
 METRICS_PATH = "/metrics"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
-#: the graceful drain (python_backend/s3flow/serving/drain.py): the entrypoint's supervisor, the preStop hook, the
+#: the graceful drain (python_backend/s3flow/server/drain.py): the entrypoint's supervisor, the preStop hook, the
 #: readiness probe / compose healthcheck; the drain file's environment variable
-DRAIN_MODULE = "s3flow.serving.drain"
+DRAIN_MODULE = "s3flow.server.drain"
 DRAIN_FILE_ENV = "S3FLOW_DRAIN_FILE"
 #: modules a probe's process must not load: it starts every periodSeconds and must answer within
 #: timeoutSeconds, and torch alone takes seconds of CPU to import
@@ -154,8 +154,11 @@ def import_script(name: str):
 
 
 def parse_with(script: str, argv: list[str]):
-    """``scripts/<script>.py``'s own parse_args over argv; an unknown flag or bad choice fails the test."""
+    """``scripts/<script>.py``'s own parse_args over argv (the script's, or that of the module whose ``main`` the
+    script runs); an unknown flag or bad choice fails the test."""
     module = import_script(script)
+    if not hasattr(module, "parse_args"):
+        module = importlib.import_module(module.main.__module__)
     try:
         return module.parse_args(argv)
     except SystemExit as err:
@@ -164,8 +167,20 @@ def parse_with(script: str, argv: list[str]):
 
 # ------------------------------------------------------------------------------------------ python -m, drain
 def package_roots() -> list[str]:
-    """The folders whose packages the image's editable install (``pip install -e``) puts on ``sys.path``."""
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"]
+    """The folders whose packages the image's editable installs (``pip install -e /opt/s3flow/...`` in the
+    Dockerfile) put on ``sys.path``: each installed distribution's ``packages.find.where``, where the image
+    COPYs that folder."""
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    copied = {src.split("/")[0] for line in re.findall(r"^COPY (.+) \S+$", dockerfile, re.M) for src in line.split()}
+    roots = []
+    for dist in re.findall(r"-e /opt/s3flow(/[\w-]+)?", dockerfile):
+        folder = ROOT / dist.strip("/") if dist else ROOT
+        where = tomllib.loads((folder / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"]
+        for w in where:
+            root = (folder / w).resolve().relative_to(ROOT)
+            if root.parts and root.parts[0] in copied or not root.parts:
+                roots.append(str(root))
+    return roots
 
 
 def module_file(module: str) -> Optional[Path]:
@@ -186,7 +201,7 @@ def module_file(module: str) -> Optional[Path]:
 class ModuleCall:
     module: str
     args: argparse.Namespace
-    command: list[str]  # the command line after ``--`` (s3flow.serving.drain supervise: the server's)
+    command: list[str]  # the command line after ``--`` (s3flow.server.drain supervise: the server's)
 
 
 def python_module(command: list[str]) -> Optional[tuple[str, list[str]]]:
@@ -200,7 +215,7 @@ def parse_module_args(module: str, argv: list[str], env: dict[str, str]) -> Modu
     """``python3 -m MODULE argv`` as that module sees it, in a process with environment ``env``: the module is
     importable in the image (a package root, copied in), and argv parses with the module's own
     ``build_parser()`` (whose defaults read the environment); what follows ``--`` comes back apart, as
-    ``s3flow.serving.drain.main`` splits it."""
+    ``s3flow.server.drain.main`` splits it."""
     path = module_file(module)
     assert path is not None, f"python3 -m {module}: no such module under {package_roots()} (the image's sys.path)"
     rel = path.relative_to(ROOT).as_posix()
@@ -227,25 +242,25 @@ def loopback_url(url: str, port: int, paths: set[str], what: str) -> None:
 
 
 def drain_call(command: list[str], env: dict[str, str]) -> Optional[ModuleCall]:
-    """A ``python3 -m s3flow.serving.drain ...`` command line parsed (env: its process's environment) and held to what
-    ``s3flow.serving.drain.main`` demands; None for any other command."""
+    """A ``python3 -m s3flow.server.drain ...`` command line parsed (env: its process's environment) and held to what
+    ``s3flow.server.drain.main`` demands; None for any other command."""
     found = python_module(command)
     if found is None or found[0] != DRAIN_MODULE:
         return None
     call = parse_module_args(*found, env)
     if call.args.what == "supervise":
-        assert call.command, "s3flow.serving.drain supervise needs the server's command line after --"
+        assert call.command, "s3flow.server.drain supervise needs the server's command line after --"
     else:
-        assert not call.command, f"s3flow.serving.drain {call.args.what} takes no command after --"
+        assert not call.command, f"s3flow.server.drain {call.args.what} takes no command after --"
         assert call.args.drain_file, (f"{shlex.join(command)}: no drain file (neither --drain-file nor "
-                                      f"{DRAIN_FILE_ENV} in its environment): s3flow.serving.drain exits 2")
+                                      f"{DRAIN_FILE_ENV} in its environment): s3flow.server.drain exits 2")
     if call.args.what in ("supervise", "drain"):
-        loopback_url(call.args.metrics_url, PORTS["metrics"], {METRICS_PATH}, f"s3flow.serving.drain {call.args.what} metrics")
+        loopback_url(call.args.metrics_url, PORTS["metrics"], {METRICS_PATH}, f"s3flow.server.drain {call.args.what} metrics")
     return call
 
 
 def ready_urls(call: ModuleCall) -> list[str]:
-    """What ``s3flow.serving.drain ready`` asks: its own ready() run with urlopen recording instead of connecting."""
+    """What ``s3flow.server.drain ready`` asks: its own ready() run with urlopen recording instead of connecting."""
     asked = []
 
     def urlopen(url, *args, **kwargs):
@@ -258,12 +273,12 @@ def ready_urls(call: ModuleCall) -> list[str]:
 
 
 def health_urls(command: list[str], env: dict[str, str]) -> list[str]:
-    """The URLs a health-check command asks: ``python3 -m s3flow.serving.drain ready`` those its ready() asks (and it is
+    """The URLs a health-check command asks: ``python3 -m s3flow.server.drain ready`` those its ready() asks (and it is
     false while draining); any other command, the URLs written in it (another ``python3 -m`` module: importable
     in the image and its arguments accepted, as parse_module_args checks)."""
     call = drain_call(command, env)
     if call is not None:
-        assert call.args.what == "ready", f"{shlex.join(command)} is no health check (s3flow.serving.drain {call.args.what})"
+        assert call.args.what == "ready", f"{shlex.join(command)} is no health check (s3flow.server.drain {call.args.what})"
         return ready_urls(call)
     if python_module(command):
         parse_module_args(*python_module(command), env)
@@ -312,7 +327,7 @@ def check_shutdown(hooks: dict[str, list[str]], env: dict[str, str], grace_s: fl
         call = drain_call(command, env)
         if call is None:
             continue
-        assert call.args.what != "supervise", f"{where} runs s3flow.serving.drain supervise"
+        assert call.args.what != "supervise", f"{where} runs s3flow.server.drain supervise"
         assert call.args.drain_file == drain_file, \
             f"{where} uses drain file {call.args.drain_file!r}, the server watches {drain_file!r}"
         if call.args.what == "drain":
@@ -403,7 +418,7 @@ def test_schema_validation_catches_broken_manifests(rendered):
         "exec command as one string": lambda d: next(
             h["exec"] for c in d["spec"]["template"]["spec"]["containers"]
             for h in [c.get(p, {}) for p in PROBES] + list(c.get("lifecycle", {}).values())
-            if "exec" in h).update(command="python3 -m s3flow.serving.drain ready"),
+            if "exec" in h).update(command="python3 -m s3flow.server.drain ready"),
     }
     for what, breaker in breaks.items():
         doc = copy.deepcopy(deployment)
@@ -572,7 +587,7 @@ def missing_in_image(command: list[str]) -> list[str]:
 
 def test_exec_commands_must_name_what_the_image_holds():
     assert missing_in_image(["python3", "-m", "s3flow_client", "--help"]) == []
-    assert missing_in_image(["python3", "-m", "s3flow.serving.drain", "ready"]) == []
+    assert missing_in_image(["python3", "-m", "s3flow.server.drain", "ready"]) == []
     assert missing_in_image(["python3", "-m", "scripts.server"]) == ["scripts.server"]  # in the image, not importable
     assert missing_in_image(["sh", "-c", "python3 /opt/s3flow/scripts/server.py stop"]) == []
     assert missing_in_image(["python3", "-m", "s3flow.no_such_module"]) == ["s3flow.no_such_module"]
@@ -754,7 +769,7 @@ def healthcheck_command(service: dict) -> list[str]:
 
 def check_compose_healthcheck(service: dict) -> None:
     """The healthcheck (run by ``docker exec``: the service's environment, not the entrypoint's exports) asks
-    Triton's HTTP health endpoint, directly or through ``s3flow.serving.drain ready``."""
+    Triton's HTTP health endpoint, directly or through ``s3flow.server.drain ready``."""
     urls = health_urls(healthcheck_command(service), {**image_env(), **compose_env(service)})
     assert urls, "the healthcheck should ask Triton's HTTP health endpoint"
     for url in urls:
@@ -838,7 +853,7 @@ def run_entrypoint(tmp_path: Path, env: dict[str, str], extra_args=(), script: P
 @pytest.fixture(scope="module")
 def tritonserver_flags() -> set[str]:
     """Flags of the tritonserver binary from the pytriton wheel (Triton 2.51)."""
-    from s3flow.serving import triton_server
+    from s3flow.server import triton_server
 
     try:
         paths = triton_server.find_tritonserver()
@@ -856,7 +871,7 @@ def check_entrypoint_calls(calls: list[dict], tritonserver_flags: set[str], env:
 
     ``python3 scripts/X.py ...``: the script is in the image and its own parse_args takes the flags;
     ``python3 -m MODULE ...``: the module is importable in the image and its build_parser() takes them; the
-    command after ``s3flow.serving.drain supervise ... --`` is the server's, held to the same rules as a tritonserver
+    command after ``s3flow.server.drain supervise ... --`` is the server's, held to the same rules as a tritonserver
     the entrypoint starts itself."""
     image = image_files()
     scripts, supervisors = {}, []
@@ -906,7 +921,7 @@ def check_entrypoint_calls(calls: list[dict], tritonserver_flags: set[str], env:
         assert eng.torch_dtype == repo.torch_dtype
     for sup in supervisors:  # the supervisor watches the server's own metrics port
         loopback_url(sup.args.metrics_url, int(flags.get("--metrics-port") or PORTS["metrics"]), {METRICS_PATH},
-                     "s3flow.serving.drain supervise metrics")
+                     "s3flow.server.drain supervise metrics")
     return {"scripts": scripts, "tritonserver": argv, "flags": flags, "server_env": servers[0]["env"],
             "supervisor": supervisors[0] if supervisors else None}
 
@@ -968,7 +983,7 @@ def test_entrypoint_checks_catch_a_bad_flag(tmp_path, compose, tritonserver_flag
     breaks = {  # what: (pattern, replacement, the rule's message)
         "unknown script flag": (r"(python3\s+scripts/build_repository\.py)", r"\1 --no-such-flag", r"rejects"),
         "unknown server flag": (r"--model-repository=", "--model-repo=", r"does not know \['--model-repo'\]"),
-        "supervisor module missing": (r"-m s3flow\.serving\.drain supervise", "-m s3flow.serving.drainer supervise", r"no such module"),
+        "supervisor module missing": (r"-m s3flow\.server\.drain supervise", "-m s3flow.server.drainer supervise", r"no such module"),
         "unknown supervisor flag": (r"supervise --deadline-s", "supervise --no-such-flag --deadline-s", r"rejects"),
         "no -- before the server": (r" -- \\\n", " \\\n", r"rejects .*tritonserver"),
         "supervises another program": (r"\n(\s+)tritonserver --", r"\n\1tritonserverd --", r"not tritonserver"),
@@ -1074,7 +1089,7 @@ def test_drain_rules_catch_broken_compose_files(tmp_path, compose, tritonserver_
 
 
 def test_drain_module_is_the_one_the_rules_read():
-    """The names these rules use are s3flow.serving.drain's, and its parser is main()'s."""
+    """The names these rules use are s3flow.server.drain's, and its parser is main()'s."""
     drain = importlib.import_module(DRAIN_MODULE)
     assert drain.DRAIN_FILE_ENV == DRAIN_FILE_ENV
     assert "build_parser()" in inspect.getsource(drain.main), "main() should parse with build_parser()"

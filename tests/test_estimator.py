@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from s3flow import contract
+from s3flow_contract import tensors as contract
 from s3flow.model.estimator import ConditionalDecoder, EstimatorConfig, reset_time_embed_mixer
 from s3flow.runtime.onnx_export import (
     ESTIMATOR_OUTPUT_NAME,

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from s3flow.model.checkpoint import load_flow, write_random_checkpoint
-from s3flow.serving.drain import live_sequences, ready
+from s3flow.server.drain import live_sequences, ready
 from s3flow.model.flow import FlowConfig
-from s3flow.protocol import Limits
-from s3flow.serving.repository import Batching, RepositorySettings, write_repository
-from s3flow.serving.triton_server import TritonServer
+from s3flow.engine.settings import SolverSettings
+from s3flow.repository.generator import write_repository
+from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance, demo_utterances
 
@@ -30,7 +31,7 @@ TOLERANCE = 1e-3
 def repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("failover")
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=4))
-    settings = RepositorySettings(limits=Limits(max_steps=20, idle_timeout_s=5.0),
+    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, idle_timeout_s=5.0),
                                   batching=Batching(max_queue_delay_us=2000), ort_threads=1)
     write_repository(root / "repo", flow, settings)
     return root / "repo"

@@ -13,7 +13,6 @@ idle eviction; both paths are tested.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 import queue
@@ -29,13 +28,14 @@ import pytest
 import torch
 from tritonclient.utils import InferenceServerException
 
-from s3flow.contract import request_arrays
+from s3flow_contract.tensors import request_arrays
 from s3flow.model.checkpoint import load_flow, read_checkpoint, write_random_checkpoint
 from s3flow.model.flow import FlowConfig
-from s3flow.protocol import Limits
-from s3flow.serving.metrics import metric_sum, read_metrics
-from s3flow.serving.repository import Batching, RepositorySettings, write_repository
-from s3flow.serving.triton_server import TritonServer, free_port
+from s3flow.engine.settings import SolverSettings
+from s3flow.server.metrics_reader import metric_sum, read_metrics
+from s3flow.repository.generator import write_repository
+from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.server.triton_server import TritonServer, free_port
 from s3flow_client import StreamError, StreamingClient
 from s3flow_client.demo import demo_utterance
 from s3flow_client.wire import infer_inputs
@@ -44,15 +44,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 IDLE_S = 2.0
 GRACE_S = 5.0   # Triton forgets a sequence GRACE_S after the solver (chunks here take well under a second)
-LIMITS = Limits(max_steps=20, max_utterance_frames=1000, max_live_sequences=3, idle_timeout_s=IDLE_S)
-MODELS = ["token2mel", "cfm_solver", "flow_encoder", "estimator"]
+SOLVER = SolverSettings.of(max_steps=20, max_utterance_frames=1000, max_live_sequences=3, idle_timeout_s=IDLE_S)
+MODELS = ["token2mel", "admission", "cfm_solver", "flow_encoder", "estimator"]
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=3))
-    settings = RepositorySettings(limits=LIMITS, batching=Batching(max_queue_delay_us=2000), ort_threads=1,
+    settings = RepositorySettings(solver=SOLVER, batching=Batching(max_queue_delay_us=2000), ort_threads=1,
                                   triton_idle_grace_s=GRACE_S)
     write_repository(root / "repo", flow, settings)
     return root / "repo"
@@ -157,9 +157,9 @@ def test_a_failed_chunk_leaves_the_sequence_as_before_and_can_be_sent_again(tmp_
     again, continues the utterance exactly as an undisturbed one (and as the in-process engine). The
     streaming client retries such chunks by itself."""
     from helpers import make_engine, stream_in_process
-    limits = dataclasses.replace(LIMITS, idle_timeout_s=60.0, context_frames=20)
+    solver = SOLVER.replace(idle_timeout_s=60.0, context_frames=20)
     flow = load_flow(write_random_checkpoint(tmp_path / "ckpt.safetensors", FlowConfig.small(), seed=3))
-    write_repository(tmp_path / "repo", flow, RepositorySettings(limits=limits, ort_threads=1))
+    write_repository(tmp_path / "repo", flow, RepositorySettings(solver=solver, ort_threads=1))
     u = demo_utterance(1.6, seed=51, noise_seed=2)
     u.n_timesteps = 3
     bounds = [(0, 10), (10, 22), (22, 40)]
@@ -199,14 +199,14 @@ def test_a_failed_chunk_leaves_the_sequence_as_before_and_can_be_sent_again(tmp_
 
         stormy = client.synthesize(utts, progress=outage)
     assert sum(len(r.retries) for r in stormy) >= 1, "the outage was not seen"
-    assert all("send" in e and "again" in e for r in stormy for e in r.retries)
+    assert all("send" in e and "again" in e for r in stormy for e in r.retries), [r.retries for r in stormy]
     for a, b in zip(stormy, calm):
         np.testing.assert_allclose(a.mel, b.mel, atol=1e-5, rtol=0)
     assert [o for o, _ in got] == [o for o, _ in undisturbed] == [0, 14, 38]
     for (_, a), (_, b) in zip(got, undisturbed):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     u.chunks = [hi - lo for lo, hi in bounds]
-    [local] = stream_in_process(make_engine(flow, limits), [u], [u.chunks])
+    [local] = stream_in_process(make_engine(flow, solver), [u], [u.chunks], rules=solver.rules)
     for (_, a), r in zip(got, local):
         np.testing.assert_allclose(a, r.mel, atol=5e-4, rtol=0)
 

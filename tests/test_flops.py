@@ -10,9 +10,10 @@ from s3flow.model.encoder import random_encoder_inputs
 from s3flow.runtime.onnx_export import export_encoder
 from s3flow.model.estimator import ConditionalDecoder, EstimatorConfig
 from s3flow.model.flops import chunk_calls, estimator_flops, solve_flops
+from s3flow.model.solver import EstimatorInputs
 from s3flow.runtime.onnx_export import export_estimator, make_estimator_inputs
 from s3flow.runtime.ort import OrtEncoder, OrtEstimator, OrtSettings
-from s3flow.protocol import Limits
+from s3flow.engine.settings import ChunkSolving
 from s3flow.engine.streaming import StreamingEngine
 from s3flow_client.demo import demo_utterance
 
@@ -54,13 +55,13 @@ def test_chunk_calls_are_the_shapes_the_engine_runs(meanflow):
     flow = small_flow(meanflow)
     seen = []
 
-    def recording(x, mask, mu, t, spks, cond, r=None):
-        seen.append((x.shape[0], x.shape[2]))
+    def recording(inputs):
+        seen.append((inputs.x.shape[0], inputs.x.shape[2]))
         with torch.inference_mode():
-            return flow.estimator(x, mask, mu, t, spks, cond, r)
+            return flow.estimator(**inputs.named())
 
     engine = StreamingEngine(torch_encoder(flow), recording, n_feats=80, meanflow=meanflow,
-                             limits=Limits(context_frames=-1))  # chunk_calls models the prefix re-run
+                             solving=ChunkSolving(context_frames=-1))  # chunk_calls models the prefix re-run
     u = demo_utterance(1.2, seed=4)
     sizes = [7, 11, 12]
     u.n_timesteps = 3
@@ -92,11 +93,11 @@ def test_ort_estimator_and_encoder_equal_torch(onnx_files, meanflow, io_binding)
         inputs = make_estimator_inputs(flow.estimator, batch, frames, seed=frames)
         with torch.no_grad():
             ref = flow.estimator(**inputs)
-        got = est(**inputs)
+        got = est(EstimatorInputs(**inputs))
         assert got.shape == ref.shape
         torch.testing.assert_close(got, ref, atol=5e-5, rtol=0)
     with pytest.raises(ValueError, match="meanflow"):
-        est(**{**inputs, "r": None if meanflow else inputs["t"]})
+        est(EstimatorInputs(**{**inputs, "r": None if meanflow else inputs["t"]}))
     enc = OrtEncoder(enc_path, OrtSettings(threads=1, spinning=False), io_binding=io_binding)
     tokens = random_encoder_inputs(flow.encoder.config, 2, 11, seed=0)
     with torch.no_grad():
@@ -109,12 +110,12 @@ def test_ort_buffer_is_reused_unless_copied(onnx_files):
     flow, est_path, _ = onnx_files[False]
     inputs = make_estimator_inputs(flow.estimator, 2, 16)
     shared = OrtEstimator(est_path, OrtSettings(threads=1), io_binding=True)
-    a = shared(**inputs)
-    b = shared(**{**inputs, "x": inputs["x"] + 1})
+    a = shared(EstimatorInputs(**inputs))
+    b = shared(EstimatorInputs(**{**inputs, "x": inputs["x"] + 1}))
     assert a.data_ptr() == b.data_ptr(), "the velocity buffer should be reused while the shape stays"
     own = OrtEstimator(est_path, OrtSettings(threads=1), io_binding=True, copy_outputs=True)
-    c = own(**inputs)
-    d = own(**{**inputs, "x": inputs["x"] + 1})
+    c = own(EstimatorInputs(**inputs))
+    d = own(EstimatorInputs(**{**inputs, "x": inputs["x"] + 1}))
     assert c.data_ptr() != d.data_ptr() and not torch.equal(c, d)
 
 
@@ -122,7 +123,7 @@ def test_engine_over_ort_equals_engine_over_torch(onnx_files):
     """The benchmark's path (b): the same streaming engine with both networks in ONNX Runtime."""
     flow, est_path, enc_path = onnx_files[False]
     engine = StreamingEngine(OrtEncoder(enc_path, threads=1), OrtEstimator(est_path, threads=1), n_feats=80,
-                             meanflow=False, limits=Limits())
+                             meanflow=False)
     u = demo_utterance(1.6, seed=9, noise_seed=2)
     sizes = [8, 12, 20]
     [got] = stream_in_process(engine, [u], [sizes])
@@ -157,8 +158,9 @@ def test_cpu_rewrite_replaces_every_mish_and_attention_and_keeps_the_function(on
     inputs = make_estimator_inputs(flow.estimator, 3, 41, seed=5)   # padded rows: the key mask matters
     with torch.no_grad():
         ref = flow.estimator(**inputs)
-    torch.testing.assert_close(fast(**inputs), ref, atol=5e-5, rtol=0)
-    torch.testing.assert_close(fast(**inputs), plain(**inputs), atol=2e-5, rtol=0)
+    bundle = EstimatorInputs(**inputs)
+    torch.testing.assert_close(fast(bundle), ref, atol=5e-5, rtol=0)
+    torch.testing.assert_close(fast(bundle), plain(bundle), atol=2e-5, rtol=0)
 
 
 def test_auto_threads_share_the_cores_among_a_models_instances():

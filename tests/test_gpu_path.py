@@ -19,22 +19,23 @@ import pytest
 import torch
 
 from helpers import small_flow
-from s3flow import contract
-from s3flow.protocol import Limits
+from s3flow_contract import tensors as contract
+from s3flow.engine.settings import SolverSettings
 from s3flow.runtime import tensorrt as tb
 from s3flow.runtime.torch_runner import TorchModelSettings, TorchRunner, load_module, save_module
 from s3flow.serving.config_params import Params
-from s3flow.serving.model_config import read_config
-from s3flow.serving.repository import Batching, RepositorySettings, write_repository
-from s3flow.serving.repository_configs import solver_config, stateless_config
-from s3flow_client.stream import SEQUENCE_HEADER
+from s3flow.repository.model_config import read_config
+from s3flow.repository.generator import write_repository
+from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.repository.configs import solver_config, stateless_config
+from s3flow_client.resume import SEQUENCE_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
-LIMITS = Limits(max_utterance_frames=600, max_prompt_tokens=100)
+SOLVER = SolverSettings.of(max_utterance_frames=600, max_prompt_tokens=100)
 sys.path.insert(0, str(ROOT / "scripts"))
 import build_engines  # noqa: E402  (its command line: parse_args)
-from s3flow.serving.repository_backends import read_solver_settings, set_backend  # noqa: E402
+from s3flow.repository.backends import read_served_shapes, set_backend  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -46,9 +47,9 @@ def gpu_repos(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_repos")
     flow = small_flow()
     batching = Batching(max_batch_size=4, estimator_instances=2)
-    trt = write_repository(root / "trt", flow, RepositorySettings(target="gpu", limits=LIMITS, batching=batching))
+    trt = write_repository(root / "trt", flow, RepositorySettings(target="gpu", solver=SOLVER, batching=batching))
     torch_repo = write_repository(root / "torch", flow, RepositorySettings(
-        target="gpu", limits=LIMITS, batching=batching, gpu_backend="torch", torch_dtype="bf16"))
+        target="gpu", solver=SOLVER, batching=batching, gpu_backend="torch", torch_dtype="bf16"))
     return trt.path, torch_repo.path, flow, batching
 
 
@@ -61,7 +62,7 @@ def _tensors(config) -> tuple[list, list]:
 
 def test_gpu_repository_writes_tensorrt_plan_configs_with_the_cpu_targets_tensors(gpu_repos):
     trt, _, flow, batching = gpu_repos
-    cpu = RepositorySettings(target="cpu", limits=LIMITS, batching=batching)
+    cpu = RepositorySettings(target="cpu", solver=SOLVER, batching=batching)
     n_feats = flow.config.n_feats
     for name, instances in (("estimator", 2), ("flow_encoder", 1)):
         config = read_config(trt / name)
@@ -85,7 +86,7 @@ def test_gpu_repository_tensor_names_match_the_onnx_sources(gpu_repos):
         graph = onnx.load(str(trt / name / "model.onnx"), load_external_data=False).graph
         assert ins == [i.name for i in graph.input] == list(contract.names(inputs))
         assert outs == [o.name for o in graph.output] == list(contract.names(outputs))
-        profile = tb.profiles_for(read_solver_settings(trt))[name]
+        profile = tb.profiles_for(read_served_shapes(trt))[name]
         assert list(profile.input_shapes()) == ins, "the profile covers exactly the engine's inputs"
 
 
@@ -94,7 +95,7 @@ def test_engine_install_places_model_plan_and_records_its_name(gpu_repos, tmp_pa
     trt = shutil.copytree(gpu_repos[0], tmp_path / "repo")
     plan = tmp_path / "x.plan"
     plan.write_bytes(b"not really an engine")
-    prof = tb.profiles_for(read_solver_settings(trt))["estimator"]
+    prof = tb.profiles_for(read_served_shapes(trt))["estimator"]
     res = tb.BuildResult(plan, "estimator__X__trt10.0.0__fp16__b__src0123456789ab.plan", "fp16", prof, "python",
                          "10.0.0", 1.0, False)
     parity = [tb.Parity("estimator fp16 B=2 T=300", 1e-3, 1e-2, True, 2e-2)]
@@ -108,9 +109,9 @@ def test_engine_install_places_model_plan_and_records_its_name(gpu_repos, tmp_pa
 
 
 def test_solver_settings_and_profiles_follow_the_repository(gpu_repos):
-    st = read_solver_settings(gpu_repos[0])
+    st = read_served_shapes(gpu_repos[0])
     assert (st.max_batch, st.n_feats, st.meanflow) == (4, 80, False)
-    assert st.limits.max_utterance_frames == 600 and st.limits.max_prompt_tokens == 100
+    assert st.max_utterance_frames == 600 and st.max_prompt_tokens == 100
     profs = tb.profiles_for(st)
     # guided: one 2B estimator call per step; B = 1 for guidance rate 0; frames = prompt + generated
     assert profs["estimator"].batch == (1, 2, 8) and profs["estimator"].length == (2, 300, 800)
@@ -145,14 +146,14 @@ def test_gpu_target_vocoder_runs_hift_in_torch_on_the_gpu(tmp_path):
     """The vocoder of each target and vocoder_backend: instance kind, parameters and weight files."""
     from s3flow.model.vocoder import VocoderConfig, load_vocoder, random_vocoder
     from s3flow.runtime.vocoder import VocoderRunnerSettings
-    from s3flow.serving.model_config import to_text
-    from s3flow.serving.repository import write_vocoder_models
+    from s3flow.repository.model_config import to_text
+    from s3flow.repository.generator import write_vocoder_models
 
     hift = random_vocoder(VocoderConfig.small(), seed=2)
     written, contracts = {}, set()
     for target, backend in (("gpu", "auto"), ("gpu", "onnx"), ("cpu", "auto"), ("cpu", "torch")):
         out = tmp_path / f"{target}_{backend}"
-        files = write_vocoder_models(out, hift, 80, RepositorySettings(target=target, limits=LIMITS,
+        files = write_vocoder_models(out, hift, 80, RepositorySettings(target=target, solver=SOLVER,
                                                                        vocoder_backend=backend))
         config = read_config(out / "vocoder")
         [group] = config.instance_group
@@ -224,7 +225,10 @@ def test_profiles():
                                   "embedding": ((1, 192), (1, 192), (8, 192))}
     assert enc.tag() == "b1-1-8_n1-150-2000"
     assert guided.covers(16, 4000) and not guided.covers(17, 300) and not guided.covers(2, 4001)
-    assert tb.max_frames(Limits()) == 4000 and tb.max_tokens(Limits()) == 2000
+    defaults = SolverSettings()
+    shapes = tb.ServedShapes(max_batch=8, max_prompt_tokens=defaults.rules.max_prompt_tokens,
+                             max_utterance_frames=defaults.solving.max_utterance_frames, n_feats=80, meanflow=False)
+    assert tb.max_frames(shapes) == 4000 and tb.max_tokens(shapes) == 2000
     with pytest.raises(ValueError, match="positional table"):
         tb.encoder_profile(8, 4000)
     with pytest.raises(ValueError, match="min <= opt <= max"):
@@ -472,15 +476,16 @@ def test_entrypoint_scripts_are_valid_and_use_existing_flags():
         assert os.access(path, os.X_OK), f"{script} must be executable"
         subprocess.run(["bash", "-n", str(path)], check=True)
     text = (DOCKER / "entrypoint.sh").read_text()
-    import build_repository
+    from s3flow.repository import cli as build_repository
     build_repository.parse_args(["--target", "gpu", "--gpu-backend", "torch", "--torch-dtype", "bf16",
                                  "--checkpoint", "c.safetensors", "--output", "r"])
     build_engines.parse_args(["--repository", "r", "--cache", "e", "--checkpoint", "c", "--estimator-precision", "auto"])
-    scripts = (ROOT / "scripts" / "build_repository.py").read_text() + (ROOT / "scripts" / "build_engines.py").read_text()
-    calls = re.findall(r"python3 scripts/\w+\.py(?:[^\n]*\\\n)*[^\n]*", text)
-    assert len(calls) == 2
-    for flag in re.findall(r"(--[a-z][a-z-]+)", " ".join(calls)):
-        assert f'"{flag}"' in scripts, f"entrypoint passes {flag}, which no script defines"
+    parsers = {"build_repository": build_repository.build_parser(), "build_engines": build_engines.build_parser()}
+    calls = re.findall(r"python3 scripts/(\w+)\.py((?:[^\n]*\\\n)*[^\n]*)", text)
+    assert sorted(name for name, _ in calls) == sorted(parsers)
+    for name, args in calls:   # every flag the entrypoint passes is one the script's parser takes
+        for flag in re.findall(r"(--[a-z][a-z-]+)", args):
+            assert flag in parsers[name]._option_string_actions, f"entrypoint passes {flag}, which {name} does not take"
     for flag in ("--model-repository", "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002",
                  "shm-default-byte-size", "--cuda-memory-pool-byte-size", "--exit-timeout-secs"):
         assert flag in text
@@ -523,9 +528,9 @@ def test_compose_reserves_a_gpu_shm_and_health():
     assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"] and dev["count"] == 1
     shm = svc["shm_size"]
     assert re.fullmatch(r"\d+gb", shm) and int(shm[:-2]) >= 1
-    # ready and not draining (s3flow.serving.drain ready asks /v2/health/ready on the given HTTP address)
+    # ready and not draining (s3flow.server.drain ready asks /v2/health/ready on the given HTTP address)
     check = " ".join(svc["healthcheck"]["test"])
-    assert "-m s3flow.serving.drain ready" in check and "http://127.0.0.1:8000" in check
+    assert "-m s3flow.server.drain ready" in check and "http://127.0.0.1:8000" in check
     assert {"8000:8000", "8001:8001", "8002:8002"} <= set(svc["ports"])
     assert any(v.endswith(":/var/lib/s3flow") for v in svc["volumes"]), "engines survive restarts"
 
@@ -550,8 +555,8 @@ def test_k8s_deployment():
     for probe, path in (("startupProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
         assert c[probe]["httpGet"]["path"] == path and ports[c[probe]["httpGet"]["port"]] == 8000
     # readiness is "ready and not draining" (tests/test_deploy.py checks the probe and the drain in depth)
-    assert c["readinessProbe"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.serving.drain", "ready"]
-    assert c["lifecycle"]["preStop"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.serving.drain", "drain"]
+    assert c["readinessProbe"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.server.drain", "ready"]
+    assert c["lifecycle"]["preStop"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.server.drain", "drain"]
     ann = pod["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8002"
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}
@@ -627,14 +632,15 @@ def test_gpu_check_quick_on_cpu_writes_its_results(tmp_path):
 @pytest.mark.server
 def test_torch_backend_served_equals_in_process(tmp_path):
     from helpers import make_engine, stream_in_process
-    from s3flow.serving.triton_server import TritonServer
+    from s3flow.server.triton_server import TritonServer
     from s3flow_client import StreamingClient, chunk_schedule
     from s3flow_client.demo import demo_utterance
 
     flow = small_flow()
-    limits = Limits(max_steps=20, max_utterance_frames=400, max_request_bytes=200_000, max_live_sequences=8)
+    solver = SolverSettings.of(max_steps=20, max_utterance_frames=400, max_request_bytes=200_000,
+                               max_live_sequences=8)
     write_repository(tmp_path / "repo", flow, RepositorySettings(
-        target="gpu", limits=limits, gpu_backend="torch", torch_dtype="fp32",
+        target="gpu", solver=solver, gpu_backend="torch", torch_dtype="fp32",
         batching=Batching(max_queue_delay_us=20_000)))
     for config in (tmp_path / "repo").glob("*/config.pbtxt"):  # no GPU here: same models, CPU instances
         config.write_text(config.read_text().replace("kind: KIND_GPU", "kind: KIND_CPU"))
@@ -645,6 +651,6 @@ def test_torch_backend_served_equals_in_process(tmp_path):
         stats = server.client().get_inference_statistics("estimator").model_stats[0]
     assert got.mel.shape == (80, 2 * len(u.speech_tokens))
     assert int(stats.inference_count) > 0, "the estimator ran as the torch python model"
-    # the served torch backend streams exactly what the in-process engine streams (same mode, same limits)
-    [local] = stream_in_process(make_engine(flow, limits), [u], [u.chunks])
+    # the served torch backend streams exactly what the in-process engine streams (same mode, same settings)
+    [local] = stream_in_process(make_engine(flow, solver), [u], [u.chunks], rules=solver.rules)
     np.testing.assert_allclose(got.mel, np.concatenate([r.mel for r in local], 1), atol=5e-4, rtol=0)

@@ -1,4 +1,4 @@
-"""Short versions of ``scripts/load_test.py`` (its engine: ``s3flow_client.bench.load``) against a real
+"""Short versions of ``scripts/load_test.py`` (its engine: ``s3flow_tools.bench.load``) against a real
 tritonserver: bounded load and a memory soak.
 
 The full run (16 streams x 20 utterances, 1,000 utterances for memory) is ``scripts/load_test.py``; its
@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from s3flow.serving.triton_server import TritonServer
+from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamResult
-from s3flow_client.bench.load import (check_chunks, load_utterance, memory_utterance, run_load, run_memory,
+from s3flow_tools.bench.load import (check_chunks, load_utterance, memory_utterance, run_load, run_memory,
                                       solver_stub_pid)
-from s3flow_client.bench.repos import load_test_repository
+from s3flow_tools.bench.repos import load_test_repository
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,26 +13,30 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.contract import ENCODER_INPUTS, VOCAB_SIZE, XVECTOR_DIM, names, request_arrays
+from s3flow_contract.tensors import ENCODER_INPUTS, VOCAB_SIZE, XVECTOR_DIM, names, request_arrays
+from s3flow.engine.observer import NO_OBSERVER, Observer, Observers
+from s3flow.engine.settings import ChunkSolving
 from s3flow.engine.streaming import StreamingEngine
-from s3flow.protocol import Limits, parse_request
+from s3flow.protocol import RequestRules, parse_request
+from s3flow.server import metrics_reader as mr
 from s3flow.serving import metrics as m
 from s3flow.serving.warmup import warm_up_solver
-from s3flow.serving.warmup_samples import WARMUP_ITERATIONS, encoder_warmup, estimator_warmup, write_model_warmup
+from s3flow.repository.warmup_samples import WARMUP_ITERATIONS, encoder_warmup, estimator_warmup, write_model_warmup
 
 N_FEATS = 8
 
 
-def _engine(meanflow: bool = False) -> StreamingEngine:
+def _zero_velocity(inputs):
+    return torch.zeros_like(inputs.x)
+
+
+def _engine(meanflow: bool = False, observer: Observer = NO_OBSERVER, estimate=_zero_velocity) -> StreamingEngine:
     def encode(tokens, token_len, embedding):
         b, t = tokens.shape[0], 2 * tokens.shape[1]
         return torch.zeros(b, N_FEATS, t), torch.ones(b, 1, t), torch.ones(b, N_FEATS)  # spks of a real speaker
 
-    def estimate(x, mask, mu, t, spks, cond, r=None):
-        return torch.zeros_like(x)
-
     return StreamingEngine(encode, estimate, n_feats=N_FEATS, meanflow=meanflow,
-                           limits=Limits(max_utterance_frames=1000))
+                           solving=ChunkSolving(max_utterance_frames=1000), observer=observer)
 
 
 def _request(start: bool, end: bool, tokens: int, steps: int, rate=None, seed: int = 0):
@@ -42,7 +46,7 @@ def _request(start: bool, end: bool, tokens: int, steps: int, rate=None, seed: i
         options = dict(prompt_tokens=rng.integers(0, VOCAB_SIZE, 5), prompt_mel=np.zeros((10, N_FEATS)),
                        speaker_embedding=np.ones(XVECTOR_DIM), n_timesteps=steps, guidance_rate=rate)
     inputs = request_arrays(speech_tokens, start=start, **options)
-    return parse_request(inputs, start=start, end=end, limits=Limits(max_utterance_frames=1000), n_feats=N_FEATS)
+    return parse_request(inputs, start=start, end=end, rules=RequestRules(), n_feats=N_FEATS)
 
 
 class Recorder:
@@ -58,9 +62,9 @@ class Recorder:
 
 @pytest.mark.parametrize("meanflow, rate, per_step", [(False, None, 2), (False, 0.0, 1), (True, None, 1)])
 def test_book_observes_each_answered_chunk_and_each_euler_step(meanflow, rate, per_step):
-    engine, rec = _engine(meanflow), Recorder()
+    rec = Recorder()
     book = m.SolverBook(rec)
-    book.instrument(engine)
+    engine = _engine(meanflow, observer=book)
     steps = 3
     # execute 1: two sequences start together (one batch); execute 2: one goes on, one ends
     t0 = book.begin()
@@ -84,31 +88,55 @@ def test_book_observes_each_answered_chunk_and_each_euler_step(meanflow, rate, p
 
 
 def test_book_observes_nothing_for_a_failed_run_and_counts_drops_by_reason():
-    engine, rec = _engine(), Recorder()
-    book = m.SolverBook(rec)
+    rec, heard = Recorder(), []
+    book = m.SolverBook(rec, on_drop=lambda corr_id, reason: heard.append((corr_id, reason)))
 
-    def broken(*args):
+    def broken(inputs):
         raise RuntimeError("estimator away")
 
-    engine.estimator = broken
-    book.instrument(engine)
+    engine = _engine(observer=book, estimate=broken)
     t0 = book.begin()
     with pytest.raises(RuntimeError):
         engine.run([engine.admit(1, _request(True, False, 12, 2))])
     assert book.end(t0) == 0
     assert [n for n, _, _ in rec.seen] == ["s3flow_step_batch_size"], "the step was tried, no chunk answered"
-    book.dropped("idle")
-    book.dropped("error: ValueError")
+    # drops reach the book as the engine's observer, by reason: from the engine's sequence table (an idle
+    # eviction, the clock far ahead) and as the session reports them (a failed chunk's "error")
+    engine.estimator = _zero_velocity
+    engine.run([engine.admit(2, _request(True, False, 12, 2))])
+    engine.sequences.clock = lambda: 1e12
+    assert engine.sequences.evict_idle() == [2]
+    engine.observer.sequence_dropped(4, "error")
     assert rec.seen[-2:] == [("s3flow_sequences_dropped_total", 1, {"reason": "idle"}),
                              ("s3flow_sequences_dropped_total", 1, {"reason": "error"})]
+    assert heard == [(2, "idle"), (4, "error")], "on_drop hears of every drop too (the model's log line)"
 
 
-def test_step_sequences_counts_conditional_rows():
-    spks = torch.ones(6, N_FEATS)
-    assert m.step_sequences(spks) == 6                         # unguided: every row a sequence
-    spks[3:] = 0
-    assert m.step_sequences(spks) == 3                         # guided 2B: the zero half is unconditional
-    assert m.step_sequences(torch.ones(5, N_FEATS)) == 5
+class _Steps(Observer):
+    def __init__(self):
+        self.seen = []
+
+    def estimator_step(self, sequences, rows, frames):
+        self.seen.append((sequences, rows, frames))
+
+
+@pytest.mark.parametrize("meanflow, rate, utterances, rows", [(False, None, 3, 6), (False, 0.0, 6, 6),
+                                                              (True, None, 5, 5)])
+def test_the_engine_reports_each_steps_batch_in_sequences_not_rows(meanflow, rate, utterances, rows):
+    """The step batch size is the number of utterances solved together: a guided batch of B is one estimator
+    call of 2B rows (conditional and unconditional halves) and counts B; an unguided one counts its rows."""
+    rec, steps, calls = Recorder(), _Steps(), []
+
+    def estimate(inputs):
+        calls.append((inputs.x.shape[0], inputs.x.shape[2]))
+        return torch.zeros_like(inputs.x)
+
+    engine = _engine(meanflow, observer=Observers(m.SolverBook(rec), steps), estimate=estimate)
+    n_steps = 2
+    engine.run([engine.admit(i, _request(True, False, 10 + 2 * i, n_steps, rate, seed=i)) for i in range(utterances)])
+    assert [b for b, _ in calls] == [rows] * n_steps, "one padded batch per Euler step"
+    assert rec.values("s3flow_step_batch_size") == [utterances] * n_steps
+    assert steps.seen == [(utterances, b, t) for b, t in calls], "rows and padded frames as the estimator saw"
 
 
 TRITON_TEXT = """\
@@ -130,14 +158,14 @@ nv_inference_count{model="cfm_solver",version="1"} 9
 
 
 def test_parser_reads_histograms_and_counters_of_triton_text():
-    metrics = m.parse_metrics(TRITON_TEXT)
-    assert m.metric_sum(metrics, "s3flow_sequences_dropped_total") == 3
-    assert m.metric_sum(metrics, "s3flow_sequences_dropped_total", reason="failed END") == 1
+    metrics = mr.parse_metrics(TRITON_TEXT)
+    assert mr.metric_sum(metrics, "s3flow_sequences_dropped_total") == 3
+    assert mr.metric_sum(metrics, "s3flow_sequences_dropped_total", reason="failed END") == 1
     assert not any(name.startswith("nv_") for name, _ in metrics), "prefix filter"
-    h = m.histogram(metrics, "s3flow_chunk_seconds", model="cfm_solver")
+    h = mr.histogram(metrics, "s3flow_chunk_seconds", model="cfm_solver")
     assert (h.count, h.sum, h.buckets) == (3, 0.75, {0.1: 1, 0.5: 2, float("inf"): 3})
     assert (h.quantile(0.3), h.quantile(0.5), h.quantile(0.99)) == (0.1, 0.5, float("inf"))
-    assert m.histogram(metrics, "s3flow_chunk_seconds", model="other").count == 0
+    assert mr.histogram(metrics, "s3flow_chunk_seconds", model="other").count == 0
 
 
 def test_families_follow_prometheus_naming():
@@ -151,9 +179,9 @@ def test_warmup_configs_parse_and_carry_valid_requests(tmp_path):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    from s3flow.serving.model_config import write_config
-    from s3flow.serving.repository_configs import stateless_config
-    from s3flow.serving.repository_settings import RepositorySettings
+    from s3flow.repository.model_config import write_config
+    from s3flow.repository.configs import stateless_config
+    from s3flow.repository.settings import RepositorySettings
 
     for meanflow in (False, True):
         repo = tmp_path / f"mf{meanflow}"
@@ -188,7 +216,8 @@ def test_solver_warm_up_runs_the_served_path_and_leaves_no_state(meanflow):
     engine.admit(5, _request(True, False, 10, 2))  # a live sequence of the served engine
     report = warm_up_solver(engine)
     assert report.chunks == 2 and report.calls >= 2 * (1 + 2)  # 2 encoder calls, >= 2 Euler steps each
-    assert list(engine.store._states) == [5] and engine.estimator_calls == 0, "the served engine untouched"
+    assert 5 in engine.sequences and len(engine.sequences) == 1 and engine.estimator_calls == 0, \
+        "the served engine untouched"
 
 
 def test_vocoder_warm_up_runs_both_networks():
@@ -214,8 +243,8 @@ def test_vocoder_warm_up_runs_both_networks():
 # ------------------------------------------------------------------------------------------ real server
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from s3flow.serving.triton_server import TritonServer
-    from s3flow_client.bench.repos import warmup_repository
+    from s3flow.server.triton_server import TritonServer
+    from s3flow_tools.bench.repos import warmup_repository
 
     root = tmp_path_factory.mktemp("metrics")
     repo = warmup_repository(root, warmup=True)
@@ -227,7 +256,7 @@ def served(tmp_path_factory):
 @pytest.mark.server
 def test_every_model_warmed_up_before_the_first_request(served):
     from s3flow.serving.warmup import VOCODER_WARMUP_FRAMES
-    from s3flow_client.bench.served import model_stats
+    from s3flow_tools.bench.served import model_stats
 
     stats = model_stats(served.client())
     assert stats["flow_encoder"][0] == WARMUP_ITERATIONS and stats["estimator"][0] == WARMUP_ITERATIONS, stats
@@ -235,17 +264,17 @@ def test_every_model_warmed_up_before_the_first_request(served):
     log = served.log_path.read_text()
     assert log.count("cfm_solver: warm-up: 2 chunks") == 1, "the solver warmed up once, in initialize"
     assert log.count(f"vocoder: warm-up: {len(VOCODER_WARMUP_FRAMES)} chunks") == 1
-    metrics = m.read_metrics(f"127.0.0.1:{served.metrics_port}")
-    assert m.metric_sum(metrics, "s3flow_chunk_seconds_count") == 0, "warm-up is not counted as traffic"
+    metrics = mr.read_metrics(f"127.0.0.1:{served.metrics_port}")
+    assert mr.metric_sum(metrics, "s3flow_chunk_seconds_count") == 0, "warm-up is not counted as traffic"
     live = [v for (name, _), v in metrics.items() if name == "s3flow_live_sequences"]
     assert live == [0], "the gauge shows from the load on, at 0"
 
 
 @pytest.mark.server
 def test_histograms_show_in_metrics_during_a_short_load(served):
-    from s3flow_client.bench import load as load_test
+    from s3flow_tools.bench import load as load_test
 
-    before = m.read_metrics(f"127.0.0.1:{served.metrics_port}")
+    before = mr.read_metrics(f"127.0.0.1:{served.metrics_port}")
     steps = 2
     report = load_test.run_load(served.grpc_url, streams=3, utterances=2, steps=steps, time_limit_s=120,
                                 check_outputs=0, metrics_url=f"127.0.0.1:{served.metrics_port}")
@@ -264,6 +293,6 @@ def test_histograms_show_in_metrics_during_a_short_load(served):
         assert sorted(buckets) == sorted([*map(float, family.buckets), float("inf")])
         counts = [buckets[le] for le in sorted(buckets)]
         assert counts == sorted(counts) and counts[-1] == h[family.name].count
-    after = m.read_metrics(f"127.0.0.1:{served.metrics_port}")
-    assert m.metric_sum(after, "s3flow_chunk_seconds_count") - m.metric_sum(before, "s3flow_chunk_seconds_count") \
+    after = mr.read_metrics(f"127.0.0.1:{served.metrics_port}")
+    assert mr.metric_sum(after, "s3flow_chunk_seconds_count") - mr.metric_sum(before, "s3flow_chunk_seconds_count") \
         == report.chunks

@@ -1,4 +1,4 @@
-"""Configs as data (s3flow.serving.model_config and the generator that uses it), without a server.
+"""Configs as data (s3flow.repository.model_config and the generator that uses it), without a server.
 
 Generated repositories for both targets, with and without meanflow, the vocoder and the voice encoder, are
 read back with protobuf's text_format and checked against what the models and Triton need: the contract's
@@ -10,7 +10,6 @@ are shown to name what is wrong.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -19,37 +18,40 @@ import torch
 from google.protobuf.json_format import MessageToDict
 
 from helpers import small_flow
-from s3flow import contract
-from s3flow.protocol import Limits
+from s3flow_contract import tensors as contract
+from s3flow.engine.sequences import Capacity
+from s3flow.engine.settings import SolverSettings
 from s3flow.serving.config_params import Params, check_tensors
-from s3flow.serving.model_config import (ModelConfig, add_tensors, check_ensemble, read_config, to_text,
+from s3flow.repository.model_config import (ModelConfig, add_tensors, check_ensemble, read_config, to_text,
                                          write_model_folder)
-from s3flow.serving.repository import (TRITON_IDLE_GRACE_S, Batching, RepositorySettings, VoiceSettings,
-                                       stateless_config, write_flow_configs, write_repository)
-from s3flow.serving.warmup_samples import WARMUP_ITERATIONS, add_model_warmup
+from s3flow.repository.generator import write_flow_configs, write_repository
+from s3flow.repository.settings import Batching, RepositorySettings, TRITON_IDLE_GRACE_S, VoiceSettings
+from s3flow.repository.configs import stateless_config
+from s3flow.repository.warmup_samples import WARMUP_ITERATIONS, add_model_warmup
 from tritonclient.grpc import model_config_pb2 as mc
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMITS = Limits(max_steps=12, idle_timeout_s=7.5, max_live_sequences=10, max_prompt_tokens=100)
+SOLVER = SolverSettings.of(max_steps=12, idle_timeout_s=7.5, max_live_sequences=10, max_prompt_tokens=100)
 KIND = {True: mc.ModelInstanceGroup.KIND_GPU, False: mc.ModelInstanceGroup.KIND_CPU}
 #: each case: (settings, meanflow, vocoder, voice encoder)
 CASES = {
-    "cpu": (RepositorySettings(limits=LIMITS, batching=Batching(
+    "cpu": (RepositorySettings(solver=SOLVER, batching=Batching(
         max_batch_size=4, preferred_batch_sizes=(2, 4), solver_instances=2, estimator_instances=3,
         length_bucket_ratio=1.5), ort_threads=2, voices=VoiceSettings(voice_dir="/v", max_voices=3)),
         False, True, True),
-    "cpu_meanflow_direct": (RepositorySettings(limits=LIMITS, batching=Batching(strategy="direct",
+    "cpu_meanflow_direct": (RepositorySettings(solver=SOLVER, batching=Batching(strategy="direct",
                                                                               max_queue_delay_us=0),
                                                warmup=False), True, False, False),
-    "gpu_tensorrt_meanflow": (RepositorySettings(target="gpu", limits=LIMITS, batching=Batching(
+    "gpu_tensorrt_meanflow": (RepositorySettings(target="gpu", solver=SOLVER, batching=Batching(
         encoder_instances=2)), True, True, False),
-    "gpu_torch": (RepositorySettings(target="gpu", gpu_backend="torch", limits=LIMITS, vocoder_backend="onnx"),
+    "gpu_torch": (RepositorySettings(target="gpu", gpu_backend="torch", solver=SOLVER, vocoder_backend="onnx"),
                   False, True, True),
 }
 #: every model's tensors, as the contract declares them
 TENSORS = {"token2mel": (contract.REQUEST, contract.MEL_RESPONSE),
            "token2wav": (contract.REQUEST, contract.AUDIO_RESPONSE + contract.MEL_RESPONSE),
-           "cfm_solver": (contract.REQUEST, contract.MEL_RESPONSE),
+           "admission": (contract.REQUEST, contract.ADMISSION_OUTPUTS),
+           "cfm_solver": (contract.SOLVER_INPUTS, contract.MEL_RESPONSE),
            "flow_encoder": (contract.ENCODER_INPUTS, contract.ENCODER_OUTPUTS),
            "vocoder": (contract.VOCODER_INPUTS, contract.VOCODER_OUTPUTS),
            "voice_encoder": (contract.VOICE_ENCODER_INPUTS, contract.VOICE_ENCODER_OUTPUTS)}
@@ -89,7 +91,7 @@ def configs(repo: Path) -> dict[str, ModelConfig]:
 def test_every_config_declares_the_contracts_tensors(repos, case):
     settings, meanflow, vocoder, voice = CASES[case]
     found = configs(repos[case])
-    assert set(found) == ({"token2mel", "cfm_solver", "flow_encoder", "estimator"}
+    assert set(found) == ({"token2mel", "admission", "cfm_solver", "flow_encoder", "estimator"}
                           | ({"token2wav", "vocoder"} if vocoder else set()) | ({"voice_encoder"} if voice else set()))
     for name, config in found.items():
         assert config.name == name
@@ -105,9 +107,9 @@ def test_every_config_declares_the_contracts_tensors(repos, case):
 def test_sequence_batching_controls_and_idle_times(repos, case):
     settings, _, vocoder, _ = CASES[case]
     b, found = settings.batching, configs(repos[case])
-    # both stateful models: their idle timeout (the solver's limits) + the target's grace (Triton counts a
+    # both stateful models: their idle timeout (the solver's capacity) + the target's grace (Triton counts a
     # computing chunk as idle)
-    both = int((LIMITS.idle_timeout_s + TRITON_IDLE_GRACE_S[settings.target]) * 1e6)
+    both = int((SOLVER.capacity.idle_timeout_s + TRITON_IDLE_GRACE_S[settings.target]) * 1e6)
     idle = {"cfm_solver": both, "vocoder": both}
     for name, config in found.items():
         if name not in idle:
@@ -151,7 +153,7 @@ def test_parameters_read_back_with_their_types(repos, case):
     assert solver.float("length_bucket_ratio") == settings.batching.length_bucket_ratio
     assert solver.int("torch_threads") == settings.torch_threads
     assert {solver.str("encoder_model"), solver.str("estimator_model")} <= set(found), "BLS targets exist"
-    assert Limits.from_parameters(solver.raw) == LIMITS
+    assert SolverSettings.from_parameters(solver.raw) == SOLVER
     assert (solver.str("voice_dir", ""), solver.int("max_voices"), solver.int("max_voice_bytes")) == (
         settings.voices.voice_dir, settings.voices.max_voices, settings.voices.max_voice_bytes)
     for name in ("flow_encoder", "estimator"):
@@ -166,9 +168,10 @@ def test_parameters_read_back_with_their_types(repos, case):
         assert found[name].max_batch_size == 0
     if vocoder:
         params = Params(found["vocoder"])
-        expected = StreamSettings(idle_timeout_s=LIMITS.idle_timeout_s, max_live_sequences=LIMITS.max_live_sequences,
-                                  max_utterance_frames=LIMITS.max_utterance_frames)
+        solving = SOLVER.solving   # the prefix mode's cap; bounded context (the default) has none
+        expected = StreamSettings(max_utterance_frames=solving.max_utterance_frames if solving.context_frames < 0 else 0)
         assert StreamSettings.from_parameters(params.raw) == expected
+        assert Capacity.from_parameters(params.raw) == SOLVER.capacity, "the vocoder holds what the solver holds"
         backend = "onnx" if settings.target == "cpu" or settings.vocoder_backend == "onnx" else "torch"
         assert (params.str("vocoder_backend"), params.int("n_feats"), params.bool("warmup")) == (
             backend, 80, settings.warmup)
@@ -176,7 +179,7 @@ def test_parameters_read_back_with_their_types(repos, case):
     if voice:
         params = Params(found["voice_encoder"])
         assert (params.int("n_feats"), params.int("max_prompt_tokens"), params.int("max_voices")) == (
-            80, LIMITS.max_prompt_tokens, settings.voices.max_voices)
+            80, SOLVER.rules.max_prompt_tokens, settings.voices.max_voices)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -184,7 +187,7 @@ def test_instance_groups(repos, case):
     settings, _, vocoder, voice = CASES[case]
     b, gpu = settings.batching, settings.target == "gpu"
     want = {"cfm_solver": (b.solver_instances, KIND[gpu]), "flow_encoder": (b.encoder_instances, KIND[gpu]),
-            "estimator": (b.estimator_instances, KIND[gpu])}
+            "estimator": (b.estimator_instances, KIND[gpu]), "admission": (b.admission_instances, KIND[False])}
     if vocoder:
         want["vocoder"] = (1, KIND[gpu and settings.vocoder_backend in ("auto", "torch")])
     if voice:
@@ -263,10 +266,8 @@ def test_stateless_config_for_the_engine_builder():
 def test_torch_dtype_has_one_default():
     from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE
 
-    spec = importlib.util.spec_from_file_location("build_repository", ROOT / "scripts" / "build_repository.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert RepositorySettings().torch_dtype == DEFAULT_ESTIMATOR_DTYPE == script.parse_args([]).torch_dtype
+    from s3flow.repository.cli import parse_args
+    assert RepositorySettings().torch_dtype == DEFAULT_ESTIMATOR_DTYPE == parse_args([]).torch_dtype
     config = stateless_config("estimator", 80, False, RepositorySettings(target="gpu", gpu_backend="torch"), 1)
     assert Params(config).str("dtype") == DEFAULT_ESTIMATOR_DTYPE
     with pytest.raises(ValueError, match="torch_dtype must be one of .* got 'fp8'"):
@@ -346,15 +347,15 @@ def test_check_tensors_names_the_difference():
 
 
 def test_check_ensemble_names_an_unconnected_tensor():
-    from s3flow.serving.repository import wav_ensemble_config
+    from s3flow.repository.configs import wav_ensemble_config
 
     config = wav_ensemble_config(80, RepositorySettings())
     check_ensemble(config)
-    config.ensemble_scheduling.step[1].input_map["mel"] = "mel_typo"
-    with pytest.raises(ValueError, match=r"token2wav: step 1 \(vocoder\) reads \['mel_typo'\]"):
+    config.ensemble_scheduling.step[2].input_map["mel"] = "mel_typo"
+    with pytest.raises(ValueError, match=r"token2wav: step 2 \(vocoder\) reads \['mel_typo'\]"):
         check_ensemble(config)
     config = wav_ensemble_config(80, RepositorySettings())
-    del config.ensemble_scheduling.step[1]
+    del config.ensemble_scheduling.step[2]
     with pytest.raises(ValueError, match=r"token2wav: outputs \['audio', 'sample_offset'\] are made by no step"):
         check_ensemble(config)
 

@@ -77,7 +77,8 @@ def heldout_doc():
 
 
 def test_model_inputs_come_from_the_generated_config(inputs):
-    from s3flow.protocol import INPUT_DTYPES, START_ONLY, VOICE_ID
+    from s3flow.protocol import INPUT_DTYPES, START_ONLY
+    from s3flow_contract.tensors import VOICE_ID
 
     assert set(inputs) == set(INPUT_DTYPES) | {VOICE_ID}
     assert not inputs["speech_tokens"].optional and all(inputs[n].optional for n in (*START_ONLY, VOICE_ID))
@@ -88,7 +89,7 @@ def test_heldout_json_follows_the_documented_schema_and_the_servers_rules(heldou
     sources, doc = heldout_doc
     jsonschema.validate(doc, schema_for(inputs))
     assert perf_inputs.check_input_data(doc, inputs) == []
-    assert len(doc["data"]) == len(sources) == 71
+    assert len(doc["data"]) == len(sources) == 64   # every shipped held-out utterance
     for src, stream in zip(sources, doc["data"]):
         assert len(stream) == 4
         assert set(stream[0]) == {"speech_tokens", "prompt_tokens", "prompt_mel", "speaker_embedding", "seed"}
@@ -102,7 +103,7 @@ def test_heldout_json_follows_the_documented_schema_and_the_servers_rules(heldou
 
 
 def test_heldout_sources_match_the_training_packages_loader():
-    from s3flow_training.evaluate import load_heldout
+    from s3flow_training.package import load_heldout
 
     ours, theirs = perf_inputs.heldout_sources(limit=3), load_heldout(perf_inputs.HELDOUT)[:3]
     for a, b in zip(ours, theirs):
@@ -184,14 +185,15 @@ def test_command_line_writes_and_checks(tmp_path):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from s3flow.model.checkpoint import load_flow
-    from s3flow.protocol import Limits
-    from s3flow.serving.repository import Batching, RepositorySettings, write_repository
-    from s3flow.serving.triton_server import TritonServer
+    from s3flow.engine.settings import SolverSettings
+    from s3flow.repository.generator import write_repository
+    from s3flow.repository.settings import Batching, RepositorySettings
+    from s3flow.server.triton_server import TritonServer
     from s3flow.model.vocoder import VocoderConfig, random_vocoder
 
     root = tmp_path_factory.mktemp("perf_inputs")
     flow = load_flow(ROOT / "checkpoints" / "trained" / "teacher.safetensors")
-    settings = RepositorySettings(limits=Limits(max_live_sequences=8),
+    settings = RepositorySettings(solver=SolverSettings.of(max_live_sequences=8),
                                   batching=Batching(max_queue_delay_us=20_000, max_candidate_sequences=16),
                                   ort_threads=1)
     write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=0))
@@ -232,7 +234,7 @@ def test_the_deploy_files_http_paths_answer_on_a_real_server(served):
     for path in sorted(HEALTH_PATHS):
         with urllib.request.urlopen(f"http://127.0.0.1:{served.http_port}{path}", timeout=5) as r:
             assert r.status == 200, path
-    from s3flow.serving.metrics import parse_metrics
+    from s3flow.server.metrics_reader import parse_metrics
 
     with urllib.request.urlopen(f"http://127.0.0.1:{served.metrics_port}{METRICS_PATH}", timeout=5) as r:
         assert r.status == 200

@@ -1,4 +1,6 @@
-"""Request validation without a server: every branch of ``parse_request`` and ``Limits``, and a property test.
+"""Request validation without a server: every branch of ``parse_request`` and of the solver's settings
+(``RequestRules``, ``Capacity``, ``ChunkSolving`` and ``SolverSettings``, which holds the three), and a property
+test.
 
 Each rejection must be a ``RequestError`` (the solver maps it to INVALID_ARG) whose message names the bad
 value; anything else escaping the parser would fail the whole batch of the model instance. The property
@@ -13,13 +15,17 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from s3flow.protocol import INPUT_DTYPES, START_ONLY, VOCAB_SIZE, XVECTOR_DIM, ChunkRequest, Limits, RequestError, \
-    parse_request
+from s3flow.engine.sequences import Capacity
+from s3flow.engine.settings import ChunkSolving, SolverSettings
+from s3flow.protocol import INPUT_DTYPES, START_ONLY, ChunkRequest, RequestError, RequestRules, parse_request
+from s3flow_contract.tensors import VOCAB_SIZE, XVECTOR_DIM
 from s3flow.engine.streaming import SequenceState, StreamingEngine
 
 N_FEATS = 80
-LIMITS = Limits(max_steps=20, max_guidance_rate=5.0, max_utterance_frames=30, max_prompt_tokens=8,
-                max_chunk_tokens=16, max_request_bytes=8_000, max_live_sequences=1)
+SETTINGS = SolverSettings.of(max_steps=20, max_guidance_rate=5.0, max_utterance_frames=30, max_prompt_tokens=8,
+                             context_frames=-1,   # the prefix mode: the one with an utterance cap
+                             max_chunk_tokens=16, max_request_bytes=8_000, max_live_sequences=1)
+RULES = SETTINGS.rules
 
 
 def start_inputs(n_speech: int = 5, n_prompt: int = 3, seed: int = 0) -> dict:
@@ -31,13 +37,13 @@ def start_inputs(n_speech: int = 5, n_prompt: int = 3, seed: int = 0) -> dict:
             "speaker_embedding": rng.standard_normal((1, XVECTOR_DIM)).astype(np.float32)}
 
 
-def parse(inputs, start=True, end=False, limits=LIMITS):
-    return parse_request(inputs, start=start, end=end, limits=limits, n_feats=N_FEATS)
+def parse(inputs, start=True, end=False, rules=RULES):
+    return parse_request(inputs, start=start, end=end, rules=rules, n_feats=N_FEATS)
 
 
-def rejects(inputs, *needles, start=True, end=False, limits=LIMITS) -> str:
+def rejects(inputs, *needles, start=True, end=False, rules=RULES) -> str:
     with pytest.raises(RequestError) as info:
-        parse(inputs, start, end, limits)
+        parse(inputs, start, end, rules)
     message = str(info.value)
     for needle in needles:
         assert needle in message, f"{needle!r} not in {message!r}"
@@ -74,11 +80,11 @@ def test_empty_chunk_is_allowed_on_end_only():
     rejects({**start_inputs(), **empty}, "speech_tokens is empty")
 
 
-def test_limits_at_their_edge_are_accepted():
-    inputs = {**start_inputs(n_speech=LIMITS.max_chunk_tokens, n_prompt=LIMITS.max_prompt_tokens),
-              "n_timesteps": np.array([[LIMITS.max_steps]], np.int32),
-              "guidance_rate": np.array([[LIMITS.max_guidance_rate]], np.float32)}
-    assert parse(inputs).n_timesteps == LIMITS.max_steps
+def test_rules_at_their_edge_are_accepted():
+    inputs = {**start_inputs(n_speech=RULES.max_chunk_tokens, n_prompt=RULES.max_prompt_tokens),
+              "n_timesteps": np.array([[RULES.max_steps]], np.int32),
+              "guidance_rate": np.array([[RULES.max_guidance_rate]], np.float32)}
+    assert parse(inputs).n_timesteps == RULES.max_steps
 
 
 # ------------------------------------------------------------------------------------------ bad requests
@@ -89,7 +95,7 @@ def test_unknown_tensor_is_named():
 def test_request_above_the_byte_limit():
     inputs = start_inputs(n_prompt=8)
     size = sum(v.nbytes for v in inputs.values())
-    rejects(inputs, f"request holds {size} bytes", "limit of 4000", limits=Limits(max_request_bytes=4000))
+    rejects(inputs, f"request holds {size} bytes", "limit of 4000", rules=RequestRules(max_request_bytes=4000))
 
 
 def test_speech_tokens_are_required():
@@ -213,21 +219,39 @@ def test_negative_seed():
     rejects({**start_inputs(), "seed": np.array([[-5]], np.int64)}, "seed must be >= 0, got -5")
 
 
-# ------------------------------------------------------------------------------------------ Limits
-def test_limits_from_parameters_parses_types_and_ignores_other_keys():
-    limits = Limits.from_parameters({"max_steps": "12", "max_guidance_rate": "2.5", "idle_timeout_s": "0.5",
-                                     "max_live_sequences": "1e3", "n_feats": "80", "meanflow": "false"})
-    assert limits.max_steps == 12 and isinstance(limits.max_steps, int)
-    assert limits.max_live_sequences == 1000 and isinstance(limits.max_live_sequences, int)
-    assert limits.max_guidance_rate == 2.5 and limits.idle_timeout_s == 0.5
-    assert limits.max_chunk_tokens == Limits().max_chunk_tokens
+# ------------------------------------------------------------------------------------------ solver settings
+def test_settings_from_parameters_parse_types_and_ignore_other_keys():
+    settings = SolverSettings.from_parameters({"max_steps": "12", "max_guidance_rate": "2.5", "idle_timeout_s": "0.5",
+                                               "max_live_sequences": "1e3", "n_feats": "80", "meanflow": "false"})
+    assert settings.rules.max_steps == 12 and isinstance(settings.rules.max_steps, int)
+    assert settings.capacity.max_live_sequences == 1000 and isinstance(settings.capacity.max_live_sequences, int)
+    assert settings.rules.max_guidance_rate == 2.5 and settings.capacity.idle_timeout_s == 0.5
+    assert settings.rules.max_chunk_tokens == RequestRules().max_chunk_tokens
+    assert settings.solving == ChunkSolving()
 
 
-def test_limits_round_trip_through_config_strings():
-    """What repository.py writes (str of each value) reads back to the same Limits."""
-    limits = Limits(max_steps=7, idle_timeout_s=2.0, holdback_frames=4, default_guidance_rate=0.0)
-    params = {k: str(v) for k, v in vars(limits).items()}
-    assert Limits.from_parameters(params) == limits
+def test_settings_round_trip_through_config_strings():
+    """What repository.py writes (str of each value) reads back to the same settings, each part too."""
+    settings = SolverSettings.of(max_steps=7, idle_timeout_s=2.0, holdback_frames=4, default_guidance_rate=0.0)
+    assert (settings.rules.max_steps, settings.capacity.idle_timeout_s, settings.solving.holdback_frames,
+            settings.solving.default_guidance_rate) == (7, 2.0, 4, 0.0)
+    params = {k: str(v) for k, v in settings.parameters().items()}
+    assert SolverSettings.from_parameters(params) == settings
+    for part in (settings.rules, settings.capacity, settings.solving):
+        assert type(part).from_parameters(params) == part
+
+
+def test_settings_flat_names_are_distinct_across_the_parts():
+    """Every field is a config parameter by its own name: no two parts share one."""
+    names = SolverSettings.names()
+    parts = [RequestRules(), Capacity(), ChunkSolving()]
+    assert sorted(names) == sorted(k for part in parts for k in vars(part))
+    assert names == {k: v for part in parts for k, v in vars(part).items()}, "the defaults"
+    assert SolverSettings().parameters() == names
+    assert SolverSettings.of(context_frames=-1).replace(max_live_sequences=8) == \
+        SolverSettings(solving=ChunkSolving(context_frames=-1), capacity=Capacity(max_live_sequences=8))
+    with pytest.raises(TypeError, match=r"unknown solver settings \['max_frames'\]"):
+        SolverSettings.of(max_frames=10)
 
 
 @pytest.mark.parametrize("key,raw,needle", [
@@ -236,24 +260,33 @@ def test_limits_round_trip_through_config_strings():
     ("max_steps", "2.5", "config parameter max_steps must be an integer, got '2.5'"),
     ("max_live_sequences", "inf", "max_live_sequences must be an integer, got 'inf'"),
     ("max_chunk_tokens", "nan", "max_chunk_tokens must be an integer, got 'nan'"),
-    ("max_steps", "0", "limit max_steps must be > 0, got 0"),
-    ("max_request_bytes", "-1", "limit max_request_bytes must be > 0, got -1"),
-    ("idle_timeout_s", "nan", "limit idle_timeout_s must be > 0, got nan"),
-    ("idle_timeout_s", "inf", "limit idle_timeout_s must be finite, got inf"),
-    ("holdback_frames", "-2", "limit holdback_frames must be >= 0, got -2"),
-    ("default_guidance_rate", "-0.5", "limit default_guidance_rate must be >= 0, got -0.5"),
+    ("max_steps", "0", "request rule max_steps must be > 0, got 0"),
+    ("max_request_bytes", "-1", "request rule max_request_bytes must be > 0, got -1"),
+    ("idle_timeout_s", "nan", "capacity idle_timeout_s must be > 0, got nan"),
+    ("idle_timeout_s", "inf", "capacity idle_timeout_s must be finite, got inf"),
+    ("holdback_frames", "-2", "chunk setting holdback_frames must be >= 0, got -2"),
+    ("default_guidance_rate", "-0.5", "chunk setting default_guidance_rate must be >= 0, got -0.5"),
     ("default_steps", "60", "default_steps 60 exceeds max_steps 50"),
     ("default_guidance_rate", "11", "default_guidance_rate 11.0 exceeds max_guidance_rate 10.0"),
 ])
-def test_limits_from_parameters_errors_name_the_value(key, raw, needle):
+def test_settings_from_parameters_errors_name_the_value(key, raw, needle):
     with pytest.raises(ValueError) as info:
-        Limits.from_parameters({key: raw})
+        SolverSettings.from_parameters({key: raw})
     assert needle in str(info.value), str(info.value)
 
 
-def test_limits_check_on_direct_construction():
-    with pytest.raises(ValueError, match="limit max_live_sequences must be > 0, got 0"):
-        Limits(max_live_sequences=0).check()
+def test_settings_check_on_direct_construction():
+    with pytest.raises(ValueError, match="capacity max_live_sequences must be > 0, got 0"):
+        Capacity(max_live_sequences=0).check()
+    with pytest.raises(ValueError, match="request rule max_prompt_tokens must be > 0, got 0"):
+        RequestRules(max_prompt_tokens=0).check()
+    with pytest.raises(ValueError, match="chunk setting context_frames must be >= -1, got -2"):
+        ChunkSolving(context_frames=-2).check()
+    # the whole is checked when it is made, the rules between the parts too
+    with pytest.raises(ValueError, match="capacity max_live_sequences must be > 0, got 0"):
+        SolverSettings.of(max_live_sequences=0)
+    with pytest.raises(ValueError, match="default_steps 8 exceeds max_steps 4"):
+        SolverSettings.of(max_steps=4, default_steps=8)
 
 
 # ------------------------------------------------------------------------------------------ property test
@@ -323,19 +356,19 @@ def _no_op_model(*args, **kwargs):
 def check_parsed(req: ChunkRequest, start: bool, end: bool) -> None:
     """Invariants of an accepted request (what the engine relies on)."""
     tokens = req.speech_tokens
-    assert tokens.dtype == np.int64 and tokens.ndim == 1 and tokens.size <= LIMITS.max_chunk_tokens
+    assert tokens.dtype == np.int64 and tokens.ndim == 1 and tokens.size <= RULES.max_chunk_tokens
     assert tokens.size or end
     assert tokens.size == 0 or (0 <= tokens.min() and tokens.max() < VOCAB_SIZE)
     if not start:
         assert req.prompt_tokens is None and req.prompt_mel is None and req.speaker_embedding is None
         return
-    assert 1 <= req.prompt_tokens.size <= LIMITS.max_prompt_tokens
+    assert 1 <= req.prompt_tokens.size <= RULES.max_prompt_tokens
     assert 0 <= req.prompt_tokens.min() and req.prompt_tokens.max() < VOCAB_SIZE
     assert req.prompt_mel.shape == (N_FEATS, 2 * req.prompt_tokens.size) and np.isfinite(req.prompt_mel).all()
     assert req.speaker_embedding.shape == (XVECTOR_DIM,) and np.isfinite(req.speaker_embedding).all()
     assert np.any(req.speaker_embedding)
-    assert req.n_timesteps is None or 1 <= req.n_timesteps <= LIMITS.max_steps
-    assert req.guidance_rate is None or 0 <= req.guidance_rate <= LIMITS.max_guidance_rate
+    assert req.n_timesteps is None or 1 <= req.n_timesteps <= RULES.max_steps
+    assert req.guidance_rate is None or 0 <= req.guidance_rate <= RULES.max_guidance_rate
     assert 0 <= req.seed < 2 ** 63
 
 
@@ -343,7 +376,8 @@ def check_parsed(req: ChunkRequest, start: bool, end: bool) -> None:
 @given(case=st.one_of(random_request(), mutated_request()), corr_id=st.sampled_from([1, 2]))
 def test_random_tensors_give_a_request_or_a_request_error(case, corr_id):
     inputs, start, end = case
-    engine = StreamingEngine(_no_op_model, _no_op_model, n_feats=N_FEATS, meanflow=False, limits=LIMITS)
+    engine = StreamingEngine(_no_op_model, _no_op_model, n_feats=N_FEATS, meanflow=False, solving=SETTINGS.solving,
+                             capacity=SETTINGS.capacity)
     engine.admit(1, parse(start_inputs(n_speech=2), start=True))  # sequence 1 is live; 2 never started
     try:
         req = parse(inputs, start, end)
@@ -359,5 +393,5 @@ def test_random_tensors_give_a_request_or_a_request_error(case, corr_id):
         event(f"admit: {str(exc)[:20]}")
         return
     event("admitted")
-    assert isinstance(chunk.state, SequenceState) and corr_id in engine.store
-    assert 2 * (chunk.state.n_tokens + chunk.tokens.size) <= LIMITS.max_utterance_frames
+    assert isinstance(chunk.state, SequenceState) and corr_id in engine.sequences
+    assert 2 * (chunk.state.received_tokens + chunk.tokens.size) <= SETTINGS.solving.max_utterance_frames

@@ -14,18 +14,19 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from helpers import make_engine, offline, stream_in_process
-from s3flow.contract import request_arrays
+from s3flow_contract.tensors import request_arrays
 from s3flow.model.checkpoint import load_flow, write_random_checkpoint
 from s3flow.model.flow import FlowConfig
-from s3flow.protocol import Limits
-from s3flow.serving.repository import Batching, RepositorySettings, write_repository
-from s3flow.serving.triton_server import TritonServer
+from s3flow.engine.settings import SolverSettings
+from s3flow.repository.generator import write_repository
+from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamError, StreamingClient, chunk_schedule
 from s3flow_client.demo import demo_utterance
 from s3flow_client.wire import infer_inputs
 
 pytestmark = pytest.mark.server
-LIMITS = Limits(max_steps=20, max_utterance_frames=600, max_request_bytes=200_000, max_live_sequences=32)
+SOLVER = SolverSettings.of(max_steps=20, max_utterance_frames=600, max_request_bytes=200_000, max_live_sequences=32)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     ckpt = write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=7)
     flow = load_flow(ckpt)
-    settings = RepositorySettings(limits=LIMITS, batching=Batching(max_queue_delay_us=20_000), ort_threads=1)
+    settings = RepositorySettings(solver=SOLVER, batching=Batching(max_queue_delay_us=20_000), ort_threads=1)
     write_repository(root / "repo", flow, settings)
     with TritonServer(root / "repo", log_file=root / "server.log") as server:
         yield server, flow
@@ -53,7 +54,7 @@ def test_streamed_served_equals_in_process_and_first_chunk_equals_offline(served
     [got] = StreamingClient(server.grpc_url).synthesize([u])
     assert got.mel.shape == (80, 2 * len(u.speech_tokens))
     assert got.chunk_frames[0] == 2 * 8 - 6, "first chunk holds back the 6 lookahead frames"
-    [local] = stream_in_process(make_engine(flow, LIMITS), [u], [u.chunks])
+    [local] = stream_in_process(make_engine(flow, SOLVER), [u], [u.chunks], rules=SOLVER.rules)
     np.testing.assert_allclose(got.mel, np.concatenate([r.mel for r in local], 1), atol=5e-4, rtol=0)
     first = offline(flow, u, n_tokens=8, finalize=False)
     assert first.shape == (80, got.chunk_frames[0])
@@ -167,8 +168,9 @@ BAD = {
                    "prompt_mel"),
     "never started": (False, lambda u: {"speech_tokens": u.speech_tokens[None, :5]},
                       "must specify the START flag on the first request"),  # Triton itself answers
-    "utterance too long": (True, lambda u: {**good_start(u), "speech_tokens": np.ones((1, 301), np.int64)},
-                           "above max_utterance_frames 600"),
+    # (bounded-context streams have no length cap: max_utterance_frames caps the prefix mode only)
+    "chunk too long": (True, lambda u: {**good_start(u), "speech_tokens": np.ones((1, 1501), np.int64)},
+                       "above max_chunk_tokens 1500"),
     "request too large": (True, lambda u: {**good_start(u), "prompt_tokens": np.ones((1, 400), np.int64),
                                            "prompt_mel": np.zeros((1, 800, 80), np.float32)},
                           "above the limit of 200000"),
@@ -191,7 +193,7 @@ def test_bad_input_is_rejected_while_others_keep_streaming(served, case):
     worker.join(120)
     assert message in str(info.value), str(info.value)
     assert "r" in result
-    [local] = stream_in_process(make_engine(flow, LIMITS), [healthy], [healthy.chunks])
+    [local] = stream_in_process(make_engine(flow, SOLVER), [healthy], [healthy.chunks], rules=SOLVER.rules)
     np.testing.assert_allclose(result["r"].mel, np.concatenate([r.mel for r in local], 1), atol=5e-4)
 
 
@@ -228,5 +230,5 @@ def test_an_error_fails_only_its_own_utterance_on_a_shared_stream(served):
     failed, ok = info.value.results
     assert "n_timesteps must be in" in failed.error and failed.mel.size == 0
     assert ok.error is None and ok.mel.shape == (80, 2 * len(good.speech_tokens))
-    [local] = stream_in_process(make_engine(flow, LIMITS), [good], [good.chunks])
+    [local] = stream_in_process(make_engine(flow, SOLVER), [good], [good.chunks], rules=SOLVER.rules)
     np.testing.assert_allclose(ok.mel, np.concatenate([r.mel for r in local], 1), atol=5e-4, rtol=0)

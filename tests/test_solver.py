@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.model.solver import (ClassifierFreeGuidance, ConditionalField, CountingEstimator, FrameNoise,
-                           euler_solve, solve_cfm, time_grid)
+from s3flow_contract import tensors as contract
+from s3flow.model.solver import (ClassifierFreeGuidance, ConditionalField, CountingEstimator, EstimatorInputs,
+                                 FrameNoise, euler_solve, solve_cfm, time_grid)
 
 
 def np_grid(n, schedule):
@@ -64,14 +65,17 @@ def test_cosine_grid_values_for_ten_steps():
 
 
 class ToyEstimator:
-    """A nonlinear function of every input, recording each call's tensors."""
+    """A nonlinear function of every input (one EstimatorInputs bundle), recording each call's tensors."""
 
     def __init__(self, n_feats=5, seed=0):
         g = torch.Generator().manual_seed(seed)
         self.w = [torch.randn(n_feats, n_feats, generator=g) * 0.5 for _ in range(3)]
         self.calls = []
 
-    def __call__(self, x, mask, mu, t, spks, cond, r=None):
+    def __call__(self, inputs):
+        assert isinstance(inputs, EstimatorInputs), type(inputs)
+        x, mask, mu, t, spks, cond, r = (inputs.x, inputs.mask, inputs.mu, inputs.t, inputs.spks, inputs.cond,
+                                         inputs.r)
         self.calls.append(dict(x=x, mask=mask, mu=mu, t=t.clone(), spks=spks, cond=cond,
                                r=None if r is None else r.clone(), ptr=x.data_ptr()))
         h = (torch.einsum("ij,bjt->bit", self.w[0], x) + torch.einsum("ij,bjt->bit", self.w[1], mu)
@@ -106,8 +110,9 @@ def test_guidance_is_one_2b_call_equal_to_two_separate_calls():
     assert torch.equal(call["x"][:b], call["x"][b:]) and torch.equal(call["mask"][:b], call["mask"][b:])
     sep = ToyEstimator()
     tt = torch.full((b,), 0.3)
-    v_c = sep(z, mask, mu, tt, spks, cond)
-    v_u = sep(z, mask, torch.zeros_like(mu), tt, torch.zeros_like(spks), torch.zeros_like(cond))
+    v_c = sep(EstimatorInputs(x=z, mask=mask, mu=mu, t=tt, spks=spks, cond=cond))
+    v_u = sep(EstimatorInputs(x=z, mask=mask, mu=torch.zeros_like(mu), t=tt, spks=torch.zeros_like(spks),
+                              cond=torch.zeros_like(cond)))
     torch.testing.assert_close(got, (1 + w) * v_c - w * v_u, rtol=1e-6, atol=1e-6)
 
 
@@ -136,7 +141,8 @@ def test_meanflow_passes_r_single_batch_no_guidance():
     ref = ToyEstimator()
     b = z.shape[0]
     for t0, t1 in [(0.0, 0.5), (0.5, 1.0)]:
-        x = x + (t1 - t0) * ref(x, mask, mu, torch.full((b,), t0), spks, cond, torch.full((b,), t1))
+        x = x + (t1 - t0) * ref(EstimatorInputs(x=x, mask=mask, mu=mu, t=torch.full((b,), t0), spks=spks, cond=cond,
+                                                r=torch.full((b,), t1)))
     torch.testing.assert_close(res.x, x)
 
 
@@ -147,6 +153,51 @@ def test_zero_guidance_runs_the_conditional_batch_only():
     assert [c["x"].shape[0] for c in est.calls] == [z.shape[0]] * 3
     field = ConditionalField(est, mu, mask, spks, cond)
     assert field(z, torch.tensor(0.1), torch.tensor(0.2)).shape == z.shape
+
+
+@pytest.mark.parametrize("meanflow", [False, True])
+def test_estimator_inputs_are_named_as_the_contract_names_them(meanflow):
+    z, mu, mask, spks, cond = toy_inputs()
+    t = torch.full((z.shape[0],), 0.25)
+    inputs = EstimatorInputs(x=z, mask=mask, mu=mu, t=t, spks=spks, cond=cond,
+                             r=torch.full_like(t, 0.5) if meanflow else None)
+    assert inputs.meanflow is meanflow
+    named = inputs.named()
+    want = contract.names(contract.estimator_inputs(meanflow))
+    assert tuple(named) == want and ("r" in want) is meanflow   # exactly these names, in graph order
+    assert all(named[name] is getattr(inputs, name) for name in want)   # the bundle's own tensors, no copy
+
+
+@pytest.mark.parametrize("meanflow", [False, True])
+def test_guided_field_makes_one_call_with_one_bundle_of_2b_rows(meanflow):
+    z, mu, mask, spks, cond = toy_inputs()
+    b = z.shape[0]
+    seen = []
+
+    def estimate(*args, **kwargs):   # any call shape: the test checks what the field passes
+        named = {k: v.clone() for k, v in args[0].named().items()} if args else {}
+        seen.append((args, kwargs, named))
+        return torch.zeros((2 * b,) + tuple(z.shape[1:]))
+
+    field = ClassifierFreeGuidance(estimate, mu, mask, spks, cond, rate=0.7, meanflow=meanflow)
+    field(z, torch.tensor(0.3), torch.tensor(0.6))
+    assert len(seen) == 1
+    args, kwargs, got = seen[0]
+    assert kwargs == {} and len(args) == 1 and isinstance(args[0], EstimatorInputs)
+    assert args[0] is field.inputs and args[0].meanflow is meanflow
+    assert tuple(got) == contract.names(contract.estimator_inputs(meanflow))
+    assert all(v.shape[0] == 2 * b for v in got.values())
+    # rows [0, B): the conditional batch as given
+    for name, want in (("x", z), ("mask", mask), ("mu", mu), ("spks", spks), ("cond", cond)):
+        assert torch.equal(got[name][:b], want), name
+    assert torch.equal(got["t"], torch.full((2 * b,), 0.3))
+    # rows [B, 2B): "no condition" (mu = spks = cond = 0) with the same x, mask and t
+    for name in ("mu", "spks", "cond"):
+        assert torch.count_nonzero(got[name][b:]) == 0, name
+    for name in ("x", "mask", "t") + (("r",) if meanflow else ()):
+        assert torch.equal(got[name][b:], got[name][:b]), name
+    if meanflow:
+        assert torch.equal(got["r"], torch.full((2 * b,), 0.6))
 
 
 def test_frame_noise_is_a_function_of_seed_and_frame():

@@ -3,15 +3,18 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import make_engine, offline, small_flow, stream_in_process
+from helpers import DropLog, make_engine, offline, small_flow, stream_in_process
+from s3flow.engine.sequences import DROP_REASONS, Capacity, SequenceTable
+from s3flow.engine.settings import SolverSettings
 from s3flow.model.flow import synthesize
-from s3flow.protocol import Limits, RequestError, parse_request
-from s3flow.engine.streaming import SequenceStore
+from s3flow.protocol import RequestError, RequestRules, ServerBusy, parse_request
 from s3flow_client import chunk_schedule
 from s3flow_client.demo import demo_utterance
+from s3flow_contract.tensors import request_arrays
+from s3flow.engine.streaming import StreamingEngine
 
 #: the prefix re-run mode, whatever the server's default
-PREFIX = Limits(context_frames=-1)
+PREFIX = SolverSettings.of(context_frames=-1)
 
 
 @pytest.mark.parametrize("meanflow", [False, True])
@@ -61,13 +64,13 @@ def test_batched_chunks_equal_one_by_one(context):
     """Several utterances' chunks in one padded batch (different prompt and context lengths) give what
     each gives alone, in both streaming modes."""
     flow = small_flow()
-    limits = Limits(context_frames=context)
+    settings = SolverSettings.of(context_frames=context)
     utts = [demo_utterance(s, seed=i, noise_seed=10 + i, prompt_seconds=p)
             for i, (s, p) in enumerate([(1.2, 0.6), (2.0, 1.0), (0.8, 0.4), (1.6, 0.8)])]
     sizes = [chunk_schedule(len(u.speech_tokens), 5 + i, 2.0, 30) for i, u in enumerate(utts)]
-    batched = stream_in_process(make_engine(flow, limits), utts, sizes)
+    batched = stream_in_process(make_engine(flow, settings), utts, sizes)
     for u, s, got in zip(utts, sizes, batched):
-        [alone] = stream_in_process(make_engine(flow, limits), [u], [s])
+        [alone] = stream_in_process(make_engine(flow, settings), [u], [s])
         for a, b in zip(got, alone):
             assert a.frame_offset == b.frame_offset
             np.testing.assert_allclose(a.mel, b.mel, atol=2e-4, rtol=0)
@@ -102,51 +105,236 @@ def test_guidance_and_steps_options_are_used():
 def test_holdback_withholds_frames_until_the_next_chunk():
     flow = small_flow()
     u = demo_utterance(1.6, seed=1)
-    [res] = stream_in_process(make_engine(flow, Limits(holdback_frames=8)), [u], [[10, 10, 20]])
+    [res] = stream_in_process(make_engine(flow, SolverSettings.of(holdback_frames=8)), [u], [[10, 10, 20]])
     assert [r.frame_offset for r in res] == [0, 14 - 8, 34 - 8]
     assert sum(r.mel.shape[1] for r in res) == 80
 
 
 def test_unknown_sequence_and_state_lifecycle():
     flow = small_flow()
-    engine = make_engine(flow, Limits(max_live_sequences=2))
+    engine = make_engine(flow, SolverSettings.of(max_live_sequences=2))
     u = demo_utterance(1.0, seed=1)
-    req = parse_request({"speech_tokens": u.speech_tokens[None, :5]}, start=False, end=False, limits=engine.limits)
+    rules = RequestRules()
+    req = parse_request({"speech_tokens": u.speech_tokens[None, :5]}, start=False, end=False, rules=rules)
     with pytest.raises(RequestError, match="sequence 42 is not active"):
         engine.admit(42, req)
     stream_in_process(engine, [u], [[10, 15]])
-    assert len(engine.store) == 0, "END drops the sequence's state"
+    assert len(engine.sequences) == 0, "END drops the sequence's state"
     from helpers import request_inputs
     for cid in (1, 2):
-        engine.admit(cid, parse_request(request_inputs(u, 0, 5, True), start=True, end=False, limits=engine.limits))
+        engine.admit(cid, parse_request(request_inputs(u, 0, 5, True), start=True, end=False, rules=rules))
     with pytest.raises(RequestError, match="too many live sequences"):
-        engine.admit(3, parse_request(request_inputs(u, 0, 5, True), start=True, end=False, limits=engine.limits))
+        engine.admit(3, parse_request(request_inputs(u, 0, 5, True), start=True, end=False, rules=rules))
 
 
-def test_utterance_frame_limit_ends_the_sequence():
+def test_utterance_frame_limit_ends_a_prefix_mode_sequence_only():
     flow = small_flow()
-    engine = make_engine(flow, Limits(max_utterance_frames=40))
+    log = DropLog()
+    engine = make_engine(flow, SolverSettings.of(max_utterance_frames=40, context_frames=-1), observer=log)
     u = demo_utterance(2.0, seed=1)
     from helpers import request_inputs
+    rules = RequestRules()
     engine.run([engine.admit(1, parse_request(request_inputs(u, 0, 15, True), start=True, end=False,
-                                              limits=engine.limits))])
+                                              rules=rules))])
     with pytest.raises(RequestError, match="42 frames, above max_utterance_frames 40"):
-        engine.admit(1, parse_request(request_inputs(u, 15, 21, False), start=False, end=False, limits=engine.limits))
-    assert 1 not in engine.store
+        engine.admit(1, parse_request(request_inputs(u, 15, 21, False), start=False, end=False, rules=rules))
+    assert 1 not in engine.sequences
+    assert log.drops == [(1, "utterance too long")]
+    bounded = make_engine(flow, SolverSettings.of(max_utterance_frames=40))   # bounded context: no cap
+    bounded.run([bounded.admit(1, parse_request(request_inputs(u, 0, 15, True), start=True, end=False, rules=rules))])
+    [res] = bounded.run([bounded.admit(1, parse_request(request_inputs(u, 15, 21, False), start=False, end=False,
+                                                        rules=rules))])
+    assert res.frame_offset + res.mel.shape[1] == 2 * 21 - 6 and 1 in bounded.sequences
+
+
+def test_a_start_on_a_live_id_replaces_its_state_and_reports_the_drop_once_answered():
+    flow = small_flow()
+    log = DropLog()
+    engine = make_engine(flow, observer=log)
+    u = demo_utterance(1.0, seed=1)
+    d = _Driver(engine, u, [10, 15])
+    d.send(0)
+    old = engine.sequences.peek(7)
+    chunk = engine.admit(7, parse_request(d.inputs(0), start=True, end=False, rules=RequestRules()))
+    assert chunk.replaced is old and engine.sequences.peek(7) is chunk.state is not old
+    assert log.drops == [], "reported when the new START is answered, not before"
+    [res] = engine.run([chunk])
+    assert res.frame_offset == 0 and len(engine.sequences) == 1
+    assert log.drops == [(7, "replaced by a new START")]
+
+
+# ------------------------------------------------------------------------------- the sequence table
+
+
+class _Clock:
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _table(max_live_sequences: int = 64, idle_timeout_s: float = 5.0):
+    clock, log = _Clock(), DropLog()
+    table = SequenceTable(Capacity(max_live_sequences=max_live_sequences, idle_timeout_s=idle_timeout_s), log,
+                          clock=clock)
+    return table, clock, log
+
+
+def _answered(table, corr_id, state):
+    """A START whose chunk was answered: the state is live and not in flight."""
+    table.begin(corr_id, state)
+    table.commit(corr_id, end=False)
 
 
 def test_idle_sequences_are_evicted():
-    now = [0.0]
-    store = SequenceStore(Limits(idle_timeout_s=5.0), clock=lambda: now[0])
-    store.create(1, object.__new__(__import__("s3flow.engine.streaming", fromlist=["SequenceState"]).SequenceState))
-    store.create(2, object.__new__(__import__("s3flow.engine.streaming", fromlist=["SequenceState"]).SequenceState))
-    now[0] = 4.0
-    store.get(2)
-    now[0] = 6.0
-    assert store.evict_idle() == [1]
-    assert 1 not in store and 2 in store
-    now[0] = 20.0
-    assert store.evict_idle() == [2] and len(store) == 0
+    """Idle time counts from a sequence's last answer (commit); a later chunk answered refreshes it."""
+    table, clock, log = _table(idle_timeout_s=5.0)
+    one, two = object(), object()
+    _answered(table, 1, one)
+    _answered(table, 2, two)
+    clock.now = 3.0
+    assert table.serve(2) is two
+    clock.now = 4.0
+    table.commit(2, end=False)
+    clock.now = 6.0
+    assert table.evict_idle() == [1]
+    assert 1 not in table and 2 in table and table.peek(2) is two
+    clock.now = 8.9
+    assert table.evict_idle() == [], "4.9 s since sequence 2's last answer"
+    clock.now = 20.0
+    assert table.evict_idle() == [2] and len(table) == 0
+    assert log.drops == [(1, "idle"), (2, "idle")]
+    with pytest.raises(RequestError, match="sequence 2 is not active: .* evicted after 5.0 s idle"):
+        table.serve(2)
+
+
+def test_a_sequence_in_flight_is_never_evicted_however_long_it_takes():
+    """Begun (a START) or served (a later chunk) and not yet committed or rolled back: the chunk is being
+    solved, and the idle reaper leaves it alone however long that takes; its idle time starts at the answer."""
+    table, clock, log = _table(idle_timeout_s=5.0)
+    started, served = object(), object()
+    table.begin(1, started)                  # a START being solved
+    _answered(table, 2, served)
+    table.serve(2)                           # a later chunk being solved
+    for t in (5.1, 60.0, 3600.0):
+        clock.now = t
+        assert table.evict_idle() == [] and 1 in table and 2 in table
+    assert table.next_eviction_s() == pytest.approx(5.0 + 0.1), "nothing idle: a whole timeout at least"
+    table.commit(1, end=False)
+    clock.now = 3602.0
+    table.commit(2, end=False)
+    assert table.next_eviction_s() == pytest.approx(3.0 + 0.1), "sequence 1 answered 2 s ago"
+    clock.now = 3605.5
+    assert table.evict_idle() == [1] and 2 in table
+    clock.now = 3607.5
+    assert table.evict_idle() == [2] and len(table) == 0
+    assert log.drops == [(1, "idle"), (2, "idle")]
+
+
+def test_a_chunk_being_solved_is_not_evicted_by_a_reaper_running_meanwhile():
+    """The engine's chunk is in flight from admit to the end of run: an idle reaper running during a very
+    slow solve (here 100 s per Euler step) does not take its state, and the sequence goes on."""
+    from helpers import torch_encoder
+    from s3flow.engine.streaming import StreamingEngine
+    from s3flow.model.flow import TorchEstimator
+    flow = small_flow()
+    table, clock, log = _table(idle_timeout_s=5.0)
+    inner, reaped = TorchEstimator(flow.estimator), []
+
+    def slow(inputs):
+        clock.now += 100.0
+        reaped.extend(table.evict_idle())
+        return inner(inputs)
+
+    engine = StreamingEngine(torch_encoder(flow), slow, n_feats=80, meanflow=False, table=table)
+    assert engine.sequences is table
+    u = demo_utterance(1.0, seed=1, noise_seed=3)
+    u.n_timesteps = 3
+    sizes = [10, 10, 5]
+    [undisturbed] = stream_in_process(make_engine(flow), [u], [sizes])
+    d = _Driver(engine, u, sizes)
+    got = [d.send(0)]                        # a START: 300 s in flight
+    assert reaped == [] and 7 in table
+    clock.now += 4.0
+    assert table.evict_idle() == [], "4 s after its answer"
+    got.append(d.send(1))                    # a later chunk: 300 s more
+    assert reaped == [] and 7 in table
+    got.append(d.send(2))                    # END
+    assert reaped == [] and len(table) == 0 and log.drops == []
+    for a, b in zip(got, undisturbed):
+        assert a.frame_offset == b.frame_offset
+        np.testing.assert_array_equal(a.mel, b.mel)
+
+
+def test_rollback_of_a_start_restores_the_state_it_replaced():
+    table, clock, log = _table()
+    old, new = object(), object()
+    _answered(table, 1, old)
+    clock.now = 2.0
+    assert table.begin(1, new) is old and table.peek(1) is new
+    table.rollback(1, old, started=True)
+    assert table.peek(1) is old and len(table) == 1
+    # a START on a fresh id leaves nothing behind; a later chunk's state stays as it was
+    assert table.begin(2, object()) is None
+    table.rollback(2, None, started=True)
+    assert 2 not in table and len(table) == 1
+    assert table.serve(1) is old
+    table.rollback(1, None, started=False)
+    assert table.peek(1) is old
+    # rolled back, neither is in flight any more: the restored state goes idle like any other
+    clock.now = 7.5
+    assert table.evict_idle() == [1] and len(table) == 0
+    assert log.drops == [(1, "idle")], "a rollback drops nothing the client had"
+
+
+def test_end_drops_a_state_with_a_known_reason_only():
+    table, clock, log = _table()
+    state = object()
+    _answered(table, 1, state)
+    with pytest.raises(ValueError, match="unknown drop reason 'bored'"):
+        table.end(1, "bored")
+    assert table.peek(1) is state and log.drops == [], "an unknown reason drops nothing"
+    assert table.end(1, "cancelled") is True and 1 not in table
+    assert table.end(1, "cancelled") is False, "nothing left to drop"
+    assert table.end(9, "error") is False
+    assert log.drops == [(1, "cancelled")]
+    # a state in flight can be ended too (the engine ends a chunk's sequence that grew too long)
+    table.begin(2, object())
+    assert table.end(2, "utterance too long") is True and 2 not in table
+    assert log.drops == [(1, "cancelled"), (2, "utterance too long")]
+    assert {"idle", "cancelled", "utterance too long"} <= set(DROP_REASONS)
+
+
+def test_drops_are_reported_to_the_observer_with_their_reason_and_ends_are_not():
+    table, clock, log = _table(idle_timeout_s=5.0)
+    for cid in (1, 2, 3, 4):
+        _answered(table, cid, object())
+    table.serve(1)
+    table.commit(1, end=True)                # END answered: not a drop
+    table.end(2, "invalid END request")
+    table.begin(5, object())
+    table.rollback(5, None, started=True)    # a failed START: the session reports it, not the table
+    clock.now = 6.0
+    assert sorted(table.evict_idle()) == [3, 4]
+    assert log.drops == [(2, "invalid END request"), (3, "idle"), (4, "idle")]
+    assert len(table) == 0
+
+
+def test_a_full_table_refuses_a_start_saying_when_a_slot_frees_but_takes_a_restart():
+    table, clock, log = _table(max_live_sequences=2, idle_timeout_s=5.0)
+    one, two = object(), object()
+    _answered(table, 1, one)
+    clock.now = 1.0
+    _answered(table, 2, two)
+    clock.now = 2.0
+    with pytest.raises(ServerBusy, match=r"too many live sequences \(2, max_live_sequences 2\); retry in 3.1 s") \
+            as info:
+        table.begin(3, object())
+    assert info.value.retry_after_s == pytest.approx(3.1) and 3 not in table and len(table) == 2
+    restart = object()
+    assert table.begin(2, restart) is two, "a START on a live id replaces it, full or not"
+    assert table.peek(2) is restart and len(table) == 2 and table.peek(1) is one
 
 
 # ------------------------------------------------------------------------------- bounded context
@@ -175,7 +363,7 @@ def test_bounded_context_chunk_equals_offline_synthesis_with_the_context_as_prom
     flow = small_flow(meanflow)
     u = demo_utterance(2.4, seed=4, noise_seed=6)
     sizes, context = [8, 12, 20, 20], 16
-    [results] = stream_in_process(make_engine(flow, Limits(context_frames=context)), [u], [sizes])
+    [results] = stream_in_process(make_engine(flow, SolverSettings.of(context_frames=context)), [u], [sizes])
     emitted = np.zeros((80, 0), np.float32)
     for k, res in enumerate(results):
         n, final, e = sum(sizes[:k + 1]), k == len(sizes) - 1, emitted.shape[1]
@@ -196,7 +384,7 @@ def test_bounded_context_cost_per_chunk_does_not_grow_with_the_utterance():
     u.n_timesteps = 1
     costs = {}
     for context in (-1, 24):
-        engine = make_engine(flow, Limits(context_frames=context))
+        engine = make_engine(flow, SolverSettings.of(context_frames=context))
         per_chunk, last = [], 0
         driver = _Driver(engine, u, sizes)
         for k in range(len(sizes)):
@@ -217,12 +405,14 @@ class _Driver:
     def __init__(self, engine, u, sizes):
         self.engine, self.u, self.sizes = engine, u, sizes
 
-    def send(self, k, cid=7):
+    def inputs(self, k):
         from helpers import request_inputs
         lo = sum(self.sizes[:k])
+        return request_inputs(self.u, lo, lo + self.sizes[k], k == 0)
+
+    def send(self, k, cid=7):
         end = k == len(self.sizes) - 1
-        req = parse_request(request_inputs(self.u, lo, lo + self.sizes[k], k == 0), start=k == 0, end=end,
-                            limits=self.engine.limits)
+        req = parse_request(self.inputs(k), start=k == 0, end=end, rules=RequestRules())
         return self.engine.run([self.engine.admit(cid, req)])[0]
 
 
@@ -230,10 +420,10 @@ class _FailingEstimator:
     def __init__(self, inner):
         self.inner, self.fail = inner, False
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, inputs):
         if self.fail:
             raise RuntimeError("estimator went away")
-        return self.inner(*args, **kwargs)
+        return self.inner(inputs)
 
 
 @pytest.mark.parametrize("context", [-1, 12])
@@ -245,19 +435,20 @@ def test_a_failed_chunk_leaves_the_state_as_before_and_a_retry_continues_exactly
     u = demo_utterance(1.6, seed=8, noise_seed=2)
     u.n_timesteps = 3
     sizes = [10, 12, 18]
-    limits = Limits(context_frames=context, holdback_frames=3)
-    [undisturbed] = stream_in_process(make_engine(flow, limits), [u], [sizes])
+    settings = SolverSettings.of(context_frames=context, holdback_frames=3)
+    [undisturbed] = stream_in_process(make_engine(flow, settings), [u], [sizes])
     est = _FailingEstimator(TorchEstimator(flow.estimator))
-    engine = StreamingEngine(torch_encoder(flow), est, n_feats=80, meanflow=False, limits=limits)
+    engine = StreamingEngine(torch_encoder(flow), est, n_feats=80, meanflow=False, solving=settings.solving,
+                             capacity=settings.capacity)
     d = _Driver(engine, u, sizes)
     got = [d.send(0)]
-    state = engine.store.get(7)
+    state = engine.sequences.peek(7)
     before = (state.tokens.copy(), state.noised_mels.values.copy(), state.noised_mels.start, state.emitted,
               None if state.mel_tail is None else state.mel_tail.copy())
     est.fail = True
     with pytest.raises(RuntimeError, match="went away"):
         d.send(1)
-    after = engine.store.get(7)
+    after = engine.sequences.peek(7)
     assert after is state and np.array_equal(after.tokens, before[0]) and after.emitted == before[3]
     assert np.array_equal(after.noised_mels.values, before[1]) and after.noised_mels.start == before[2]
     assert (after.mel_tail is None and before[4] is None) or np.array_equal(after.mel_tail, before[4])
@@ -270,4 +461,44 @@ def test_a_failed_chunk_leaves_the_state_as_before_and_a_retry_continues_exactly
     est.fail = True
     with pytest.raises(RuntimeError):
         d.send(0, cid=8)
-    assert 8 not in engine.store
+    assert 8 not in engine.sequences
+
+
+def test_a_bounded_context_stream_keeps_constant_state_and_has_no_length_cap():
+    """Streams of any length: in bounded-context mode the state a sequence keeps (tokens, mel tail, noised
+    mels) stays the same size chunk after chunk, however long the utterance grows, and max_utterance_frames
+    does not end it (it caps the prefix mode only)."""
+    from s3flow.engine.settings import ChunkSolving
+
+    calls = []
+
+    def encode(tokens, token_len, embedding):
+        b, t = tokens.shape[0], 2 * tokens.shape[1]
+        return torch.zeros(b, 80, t), None, torch.zeros(b, 80)
+
+    def estimate(inputs):
+        calls.append(inputs.x.shape[2])
+        return torch.zeros_like(inputs.x)
+
+    solving = ChunkSolving(context_frames=100, max_utterance_frames=300)
+    engine = StreamingEngine(encode, estimate, n_feats=80, meanflow=False, solving=solving)
+    u = demo_utterance(1.0, seed=3)
+    rng = np.random.default_rng(0)
+    sizes, offsets = [], []
+    for k in range(60):   # 60 chunks of 50 tokens: 6000 frames, 20x the cap
+        tokens = rng.integers(0, 6561, 50)
+        inputs = request_arrays(tokens, start=k == 0, **(dict(prompt_tokens=u.prompt_tokens, prompt_mel=u.prompt_mel,
+                                                             speaker_embedding=u.speaker_embedding,
+                                                             n_timesteps=1) if k == 0 else {}))
+        req = parse_request(inputs, start=k == 0, end=k == 59, rules=RequestRules(), n_feats=80)
+        [res] = engine.run([engine.admit(1, req)])
+        offsets.append((res.frame_offset, res.mel.shape[1]))
+        s = engine.sequences.peek(1)
+        if s is not None:
+            sizes.append((s.tokens.size, s.mel_tail.shape[1], s.noised_mels.values.shape[1]))
+    assert sizes[5:] == [sizes[5]] * len(sizes[5:]), "the state stops growing once the context is full"
+    assert max(t for t, _, _ in sizes) <= 100 // 2 + 2 + 50 + 3, sizes[-1]
+    assert offsets[0][0] == 0 and all(o + n == nxt for (o, n), (nxt, _) in zip(offsets, offsets[1:]))
+    assert sum(n for _, n in offsets) == 2 * 50 * 60
+    # a chunk's solve does not grow with the utterance (the END chunk adds only its 6 lookahead frames)
+    assert max(calls[:-1]) == max(calls[20:30]) and max(calls) <= max(calls[20:30]) + 6, calls

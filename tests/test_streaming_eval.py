@@ -1,7 +1,7 @@
 """The streaming measurements' own pieces: seam roughness, the dry-run cost, joined long utterances."""
 import numpy as np
 
-from s3flow_training.evaluate import HeldoutUtterance
+from s3flow_training.package import HeldoutUtterance
 from s3flow.engine.streaming import planned_calls
 from s3flow_training.streaming_eval import long_utterances, seam_roughness
 from s3flow_client import chunk_schedule

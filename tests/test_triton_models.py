@@ -16,9 +16,10 @@ import pytest
 import torch
 from google.protobuf import json_format
 
-from s3flow import contract
+from s3flow_contract import tensors as contract
+from s3flow.model.solver import EstimatorInputs
 from s3flow.protocol import RequestError
-from s3flow.serving import model_config as mc
+from s3flow.repository import model_config as mc
 from s3flow.serving import responses
 from s3flow.serving.triton_models import base, cfm_solver, onnx_model, torch_model, voice_encoder_model, vocoder_model
 
@@ -86,7 +87,7 @@ def args_of(config: mc.ModelConfig, folder="/nonexistent") -> dict:
 
 def solver_config(**params) -> mc.ModelConfig:
     config = mc.ModelConfig(name="cfm_solver", backend="python", max_batch_size=4)
-    mc.add_tensors(config, contract.REQUEST, contract.MEL_RESPONSE, n_feats=80)
+    mc.add_tensors(config, contract.SOLVER_INPUTS, contract.MEL_RESPONSE, n_feats=80)
     mc.add_sequence_controls(config, idle_us=10_000_000)
     return mc.set_parameters(config, {"n_feats": 80, "meanflow": False, "warmup": False, **params})
 
@@ -178,8 +179,10 @@ def test_one_bad_request_gets_its_error_and_the_others_their_answers():
     out = model.execute([good, bad, broken, good])
     assert [r.error is None for r in out] == [True, False, False, True]
     np.testing.assert_array_equal(out[0].outputs["audio"], np.full((1, 80, 2), 3.0, np.float32))
-    assert (out[1].error.code, out[1].error.message()) == ("INVALID_ARG", "vocoder: mel must be >= 0, got -1.0")
-    assert (out[2].error.code, out[2].error.message()) == ("INTERNAL", "vocoder: RuntimeError: the network gave up")
+    assert (out[1].error.code, out[1].error.message()) == (
+        "INVALID_ARG", "vocoder: mel must be >= 0, got -1.0 [s3flow disposition=fail]")
+    assert (out[2].error.code, out[2].error.message()) == (
+        "INTERNAL", "vocoder: RuntimeError: the network gave up [s3flow disposition=fail]")
 
 
 def test_controls_read_as_triton_sends_them():
@@ -200,6 +203,61 @@ def test_the_solver_reads_every_request_tensor_of_the_contract():
     incoming = model._incoming(request)
     assert (incoming.corr_id, incoming.start, incoming.end) == (9, True, False)
     assert sorted(incoming.inputs) == sorted(contract.names(contract.REQUEST))
+
+
+class _BlsRequest:
+    """pb_utils.InferenceRequest's stand-in: records itself on exec; answers each requested output with
+    ``answer(model_name, {input name: array}, output name)``."""
+
+    def __init__(self, sent, answer, model_name, requested_output_names, inputs, **kwargs):
+        self.sent, self.answer = sent, answer
+        self.model_name, self.requested, self.inputs = model_name, requested_output_names, inputs
+
+    def exec(self):
+        self.sent.append(self)
+        arrays = {t.name: t.array for t in self.inputs}
+        return types.SimpleNamespace(has_error=lambda: False,
+                                     outputs={n: self.answer(self.model_name, arrays, n) for n in self.requested})
+
+
+@pytest.mark.parametrize("meanflow", [False, True])
+def test_the_bls_adapters_send_contract_names_in_order_and_refuse_others(pb_utils, meanflow):
+    """BlsEstimator sends an EstimatorInputs bundle as the estimator's contract inputs, in graph order, and returns
+    the velocity; BlsEncoder sends its three tensors by name; tensors named otherwise or out of order are the
+    caller's bug (TypeError, no request sent)."""
+    sent = []
+    answer = lambda model, arrays, name: (arrays["x"] * 2 if name == "velocity"
+                                          else np.full((1, 2), len(name), np.float32))
+    pb_utils.InferenceRequest = lambda **kw: _BlsRequest(sent, answer, **kw)
+    pb_utils.get_output_tensor_by_name = lambda response, name: (Tensor(name, response.outputs[name])
+                                                                 if name in response.outputs else None)
+    wanted = contract.names(contract.estimator_inputs(meanflow))
+    est = cfm_solver.BlsEstimator("estimator", wanted, contract.names(contract.ESTIMATOR_OUTPUTS))
+    g = torch.Generator().manual_seed(0)
+    b, t = 2, 5
+    rows = lambda *shape: torch.randn(*shape, generator=g)
+    inputs = EstimatorInputs(x=rows(b, 80, t), mask=torch.ones(b, 1, t), mu=rows(b, 80, t), t=torch.rand(b, generator=g),
+                             spks=rows(b, 80), cond=rows(b, 80, t),
+                             r=torch.rand(b, generator=g) if meanflow else None)
+    v = est(inputs)
+    [request] = sent
+    assert request.model_name == "estimator" and request.requested == ["velocity"]
+    assert tuple(x.name for x in request.inputs) == wanted
+    for x in request.inputs:
+        np.testing.assert_array_equal(x.array, getattr(inputs, x.name).numpy())
+    torch.testing.assert_close(v, inputs.x * 2)
+    other_kind = EstimatorInputs(**{**inputs.named(), "r": None if meanflow else inputs.t})
+    with pytest.raises(TypeError, match=r"model 'estimator' takes \["):
+        est(other_kind)
+    with pytest.raises(TypeError, match=r"model 'estimator' takes \["):
+        est.call(dict(reversed(list(inputs.named().items()))))
+    assert len(sent) == 1, "a refused call sends nothing"
+    enc = cfm_solver.BlsEncoder("flow_encoder", contract.names(contract.ENCODER_INPUTS),
+                                contract.names(contract.ENCODER_OUTPUTS))
+    tokens, token_len, embedding = torch.ones(1, 3, dtype=torch.int64), torch.tensor([3]), torch.zeros(1, 192)
+    out = enc(tokens, token_len, embedding)
+    assert [x.name for x in sent[-1].inputs] == ["tokens", "token_len", "embedding"]
+    assert [float(o[0, 0]) for o in out] == [len(n) for n in contract.names(contract.ENCODER_OUTPUTS)]
 
 
 # ------------------------------------------------------------------------------------------ the stateless shims

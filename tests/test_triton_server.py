@@ -20,8 +20,8 @@ import time
 import numpy as np
 import pytest
 
-from s3flow.serving import triton_server
-from s3flow.serving.triton_server import TritonServer, TritonServerError
+from s3flow.server import triton_server
+from s3flow.server.triton_server import TritonServer, TritonServerError
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402

@@ -26,8 +26,8 @@ from tritonclient.utils import InferenceServerException
 
 from s3flow.model.checkpoint import CheckpointMismatch, flow_state_dict, load_flow, random_flow, save_tensors
 from s3flow.model.flow import FlowConfig
-from s3flow.protocol import Limits
-from s3flow.engine.streaming import SequenceStore
+from s3flow.engine.sequences import Capacity, SequenceTable
+from s3flow.engine.settings import SolverSettings
 from s3flow.engine.vocoder_stream import F0_LOOKAHEAD_FRAMES, StreamError, StreamSettings, VocoderStream
 from s3flow.model.vocoder import (HiFTGenerator, TorchVocoder, VocoderConfig, hann_window, load_vocoder,
                                   random_vocoder, vocode, vocoder_state_dict, write_vocoder_checkpoint)
@@ -278,7 +278,8 @@ def test_streamed_equals_offline_in_process(name):
 def _repository_runners(tmp_path, hift):
     """The served vocoder's two runners, each opened from a version folder the repository writer made
     (``vocoder_backend`` onnx and torch, cpu target, so the torch one runs on the CPU)."""
-    from s3flow.serving.repository import RepositorySettings, write_vocoder_models
+    from s3flow.repository.generator import write_vocoder_models
+    from s3flow.repository.settings import RepositorySettings
     from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
 
     runners = {}
@@ -433,40 +434,50 @@ def test_stream_rejects_broken_input():
     with pytest.raises(ValueError, match="context_frames must be >= 5"):
         StreamSettings(context_frames=F0_LOOKAHEAD_FRAMES - 1).check()
     with pytest.raises(ValueError, match=r"idle_timeout_s must be > 0, got 0.0$"):
-        StreamSettings(idle_timeout_s=0.0).check()
+        Capacity(idle_timeout_s=0.0).check()           # what the vocoder holds: a config parameter too
     with pytest.raises(ValueError, match=r"lookahead_frames must be >= 0, got -1$"):
         StreamSettings(lookahead_frames=-1).check()
 
 
 def test_idle_states_are_evicted():
+    """The vocoder model's table: a START's state is begun, then committed once its chunk is answered; idle
+    time counts from then, and a state whose chunk is still being vocoded is never evicted."""
     now = [0.0]
-    settings = StreamSettings(idle_timeout_s=5.0, max_live_sequences=2)
-    store = SequenceStore(settings, clock=lambda: now[0])
+    table = SequenceTable(Capacity(idle_timeout_s=5.0, max_live_sequences=2), clock=lambda: now[0])
     hift = small_vocoder()
-    vs = VocoderStream(None, None, hift.source_params, settings)
-    store.create(1, vs.start(0))
+    vs = VocoderStream(None, None, hift.source_params, StreamSettings())
+    table.begin(1, vs.start(0))
+    table.commit(1, end=False)
     now[0] = 3.0
-    store.create(2, vs.start(0))
+    table.begin(2, vs.start(0))
+    table.commit(2, end=False)
     now[0] = 6.0
-    assert store.evict_idle() == [1] and 2 in store
+    assert table.evict_idle() == [1] and 2 in table
+    table.begin(3, vs.start(0))                      # in flight: not committed yet
+    now[0] = 20.0
+    assert table.evict_idle() == [2] and 3 in table
+    table.commit(3, end=False)
+    now[0] = 25.5
+    assert table.evict_idle() == [3] and len(table) == 0
 
 
 # ---------------------------------------------------------------------------------------------------
 # Served: token2wav on a real tritonserver
 
-LIMITS = Limits(max_steps=20, max_utterance_frames=600, max_request_bytes=200_000, max_live_sequences=32)
+SOLVER = SolverSettings.of(max_steps=20, max_utterance_frames=600, max_request_bytes=200_000, max_live_sequences=32)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from s3flow.model.checkpoint import write_random_checkpoint
-    from s3flow.serving.repository import Batching, RepositorySettings, write_repository
-    from s3flow.serving.triton_server import TritonServer
+    from s3flow.repository.generator import write_repository
+    from s3flow.repository.settings import Batching, RepositorySettings
+    from s3flow.server.triton_server import TritonServer
 
     root = tmp_path_factory.mktemp("served_wav")
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=7))
     hift = load_vocoder(write_vocoder_checkpoint(small_vocoder(), root / "hift.safetensors"))
-    settings = RepositorySettings(limits=LIMITS, batching=Batching(max_queue_delay_us=20_000), ort_threads=1)
+    settings = RepositorySettings(solver=SOLVER, batching=Batching(max_queue_delay_us=20_000), ort_threads=1)
     write_repository(root / "repo", flow, settings, vocoder=hift)
     onnx = OnnxVocoder(root / "repo" / "vocoder" / "1", threads=1)  # the served graphs, as served
     with TritonServer(root / "repo", log_file=root / "server.log") as server:
@@ -543,14 +554,15 @@ def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_
     own server, against the ONNX-backed server of the module: same flow, same vocoder weights, same stream."""
     from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
     from s3flow.serving.config_params import Params
-    from s3flow.serving.model_config import read_config
-    from s3flow.serving.repository import Batching, RepositorySettings, write_repository
-    from s3flow.serving.triton_server import TritonServer
+    from s3flow.repository.model_config import read_config
+    from s3flow.repository.generator import write_repository
+    from s3flow.repository.settings import Batching, RepositorySettings
+    from s3flow.server.triton_server import TritonServer
     from s3flow_client import StreamingClient, chunk_schedule
     from s3flow_client.demo import demo_utterance
 
     onnx_server, flow, hift, onnx = served
-    settings = RepositorySettings(limits=LIMITS, batching=Batching(max_queue_delay_us=20_000), ort_threads=1,
+    settings = RepositorySettings(solver=SOLVER, batching=Batching(max_queue_delay_us=20_000), ort_threads=1,
                                   vocoder_backend="torch")
     write_repository(tmp_path / "repo", flow, settings, vocoder=hift)
     config = read_config(tmp_path / "repo" / "vocoder")

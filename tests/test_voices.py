@@ -9,16 +9,19 @@ from tritonclient.utils import InferenceServerException
 from helpers import request_inputs
 from s3flow.model.checkpoint import load_flow, write_random_checkpoint
 from s3flow.model.flow import FlowConfig
-from s3flow.protocol import Limits, RequestError
-from s3flow.serving.repository import Batching, RepositorySettings, VoiceSettings, write_repository
-from s3flow.serving.session import INVALID_ARG, Incoming
-from s3flow.serving.triton_server import TritonServer
+from s3flow.engine.settings import SolverSettings
+from s3flow.protocol import RequestError
+from s3flow.repository.generator import write_repository
+from s3flow.repository.settings import Batching, RepositorySettings, VoiceSettings
+from s3flow.serving.session import Incoming
+from s3flow.serving.responses import INVALID_ARG
+from s3flow.server.triton_server import TritonServer
 from s3flow.model.voice import VoiceConfig, VoiceFrontend
 from s3flow.serving.voice_registry import UnknownVoice, VoiceRegistry, voice_id_of
 from s3flow.serving.voice_service import VoiceService
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
-from s3flow_client.voices import list_voices, read_wav, register_prompt, register_voice
+from s3flow_client.voices import list_voices, read_reference, register_prompt, register_voice
 from test_session import session
 from test_voice_frontend import speechlike
 
@@ -133,8 +136,9 @@ def test_a_start_by_voice_id_equals_a_start_with_the_prompt(tmp_path):
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("voices")
     ckpt = write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=5)
-    settings = RepositorySettings(limits=Limits(max_steps=20), batching=Batching(max_queue_delay_us=2000),
-                                  ort_threads=1, voices=VoiceSettings(max_voices=8))
+    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20),
+                                  batching=Batching(max_queue_delay_us=2000), ort_threads=1,
+                                  voices=VoiceSettings(max_voices=8))
     write_repository(root / "repo", load_flow(ckpt), settings, voice_checkpoint=ckpt)
     with TritonServer(root / "repo", log_file=root / "server.log") as srv:
         yield srv
@@ -147,7 +151,7 @@ def test_references_at_three_rates_register_once_and_stream_by_voice_id(server, 
     for rate in (16000, 24000, 44100):
         path = tmp_path / f"ref_{rate}.wav"
         _write_wav(path, speechlike(rate, 2.0, seed=rate), rate)
-        voice = register_voice(server.grpc_url, *read_wav(path))
+        voice = register_voice(server.grpc_url, *read_reference(path))
         ids.append(voice.voice_id)
         utts = []
         for seed in (0, 1):

@@ -42,7 +42,7 @@ from .demo import demo_utterance, load_truth, load_utterance
 
 def voices_main(argv) -> int:
     """``voices register FILE`` (a .wav reference or a Chatterbox conds.pt) / ``voices list``."""
-    from .voices import list_voices, read_conds, read_wav, register_prompt, register_voice
+    from .voices import list_voices, read_conds, read_reference, register_prompt, register_voice
 
     p = argparse.ArgumentParser(prog="python -m s3flow_client voices")
     p.add_argument("what", choices=["register", "list"])
@@ -59,7 +59,7 @@ def voices_main(argv) -> int:
         if args.file.suffix in (".pt", ".pth"):
             voice = register_prompt(args.url, **read_conds(args.file))
         else:
-            voice = register_voice(args.url, *read_wav(args.file))
+            voice = register_voice(args.url, *read_reference(args.file))
     except Exception as exc:  # the server's INVALID_ARG names what is wrong with the reference
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -92,16 +92,17 @@ def main(argv=None) -> int:
     ch.add_argument("--growth", type=float, default=2.0, help="chunk growth factor (default: 2)")
     ch.add_argument("--max-chunk", type=int, default=100, help="largest chunk (default: 100)")
     p.add_argument("--out-dir", type=Path, default=Path("out"), help="(default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for responses")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each response (a hung server "
+                   "is reported after this long; the stream as a whole has no bound)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
 
     utts, truth = [], load_truth(args.inputs) if args.inputs else None
     voice = None
     if args.voice:
-        from .voices import read_wav, register_voice
+        from .voices import read_reference, register_voice
         try:
-            voice = register_voice(args.url.split(",")[0], *read_wav(args.voice))
+            voice = register_voice(args.url.split(",")[0], *read_reference(args.voice))
         except Exception as exc:
             print(f"error: registering {args.voice}: {exc}", file=sys.stderr)
             return 1
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     if not args.no_progress:
         from tqdm import tqdm
         bar = tqdm(total=total_chunks, unit="chunk", desc="streaming")
-    client = StreamingClient(args.url, args.model, timeout_s=args.timeout)
+    client = StreamingClient(args.url, args.model, response_timeout_s=args.timeout)
     code = 0
     wavs = []
     if client.audio:  # each .wav grows as its samples arrive

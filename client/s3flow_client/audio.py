@@ -1,8 +1,11 @@
-"""Audio out: a .wav written as the samples stream in, and a picture of the waveform over the mel.
+"""Audio files and pictures: the project's one WAV reader and writer (``read_wav``, ``write_wav``: soundfile,
+so every PCM width and float WAV reads, scaled as soundfile and librosa scale them), a .wav written as the
+samples stream in (``WavWriter``), and a picture of the waveform over the mel.
 
 Example::
 
-    from s3flow_client.audio import WavWriter, save_audio_png
+    from s3flow_client.audio import WavWriter, read_wav, save_audio_png
+    samples, rate = read_wav("ref.wav")            # (n,) float32 for mono, (n, channels) otherwise
     with WavWriter("out/audio_0.wav") as wav:      # 16-bit PCM, mono, 24 kHz
         for chunk in chunks:                        # float32 samples in [-1, 1]
             wav.write(chunk)
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from s3flow.contract import SAMPLES_PER_FRAME
+from s3flow_contract.tensors import SAMPLES_PER_FRAME
 
 SAMPLE_RATE = 24000
 
@@ -61,12 +64,27 @@ class WavWriter:
 
 
 def read_wav(path) -> tuple[np.ndarray, int]:
-    """A 16-bit mono .wav as float32 samples in [-1, 1] and its sample rate."""
-    with wave.open(str(path), "rb") as f:
-        if f.getsampwidth() != 2 or f.getnchannels() != 1:
-            raise ValueError(f"{path}: expected 16-bit mono, got {8 * f.getsampwidth()}-bit x {f.getnchannels()}")
-        data = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2")
-        return (data.astype(np.float32) / 32767.0), f.getframerate()
+    """Samples as float32 ((n,) mono, (n, channels) otherwise; integer PCM scaled by 2^(bits - 1)) and the
+    file's sample rate; ValueError naming the file for what it cannot read."""
+    import soundfile
+
+    try:
+        samples, rate = soundfile.read(str(path), dtype="float32", always_2d=False)
+    except (RuntimeError, soundfile.LibsndfileError) as exc:
+        raise ValueError(f"{path}: not a readable audio file ({exc})") from None
+    return samples, int(rate)
+
+
+def write_wav(path, samples: np.ndarray, rate: int, float32: bool = False) -> Path:
+    """Write samples ((n,) or (n, channels)) as 16-bit PCM (or float32) at ``rate``; returns the path."""
+    import soundfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = np.asarray(samples, dtype=np.float32)
+    soundfile.write(str(path), data if float32 else np.clip(data, -1.0, 1.0), int(rate),
+                    subtype="FLOAT" if float32 else "PCM_16")
+    return path
 
 
 def save_audio_png(audio: np.ndarray, mel: np.ndarray, path, title: str = "", seams=(),

@@ -5,7 +5,7 @@ from typing import Optional
 
 import numpy as np
 
-from s3flow.contract import VOCAB_SIZE, XVECTOR_DIM
+from s3flow_contract.tensors import VOCAB_SIZE, XVECTOR_DIM
 
 from .stream import Utterance, chunk_schedule
 

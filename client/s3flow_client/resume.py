@@ -7,21 +7,19 @@ then carry on. Frames that were delivered already are compared with their replay
 within ``replay_tolerance``; a mismatch fails the utterance rather than splicing two different syntheses) and
 not delivered twice.
 
-What an error answer leads to (``classify``):
+What an error answer leads to is its disposition (``s3flow_contract.answers.answer_of``: the tag every s3flow
+error carries, or the table of Triton's own errors; nothing here reads the wording):
 
-============================================  ==========  =================================================
-the server said (first match wins)            kind        the client
-============================================  ==========  =================================================
-``draining`` / ``Server not ready`` (it is    ``resume``  resumes the utterance on the next address
-going away); sequence not active or unknown
-to Triton (a restart or an idle eviction
-lost it); the END request failed
-``send it again`` / ``send the START again``  ``retry``   sends the same chunk to the same server
-``retry in N s`` (the server is full)         ``busy``    START again on the next address, or here after N s
-anything else UNAVAILABLE                     ``resume``  as above
-anything it cannot place (the stream broke)   ``broken``  resumes every utterance of that stream elsewhere
-anything else (a bad request, a bug)          ``fail``    fails that utterance only, and ENDs its sequence
-============================================  ==========  =================================================
+=============  ==================================================================================
+disposition    the client
+=============  ==================================================================================
+``retry``      sends the same chunk to the same server (with ``resend=prompt``: START again with the
+               speaker prompt instead of the voice id, which this server does not hold)
+``busy``       START again on the next address, or here after ``retry_after_s``
+``resume``     resumes the utterance on the next address
+``fail``       fails that utterance only, and ENDs its sequence
+(no sequence)  an error that names no sequence broke the stream: every utterance on it resumes elsewhere
+=============  ==================================================================================
 
 Retries and resumes are bounded (``max_retries``, ``max_resumes`` per utterance, the call's deadline) and
 each is logged (logger ``s3flow_client``) and kept in ``StreamResult.retries`` / ``StreamResult.resumes``.
@@ -33,7 +31,6 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import re
 import time
 from typing import Callable, Optional
 
@@ -41,7 +38,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from s3flow.contract import AUDIO_RESPONSE, MEL_RESPONSE, request_arrays
+from s3flow_contract.answers import Answer, answer_of
+from s3flow_contract.tensors import AUDIO_RESPONSE, MEL_RESPONSE, request_arrays
 
 from .state import UtteranceState, new_corr_id
 from .wire import infer_inputs, requested_outputs
@@ -53,25 +51,9 @@ log = logging.getLogger("s3flow_client")
 SEQUENCE_HEADER = "x-sequence-id"
 PROBE_S = 2.0                          # liveness probe of an address whose stream broke
 
-_SEQUENCE = re.compile(r"sequence (\d+)")
-_RETRY_IN = re.compile(r"retry in ([0-9.]+) s")
-_RULES = (  # (kind, what the message contains); the first match wins
-    # the server is going away or lost the utterance: even where it says "send it again" (a model call
-    # failed because Triton is shutting down), only another server (or a restarted one) can go on
-    ("resume", ("draining", "Server not ready", "is not active", "must specify the START flag",
-                "restart the utterance")),
-    ("retry", ("send it again", "send the START again")),
-    ("busy", ("retry in", "retry later")),
-    ("resume", ("unavailable",)),
-)
-
-
-def classify(message: str) -> str:
-    """What to do about an error that names a sequence: retry, busy, resume or fail (table above)."""
-    for kind, hints in _RULES:
-        if any(h.lower() in message.lower() for h in hints):
-            return kind
-    return "fail"
+def classify(message: str) -> Answer:
+    """What to do about an error message: its disposition and the sequence it names (table above)."""
+    return answer_of(message)
 
 
 class _Conn:
@@ -225,16 +207,17 @@ class Run:
 
     def on_error(self, conn: _Conn, error) -> None:
         message = str(error)
-        named = [int(m.group(1)) for m in _SEQUENCE.finditer(message)]
-        if any(cid in self.retired for cid in named):
-            self.cleanups.difference_update(f"end:{cid}" for cid in named)
+        answer = classify(message)
+        cid = answer.sequence
+        if cid in self.retired:
+            self.cleanups.discard(f"end:{cid}")
             return  # the answer to a sequence given up, or to its cleanup END
-        s = next((self.by_id[cid] for cid in named if cid in self.by_id and not self.by_id[cid].done), None)
-        if s is None or s.corr_id not in named:
+        s = self.by_id.get(cid) if cid is not None else None
+        if s is None or s.done or s.corr_id != cid:
             self.broken(conn, message)  # tritonclient hands over stream errors without the request
             return
-        kind = classify(message)
-        if "voice_id" in message and s.by_voice_id and s.utt.prompt_tokens is not None:
+        kind = answer.disposition.value
+        if answer.resend == "prompt" and s.by_voice_id and s.utt.prompt_tokens is not None:
             s.by_voice_id = False   # this server does not hold the voice: START again with the prompt itself
             s.retries.append(message)
             log.warning("utterance %d: %s: sending the prompt instead", s.index, message)
@@ -249,9 +232,8 @@ class Run:
                 self.resume(s, message, delay=0.0)   # a full server: try the next one now
                 return
             wait = self.c.retry_backoff_s * 2 ** (len(s.retries) - 1)
-            hint = _RETRY_IN.search(message)
-            if kind == "busy" and hint:
-                wait = float(hint.group(1))
+            if kind == "busy" and answer.retry_after_s is not None:
+                wait = answer.retry_after_s
             self.due.append((time.perf_counter() + wait, s))
         elif kind in ("resume", "busy"):
             self.resume(s, message)
@@ -292,7 +274,7 @@ class Run:
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
         start = time.perf_counter()
-        self.deadline = start + self.c.timeout_s
+        self.deadline = start + self.c.timeout_s if self.c.timeout_s is not None else float("inf")
         last_event = start
         for s in self.streams:
             s.t0 = start
@@ -312,7 +294,7 @@ class Run:
                 if self.due:
                     wait = min(wait, min(d[0] for d in self.due) - now)
                 try:
-                    conn_id, result, error = self.events.get(timeout=max(wait, 0.01))
+                    conn_id, result, error = self.events.get(timeout=min(max(wait, 0.01), 3600.0))
                 except queue.Empty:
                     if self.due and time.perf_counter() < self.deadline:
                         continue  # a retry is due, not a silent server
@@ -349,7 +331,7 @@ class Run:
             if result is not None:
                 self.cleanups.discard(result.get_response().id)
                 continue
-            named = [int(m.group(1)) for m in _SEQUENCE.finditer(str(error))]
-            if not any(cid in self.retired for cid in named):
+            cid = classify(str(error)).sequence
+            if cid not in self.retired:
                 break  # the stream itself broke: nothing more will come
-            self.cleanups.difference_update(f"end:{cid}" for cid in named)
+            self.cleanups.discard(f"end:{cid}")

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from s3flow.contract import TOKEN_MEL_RATIO as FRAMES_PER_TOKEN
+from s3flow_contract.tensors import TOKEN_MEL_RATIO as FRAMES_PER_TOKEN
 _corr_ids = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
 
 

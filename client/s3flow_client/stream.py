@@ -37,9 +37,9 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from s3flow.contract import SAMPLES_PER_FRAME, request_arrays
+from s3flow_contract.tensors import SAMPLES_PER_FRAME, request_arrays
 
-from .resume import SEQUENCE_HEADER, Run  # noqa: F401 (SEQUENCE_HEADER re-exported)
+from .resume import Run
 from .state import FRAMES_PER_TOKEN, UtteranceState
 
 FRAMES_PER_SECOND = 50.0
@@ -74,7 +74,7 @@ class Utterance:
     voice_id: Optional[str] = None
 
     def request(self, lo: int, hi: int, start: bool, by_voice_id: bool = False) -> dict[str, np.ndarray]:
-        """The tensors of the chunk ``speech_tokens[lo:hi]`` (``s3flow.contract.request_arrays``): a START
+        """The tensors of the chunk ``speech_tokens[lo:hi]`` (``s3flow_contract.tensors.request_arrays``): a START
         carries the prompt (or, ``by_voice_id``, the voice id instead), the seed and the options."""
         tokens = self.speech_tokens[lo:hi]
         if not start:
@@ -131,9 +131,10 @@ class StreamingClient:
         url: the server's gRPC ``host:port``, or several (a list, or comma-separated): utterances start on
             the first; one whose server goes away resumes on the next (see ``s3flow_client.resume``).
         model: the entry model.
-        timeout_s: bound on one ``synthesize`` call as a whole (also the gRPC streams' deadline).
-        response_timeout_s: bound on the wait for the next response while chunks are in flight (a hung
-            server is reported after this long, not only at ``timeout_s``); None: only ``timeout_s``.
+        timeout_s: bound on one ``synthesize`` call as a whole (also the gRPC streams' deadline); None (the
+            default): none, so an utterance may stream for as long as it lasts.
+        response_timeout_s: bound on the wait for the next response while chunks are in flight: a hung
+            server is reported after this long (default 120 s); None: only ``timeout_s``.
         max_retries: how often one utterance may send a chunk again that the server said it may retry
             (or a START that a full server refused).
         retry_backoff_s: the wait before the first retry; it doubles with each retry of the utterance.
@@ -144,7 +145,7 @@ class StreamingClient:
     """
 
     def __init__(self, url: Union[str, Sequence[str]] = "127.0.0.1:8001", model: str = "token2mel",
-                 timeout_s: float = 120.0, response_timeout_s: Optional[float] = None,
+                 timeout_s: Optional[float] = None, response_timeout_s: Optional[float] = 120.0,
                  audio: Optional[bool] = None, max_retries: int = 3, retry_backoff_s: float = 0.25,
                  max_resumes: int = 3, replay_tolerance: float = 1e-3):
         self.urls = [u.strip() for u in (url.split(",") if isinstance(url, str) else url) if u.strip()]

@@ -8,22 +8,23 @@ hold the voice (another server after a failover, a restart, an eviction) the cli
 
 Example::
 
-    from s3flow_client.voices import read_wav, register_voice
-    wav, rate = read_wav("ref.wav")
+    from s3flow_client.voices import read_reference, register_voice
+    wav, rate = read_reference("ref.wav")
     voice = register_voice("127.0.0.1:8001", wav, rate)
     client.synthesize([voice.utterance(speech_tokens, seed=0)])
 """
 from __future__ import annotations
 
-import wave
+
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from s3flow.contract import PROMPT, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS, VOICE_ID, by_name
+from s3flow_contract.tensors import PROMPT, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS, VOICE_ID, by_name
 
+from .audio import read_wav
 from .stream import Utterance
 from .wire import infer_inputs, requested_outputs
 
@@ -43,29 +44,17 @@ class Voice:
                          voice_id=self.voice_id, **options)
 
 
-def read_wav(path) -> tuple[np.ndarray, int]:
-    """A mono PCM .wav (8/16/24/32-bit) as float32 samples in [-1, 1] and its sample rate."""
-    with wave.open(str(path), "rb") as f:
-        channels, width, rate, n = f.getnchannels(), f.getsampwidth(), f.getframerate(), f.getnframes()
-        raw = f.readframes(n)
-    if channels != 1:
-        raise ValueError(f"{path}: {channels} channels; the reference must be mono (mix it down first)")
-    if width == 3:
-        b = np.frombuffer(raw, np.uint8).reshape(-1, 3)
-        ints = (b[:, 0].astype(np.int32) | (b[:, 1].astype(np.int32) << 8) | (b[:, 2].astype(np.int32) << 16))
-        ints = np.where(ints >= 1 << 23, ints - (1 << 24), ints)
-        return (ints / float(1 << 23)).astype(np.float32), rate
-    dtype = {1: np.uint8, 2: "<i2", 4: "<i4"}.get(width)
-    if dtype is None:
-        raise ValueError(f"{path}: {8 * width}-bit samples are not supported")
-    data = np.frombuffer(raw, dtype).astype(np.float64)
-    if width == 1:
-        data = data - 128.0
-    return (data / float(1 << (8 * width - 1))).astype(np.float32), rate
+def read_reference(path) -> tuple[np.ndarray, int]:
+    """A mono reference recording: float32 samples and its sample rate (``audio.read_wav``); ValueError for a
+    file with several channels (mix it down first)."""
+    samples, rate = read_wav(path)
+    if samples.ndim != 1:
+        raise ValueError(f"{path}: {samples.shape[1]} channels; the reference must be mono (mix it down first)")
+    return samples, rate
 
 
 def _arrays(**values) -> dict[str, np.ndarray]:
-    """The voice encoder's input tensors, with the dtypes ``s3flow.contract.VOICE_ENCODER_INPUTS`` declares."""
+    """The voice encoder's input tensors, with the dtypes ``s3flow_contract.tensors.VOICE_ENCODER_INPUTS`` declares."""
     spec = by_name(VOICE_ENCODER_INPUTS)
     return {name: np.ascontiguousarray(value, dtype=spec[name].np_dtype) for name, value in values.items()}
 

@@ -1,10 +1,10 @@
-"""Requests on the wire: numpy tensors as tritonclient inputs, typed by their declarations in ``s3flow.contract``.
+"""Requests on the wire: numpy tensors as tritonclient inputs, typed by their declarations in ``s3flow_contract.tensors``.
 
-Request tensors are built by ``s3flow.contract.request_arrays`` (``Utterance.request`` for a chunk of an
+Request tensors are built by ``s3flow_contract.tensors.request_arrays`` (``Utterance.request`` for a chunk of an
 utterance); :func:`infer_inputs` turns any model's tensors into ``InferInput`` objects with the wire type the
 contract declares for each name, and refuses a name or dtype the contract does not declare::
 
-    from s3flow.contract import request_arrays
+    from s3flow_contract.tensors import request_arrays
     inputs = infer_inputs(request_arrays(tokens, start=True, prompt_tokens=pt, prompt_mel=pm,
                                          speaker_embedding=xv, seed=0))
     client.infer("token2mel", inputs, sequence_id=1, sequence_start=True, sequence_end=True,
@@ -19,7 +19,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from s3flow.contract import REQUEST, Tensor, by_name
+from s3flow_contract.tensors import REQUEST, Tensor, by_name
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,10 +1,10 @@
-"""The streaming protocol's tensors, limits and request validation (no Triton imports: unit-testable).
+"""The streaming protocol's request rules and validation (no Triton imports: unit-testable).
 
 One Triton sequence (correlation id) per utterance. Every request carries the next chunk of speech
 tokens; the START request also carries the speaker prompt and options; the END request finalises.
 
-Request tensors: ``s3flow.contract.REQUEST`` (names, dtypes, dims and what each means); response
-tensors: ``s3flow.contract.MEL_RESPONSE`` (``AUDIO_RESPONSE`` from token2wav).
+Request tensors: ``s3flow_contract.tensors.REQUEST`` (names, dtypes, dims and what each means); response
+tensors: ``s3flow_contract.tensors.MEL_RESPONSE`` (``AUDIO_RESPONSE`` from token2wav).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from s3flow.contract import REQUEST, VOCAB_SIZE, VOICE_ID, XVECTOR_DIM  # noqa: F401 (re-exported)
+from s3flow_contract.tensors import REQUEST, VOCAB_SIZE, VOICE_ID, XVECTOR_DIM
 
 #: The request tensors the solver validates here (voice_id is resolved to a prompt before parse_request).
 INPUT_DTYPES = {t.name: t.np_dtype.type for t in REQUEST if t.name != VOICE_ID}
@@ -23,6 +23,11 @@ START_ONLY = tuple(t.name for t in REQUEST if t.start_only and t.name != VOICE_I
 
 class RequestError(ValueError):
     """A client's request is invalid; the message names the bad value. Maps to INVALID_ARG."""
+
+
+class UnknownSequence(RequestError):
+    """A chunk of a sequence this server does not hold (never started here, ended, or evicted): the client
+    should replay the utterance (disposition ``resume``)."""
 
 
 class ServerBusy(RequestError):
@@ -81,32 +86,16 @@ class NumericSettings:
 
 
 @dataclass
-class Limits(NumericSettings):
-    """Server-side limits and defaults; each is a ``parameters`` entry of the cfm_solver config."""
+class RequestRules(NumericSettings):
+    """What a client's request may be; each is a ``parameters`` entry of the cfm_solver config."""
     max_steps: int = 50
     max_guidance_rate: float = 10.0
-    max_utterance_frames: int = 3000      # generated frames (60 s of audio)
     max_prompt_tokens: int = 500          # 20 s of prompt
     max_chunk_tokens: int = 1500
     max_request_bytes: int = 1 << 20      # all tensors of one request together
-    max_live_sequences: int = 64        # per solver instance; at most the batcher's max_candidate_sequences
-    idle_timeout_s: float = 5.0          # + Triton's 5 s grace: the 10 s reclaim time of a slot
-    holdback_frames: int = 0              # generated frames withheld until the next chunk (or END)
-    default_steps: int = 0                # 0: the checkpoint's default (10, or 2 for meanflow)
-    default_guidance_rate: float = 0.7
-    #: Streaming mode. -1: every chunk re-solves the whole prefix (cost grows with the utterance);
-    #: C >= 0: bounded context, each chunk solves prompt + the last C emitted frames (as conditioning)
-    #: + its new tokens (see s3flow.engine.streaming). 100 (2 s): see results/streaming.md and the README.
-    context_frames: int = 100
 
     def check(self) -> None:
-        check_numbers(self, "limit", lowest={"holdback_frames": 0, "default_steps": 0, "default_guidance_rate": 0,
-                                             "context_frames": -1})
-        if self.default_steps > self.max_steps:
-            raise ValueError(f"default_steps {self.default_steps} exceeds max_steps {self.max_steps}")
-        if self.default_guidance_rate > self.max_guidance_rate:
-            raise ValueError(f"default_guidance_rate {self.default_guidance_rate} exceeds max_guidance_rate "
-                             f"{self.max_guidance_rate}")
+        check_numbers(self, "request rule", lowest={})
 
 
 @dataclass
@@ -154,24 +143,24 @@ def _tokens(name: str, tokens: np.ndarray) -> np.ndarray:
     return tokens.astype(np.int64, copy=False)
 
 
-def parse_request(inputs: Mapping[str, np.ndarray], *, start: bool, end: bool, limits: Limits,
+def parse_request(inputs: Mapping[str, np.ndarray], *, start: bool, end: bool, rules: RequestRules,
                   n_feats: int = 80) -> ChunkRequest:
     """Validate one request's tensors; raise RequestError naming the bad value."""
     unknown = set(inputs) - set(INPUT_DTYPES)
     if unknown:
         raise RequestError(f"unknown input tensors: {sorted(unknown)}")
     size = sum(np.asarray(v).nbytes for v in inputs.values())
-    if size > limits.max_request_bytes:
-        raise RequestError(f"request holds {size} bytes, above the limit of {limits.max_request_bytes}")
+    if size > rules.max_request_bytes:
+        raise RequestError(f"request holds {size} bytes, above the limit of {rules.max_request_bytes}")
     tokens = _array(inputs, "speech_tokens", 2)
     if tokens is None:
         raise RequestError("speech_tokens is required in every request")
     tokens = _tokens("speech_tokens", tokens)
     if tokens.size == 0 and not end:
         raise RequestError("speech_tokens is empty; an empty chunk is allowed only on the END request")
-    if tokens.size > limits.max_chunk_tokens:
+    if tokens.size > rules.max_chunk_tokens:
         raise RequestError(f"speech_tokens chunk has {tokens.size} tokens, above max_chunk_tokens "
-                           f"{limits.max_chunk_tokens}")
+                           f"{rules.max_chunk_tokens}")
     req = ChunkRequest(speech_tokens=tokens, start=start, end=end)
     if not start:
         given = [n for n in START_ONLY if n in inputs]
@@ -187,8 +176,8 @@ def parse_request(inputs: Mapping[str, np.ndarray], *, start: bool, end: bool, l
     if missing:
         raise RequestError(f"the START request needs the speaker prompt: missing {missing}")
     prompt = _tokens("prompt_tokens", prompt)
-    if not 1 <= prompt.size <= limits.max_prompt_tokens:
-        raise RequestError(f"prompt_tokens must hold 1 to {limits.max_prompt_tokens} tokens, got {prompt.size}")
+    if not 1 <= prompt.size <= rules.max_prompt_tokens:
+        raise RequestError(f"prompt_tokens must hold 1 to {rules.max_prompt_tokens} tokens, got {prompt.size}")
     if mel.shape != (2 * prompt.size, n_feats):
         raise RequestError(f"prompt_mel must have shape [1, {2 * prompt.size}, {n_feats}] "
                            f"(2 frames per prompt token, frames-major), got {[1] + list(mel.shape)}")
@@ -203,11 +192,11 @@ def parse_request(inputs: Mapping[str, np.ndarray], *, start: bool, end: bool, l
     req.prompt_tokens, req.prompt_mel, req.speaker_embedding = prompt, np.ascontiguousarray(mel.T), emb
 
     steps = _scalar(inputs, "n_timesteps")
-    if steps is not None and not 1 <= steps <= limits.max_steps:
-        raise RequestError(f"n_timesteps must be in [1, {limits.max_steps}], got {steps}")
+    if steps is not None and not 1 <= steps <= rules.max_steps:
+        raise RequestError(f"n_timesteps must be in [1, {rules.max_steps}], got {steps}")
     rate = _scalar(inputs, "guidance_rate")
-    if rate is not None and not (np.isfinite(rate) and 0.0 <= rate <= limits.max_guidance_rate):
-        raise RequestError(f"guidance_rate must be in [0, {limits.max_guidance_rate}], got {rate}")
+    if rate is not None and not (np.isfinite(rate) and 0.0 <= rate <= rules.max_guidance_rate):
+        raise RequestError(f"guidance_rate must be in [0, {rules.max_guidance_rate}], got {rate}")
     seed = _scalar(inputs, "seed")
     if seed is not None and seed < 0:
         raise RequestError(f"seed must be >= 0, got {seed}")

@@ -16,14 +16,20 @@ Pipeline (``build_dataset``), all seeded:
 5. A 192-d x-vector stand-in per voice: a fixed seeded projection of the voice's standardised mean and
    standard deviation of log-mel over its training utterances.
 6. Held-out split: ``heldout_fraction`` of the *sentences* (with all their voices) never reach training
-   (neither the codebook nor the networks). Prompts (``prompt_for``) are cut from another utterance of the
-   same voice.
+   (neither the codebook nor the networks). Prompts (``prompt_for``) are cut from other utterances of the
+   same voice, several joined end to end when a prompt is longer than one utterance (up to 10 s, as
+   Chatterbox gives S3Gen).
+7. The 24 kHz waveform of every utterance (int16, exactly 960 samples per token) beside the corpus
+   (``<corpus>.audio.npy``, ``audio_of``): the vocoder's training targets and the intelligibility
+   references.
 
 Example::
 
     from s3flow_training.data import DataSettings, build_dataset
     ds = build_dataset(DataSettings(n_sentences=60), workdir="build/small_data")
     ds.utterances[0].tokens, ds.utterances[0].mel.shape   # (N,), (80, 2N)
+    ds.save("build/small_data/dataset.npz")                # also writes dataset.npz.audio.npy
+    audio_of("build/small_data/dataset.npz", ds, 0)          # (960 N,) float32 at 24 kHz
 """
 from __future__ import annotations
 
@@ -31,14 +37,15 @@ import ast
 import shutil
 import subprocess
 import tempfile
-import wave
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 
-from s3flow.contract import TOKEN_MEL_RATIO as FRAMES_PER_TOKEN
+from s3flow_client.audio import read_wav
+from s3flow_contract.tensors import TOKEN_MEL_RATIO as FRAMES_PER_TOKEN
 from s3flow_training.mel import S3GEN_MEL, log_mel, resample
 
 #: Audio samples per speech token at 24 kHz.
@@ -72,8 +79,8 @@ VOICES: tuple[Voice, ...] = (
 @dataclass
 class DataSettings:
     """Everything that decides the corpus; stored with it."""
-    n_sentences: int = 360
-    voices_per_sentence: int = 2
+    n_sentences: int = 1000
+    voices_per_sentence: int = 3
     heldout_fraction: float = 0.1
     codebook_size: int = 512
     kmeans_iters: int = 30
@@ -84,12 +91,15 @@ class DataSettings:
 
 @dataclass
 class Utterance:
-    """One spoken sentence: tokens (N,) int64, mel (80, 2N) float32, its voice and split."""
+    """One spoken sentence: tokens (N,) int64, mel (80, 2N) float32, its voice and split; ``audio`` its
+    24 kHz waveform (960 N,) int16 while the corpus is being made (``Dataset.load`` leaves it None:
+    ``audio_of`` reads it from the file beside the corpus)."""
     text: str
     voice: int
     tokens: np.ndarray
     mel: np.ndarray
     heldout: bool
+    audio: Optional[np.ndarray] = None
 
     @property
     def n_tokens(self) -> int:
@@ -120,6 +130,8 @@ class Dataset:
             text=np.array([u.text for u in self.utterances]), codebook=self.codebook,
             voice_stats=self.voice_stats, xvectors=self.xvectors,
             settings=np.array(repr(asdict(self.settings))))
+        if all(u.audio is not None for u in self.utterances):
+            np.save(audio_path(path), np.concatenate([u.audio for u in self.utterances]))
         return path
 
     @classmethod
@@ -136,6 +148,26 @@ class Dataset:
         return cls(utts, d["codebook"], d["voice_stats"], d["xvectors"], settings)
 
 
+def audio_path(corpus: str | Path) -> Path:
+    """Where the corpus' waveforms live: ``<corpus>.audio.npy`` (int16, all utterances end to end)."""
+    return Path(str(corpus) + ".audio.npy")
+
+
+def audio_of(corpus: str | Path, ds: Dataset, index: int) -> np.ndarray:
+    """Utterance ``index``'s 24 kHz waveform, (960 N,) float32 in [-1, 1] (memory-mapped read)."""
+    start = SAMPLES_PER_TOKEN * sum(u.n_tokens for u in ds.utterances[:index])
+    stop = start + SAMPLES_PER_TOKEN * ds.utterances[index].n_tokens
+    audio = np.load(audio_path(corpus), mmap_mode="r")
+    if audio.shape[0] != SAMPLES_PER_TOKEN * sum(u.n_tokens for u in ds.utterances):
+        raise ValueError(f"{audio_path(corpus)} holds {audio.shape[0]} samples, not 960 per token of {corpus}")
+    return np.asarray(audio[start:stop], dtype=np.float32) / 32768.0
+
+
+def to_int16(audio: np.ndarray) -> np.ndarray:
+    """float audio in [-1, 1] -> int16 (scaled by 32768 and clipped: ``audio_of`` inverts it)."""
+    return np.clip(np.round(np.asarray(audio) * 32768.0), -32768, 32767).astype(np.int16)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Sentences
 
@@ -143,28 +175,40 @@ _SUBJECTS = ["the old man", "my sister", "a small dog", "the teacher", "our neig
              "a young farmer", "the children", "her brother", "the captain", "every student", "the baker",
              "a tired doctor", "the quiet girl", "my grandfather", "the new manager", "two painters",
              "the singer", "a clever fox", "the night guard", "your cousin", "the mayor", "a lost tourist",
-             "the engineers"]
+             "the engineers", "a shy musician", "the fisherman", "my aunt", "the librarian", "a nervous actor",
+             "the gardener", "our teacher's wife", "a sleepy cat", "the journalist", "my best friend",
+             "the old sailor", "a patient nurse"]
 _VERB_FORMS = [("paint", "painted"), ("carry", "carried"), ("find", "found"), ("open", "opened"),
                ("repair", "repaired"), ("watch", "watched"), ("clean", "cleaned"), ("sell", "sold"),
                ("build", "built"), ("forget", "forgot"), ("borrow", "borrowed"), ("describe", "described"),
                ("measure", "measured"), ("order", "ordered"), ("pack", "packed"), ("deliver", "delivered"),
                ("follow", "followed"), ("remember", "remembered"), ("photograph", "photographed"),
-               ("return", "returned")]
+               ("return", "returned"), ("push", "pushed"), ("fix", "fixed"), ("lift", "lifted"),
+               ("choose", "chose"), ("hide", "hid"), ("throw", "threw"), ("wash", "washed"), ("draw", "drew"),
+               ("examine", "examined"), ("polish", "polished")]
 _VERBS = [past for _, past in _VERB_FORMS]
 _VERB_BASES = [base for base, _ in _VERB_FORMS]
 _OBJECTS = ["the blue door", "a heavy box", "three letters", "the broken clock", "an old map",
             "the garden fence", "a basket of apples", "the kitchen window", "seven bottles", "the red bicycle",
             "a wooden chair", "the silver key", "a long rope", "the village church", "two warm blankets",
-            "the morning paper", "a bag of flour", "the small boat", "the green lamp", "a pair of boots"]
+            "the morning paper", "a bag of flour", "the small boat", "the green lamp", "a pair of boots",
+            "a jar of honey", "the yellow kite", "six thick books", "the dusty piano", "a cup of coffee",
+            "the shiny trumpet", "a basket of eggs", "the leather jacket", "the frozen pond", "a pile of leaves",
+            "the purple scarf", "a bunch of grapes"]
 _PLACES = ["near the river", "in the market", "behind the station", "at the harbour", "under the bridge",
            "on the hill", "inside the museum", "by the lake", "across the street", "in the valley",
-           "outside the school", "at the edge of the forest"]
+           "outside the school", "at the edge of the forest", "beside the fountain", "in the attic",
+           "near the airport", "on the balcony", "through the tunnel", "in the old theatre"]
 _TIMES = ["yesterday", "this morning", "last winter", "before the storm", "after lunch", "on Sunday",
-          "at midnight", "every evening", "in the spring", "two days ago", "before sunrise", "later that night"]
+          "at midnight", "every evening", "in the spring", "two days ago", "before sunrise", "later that night",
+          "during the festival", "on Thursday", "in August", "after the concert", "just before dinner"]
 _QUESTION_STARTS = ["why did", "when did", "where did", "how often did", "did"]
-_ADJECTIVES = ["bright", "cold", "quiet", "busy", "strange", "gentle", "noisy", "empty", "warm", "narrow"]
-_NOUNS = ["road", "room", "city", "sky", "house", "train", "field", "song", "story", "morning"]
-_NUMBERS = ["one", "four", "nine", "twelve", "fifteen", "twenty", "thirty six", "a hundred", "eighty two"]
+_ADJECTIVES = ["bright", "cold", "quiet", "busy", "strange", "gentle", "noisy", "empty", "warm", "narrow",
+               "foggy", "huge", "smooth", "cheerful", "dark", "windy"]
+_NOUNS = ["road", "room", "city", "sky", "house", "train", "field", "song", "story", "morning", "kitchen",
+          "journey", "village", "meeting", "bridge", "evening"]
+_NUMBERS = ["one", "four", "nine", "twelve", "fifteen", "twenty", "thirty six", "a hundred", "eighty two",
+            "seventeen", "fifty", "three thousand"]
 
 
 def make_sentences(n: int, seed: int = 0) -> list[str]:
@@ -206,16 +250,14 @@ def espeak_available() -> bool:
     return shutil.which("espeak-ng") is not None
 
 
-def synthesize(text: str, voice: Voice, tmpdir: str | Path) -> np.ndarray:
+def synthesize(text: str, voice: Voice, tmpdir: str | Path) -> tuple[np.ndarray, int]:
     """espeak-ng speech for ``text`` as float32 at espeak's own rate (22050 Hz); (L,), and the rate."""
     wav = Path(tmpdir) / "utt.wav"
     subprocess.run(["espeak-ng", "-v", voice.name, "-p", str(voice.pitch), "-s", str(voice.speed),
                     "-w", str(wav), text], check=True, capture_output=True)
-    with wave.open(str(wav)) as w:
-        if w.getsampwidth() != 2 or w.getnchannels() != 1:
-            raise RuntimeError(f"espeak-ng wrote {w.getnchannels()} channels of {w.getsampwidth()} bytes")
-        rate = w.getframerate()
-        audio = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
+    audio, rate = read_wav(wav)
+    if audio.ndim != 1:
+        raise RuntimeError(f"espeak-ng wrote {audio.shape[1]} channels")
     return audio, rate
 
 
@@ -265,6 +307,12 @@ def assign_tokens(x: torch.Tensor | np.ndarray, centers: torch.Tensor | np.ndarr
     return d.argmin(1)
 
 
+def tokenize(mel: np.ndarray, stats: np.ndarray, codebook: np.ndarray) -> np.ndarray:
+    """(N,) int64 speech tokens of a mel (n_mels, 2N) spoken by the voice of ``stats`` (2, n_mels): the
+    corpus' stand-in for the S3 tokenizer."""
+    return assign_tokens(token_features(mel, stats), codebook).numpy()
+
+
 def make_xvectors(voice_stats: np.ndarray, seed: int) -> np.ndarray:
     """(V, 192) x-vector stand-ins: a fixed seeded Gaussian projection of each voice's mean and std of
     log-mel, standardised across voices (so the vectors differ in direction, which is what survives
@@ -296,19 +344,19 @@ def build_dataset(settings: DataSettings = DataSettings(), log=print) -> Dataset
                 if len(y) > s.max_seconds * S3GEN_MEL.sampling_rate:
                     continue
                 mel = log_mel(torch.from_numpy(y)).numpy()
-                raw.append((text, v, mel, i in held))
-    log(f"synthesised {len(raw)} utterances ({sum(m.shape[1] for _, _, m, _ in raw) / 50:.0f} s of speech) "
+                raw.append((text, v, mel, i in held, to_int16(y)))
+    log(f"synthesised {len(raw)} utterances ({sum(m.shape[1] for _, _, m, _, _ in raw) / 50:.0f} s of speech) "
         f"with {len(VOICES)} voices")
     n_mels = S3GEN_MEL.num_mels
     stats = np.zeros((len(VOICES), 2, n_mels), np.float32)
     for v in range(len(VOICES)):
-        frames = np.concatenate([m for _, vv, m, h in raw if vv == v and not h], axis=1)
+        frames = np.concatenate([m for _, vv, m, h, _ in raw if vv == v and not h], axis=1)
         stats[v, 0], stats[v, 1] = frames.mean(1), frames.std(1) + 1e-3
-    train_feats = np.concatenate([token_features(m, stats[v]) for _, v, m, h in raw if not h])
+    train_feats = np.concatenate([token_features(m, stats[v]) for _, v, m, h, _ in raw if not h])
     codebook = kmeans(train_feats, s.codebook_size, s.kmeans_iters, s.seed)
     assert s.codebook_size <= VOCAB_SIZE
-    utts = [Utterance(text=t, voice=v, tokens=assign_tokens(token_features(m, stats[v]), codebook).numpy(),
-                      mel=m.astype(np.float32), heldout=h) for t, v, m, h in raw]
+    utts = [Utterance(text=t, voice=v, tokens=tokenize(m, stats[v], codebook), mel=m.astype(np.float32),
+                      heldout=h, audio=a) for t, v, m, h, a in raw]
     used = len(np.unique(np.concatenate([u.tokens for u in utts])))
     log(f"codebook: {s.codebook_size} centroids from {len(train_feats)} training tokens, {used} ids in use")
     return Dataset(utts, codebook, stats, make_xvectors(stats, s.seed), s)
@@ -316,14 +364,25 @@ def build_dataset(settings: DataSettings = DataSettings(), log=print) -> Dataset
 
 def prompt_for(ds: Dataset, index: int, rng: np.random.Generator, min_tokens: int = 25,
                max_tokens: int = 75, same_split: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """A speaker prompt for utterance ``index``: a random segment of another utterance of the same voice
-    (of the same split when one exists). Returns prompt tokens (Np,) and prompt mel (80, 2 Np)."""
+    """A speaker prompt for utterance ``index``: a random stretch of other utterances of the same voice
+    (of the same split when there are any), joined end to end in a random order until the prompt's
+    length, drawn from [min_tokens, max_tokens], is reached (a 10 s prompt spans several sentences, as a
+    reference recording would). Returns prompt tokens (Np,) and prompt mel (80, 2 Np)."""
     u = ds.utterances[index]
     others = [j for j, w in enumerate(ds.utterances) if w.voice == u.voice and j != index
               and (w.heldout == u.heldout or not same_split)]
     if not others:
         others = [j for j, w in enumerate(ds.utterances) if w.voice == u.voice and j != index]
-    src = ds.utterances[others[int(rng.integers(len(others)))]]
-    n = min(int(rng.integers(min_tokens, max_tokens + 1)), src.n_tokens)
-    a = int(rng.integers(0, src.n_tokens - n + 1))
-    return src.tokens[a:a + n].copy(), src.mel[:, 2 * a:2 * (a + n)].copy()
+    n = int(rng.integers(min_tokens, max_tokens + 1))
+    tokens, mels, have = [], [], 0
+    for j in rng.permutation(others):
+        src = ds.utterances[int(j)]
+        tokens.append(src.tokens)
+        mels.append(src.mel)
+        have += src.n_tokens
+        if have >= n:
+            break
+    tok, mel = np.concatenate(tokens), np.concatenate(mels, axis=1)
+    n = min(n, len(tok))
+    a = int(rng.integers(0, len(tok) - n + 1))
+    return tok[a:a + n].copy(), mel[:, 2 * a:2 * (a + n)].copy()

@@ -14,15 +14,15 @@ solver's intervals), and a random pair.
 
 Example::
 
-    student = train_student(teacher, ds, TrainSettings(student_rounds=20))
+    student, info = train_student(teacher, ds, TrainSettings(student_rounds=20))
     write_checkpoint(student, "student.safetensors")   # records trained_config(meanflow=True)
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-import time
-from typing import Sequence
+from pathlib import Path
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +31,9 @@ from s3flow.model.estimator import reset_time_embed_mixer
 from s3flow.model.flow import FlowConfig, S3Flow
 from s3flow.model.solver import ClassifierFreeGuidance, time_grid
 from s3flow_training.data import Dataset
-from s3flow_training.train import EMA, Log, TrainSettings, length_batches, lr_at, make_batch, masked_mse
+from s3flow_training.runstate import Clock, RunState, rewarm_factor, step_rng, step_seed, warm_start
+from s3flow_training.train import (EMA, STUDENT_PHASE, Log, TrainSettings, batch_plan, lr_at, make_batch,
+                                   masked_mse)
 
 
 def make_student(teacher: S3Flow) -> S3Flow:
@@ -87,32 +89,51 @@ def sample_pairs(b: int, n_keep: int, rng: np.random.Generator) -> list[tuple[in
 
 
 def train_student(teacher: S3Flow, ds: Dataset, settings: TrainSettings = TrainSettings(),
-                  log: Log = print) -> S3Flow:
-    """Distil ``teacher`` into a meanflow student (see the module docstring)."""
+                  log: Log = print, state_path: Optional[Path] = None, budget_s: Optional[float] = None,
+                  start: Optional[S3Flow] = None, start_step: int = 0,
+                  max_steps: Optional[int] = None) -> tuple[S3Flow, dict]:
+    """Distil ``teacher`` into a meanflow student (see the module docstring), up to
+    ``settings.student_rounds`` rounds, for at most ``budget_s`` seconds this run; going on from
+    ``state_path`` or from ``start`` at ``start_step`` as ``train_teacher`` does. Returns the EMA student
+    (eval mode) and a record of the run."""
     s = settings
     torch.manual_seed(s.seed + 20)
     student = make_student(teacher)
-    student.estimator.train()
     for p in student.encoder.parameters():
         p.requires_grad_(False)
     params = [p for p in student.estimator.parameters()]
     opt = torch.optim.AdamW(params, lr=s.student_lr, betas=(0.9, 0.98), weight_decay=0.0)
-    rng = np.random.default_rng([s.seed, 20])
-    gen = torch.Generator().manual_seed(s.seed + 21)
+    ema = EMA(student.estimator, s.student_ema_decay)
+    state = RunState(state_path, student.estimator, opt, ema, tag=f"student {student.config.to_dict()}")
+    step, rewarm = state.load(), None
+    if step:
+        log(f"student: resumed at round {step} from {state_path}")
+    elif start is not None:
+        warm_start(student.estimator, start.estimator.state_dict(), ema)
+        step = rewarm = start_step
+        log(f"student: warm start at round {step} from the given weights (fresh optimiser)")
+    student.estimator.train()
     grid, keep = distill_grid(s.fine_steps, s.keep_times)
     times = grid[keep]
-    batches = length_batches(ds, ds.split(heldout=False), s.student_batch_size, rng)
+    train_split = ds.split(heldout=False)
     teacher_est = teacher.estimator.eval()
-    ema = EMA(student.estimator, s.student_ema_decay)
-    t0, recent = time.perf_counter(), []
-    for step in range(s.student_rounds):
+
+    def teacher_velocity(inputs):   # the module as a solver estimator (under no_grad, not inference_mode)
+        return teacher_est(**inputs.named())
+
+    clock, first, recent, last = Clock(budget_s, step, max_steps), step, [], None
+    while step < s.student_rounds and clock.running(step):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, s.student_rounds, s.student_lr, min(s.warmup_steps, s.student_rounds // 10))
-        batch = make_batch(ds, next(batches), rng, s.prompt_prob, s.prompt_tokens, s.max_tokens)
+            g["lr"] = lr_at(step, s.student_rounds, s.student_lr, min(s.warmup_steps, s.student_rounds // 10)) \
+                * rewarm_factor(step, rewarm)
+        rng = step_rng(s.seed, STUDENT_PHASE, step)
+        gen = torch.Generator().manual_seed(step_seed(s.seed, STUDENT_PHASE, step))
+        batch = make_batch(ds, batch_plan(ds, train_split, s.student_batch_size, s.seed + 1, step), rng,
+                           s.prompt_prob, s.prompt_tokens, s.max_tokens, s.context_prob, s.context_tokens)
         with torch.no_grad():
             mu, mask, spks = teacher.encoder(batch.tokens, batch.token_len, batch.xvector)
             z = torch.randn(batch.mel.shape, generator=gen) * mask
-            states = guided_trajectory(teacher_est, z, mu, mask, spks, batch.cond, s.guidance_rate, grid, keep)
+            states = guided_trajectory(teacher_velocity, z, mu, mask, spks, batch.cond, s.guidance_rate, grid, keep)
         b = z.shape[0]
         pairs = sample_pairs(b, len(keep), rng)
         rows = torch.tensor([k // 3 for k in range(len(pairs))])
@@ -128,10 +149,16 @@ def train_student(teacher: S3Flow, ds: Dataset, settings: TrainSettings = TrainS
         torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
         opt.step()
         ema.update(student.estimator, step)
+        step += 1
         recent.append(loss.item())
-        if (step + 1) % s.log_every == 0 or step + 1 == s.student_rounds:
-            log(f"student round {step + 1}/{s.student_rounds}: loss {np.mean(recent):.4f} "
-                f"({time.perf_counter() - t0:.0f} s)")
+        if step % s.log_every == 0 or step == s.student_rounds:
+            last = round(float(np.mean(recent)), 5)
+            log(f"student round {step}/{s.student_rounds}: loss {last:.4f} ({clock.elapsed():.0f} s)")
             recent = []
+        if step % s.save_every == 0:
+            state.save(step)
+    state.save(step)
     ema.copy_to(student.estimator)
-    return student.eval()
+    info = {"steps_done": step, "steps_this_run": step - first, "finished": step >= s.student_rounds,
+            "wall_s": round(clock.elapsed(), 1), "last_loss": last}
+    return student.eval(), info

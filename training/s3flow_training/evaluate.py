@@ -1,8 +1,7 @@
 """Measuring the small trained models on held-out utterances: quality per solver, and streamed vs offline.
 
-* ``heldout_utterances`` turns held-out corpus entries into self-contained inputs (tokens, a prompt cut
-  from another held-out utterance of the same voice, x-vector, ground-truth mel); ``save_heldout`` /
-  ``load_heldout`` keep a few of them in an .npz so tests and demos need no espeak-ng.
+* the held-out inputs (``s3flow_training.package.HeldoutUtterance``) come from the corpus or the shipped
+  ``heldout.npz``.
 * ``evaluate_methods`` runs each ``Method`` (teacher guided 10 / 2 steps, teacher unguided 10, student
   2 / 1 steps) from the same ``FrameNoise`` seed per utterance and reports mel error against the ground
   truth and against the guided 10-step teacher, a detail ratio, estimator calls and wall time.
@@ -19,97 +18,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from s3flow.model.flow import S3Flow, TorchEstimator, synthesize
-from s3flow.protocol import Limits, parse_request
-from s3flow.model.solver import CountingEstimator, FrameNoise
+from s3flow.engine.settings import SolverSettings
+from s3flow.model.solver import CountingEstimator
 from s3flow.engine.streaming import StreamingEngine
-from s3flow_training.data import Dataset, prompt_for
-
-
-@dataclass
-class HeldoutUtterance:
-    """One held-out input: speech_tokens (N,), prompt_tokens (Np,), prompt_mel (n_feats, 2 Np)
-    channels-major, xvector (192,), mel (n_feats, 2 N) the ground truth of the speech tokens."""
-    speech_tokens: np.ndarray
-    prompt_tokens: np.ndarray
-    prompt_mel: np.ndarray
-    xvector: np.ndarray
-    mel: np.ndarray
-    text: str = ""
-    voice: int = -1
-
-    @property
-    def frames(self) -> int:
-        return int(self.mel.shape[1])
-
-
-def heldout_utterances(ds: Dataset, indices: Optional[Sequence[int]] = None, seed: int = 0,
-                       prompt_tokens: tuple[int, int] = (40, 60)) -> list[HeldoutUtterance]:
-    """Held-out entries of ``ds`` (default all) with a seeded prompt from another held-out utterance of
-    the same voice (1.6 to 2.4 s)."""
-    rng = np.random.default_rng([seed, 30])
-    out = []
-    for i in (ds.split(heldout=True) if indices is None else indices):
-        u = ds.utterances[i]
-        pt, pm = prompt_for(ds, i, rng, *prompt_tokens)
-        out.append(HeldoutUtterance(u.tokens.copy(), pt, pm, ds.xvectors[u.voice].copy(), u.mel.copy(),
-                                    u.text, u.voice))
-    return out
-
-
-def save_heldout(path: str | Path, utts: Sequence[HeldoutUtterance]) -> Path:
-    """Write utterances as padded arrays with lengths (numpy only, no pickles)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    n = np.array([len(u.speech_tokens) for u in utts])
-    npr = np.array([len(u.prompt_tokens) for u in utts])
-    c = utts[0].mel.shape[0]
-    st = np.zeros((len(utts), n.max()), np.int64)
-    pt = np.zeros((len(utts), npr.max()), np.int64)
-    pm = np.zeros((len(utts), c, 2 * npr.max()), np.float32)
-    mel = np.zeros((len(utts), c, 2 * n.max()), np.float32)
-    for k, u in enumerate(utts):
-        st[k, :n[k]], pt[k, :npr[k]] = u.speech_tokens, u.prompt_tokens
-        pm[k, :, :2 * npr[k]], mel[k, :, :2 * n[k]] = u.prompt_mel, u.mel
-    np.savez_compressed(path, speech_tokens=st, speech_token_len=n, prompt_tokens=pt, prompt_token_len=npr,
-                        prompt_mel=pm, xvector=np.stack([u.xvector for u in utts]).astype(np.float32),
-                        mel=mel, text=np.array([u.text for u in utts]), voice=np.array([u.voice for u in utts]))
-    return path
-
-
-def load_heldout(path: str | Path) -> list[HeldoutUtterance]:
-    with np.load(path, allow_pickle=False) as f:
-        d = {k: f[k] for k in f.files}
-    out = []
-    for k, (n, npr) in enumerate(zip(d["speech_token_len"], d["prompt_token_len"])):
-        out.append(HeldoutUtterance(d["speech_tokens"][k, :n].copy(), d["prompt_tokens"][k, :npr].copy(),
-                                    d["prompt_mel"][k, :, :2 * npr].copy(), d["xvector"][k].copy(),
-                                    d["mel"][k, :, :2 * n].copy(), str(d["text"][k]), int(d["voice"][k])))
-    return out
-
-
-def save_demo_input(path: str | Path, u: HeldoutUtterance, seed: int = 0, n_timesteps: int = 10) -> Path:
-    """One utterance in ``scripts/flow_infer.py``'s input format (speech_tokens (1, N), prompt_tokens
-    (1, Np), prompt_feat (1, 2 Np, n_feats) frames-major, embedding (1, 192), z = FrameNoise(seed) over
-    prompt + speech, n_timesteps, finalize), which ``python -m s3flow_client --inputs`` also reads; plus
-    ``mel`` (1, n_feats, 2 N), the ground truth, and ``text``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    c, tp = u.prompt_mel.shape
-    z = FrameNoise(seed, c).full(tp, u.frames)
-    np.savez(path, speech_tokens=u.speech_tokens[None].astype(np.int64),
-             prompt_tokens=u.prompt_tokens[None].astype(np.int64),
-             prompt_feat=np.ascontiguousarray(u.prompt_mel.T[None]).astype(np.float32),
-             embedding=u.xvector[None].astype(np.float32), z=z[None].astype(np.float32),
-             n_timesteps=np.int64(n_timesteps), finalize=np.bool_(True), mel=u.mel[None].astype(np.float32),
-             text=np.array(u.text))
-    return path
+from s3flow.serving.session import SolverSession, stream_in_process
+from s3flow_training.package import HeldoutUtterance
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -237,50 +156,35 @@ class Streamed:
 
 
 def stream_utterance(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], seed: int = 0,
-                     n_steps: Optional[int] = None, limits: Optional[Limits] = None) -> Streamed:
-    """Stream one utterance through a StreamingEngine (the served chunk logic, in process)."""
+                     n_steps: Optional[int] = None, settings: Optional[SolverSettings] = None) -> Streamed:
+    """Stream one utterance through the served chunk logic in process (``SolverSession`` over a
+    ``StreamingEngine`` with ``settings``, default the served defaults; torch modules as the networks)."""
     def encode(tokens, token_len, embedding):
         with torch.inference_mode():
             return flow.encoder(tokens, token_len, embedding)
 
-    limits = limits or Limits()
+    settings = settings or SolverSettings()
     engine = StreamingEngine(encode, TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
-                             meanflow=flow.config.meanflow, limits=limits)
-    pieces, seams, latency, lo = [], [], [], 0
-    for k, size in enumerate(chunks):
-        inputs = {"speech_tokens": u.speech_tokens[lo:lo + size][None].astype(np.int64)}
-        if k == 0:
-            inputs.update(prompt_tokens=u.prompt_tokens[None].astype(np.int64),
-                          prompt_mel=np.ascontiguousarray(u.prompt_mel.T)[None].astype(np.float32),
-                          speaker_embedding=u.xvector[None].astype(np.float32),
-                          seed=np.array([[seed]], dtype=np.int64))
-            if n_steps is not None:
-                inputs["n_timesteps"] = np.array([[n_steps]], dtype=np.int32)
-        end = k == len(chunks) - 1
-        req = parse_request(inputs, start=k == 0, end=end, limits=limits, n_feats=engine.n_feats)
-        t0 = time.perf_counter()
-        (res,) = engine.run([engine.admit(1, req)])
-        latency.append(time.perf_counter() - t0)
-        if k > 0 and res.mel.shape[1]:
-            seams.append(res.frame_offset)
-        pieces.append(res.mel)
-        lo += size
-    return Streamed(np.concatenate(pieces, axis=1), seams, latency, engine.solved_frames)
+                             meanflow=flow.config.meanflow, solving=settings.solving, capacity=settings.capacity)
+    got = stream_in_process(SolverSession(engine, settings.rules), u.speech_tokens, chunks,
+                            prompt_tokens=u.prompt_tokens, prompt_mel=np.ascontiguousarray(u.prompt_mel.T),
+                            speaker_embedding=u.xvector, seed=seed, n_timesteps=n_steps)
+    return Streamed(got.mel, got.seams, got.latencies_s, engine.solved_frames)
 
 
 def stream_vs_offline(flow: S3Flow, utts: Sequence[HeldoutUtterance], name: str,
                       chunks_for=None, radius: int = 3, seed: int = 0,
-                      n_steps: Optional[int] = None, limits: Optional[Limits] = None) -> StreamingComparison:
+                      n_steps: Optional[int] = None, settings: Optional[SolverSettings] = None) -> StreamingComparison:
     """Stream each utterance with ``chunks_for(n_tokens)`` chunk sizes and compare with offline synthesis
     (same tokens, prompt and seed). Seam frames: within ``radius`` frames of a chunk boundary. Default
-    ``limits``: the prefix re-run mode."""
-    limits = limits or Limits(context_frames=-1)
+    ``settings``: the prefix re-run mode."""
+    settings = settings or SolverSettings.of(context_frames=-1)
     from s3flow_client import chunk_schedule
     chunks_for = chunks_for or (lambda n: chunk_schedule(n, 10, 2.0, 100))
     seam_err, other_err, gt_s, gt_o, n_seams = [], [], [], [], 0
     for k, u in enumerate(utts):
         got = stream_utterance(flow, u, chunks_for(len(u.speech_tokens)), seed=seed + k, n_steps=n_steps,
-                               limits=limits)
+                               settings=settings)
         streamed, seams = got.mel, got.seams
         offline, _ = synthesize_one(flow, u, n_steps or (2 if flow.config.meanflow else 10),
                                     None if flow.config.meanflow else 0.7, seed=seed + k)

@@ -27,8 +27,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from s3flow.model.flow import S3Flow
-from s3flow.protocol import Limits
-from s3flow_training.evaluate import HeldoutUtterance, stream_utterance, synthesize_one
+from s3flow.engine.settings import SolverSettings
+from s3flow_training.evaluate import stream_utterance, synthesize_one
+from s3flow_training.package import HeldoutUtterance
 
 #: Frames per second of mel.
 FPS = 50
@@ -73,10 +74,10 @@ def measure(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], context_fr
         return Measurement(None, u.frames / FPS, frames * nfe, wall, [wall], [len(u.speech_tokens)],
                            float(np.abs(mel - u.mel).mean()), float("nan"), mel)
 
-    limits = Limits(context_frames=context_frames, max_utterance_frames=max(3000, u.frames),
-                    max_chunk_tokens=max(chunks))
+    settings = SolverSettings.of(context_frames=context_frames, max_utterance_frames=max(3000, u.frames),
+                                 max_chunk_tokens=max(chunks))
     t0 = time.perf_counter()
-    got = stream_utterance(flow, u, chunks, seed=seed, n_steps=steps, limits=limits)
+    got = stream_utterance(flow, u, chunks, seed=seed, n_steps=steps, settings=settings)
     wall = time.perf_counter() - t0
     assert got.mel.shape == u.mel.shape, (got.mel.shape, u.mel.shape)
     return Measurement(context_frames, u.frames / FPS, got.solved_frames, wall, got.latency_s, list(chunks),

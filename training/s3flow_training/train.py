@@ -22,14 +22,14 @@ same weights.
 Example::
 
     ds = Dataset.load("build/small_data/dataset.npz")
-    teacher = train_teacher(ds, TrainSettings(teacher_steps=50))
+    teacher, info = train_teacher(ds, TrainSettings(teacher_steps=50))
     write_checkpoint(teacher, "teacher.safetensors")   # records trained_config()
 """
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -39,6 +39,7 @@ from s3flow.model.encoder import EncoderConfig
 from s3flow.model.estimator import EstimatorConfig
 from s3flow.model.flow import FlowConfig, S3Flow
 from s3flow_training.data import Dataset, prompt_for
+from s3flow_training.runstate import Clock, RunState, rewarm_factor, step_rng, step_seed, warm_start
 
 SIGMA_MIN = 1e-6
 CFG_DROPOUT = 0.2
@@ -46,15 +47,16 @@ CFG_DROPOUT = 0.2
 
 def trained_config(meanflow: bool = False) -> FlowConfig:
     """The shipped small models' sizes: the small test encoder (64 wide, 2 + 2 conformer blocks, the real
-    6561-token vocabulary) and a 128-wide estimator (1 transformer block per stage, 2 mid stages).
+    6561-token vocabulary) and a 192-wide estimator of upstream's architecture (1 transformer block per
+    stage, 4 mid stages, 3 heads of 64).
 
     The estimator must be wider than the 80 mel bins: at t = 0 the velocity is ``E[x1] - z``, and a
-    64-channel U-Net cannot carry the 80-dim noise z through, so its samples keep per-pixel noise. At 128
-    channels it learns to cancel part of it in a 30-minute run (frame-to-frame change of its samples 2x the
-    ground truth's: results/small_model.md).
+    64-channel U-Net cannot carry the 80-dim noise z through, so its samples keep per-pixel noise. A
+    128-wide one with 2 mid stages kept visible noise after a 30-minute run (the first shipped model); the
+    192-wide one was chosen by a time-matched comparison (results/small_model.md, *Choosing the estimator*).
     """
-    est = EstimatorConfig(channels=(128,), attention_head_dim=64, n_blocks=1, num_mid_blocks=2,
-                          num_heads=2, meanflow=meanflow)
+    est = EstimatorConfig(channels=(192,), attention_head_dim=64, n_blocks=1, num_mid_blocks=4,
+                          num_heads=3, meanflow=meanflow)
     return FlowConfig(EncoderConfig.small(), est)
 
 
@@ -63,14 +65,21 @@ class TrainSettings:
     """Training hyper-parameters (defaults: the shipped checkpoints)."""
     seed: int = 0
     batch_size: int = 16
-    prompt_prob: float = 0.5
-    prompt_tokens: tuple[int, int] = (15, 50)
+    #: Probability that an example has a same-voice speaker prompt (else: no prompt, cond all zeros).
+    prompt_prob: float = 0.85
+    #: Prompt length range in tokens, drawn log-uniformly once per batch (10 tokens = 0.4 s to 250 = 10 s,
+    #: Chatterbox's longest prompt), so a batch pads little.
+    prompt_tokens: tuple[int, int] = (10, 250)
+    #: Probability that the cond also holds the utterance's own preceding frames after the prompt (up to
+    #: ``context_tokens``): what a bounded-context streaming chunk conditions on.
+    context_prob: float = 0.3
+    context_tokens: int = 50
     max_tokens: int = 50
     # teacher
-    teacher_steps: int = 1400
+    teacher_steps: int = 4500
     teacher_lr: float = 2e-3
     warmup_steps: int = 100
-    ema_decay: float = 0.995
+    ema_decay: float = 0.999
     #: Start the estimator's output bias at the training data's mean log-mel per bin (the mean of the
     #: target velocity x1 - z), instead of 0: see ``train_teacher``.
     init_output_bias: bool = True
@@ -81,7 +90,7 @@ class TrainSettings:
     #: Steps at the start with the condition always dropped (then 0.2): see ``train_teacher``.
     uncond_steps: int = 200
     # student
-    student_rounds: int = 150
+    student_rounds: int = 300
     student_batch_size: int = 8
     student_lr: float = 5e-4
     student_ema_decay: float = 0.98
@@ -90,6 +99,7 @@ class TrainSettings:
     keep_times: tuple[float, ...] = (0.0, 0.5, 1.0)
     grad_clip: float = 1.0
     log_every: int = 100
+    save_every: int = 200
 
 
 @dataclass
@@ -98,7 +108,7 @@ class Batch:
 
     tokens: (B, N) int64 (padding 0); token_len: (B,); xvector: (B, 192); mel: (B, n_feats, 2N) the
     target (prompt region included); cond: (B, n_feats, 2N) the prompt mel, zeros after;
-    mask: (B, 1, 2N) float; prompt_frames: (B,).
+    mask: (B, 1, 2N) float; prompt_frames: (B,) the conditioned frames (prompt and own context).
     """
     tokens: torch.Tensor
     token_len: torch.Tensor
@@ -109,21 +119,34 @@ class Batch:
     prompt_frames: torch.Tensor
 
 
+def draw_prompt_length(rng: np.random.Generator, prompt_tokens: tuple[int, int]) -> int:
+    """A prompt length in [lo, hi] tokens, log-uniform (as many 0.4-1 s prompts as 4-10 s ones)."""
+    lo, hi = prompt_tokens
+    return int(min(hi, max(lo, round(np.exp(rng.uniform(np.log(lo), np.log(hi + 1)))))))
+
+
 def make_batch(ds: Dataset, indices: Sequence[int], rng: np.random.Generator, prompt_prob: float,
-               prompt_tokens: tuple[int, int] = (15, 50), max_tokens: Optional[int] = None) -> Batch:
-    """Examples for ``indices``, each with a same-voice prompt with probability ``prompt_prob``; an
-    utterance longer than ``max_tokens`` is cut to a random window of that many tokens."""
+               prompt_tokens: tuple[int, int] = (15, 50), max_tokens: Optional[int] = None,
+               context_prob: float = 0.0, context_tokens: int = 0) -> Batch:
+    """Examples for ``indices``: each utterance (cut to a random window of ``max_tokens`` when longer),
+    with probability ``prompt_prob`` after a same-voice prompt of one length drawn for the whole batch
+    (``draw_prompt_length``), and with probability ``context_prob`` with up to ``context_tokens`` of the
+    utterance's own preceding tokens conditioned too (their mel in cond)."""
+    n_prompt = draw_prompt_length(rng, prompt_tokens)
     items = []
     for i in indices:
         u = ds.utterances[i]
         if rng.random() < prompt_prob:
-            pt, pm = prompt_for(ds, i, rng, *prompt_tokens)
+            pt, pm = prompt_for(ds, i, rng, n_prompt, n_prompt)
         else:
             pt, pm = u.tokens[:0], u.mel[:, :0]
-        tok, mel = u.tokens, u.mel
+        a, w = 0, u.n_tokens
         if max_tokens is not None and u.n_tokens > max_tokens:
-            a = int(rng.integers(0, u.n_tokens - max_tokens + 1))
-            tok, mel = tok[a:a + max_tokens], mel[:, 2 * a:2 * (a + max_tokens)]
+            a, w = int(rng.integers(0, u.n_tokens - max_tokens + 1)), max_tokens
+        c = min(a, int(rng.integers(1, context_tokens + 1))) if context_tokens and rng.random() < context_prob else 0
+        pt = np.concatenate([pt, u.tokens[a - c:a]])
+        pm = np.concatenate([pm, u.mel[:, 2 * (a - c):2 * a]], axis=1)
+        tok, mel = u.tokens[a:a + w], u.mel[:, 2 * a:2 * (a + w)]
         items.append((np.concatenate([pt, tok]), np.concatenate([pm, mel], axis=1), pm.shape[1], u.voice))
     b, n = len(items), max(len(t) for t, _, _, _ in items)
     n_feats = items[0][1].shape[0]
@@ -141,15 +164,21 @@ def make_batch(ds: Dataset, indices: Sequence[int], rng: np.random.Generator, pr
                  torch.tensor([tp for _, _, tp, _ in items], dtype=torch.int64))
 
 
-def length_batches(ds: Dataset, indices: Sequence[int], batch_size: int, rng: np.random.Generator):
-    """An endless stream of batches of similar length (sorted by jittered length, order shuffled)."""
+#: Phase numbers in the per-step random streams (``runstate.step_rng``).
+TEACHER_PHASE, STUDENT_PHASE = 10, 20
+
+
+def batch_plan(ds: Dataset, indices: Sequence[int], batch_size: int, seed: int, step: int) -> list[int]:
+    """The utterances of batch ``step``: epochs of batches of similar length (sorted by jittered length),
+    each epoch's batch order shuffled; a function of (seed, step) only."""
     indices = list(indices)
-    while True:
-        keys = np.array([ds.utterances[i].n_tokens for i in indices]) + rng.uniform(0, 8, len(indices))
-        order = [indices[j] for j in np.argsort(keys)]
-        groups = [order[k:k + batch_size] for k in range(0, len(order) - batch_size + 1, batch_size)]
-        for g in rng.permutation(len(groups)):
-            yield groups[g]
+    groups_per_epoch = max(1, len(indices) // batch_size)
+    epoch, k = divmod(step, groups_per_epoch)
+    rng = np.random.default_rng([seed, 12, epoch])
+    keys = np.array([ds.utterances[i].n_tokens for i in indices]) + rng.uniform(0, 8, len(indices))
+    order = [indices[j] for j in np.argsort(keys, kind="stable")]
+    group = int(rng.permutation(groups_per_epoch)[k])
+    return order[group * batch_size:(group + 1) * batch_size]
 
 
 def masked_mse(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -212,14 +241,20 @@ Log = Callable[[str], None]
 
 
 def train_teacher(ds: Dataset, settings: TrainSettings = TrainSettings(), log: Log = print,
-                  config: Optional[FlowConfig] = None) -> S3Flow:
-    """Train encoder + estimator from scratch with ``cfm_loss`` for ``settings.teacher_steps`` steps.
+                  config: Optional[FlowConfig] = None, state_path: Optional[Path] = None,
+                  budget_s: Optional[float] = None, start: Optional[S3Flow] = None,
+                  start_step: int = 0, max_steps: Optional[int] = None) -> tuple[S3Flow, dict]:
+    """Train encoder + estimator with ``cfm_loss`` up to ``settings.teacher_steps`` steps, for at most
+    ``budget_s`` seconds (and ``max_steps`` steps) this run; go on from ``state_path`` when it holds a
+    state (``runstate``), else from ``start`` at ``start_step`` (committed weights), else from scratch.
 
     Starting points that make the CPU-sized run learn (each a ``TrainSettings`` switch): residual branches
     at zero (``identity_init``); the output bias at the mean log-mel, so the first velocities already point
     from noise towards speech on average; the first ``uncond_steps`` steps train the unconditional field only
     (condition always dropped), then dropout 0.2 as upstream; EMA weights shipped. These came from trial runs
-    of the session that wrote them, not from an ablation: results/small_model.md measures only the outcome.
+    of the session that wrote them, not from an ablation.
+
+    Returns the EMA weights (eval mode) and a record of the run (steps, last mean loss, wall seconds).
     """
     s = settings
     torch.manual_seed(s.seed)
@@ -231,30 +266,46 @@ def train_teacher(ds: Dataset, settings: TrainSettings = TrainSettings(), log: L
             flow.estimator.final_proj.weight.zero_()
         if s.init_output_bias:
             flow.estimator.final_proj.bias.copy_(mean_mel(ds))
-    flow.train()
     opt = torch.optim.AdamW(flow.parameters(), lr=s.teacher_lr, betas=(0.9, 0.98), weight_decay=0.01)
-    rng = np.random.default_rng([s.seed, 10])
-    gen = torch.Generator().manual_seed(s.seed + 11)
-    batches = length_batches(ds, ds.split(heldout=False), s.batch_size, rng)
-    t0, recent = time.perf_counter(), []
     ema = EMA(flow, s.ema_decay)
-    for step in range(s.teacher_steps):
+    state = RunState(state_path, flow, opt, ema, tag=f"teacher {flow.config.to_dict()}")
+    step, rewarm = state.load(), None
+    if step:
+        log(f"teacher: resumed at step {step} from {state_path}")
+    elif start is not None:
+        warm_start(flow, start.state_dict(), ema)
+        step = rewarm = start_step
+        log(f"teacher: warm start at step {step} from the given weights (fresh optimiser)")
+    flow.train()
+    train_split = ds.split(heldout=False)
+    clock, first, recent, last = Clock(budget_s, step, max_steps), step, [], None
+    while step < s.teacher_steps and clock.running(step):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, s.teacher_steps, s.teacher_lr, s.warmup_steps)
-        batch = make_batch(ds, next(batches), rng, s.prompt_prob, s.prompt_tokens, s.max_tokens)
+            g["lr"] = lr_at(step, s.teacher_steps, s.teacher_lr, s.warmup_steps) * rewarm_factor(step, rewarm)
+        rng = step_rng(s.seed, TEACHER_PHASE, step)
+        torch.manual_seed(step_seed(s.seed, TEACHER_PHASE, step))   # the encoder's dropout
+        gen = torch.Generator().manual_seed(step_seed(s.seed, TEACHER_PHASE + 1, step))
+        batch = make_batch(ds, batch_plan(ds, train_split, s.batch_size, s.seed, step), rng, s.prompt_prob,
+                           s.prompt_tokens, s.max_tokens, s.context_prob, s.context_tokens)
         loss = cfm_loss(flow, batch, gen, cfg_dropout=1.0 if step < s.uncond_steps else CFG_DROPOUT)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(flow.parameters(), s.grad_clip)
         opt.step()
         ema.update(flow, step)
+        step += 1
         recent.append(loss.item())
-        if (step + 1) % s.log_every == 0 or step + 1 == s.teacher_steps:
-            log(f"teacher step {step + 1}/{s.teacher_steps}: loss {np.mean(recent):.4f} "
-                f"({time.perf_counter() - t0:.0f} s)")
+        if step % s.log_every == 0 or step == s.teacher_steps:
+            last = round(float(np.mean(recent)), 5)
+            log(f"teacher step {step}/{s.teacher_steps}: loss {last:.4f} ({clock.elapsed():.0f} s)")
             recent = []
+        if step % s.save_every == 0:
+            state.save(step)
+    state.save(step)
     ema.copy_to(flow)
-    return flow.eval()
+    info = {"steps_done": step, "steps_this_run": step - first, "finished": step >= s.teacher_steps,
+            "wall_s": round(clock.elapsed(), 1), "last_loss": last}
+    return flow.eval(), info
 
 
 class EMA:

@@ -30,8 +30,7 @@ Example::
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -52,7 +51,8 @@ F0_LOOKAHEAD_FRAMES = 5
 
 @dataclass
 class StreamSettings(NumericSettings):
-    """The vocoder model's knobs (each a ``parameters`` entry of its Triton config).
+    """The vocoder's streaming knobs (each a ``parameters`` entry of its Triton config; what it holds is its
+    ``s3flow.engine.sequences.Capacity``, also config parameters).
 
     ``context_frames`` and ``lookahead_frames`` default to cover the full-size HiFT's receptive field (about
     14 frames of mel each side, plus 5 for the F0 predictor on the right), so streaming is exact; a smaller
@@ -61,13 +61,12 @@ class StreamSettings(NumericSettings):
     context_frames: int = 16             # mel frames re-vocoded before the first unemitted frame
     lookahead_frames: int = 20           # mel frames of audio withheld until more mel (or END) arrives
     crossfade_samples: int = 480         # fresh audio fades in from the previous pass's withheld audio
-    idle_timeout_s: float = 60.0
-    max_live_sequences: int = 256
-    max_utterance_frames: int = 3000
+    max_utterance_frames: int = 0        # 0: no cap (the state is bounded whatever the length)
 
     def check(self) -> None:
         check_numbers(self, "vocoder setting",
-                      lowest={"context_frames": 0, "lookahead_frames": 0, "crossfade_samples": 0})
+                      lowest={"context_frames": 0, "lookahead_frames": 0, "crossfade_samples": 0,
+                              "max_utterance_frames": 0})
         if self.context_frames < F0_LOOKAHEAD_FRAMES:
             raise ValueError(f"context_frames must be >= {F0_LOOKAHEAD_FRAMES} (the F0 predictor's context), "
                              f"got {self.context_frames}")
@@ -89,7 +88,6 @@ class VocoderState:
     phase: Optional[np.ndarray] = None   # (H + 1,) cycles at the start of frame src_done
     emitted: int = 0                     # samples returned
     pending: Optional[np.ndarray] = None  # the previous pass's audio right after `emitted` (cross-fade)
-    last_seen: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -126,7 +124,7 @@ class VocoderStream:
         if frame_offset != state.received:
             raise StreamError(f"mel frame offset {frame_offset} does not continue the {state.received} frames "
                               f"received (gap or duplicate)")
-        if state.received + mel.shape[1] > s.max_utterance_frames:
+        if s.max_utterance_frames and state.received + mel.shape[1] > s.max_utterance_frames:
             raise StreamError(f"utterance grows to {state.received + mel.shape[1]} mel frames, above "
                               f"max_utterance_frames {s.max_utterance_frames}")
         if not np.isfinite(mel).all():

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from s3flow.contract import LOOKAHEAD_FRAMES, TOKEN_MEL_RATIO
+from s3flow_contract.tensors import LOOKAHEAD_FRAMES, TOKEN_MEL_RATIO
 from s3flow.model.solver import FrameNoise
 
 
@@ -92,7 +92,7 @@ def condition(mu: torch.Tensor, spks: torch.Tensor, lengths: torch.Tensor,
 
 
 @dataclass
-class Carried:
+class NoisedMels:
     """``noised_mels``: the ODE starting point of generated frames [start, start + values.shape[1])
     made by earlier chunks, (n_feats, F) float32."""
     values: np.ndarray
@@ -104,7 +104,7 @@ class Carried:
 
 
 def starting_point(noise: FrameNoise, prefix_noise: np.ndarray, lo: int, hi: int,
-                   carried: Optional[Carried] = None) -> np.ndarray:
+                   carried: Optional[NoisedMels] = None) -> np.ndarray:
     """(n_feats, P + hi - lo): the prefix's noise, then generated frames [lo, hi): ``carried`` values
     where they cover a frame (pinned), fresh ``noise.frames`` beyond.
 

@@ -23,7 +23,7 @@ from typing import Iterable
 
 import torch
 
-from s3flow.contract import TOKEN_MEL_RATIO
+from s3flow_contract.tensors import TOKEN_MEL_RATIO
 from s3flow.model.chunks import solve_frames
 from s3flow.model.estimator import EstimatorConfig
 

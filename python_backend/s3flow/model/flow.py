@@ -6,7 +6,7 @@ served streaming engine does (there with the encoder and estimator reached over 
 
 Example::
 
-    from s3flow import FlowConfig, S3Flow, synthesize
+    from s3flow.model.flow import FlowConfig, S3Flow, synthesize
     flow = S3Flow(FlowConfig.small()).eval()
     out = synthesize(flow, speech_tokens, prompt_tokens, prompt_feat, embedding, seed=0)
     out.mel  # (B, n_feats, max generated frames); out.lengths: (B,)
@@ -23,7 +23,7 @@ from torch import nn
 from s3flow.model.chunks import condition, solve_frames, stack_rows, starting_point
 from s3flow.model.encoder import EncoderConfig, FlowEncoder
 from s3flow.model.estimator import ConditionalDecoder, EstimatorConfig
-from s3flow.model.solver import DEFAULT_GUIDANCE_RATE, FrameNoise, solve_cfm
+from s3flow.model.solver import DEFAULT_GUIDANCE_RATE, EstimatorInputs, FrameNoise, solve_cfm
 
 
 @dataclass
@@ -95,9 +95,9 @@ class TorchEstimator:
     def __init__(self, module: nn.Module):
         self.module = module
 
-    def __call__(self, x, mask, mu, t, spks, cond, r=None):
+    def __call__(self, inputs: EstimatorInputs) -> torch.Tensor:
         with torch.inference_mode():
-            return self.module(x, mask, mu, t, spks, cond, r)
+            return self.module(**inputs.named())
 
 
 @torch.inference_mode()

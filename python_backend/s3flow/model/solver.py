@@ -1,9 +1,10 @@
 """Euler solver for S3Gen's conditional flow matching (CFM) decoder.
 
 The ODE ``dx/dt = v(x, t | mu, spks, cond)`` is integrated from noise at t = 0 to mel at t = 1 with
-fixed Euler steps over one time grid. The velocity comes from an *estimator*: any callable with the
-ConditionalDecoder signature on torch tensors (a torch module, an ONNX Runtime session, a TensorRT
-engine or a Triton BLS call wrapped by an adapter), so the same loop serves every backend.
+fixed Euler steps over one time grid. The velocity comes from an *estimator*: any callable that takes one
+:class:`EstimatorInputs` bundle (the ConditionalDecoder's inputs, named as the tensor contract names them)
+and returns the velocity: a torch module, an ONNX Runtime session, a TensorRT engine or a Triton BLS call,
+each behind its adapter, so the same loop serves every backend.
 
 Example::
 
@@ -23,6 +24,8 @@ from typing import Callable, Literal, Optional, Protocol
 import numpy as np
 import torch
 
+from s3flow_contract.tensors import estimator_inputs, names
+
 Schedule = Literal["linear", "cosine"]
 
 #: Guidance weight of the regular (non-distilled) checkpoints.
@@ -32,14 +35,32 @@ DEFAULT_STEPS_CFG = 10
 DEFAULT_STEPS_MEANFLOW = 2
 
 
+@dataclass
+class EstimatorInputs:
+    """One estimator call's inputs, by the names the tensor contract gives them (``s3flow_contract.tensors.
+    estimator_inputs``): x, mu, cond (B, n_feats, T), mask (B, 1, T), t (B,), spks (B, n_feats), and r (B,)
+    for meanflow estimators only (None otherwise)."""
+    x: torch.Tensor
+    mask: torch.Tensor
+    mu: torch.Tensor
+    t: torch.Tensor
+    spks: torch.Tensor
+    cond: torch.Tensor
+    r: Optional[torch.Tensor] = None
+
+    @property
+    def meanflow(self) -> bool:
+        return self.r is not None
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """{contract name: tensor} in the graph's order (r only for meanflow): the form every backend takes."""
+        return {name: getattr(self, name) for name in names(estimator_inputs(self.meanflow))}
+
+
 class Estimator(Protocol):
-    """The ConditionalDecoder call: ``velocity = estimator(x, mask, mu, t, spks, cond, r)``.
+    """``velocity (B, n_feats, T) = estimator(inputs: EstimatorInputs)``."""
 
-    ``r`` is passed only to meanflow estimators (None otherwise). Returns ``(B, n_feats, T)``.
-    """
-
-    def __call__(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
-                 spks: torch.Tensor, cond: torch.Tensor, r: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+    def __call__(self, inputs: EstimatorInputs) -> torch.Tensor: ...
 
 
 def default_steps(meanflow: bool) -> int:
@@ -71,9 +92,9 @@ class CountingEstimator:
         self.estimator = estimator
         self.nfe = 0
 
-    def __call__(self, x, mask, mu, t, spks, cond, r=None):
+    def __call__(self, inputs: EstimatorInputs) -> torch.Tensor:
         self.nfe += 1
-        return self.estimator(x, mask, mu, t, spks, cond, r)
+        return self.estimator(inputs)
 
 
 class VelocityField(Protocol):
@@ -87,17 +108,18 @@ class ConditionalField:
 
     def __init__(self, estimator: Estimator, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor,
                  cond: torch.Tensor, meanflow: bool = False):
-        self.estimator, self.mu, self.mask, self.spks, self.cond = estimator, mu, mask, spks, cond
-        self.meanflow = meanflow
+        self.estimator, self.meanflow = estimator, meanflow
         b = mu.shape[0]
-        self._t = torch.empty(b, dtype=mu.dtype, device=mu.device)
-        self._r = torch.empty(b, dtype=mu.dtype, device=mu.device) if meanflow else None
+        like = dict(dtype=mu.dtype, device=mu.device)
+        self.inputs = EstimatorInputs(x=mu, mask=mask, mu=mu, t=torch.empty(b, **like), spks=spks, cond=cond,
+                                      r=torch.empty(b, **like) if meanflow else None)
 
     def __call__(self, x, t, r):
-        self._t.fill_(t)
-        if self._r is not None:
-            self._r.fill_(r)
-        return self.estimator(x, self.mask, self.mu, self._t, self.spks, self.cond, self._r)
+        self.inputs.x = x
+        self.inputs.t.fill_(t)
+        if self.inputs.r is not None:
+            self.inputs.r.fill_(r)
+        return self.estimator(self.inputs)
 
 
 class ClassifierFreeGuidance:
@@ -114,28 +136,26 @@ class ClassifierFreeGuidance:
         b = mu.shape[0]
         self.estimator, self.rate, self.b, self.meanflow = estimator, float(rate), b, meanflow
         like = dict(dtype=mu.dtype, device=mu.device)
-        self.x_in = torch.empty((2 * b,) + tuple(mu.shape[1:]), **like)
-        self.mask_in = torch.empty((2 * b,) + tuple(mask.shape[1:]), **like)
-        self.mu_in = torch.zeros_like(self.x_in)
-        self.cond_in = torch.zeros_like(self.x_in)
-        self.spks_in = torch.zeros((2 * b,) + tuple(spks.shape[1:]), **like)
-        self.t_in = torch.empty(2 * b, **like)
-        self.r_in = torch.empty(2 * b, **like) if meanflow else None
-        self.mask_in[:b] = mask
-        self.mask_in[b:] = mask
-        self.mu_in[:b] = mu
-        self.cond_in[:b] = cond
-        self.spks_in[:b] = spks
+        rows = torch.empty((2 * b,) + tuple(mu.shape[1:]), **like)
+        self.inputs = EstimatorInputs(
+            x=rows, mask=torch.empty((2 * b,) + tuple(mask.shape[1:]), **like), mu=torch.zeros_like(rows),
+            t=torch.empty(2 * b, **like), spks=torch.zeros((2 * b,) + tuple(spks.shape[1:]), **like),
+            cond=torch.zeros_like(rows), r=torch.empty(2 * b, **like) if meanflow else None)
+        i = self.inputs
+        i.mask[:b] = mask
+        i.mask[b:] = mask
+        i.mu[:b] = mu
+        i.cond[:b] = cond
+        i.spks[:b] = spks
 
     def __call__(self, x, t, r):
-        b = self.b
-        self.x_in[:b] = x
-        self.x_in[b:] = x
-        self.t_in.fill_(t)
-        if self.r_in is not None:
-            self.r_in.fill_(r)
-        v = self.estimator(self.x_in, self.mask_in, self.mu_in, self.t_in, self.spks_in, self.cond_in,
-                           self.r_in)
+        b, i = self.b, self.inputs
+        i.x[:b] = x
+        i.x[b:] = x
+        i.t.fill_(t)
+        if i.r is not None:
+            i.r.fill_(r)
+        v = self.estimator(i)
         return (1.0 + self.rate) * v[:b] - self.rate * v[b:]
 
 
@@ -189,10 +209,15 @@ def solve_cfm(estimator: Estimator, z: torch.Tensor, mu: torch.Tensor, mask: tor
         n_steps: Euler steps (default 2 for meanflow, 10 otherwise).
         guidance_rate: w in ``(1 + w) v_cond - w v_uncond`` (ignored for meanflow).
     """
-    n = default_steps(meanflow) if n_steps is None else int(n_steps)
-    grid = time_grid(n, "linear" if meanflow else "cosine", dtype=mu.dtype, device=mu.device)
     field = make_field(estimator, mu, mask, spks, cond, meanflow=meanflow, guidance_rate=guidance_rate)
-    return euler_solve(field, z, grid, on_step=on_step)
+    return euler_solve(field, z, cfm_grid(n_steps, meanflow, mu), on_step=on_step)
+
+
+def cfm_grid(n_steps: Optional[int], meanflow: bool, like: torch.Tensor) -> torch.Tensor:
+    """S3Gen's time grid: ``n_steps`` (default 2 for meanflow, 10 otherwise) on the linear grid for
+    meanflow, the cosine grid for regular checkpoints; dtype and device of ``like``."""
+    n = default_steps(meanflow) if n_steps is None else int(n_steps)
+    return time_grid(n, "linear" if meanflow else "cosine", dtype=like.dtype, device=like.device)
 
 
 # ---------------------------------------------------------------------------------------------------

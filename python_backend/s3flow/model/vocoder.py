@@ -244,7 +244,9 @@ class ConvSTFT(nn.Module):
         frames = F.conv_transpose1d(torch.cat([real, imag], dim=1), self.inverse_basis, stride=self.hop)
         envelope = F.conv_transpose1d(torch.ones_like(real[:, :1, :]), self.window_sq, stride=self.hop)
         pad = self.n_fft // 2
-        return (frames / envelope)[:, 0, pad:-pad]
+        # slice before dividing: the envelope is 0 at the outer edges, and 0 / 0 there would turn the
+        # gradient of everything into NaN (training), though those samples are dropped
+        return frames[:, 0, pad:-pad] / envelope[:, 0, pad:-pad]
 
 
 class HiFTGenerator(nn.Module):

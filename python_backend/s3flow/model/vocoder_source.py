@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from s3flow.contract import SAMPLES_PER_FRAME
+from s3flow_contract.tensors import SAMPLES_PER_FRAME
 
 #: Audio samples per mel frame at 24 kHz (upsampling 8 * 5 * 3, inverse STFT hop 4).
 HOP_SAMPLES = SAMPLES_PER_FRAME

@@ -19,7 +19,7 @@ velocity (B, n_feats, T)    output: predicted dx/dt, zero on padded frames
 ======== ================== ==================================================
 
 Inputs appear in the graph in exactly the order above (``r`` last, only for
-mean-flow models). Names, order and dynamic axes come from ``s3flow.contract``
+mean-flow models). Names, order and dynamic axes come from ``s3flow_contract.tensors``
 (``estimator_inputs`` / ``ESTIMATOR_OUTPUTS``).
 """
 
@@ -33,7 +33,7 @@ from typing import Dict, List, Tuple, Union
 import numpy as np
 import torch
 
-from s3flow import contract
+from s3flow_contract import tensors as contract
 from s3flow.model.encoder import FlowEncoder, random_encoder_inputs
 from s3flow.model.estimator import ConditionalDecoder
 

@@ -11,14 +11,13 @@ it is off by default and kept for providers where copies cost more.
 Example::
 
     from s3flow.engine.streaming import StreamingEngine
-    from s3flow.protocol import Limits
     from s3flow.runtime.ort import OrtEncoder, OrtEstimator
     estimator = OrtEstimator("model_repository/estimator/1/model.onnx", threads=2)
     encoder = OrtEncoder("model_repository/flow_encoder/1/model.onnx", threads=2)
-    engine = StreamingEngine(encoder, estimator, n_feats=80, meanflow=estimator.meanflow, limits=Limits())
+    engine = StreamingEngine(encoder, estimator, n_feats=80, meanflow=estimator.meanflow)
 
 Shapes as in ``s3flow.runtime.onnx_export`` (``export_estimator``, ``export_encoder``);
-tensor names are the contract's (``s3flow.contract``).
+tensor names are the contract's (``s3flow_contract.tensors``).
 """
 from __future__ import annotations
 
@@ -32,7 +31,8 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from s3flow import contract
+from s3flow_contract import tensors as contract
+from s3flow.model.solver import EstimatorInputs
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32}
 
@@ -181,7 +181,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 class OrtEstimator:
-    """The estimator ONNX file as a solver Estimator: ``velocity = est(x, mask, mu, t, spks, cond, r)``.
+    """The estimator ONNX file as a solver Estimator: ``velocity = est(inputs: EstimatorInputs)``.
 
     torch tensors in and out, shared with numpy (no copy). With ``io_binding`` the velocity is written into
     a buffer reused from call to call (the solver consumes it before the next step); set ``copy_outputs``
@@ -198,11 +198,11 @@ class OrtEstimator:
         [self.output] = contract.names(contract.ESTIMATOR_OUTPUTS)
         self.copy_outputs = copy_outputs
 
-    def __call__(self, x, mask, mu, t, spks, cond, r=None) -> torch.Tensor:
-        if (r is not None) != self.meanflow:
+    def __call__(self, inputs: EstimatorInputs) -> torch.Tensor:
+        if inputs.meanflow != self.meanflow:
             raise ValueError(f"this estimator {'needs' if self.meanflow else 'takes no'} r (meanflow)")
-        feeds = {name: _np(a) for name, a in zip(self.names, (x, mask, mu, t, spks, cond, r))}
-        [v] = self.model.run(feeds, out_shapes={self.output: tuple(x.shape)}, outputs=[self.output],
+        feeds = {name: _np(a) for name, a in inputs.named().items()}
+        [v] = self.model.run(feeds, out_shapes={self.output: tuple(inputs.x.shape)}, outputs=[self.output],
                              copy_outputs=self.copy_outputs)
         return torch.from_numpy(v)
 

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from s3flow import contract
+from s3flow_contract import tensors as contract
 from s3flow.runtime.devices import instance_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -123,9 +123,9 @@ class TorchRunner:
         out = (out,) if isinstance(out, torch.Tensor) else tuple(out)
         return {name: o.float() for name, o in zip(self.output_names, out)}
 
-    def estimator(self, x, mask, mu, t, spks, cond, r=None) -> torch.Tensor:
-        """The solver's estimator signature (for in-process use: tests, gpu_check)."""
-        return self(x=x, mask=mask, mu=mu, t=t, spks=spks, cond=cond, r=r)["velocity"]
+    def estimator(self, inputs) -> torch.Tensor:
+        """As a solver estimator (``EstimatorInputs`` in; in-process use: tests, gpu_check)."""
+        return self(**inputs.named())["velocity"]
 
 
 def default_dtype(kind: str, dtype: Optional[str]) -> str:

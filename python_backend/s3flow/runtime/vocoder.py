@@ -6,7 +6,7 @@ excitation between them (``s3flow.model.vocoder_source``): ``f0`` (mel -> F0 in 
 
 * as the graphs ``f0.onnx`` and ``decoder.onnx`` in ONNX Runtime on the CPU (:class:`OnnxVocoder`,
   ``vocoder_backend onnx``), exported by :func:`export_vocoder` with the contract's tensor names
-  (``s3flow.contract.HIFT_F0`` / ``HIFT_DECODER``), or
+  (``s3flow_contract.tensors.HIFT_F0`` / ``HIFT_DECODER``), or
 * as the torch module (``s3flow.model.vocoder.TorchVocoder``, CPU or CUDA, weights in
   :data:`VOCODER_WEIGHTS_FILE`; ``vocoder_backend torch``).
 
@@ -31,7 +31,7 @@ from typing import Union
 import numpy as np
 import torch
 
-from s3flow import contract
+from s3flow_contract import tensors as contract
 from s3flow.model.vocoder import F0Float64, HiFTGenerator, TorchVocoder, load_vocoder
 from s3flow.runtime.devices import instance_device
 from s3flow.runtime.onnx_export import dynamic_axes

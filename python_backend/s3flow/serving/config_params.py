@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
 
-from s3flow.contract import Tensor
+from s3flow_contract.tensors import Tensor
 
 
 class Params:
@@ -17,7 +17,7 @@ class Params:
         if isinstance(config, Mapping):     # Triton's JSON form, as a python model gets it
             self.raw = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
             self.model = model or config.get("name", "model")
-        else:                               # a ModelConfig (s3flow.serving.model_config)
+        else:                               # a ModelConfig (s3flow.repository.model_config)
             self.raw = {k: v.string_value for k, v in config.parameters.items()}
             self.model = model or config.name
 

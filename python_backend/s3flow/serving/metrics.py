@@ -1,8 +1,8 @@
 """The solver's Prometheus metrics: their names, kinds and buckets, what is observed, and reading them back.
 
 No Triton import here: ``s3flow.serving.triton_models.cfm_solver`` publishes what :class:`SolverBook` observes through
-the python backend's metric API (``pb_utils.MetricFamily``), and the tests and ``scripts/load_test.py``
-read ``/metrics`` back with :func:`read_metrics` (prometheus_client's parser). The metrics and example
+the python backend's metric API (``pb_utils.MetricFamily``); the tests, the drain supervisor and the load test
+read ``/metrics`` back with ``s3flow.server.metrics_reader``. The metrics and example
 alert rules are documented in ``docs/operations.md``.
 
 ============================================  =========  ===============================================
@@ -23,7 +23,7 @@ metric (labels ``model``, ``instance``)       kind       what
 Example::
 
     book = SolverBook(publish=lambda name, value, labels: ...)
-    book.instrument(engine)             # a StreamingEngine: its run() and estimator are observed
+    engine = StreamingEngine(..., observer=book)   # the engine reports steps, answered chunks, drops
     t0 = book.begin()
     engine.run(chunks)                  # (inside SolverSession.handle)
     book.end(t0)                        # chunk latencies of the chunks that were answered
@@ -31,9 +31,10 @@ Example::
 from __future__ import annotations
 
 import time
-import urllib.request
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
+
+from s3flow.engine.observer import Observer
 
 #: Latency buckets (seconds): a chunk takes about 10 ms (small model, GPU) to 10 s (full size, CPU).
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -56,7 +57,8 @@ DROPPED = Family("s3flow_sequences_dropped_total", "counter",
 CHUNK_SECONDS = Family("s3flow_chunk_seconds", "histogram",
                        "seconds a chunk spent in the solver's execute (encoder and Euler loop)", SECONDS_BUCKETS)
 FIRST_CHUNK_SECONDS = Family("s3flow_first_chunk_seconds", "histogram",
-                             "seconds a START chunk spent in the solver's execute", SECONDS_BUCKETS)
+                             "seconds a START chunk spent in the solver's execute (not Triton's queue, not the "
+                             "vocoder: no first-audio figure)", SECONDS_BUCKETS)
 CHUNK_NFE = Family("s3flow_chunk_nfe", "histogram",
                    "network (estimator) evaluations per chunk: Euler steps, x2 with guidance", NFE_BUCKETS)
 CHUNK_FRAMES = Family("s3flow_chunk_frames", "histogram", "mel frames a chunk made final", FRAMES_BUCKETS)
@@ -69,59 +71,32 @@ HISTOGRAMS = tuple(f for f in FAMILIES if f.kind == "histogram")
 Publish = Callable[[Family, float, dict], None]
 
 
-def drop_reason(reason: str) -> str:
-    """The ``reason`` label of a drop: the text before any ':' detail (a small, fixed set of values)."""
-    return reason.split(":")[0]
-
-
-def nfe(n_steps: int, guidance_rate: float) -> int:
-    """Network evaluations of one chunk's solve: ``n_steps``, twice over with classifier-free guidance
-    (the conditional and the unconditional half of the 2B call; meanflow runs unguided, rate 0)."""
-    return int(n_steps) * (2 if guidance_rate else 1)
-
-
-def step_sequences(spks) -> int:
-    """Sequences in one estimator call: its rows less the unconditional rows of classifier-free guidance,
-    which are the rows whose ``spks`` are all zero (a real speaker's ``spks`` never are).
-
-    spks: (rows, n_feats) torch tensor.
-    """
-    rows = int(spks.shape[0])
-    if rows % 2:
-        return rows
-    unconditional = int((spks[rows // 2:] == 0).all(dim=1).sum())
-    return rows - unconditional if unconditional == rows // 2 else rows
-
-
-class SolverBook:
-    """What the solver observes per ``execute``: the chunks its engine answered and its Euler steps.
+class SolverBook(Observer):
+    """What the solver observes per ``execute``: an engine ``Observer`` (``s3flow.engine.observer``) that
+    publishes the engine's reports, plus the ``execute`` time of the chunks it answered.
 
     ``publish(family, value, labels)`` receives each observation (histograms) or increment (the counter);
-    ``labels`` holds the labels beyond model and instance (``reason`` of a drop).
+    ``labels`` holds the labels beyond model and instance (``reason`` of a drop). ``on_drop(corr_id,
+    reason)``, when given, also hears of every dropped sequence (the model's log line).
     """
 
-    def __init__(self, publish: Publish, clock: Callable[[], float] = time.perf_counter):
-        self.publish, self.clock = publish, clock
+    def __init__(self, publish: Publish, clock: Callable[[], float] = time.perf_counter,
+                 on_drop: Callable[[object, str], None] = lambda corr_id, reason: None):
+        self.publish, self.clock, self.on_drop = publish, clock, on_drop
         self._pending: list[tuple[bool, int, int]] = []   # (START, nfe, frames) of answered chunks
 
-    def instrument(self, engine) -> None:
-        """Observe ``engine`` (a ``StreamingEngine``): wrap its ``run`` (answered chunks) and its estimator
-        callable (sequences per Euler step). The engine's behaviour is unchanged."""
-        run, estimator = engine.run, engine.estimator
+    # -- the engine's reports --------------------------------------------------------------------------
+    def estimator_step(self, sequences: int, rows: int, frames: int) -> None:
+        self.publish(STEP_BATCH, sequences, {})
 
-        def observed_run(chunks, on_step=None):
-            results = run(chunks, on_step=on_step)
-            for c, r in zip(chunks, results):
-                self._pending.append((bool(c.new), nfe(c.state.n_steps, c.state.guidance_rate),
-                                      int(r.mel.shape[1])))
-            return results
+    def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
+        self._pending.append((bool(start), int(nfe), int(frames)))
 
-        def observed_estimator(x, mask, mu, t, spks, cond, r=None):
-            self.publish(STEP_BATCH, step_sequences(spks), {})
-            return estimator(x, mask, mu, t, spks, cond, r)
+    def sequence_dropped(self, corr_id, reason: str) -> None:
+        self.publish(DROPPED, 1, {"reason": reason})
+        self.on_drop(corr_id, reason)
 
-        engine.run, engine.estimator = observed_run, observed_estimator
-
+    # -- around execute --------------------------------------------------------------------------------
     def begin(self) -> float:
         """Call at the start of ``execute``; returns the start time for :meth:`end`."""
         self._pending = []
@@ -139,62 +114,3 @@ class SolverBook:
             self.publish(CHUNK_FRAMES, frames, {})
         count, self._pending = len(self._pending), []
         return count
-
-    def dropped(self, reason: str) -> None:
-        self.publish(DROPPED, 1, {"reason": drop_reason(reason)})
-
-
-# ------------------------------------------------------------------------------------------ reading back
-def parse_metrics(text: str, prefix: str = "s3flow_") -> dict:
-    """Prometheus text as {(sample name, ((label, value), ...)): value}, samples whose name starts with
-    ``prefix`` (histograms give ``<name>_bucket`` with ``le``, ``<name>_sum``, ``<name>_count``; the parser
-    names every counter's samples ``<name>_total``, also Triton's, whose text has no such suffix)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith(prefix):
-                out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
-    return out
-
-
-def read_metrics(metrics_url: str, prefix: str = "s3flow_", timeout_s: float = 5.0) -> dict:
-    """:func:`parse_metrics` of ``http://<metrics_url>/metrics`` (``metrics_url``: host:port, or a URL)."""
-    url = metrics_url if "://" in metrics_url else f"http://{metrics_url}/metrics"
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        return parse_metrics(response.read().decode(), prefix)
-
-
-def metric_sum(metrics: dict, name: str, **labels: str) -> float:
-    """Sum of sample ``name`` over every label set that has the given labels."""
-    return sum(v for (n, ls), v in metrics.items() if n == name and set(labels.items()) <= set(ls))
-
-
-@dataclass
-class Histogram:
-    """One histogram summed over instances: cumulative ``buckets`` {le: count}, ``sum``, ``count``."""
-    buckets: dict
-    sum: float
-    count: float
-
-    def quantile(self, q: float) -> Optional[float]:
-        """The upper bound of the bucket holding quantile ``q`` (as PromQL's histogram_quantile bounds it)."""
-        if not self.count:
-            return None
-        for le in sorted(self.buckets):
-            if self.buckets[le] >= q * self.count:
-                return le
-        return float("inf")
-
-
-def histogram(metrics: dict, name: str, **labels: str) -> Histogram:
-    """Histogram ``name`` from :func:`parse_metrics`' output, summed over the label sets matching ``labels``."""
-    buckets: dict = {}
-    for (n, ls), v in metrics.items():
-        d = dict(ls)
-        if n == f"{name}_bucket" and set(labels.items()) <= set(ls):
-            le = float(d["le"])
-            buckets[le] = buckets.get(le, 0.0) + v
-    return Histogram(buckets, metric_sum(metrics, f"{name}_sum", **labels),
-                     metric_sum(metrics, f"{name}_count", **labels))

@@ -5,36 +5,51 @@ unit-tested with fake models and no server: skipping the empty slots of the ``di
 validation (``protocol.parse_request``), admission, running the batch, cancellation, dropping a sequence's
 state (END, a bad END request, cancellation, idle) and mapping failures to error codes:
 
-=====================================  ===========  ==================================================
-what happened                          code         the sequence's state
-=====================================  ===========  ==================================================
-the request is invalid                 INVALID_ARG  unchanged (dropped when it was the END request)
-a START while full or draining         UNAVAILABLE  none made: the message says when to send the START
-                                                    again (full) or to send it to another server
-the encoder or estimator call failed   UNAVAILABLE  as before the chunk: the client may send it again;
-                                                    dropped when it was the END request (Triton ends
-                                                    the sequence at END whatever the answer)
-any other failure in the solve         INTERNAL     dropped: the client must restart the utterance
-every request of the batch cancelled   CANCELLED    dropped (the client has gone)
-=====================================  ===========  ==================================================
+===================================  ===========  ===========  =============================================
+what happened                        code         disposition  the sequence's state
+===================================  ===========  ===========  =============================================
+the request is invalid               INVALID_ARG  fail         unchanged (dropped when it was the END request)
+a chunk of a sequence not held here  INVALID_ARG  resume       none (never started, ended, or evicted)
+a START naming a voice not held      INVALID_ARG  retry,       none made: START again with the speaker
+                                                  resend=      prompt itself
+                                                  prompt
+a START while full                   UNAVAILABLE  busy         none made; ``retry_after_s`` says when
+a START while draining               UNAVAILABLE  resume       none made: START on another server
+the encoder or estimator call        UNAVAILABLE  retry        as before the chunk: send it again
+failed                                            (resume at   (the END request: dropped, Triton ends the
+                                                  END)         sequence at END whatever the answer)
+any other failure in the solve       INTERNAL     fail         dropped
+every request of the batch           CANCELLED    fail         dropped (the client has gone)
+cancelled
+===================================  ===========  ===========  =============================================
+
+The disposition travels as the message's tag (``s3flow_contract.answers``, written by
+``s3flow.serving.responses.error_response``), so a client acts on data, not on the wording.
+
+Every state that goes before its END is reported to the engine's observer (``sequence_dropped``), by the
+engine's ``SequenceTable``.
 
 Example::
 
-    session = SolverSession(engine, on_drop=lambda corr_id, reason: ...)
+    session = SolverSession(engine, RequestRules())
     outcomes = session.handle([Incoming(corr_id=7, start=True, end=False, inputs=tensors)])
     outcomes[0].result.mel, outcomes[0].error, outcomes[0].code
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from s3flow.contract import PROMPT
-from s3flow.protocol import VOICE_ID, RequestError, ServerBusy, parse_request
+from s3flow_contract.tensors import PROMPT, request_arrays
+from s3flow_contract.answers import Answer, Disposition
+from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence, parse_request
+from s3flow_contract.tensors import VOICE_ID
+from s3flow.serving.voice_registry import UnknownVoice
 from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
-from s3flow.serving.responses import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE  # noqa: F401 (re-exported)
+from s3flow.serving.responses import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE
 
 
 class Cancelled(RuntimeError):
@@ -43,6 +58,10 @@ class Cancelled(RuntimeError):
 
 class ModelCallError(RuntimeError):
     """A call to another model (the encoder or the estimator) failed; the message names the model."""
+
+
+class Draining(ServerBusy):
+    """A START while the server drains: it belongs on another server (disposition ``resume``)."""
 
 
 @dataclass
@@ -58,85 +77,111 @@ class Incoming:
 
 @dataclass
 class Outcome:
-    """The answer to one request: a result, an error with its code, or nothing (an empty slot)."""
+    """The answer to one request: a result, an error with its code and disposition (``answer``), or nothing
+    (an empty slot)."""
     result: Optional[ChunkResult] = None
     error: Optional[str] = None
     code: Optional[str] = None
+    answer: Optional[Answer] = None
+
+
+def _failed(corr_id, message: str, code: str, disposition: Disposition, **extra) -> Outcome:
+    return Outcome(error=message, code=code, answer=Answer(disposition, sequence=int(corr_id), **extra))
+
+
+def with_voice(inputs: Mapping[str, np.ndarray], start: bool,
+               voices: Optional[Callable[[str], dict]]) -> Mapping[str, np.ndarray]:
+    """The request's tensors with a ``voice_id`` replaced by that voice's prompt tensors (``voices(voice_id)``
+    gives them, or raises ``UnknownVoice``); unchanged without one. RequestError for a misplaced id."""
+    if VOICE_ID not in inputs:
+        return inputs
+    raw = np.asarray(inputs[VOICE_ID])
+    if not start:
+        raise RequestError(f"{VOICE_ID} may only be sent with the sequence's START request")
+    if raw.size != 1 or raw.dtype != np.object_:
+        raise RequestError(f"{VOICE_ID} must be one string (BYTES), got {raw.dtype.name} shape {list(raw.shape)}")
+    both = [n for n in PROMPT if n in inputs]
+    if both:
+        raise RequestError(f"send either {VOICE_ID} or the speaker prompt, not both (got {VOICE_ID} and {both})")
+    if voices is None:
+        raise RequestError(f"{VOICE_ID} given, but this server has no voice registry (no voice_encoder model)")
+    value = raw.reshape(-1)[0]
+    voice_id = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    return {**{k: v for k, v in inputs.items() if k != VOICE_ID}, **voices(voice_id)}
 
 
 class SolverSession:
-    """Runs batches of requests through a ``StreamingEngine``.
+    """Runs batches of requests through a ``StreamingEngine``, validating them by ``rules``.
 
-    ``on_drop(corr_id, reason)`` is called for each state dropped before its END (for logs and metrics):
-    reasons ``invalid END request``, ``cancelled``, ``idle``, ``failed END``, ``failed START``, ``error``,
-    ``replaced by a new START`` (a START on a live id restarts that utterance: the old state goes).
-
-    ``draining()`` True refuses new sequences (START) while the ones in flight go on (``s3flow.serving.drain``).
+    ``draining()`` True refuses new sequences (START) while the ones in flight go on (``s3flow.server.drain``).
     ``voices(voice_id)`` gives a registered voice's prompt tensors for a START that names one
     (``s3flow.serving.voice_registry.VoiceRegistry.get``), or raises RequestError.
     """
 
-    def __init__(self, engine: StreamingEngine, on_drop: Callable[[object, str], None] = lambda c, r: None,
-                 name: str = "cfm_solver", draining: Callable[[], bool] = lambda: False,
-                 voices: Optional[Callable[[str], dict]] = None):
-        self.engine, self.on_drop, self.name, self.draining = engine, on_drop, name, draining
+    def __init__(self, engine: StreamingEngine, rules: RequestRules = RequestRules(), name: str = "cfm_solver",
+                 draining: Callable[[], bool] = lambda: False, voices: Optional[Callable[[str], dict]] = None):
+        self.engine, self.rules, self.name, self.draining = engine, rules, name, draining
         self.voices = voices
-
-    def _with_voice(self, req: Incoming) -> Mapping[str, np.ndarray]:
-        """The request's tensors with a ``voice_id`` replaced by that voice's prompt tensors."""
-        if VOICE_ID not in req.inputs:
-            return req.inputs
-        raw = np.asarray(req.inputs[VOICE_ID])
-        if not req.start:
-            raise RequestError(f"{VOICE_ID} may only be sent with the sequence's START request")
-        if raw.size != 1 or raw.dtype != np.object_:
-            raise RequestError(f"{VOICE_ID} must be one string (BYTES), got {raw.dtype.name} shape {list(raw.shape)}")
-        both = [n for n in PROMPT if n in req.inputs]
-        if both:
-            raise RequestError(f"send either {VOICE_ID} or the speaker prompt, not both (got {VOICE_ID} and {both})")
-        if self.voices is None:
-            raise RequestError(f"{VOICE_ID} given, but this server has no voice registry (no voice_encoder model)")
-        value = raw.reshape(-1)[0]
-        voice_id = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-        return {**{k: v for k, v in req.inputs.items() if k != VOICE_ID}, **self.voices(voice_id)}
 
     @property
     def live(self) -> int:
-        return len(self.engine.store)
+        return len(self.engine.sequences)
 
     def evict_idle(self) -> list:
-        gone = self.engine.store.evict_idle()
-        for corr_id in gone:
-            self.on_drop(corr_id, "idle")
-        return gone
+        return self.engine.sequences.evict_idle()
+
+    def cancel(self, corr_id) -> bool:
+        """End a live sequence at once (its client went away); True if there was one."""
+        return self.engine.sequences.end(corr_id, "cancelled")
 
     def _drop(self, corr_id, reason: str) -> None:
-        self.engine.store.drop(corr_id)
-        self.on_drop(corr_id, reason)
+        self.engine.sequences.end(corr_id, reason)
+
+    def _gone(self, chunk: Chunk, reason: str) -> None:
+        """A chunk failed and the sequence ends for ``reason``: a START's state is already gone (the engine
+        rolled it back), so only the report is left to make; a later chunk's state is dropped."""
+        if chunk.started:
+            self.engine.observer.sequence_dropped(chunk.corr_id, reason)
+        else:
+            self._drop(chunk.corr_id, reason)
 
     def handle(self, requests: list[Incoming]) -> list[Outcome]:
         self.evict_idle()
         out = [Outcome() for _ in requests]
         chunks: list[Chunk] = []
         where: list[int] = []
-        for i, req in enumerate(requests):
-            if not req.ready:
-                continue
-            try:
-                parsed = parse_request(self._with_voice(req), start=req.start, end=req.end, limits=self.engine.limits,
-                                       n_feats=self.engine.n_feats)
-                if req.start and self.draining():
-                    raise ServerBusy("the server is draining (shutting down) and takes no new sequences; "
-                                     "send the START to another server")
-                chunks.append(self.engine.admit(req.corr_id, parsed))
-                where.append(i)
-            except ServerBusy as exc:
-                out[i] = Outcome(error=f"{self.name}: sequence {req.corr_id}: {exc}", code=UNAVAILABLE)
-            except RequestError as exc:
-                if req.end and req.corr_id in self.engine.store:
-                    self._drop(req.corr_id, "invalid END request")
-                msg = str(exc) if str(exc).startswith("sequence ") else f"sequence {req.corr_id}: {exc}"
-                out[i] = Outcome(error=msg, code=INVALID_ARG)
+        try:
+            for i, req in enumerate(requests):
+                if not req.ready:
+                    continue
+                try:
+                    parsed = parse_request(with_voice(req.inputs, req.start, self.voices), start=req.start,
+                                           end=req.end, rules=self.rules, n_feats=self.engine.n_feats)
+                    if req.start and self.draining():
+                        raise Draining("the server is draining (shutting down) and takes no new sequences; "
+                                       "send the START to another server")
+                    chunks.append(self.engine.admit(req.corr_id, parsed))
+                    where.append(i)
+                except Draining as exc:
+                    out[i] = _failed(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
+                                     Disposition.RESUME)
+                except ServerBusy as exc:
+                    out[i] = _failed(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
+                                     Disposition.BUSY, retry_after_s=exc.retry_after_s)
+                except RequestError as exc:
+                    if req.end:
+                        self._drop(req.corr_id, "invalid END request")
+                    msg = str(exc) if str(exc).startswith("sequence ") else f"sequence {req.corr_id}: {exc}"
+                    if isinstance(exc, UnknownSequence):
+                        out[i] = _failed(req.corr_id, msg, INVALID_ARG, Disposition.RESUME)
+                    elif isinstance(exc, UnknownVoice):
+                        out[i] = _failed(req.corr_id, msg, INVALID_ARG, Disposition.RETRY, resend="prompt")
+                    else:
+                        out[i] = _failed(req.corr_id, msg, INVALID_ARG, Disposition.FAIL)
+        except BaseException:  # a bug while admitting: no admitted chunk may stay in flight
+            for c in chunks:
+                self.engine.sequences.rollback(c.corr_id, c.replaced, started=c.started)
+            raise
         if not chunks:
             return out
         live = [requests[i] for i in where]
@@ -151,31 +196,69 @@ class SolverSession:
             results = self.engine.run(chunks, on_step=check_cancelled)
         except Cancelled as exc:
             for c, i in zip(chunks, where):
-                self._drop(c.corr_id, "cancelled")
-                out[i] = Outcome(error=f"{self.name}: sequence {c.corr_id}: {exc}", code=CANCELLED)
+                self._gone(c, "cancelled")
+                out[i] = _failed(c.corr_id, f"{self.name}: sequence {c.corr_id}: {exc}", CANCELLED, Disposition.FAIL)
             return out
         except ModelCallError as exc:
             for c, i in zip(chunks, where):
-                if c.new:  # the engine dropped the state it had made (and put back any it replaced)
-                    self.on_drop(c.corr_id, "failed START")
+                disposition = Disposition.RETRY
+                if c.started:  # the engine rolled back: the state it made went (any it replaced is back)
+                    self._gone(c, "failed START")
                     then = "send the START again"
                 elif c.finalize:
                     self._drop(c.corr_id, "failed END")
-                    then = "the END request ends the sequence: restart the utterance"
+                    then, disposition = "the END request ends the sequence: restart the utterance", Disposition.RESUME
                 else:
                     then = "the sequence is as before this chunk: send it again"
-                out[i] = Outcome(error=f"{self.name}: sequence {c.corr_id}: {exc}; {then}", code=UNAVAILABLE)
+                out[i] = _failed(c.corr_id, f"{self.name}: sequence {c.corr_id}: {exc}; {then}", UNAVAILABLE,
+                                 disposition)
             return out
         except Exception as exc:  # a bug, not a passing outage: retrying would fail the same way
             for c, i in zip(chunks, where):
-                self._drop(c.corr_id, "error")
-                out[i] = Outcome(error=f"{self.name}: sequence {c.corr_id}: {type(exc).__name__}: {exc}; "
-                                       f"the sequence is ended", code=INTERNAL)
+                self._gone(c, "error")
+                out[i] = _failed(c.corr_id, f"{self.name}: sequence {c.corr_id}: {type(exc).__name__}: {exc}; "
+                                            f"the sequence is ended", INTERNAL, Disposition.FAIL)
             return out
         for c, i, result in zip(chunks, where, results):
-            if c.replaced is not None:  # a START on a live id restarted that utterance: say so, count it
-                self.on_drop(c.corr_id, "replaced by a new START")
             if not c.finalize and requests[i].is_cancelled():
                 self._drop(c.corr_id, "cancelled")
             out[i] = Outcome(result=result)
         return out
+
+
+@dataclass
+class LocalStream:
+    """One utterance streamed in process: each chunk's result and its latency (seconds in ``handle``)."""
+    results: list
+    latencies_s: list
+
+    @property
+    def mel(self) -> np.ndarray:
+        """(n_feats, frames): the chunks' mel end to end."""
+        return np.concatenate([r.mel for r in self.results], axis=1)
+
+    @property
+    def seams(self) -> list[int]:
+        """Frame offsets where chunks 2, 3, ... began (those that brought frames)."""
+        return [r.frame_offset for r in self.results[1:] if r.mel.shape[1]]
+
+
+def stream_in_process(session: SolverSession, speech_tokens: np.ndarray, chunks, *, corr_id=1, end: bool = True,
+                      **start) -> LocalStream:
+    """Stream one utterance chunk by chunk through ``session`` as a client would (the one in-process driver of
+    warm-up, evaluation, benchmarks and the GPU check): the START carries ``start`` (the keywords of
+    ``s3flow_contract.tensors.request_arrays``: prompt_tokens, prompt_mel frames-major, speaker_embedding, seed,
+    n_timesteps, guidance_rate, voice_id); the last chunk is the END unless ``end`` is False (the sequence then
+    stays live: ``session.cancel`` ends it). Raises RuntimeError naming the chunk on an error answer."""
+    results, latencies, lo = [], [], 0
+    for k, size in enumerate(chunks):
+        inputs = request_arrays(speech_tokens[lo:lo + size], start=k == 0, **(start if k == 0 else {}))
+        last = end and k == len(chunks) - 1
+        t0 = time.perf_counter()
+        [outcome] = session.handle([Incoming(corr_id=corr_id, start=k == 0, end=last, inputs=inputs)])
+        latencies.append(time.perf_counter() - t0)
+        if outcome.error is not None:
+            raise RuntimeError(f"chunk {k} ({size} tokens) was refused: {outcome.error}")
+        results.append(outcome.result)
+        lo += size
+    return LocalStream(results, latencies)

@@ -18,16 +18,16 @@ from typing import Mapping
 
 import numpy as np
 
-from s3flow.contract import PROMPT
-from s3flow.protocol import Limits, RequestError, parse_request
+from s3flow_contract.tensors import PROMPT
+from s3flow.protocol import RequestError, RequestRules, parse_request
 from s3flow.model.voice.frontend import VoiceFrontend
 from s3flow.serving.voice_registry import VoiceRegistry
 
 
 class VoiceService:
-    def __init__(self, frontend: VoiceFrontend, registry: VoiceRegistry, limits: Limits = Limits(),
+    def __init__(self, frontend: VoiceFrontend, registry: VoiceRegistry, rules: RequestRules = RequestRules(),
                  n_feats: int = 80):
-        self.frontend, self.registry, self.limits, self.n_feats = frontend, registry, limits, n_feats
+        self.frontend, self.registry, self.rules, self.n_feats = frontend, registry, rules, n_feats
 
     def handle(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         given = {k for k in inputs}
@@ -49,7 +49,7 @@ class VoiceService:
                                f"got {sorted(given)}")
         # the same checks a START request's prompt gets (vocabulary, 2 frames per token, NaN/Inf, sizes)
         req = parse_request({"speech_tokens": np.zeros((1, 1), np.int64), **{k: v[None] for k, v in prompt.items()}},
-                            start=True, end=False, limits=self.limits, n_feats=self.n_feats)
+                            start=True, end=False, rules=self.rules, n_feats=self.n_feats)
         tokens, mel, emb = req.prompt_tokens, np.ascontiguousarray(req.prompt_mel.T), req.speaker_embedding
         voice_id = self.registry.put(tokens, mel, emb)
         return {"voice_id": np.array([voice_id.encode()], dtype=np.object_), "prompt_tokens": tokens,

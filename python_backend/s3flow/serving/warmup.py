@@ -5,7 +5,7 @@ allocator's growth and torch's lazy kernel set-up. Two mechanisms, by the kind o
 
 * **stateless** ``flow_encoder`` and ``estimator`` (ONNX Runtime python models on CPU hosts, TensorRT
   plans on GPU hosts): Triton's own ``model_warmup`` samples in ``config.pbtxt`` (``ModelWarmup``
-  messages over the contract's tensors: ``s3flow.serving.warmup_samples``), run by
+  messages over the contract's tensors: ``s3flow.repository.warmup_samples``), run by
   Triton on every instance before it is marked ready, whatever the backend. Token ids are 0 and the
   lengths come from ``warmup/`` data files, so the encoder sees a valid request.
 * **sequence-batched** ``cfm_solver`` and ``vocoder``: a Triton warm-up request would reach them without a
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from s3flow.contract import VOCAB_SIZE, XVECTOR_DIM, request_arrays
+from s3flow_contract.tensors import VOCAB_SIZE, XVECTOR_DIM, request_arrays
 
 #: Speech tokens of a warm-up request (4 s: the size of a typical chunk's solve with its prompt).
 WARMUP_TOKENS = 100
@@ -54,18 +54,22 @@ class WarmupReport:
 
 
 # -------------------------------------------------------------------------------- stateful: in initialize
-def warm_up_solver(engine, prompt_tokens: int = WARMUP_PROMPT_TOKENS,
+def warm_up_solver(engine, rules=None, prompt_tokens: int = WARMUP_PROMPT_TOKENS,
                    chunks: tuple = (WARMUP_TOKENS - 10, 10)) -> WarmupReport:
     """Run one short utterance through the served solver's code path with stand-in networks.
 
-    ``engine``: the served ``StreamingEngine`` (its settings are copied; its store is not touched). The
+    ``engine``: the served ``StreamingEngine`` (its settings are copied; its sequences are not touched);
+    ``rules``: the served ``RequestRules`` (default: the defaults). The
     requests are the tensors a client sends (validated by ``s3flow.protocol``); the stand-in encoder gives
     2 frames per token, the stand-in estimator a zero velocity.
     """
     import torch
 
-    from s3flow.serving.session import Incoming, SolverSession
     from s3flow.engine.streaming import StreamingEngine
+    from s3flow.protocol import RequestRules
+    from s3flow.serving.session import Incoming, SolverSession
+
+    rules = rules or RequestRules()
 
     calls = [0]
 
@@ -74,13 +78,14 @@ def warm_up_solver(engine, prompt_tokens: int = WARMUP_PROMPT_TOKENS,
         b, t = tokens.shape[0], 2 * tokens.shape[1]
         return (torch.zeros(b, engine.n_feats, t), torch.ones(b, 1, t), torch.zeros(b, engine.n_feats))
 
-    def estimate(x, mask, mu, t, spks, cond, r=None):
+    def estimate(inputs):
         calls[0] += 1
-        return torch.zeros_like(x)
+        return torch.zeros_like(inputs.x)
 
     shadow = StreamingEngine(encode, estimate, n_feats=engine.n_feats, meanflow=engine.meanflow,
-                             limits=engine.limits, bucket_ratio=getattr(engine, "bucket_ratio", 0.0))
-    session = SolverSession(shadow, name="warm-up")
+                             solving=engine.solving, capacity=engine.sequences.capacity,
+                             bucket_ratio=engine.bucket_ratio)
+    session = SolverSession(shadow, rules, name="warm-up")
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     for k, size in enumerate(chunks):
@@ -92,7 +97,7 @@ def warm_up_solver(engine, prompt_tokens: int = WARMUP_PROMPT_TOKENS,
         [outcome] = session.handle([Incoming(corr_id=0, start=k == 0, end=k == len(chunks) - 1, inputs=inputs)])
         if outcome.error is not None:
             raise RuntimeError(f"the solver's warm-up request was refused: {outcome.error}")
-    if len(shadow.store):
+    if len(shadow.sequences):
         raise RuntimeError("the solver's warm-up left a sequence behind")
     return WarmupReport("cfm_solver", len(chunks), calls[0], time.perf_counter() - t0)
 

@@ -4,7 +4,7 @@ One module per concern; everything public is importable from here (``from s3flow
 tensorrt as tb``):
 
 * ``profiles``: the optimisation profiles (:func:`estimator_profile`, :func:`encoder_profile`, sized from a
-  repository's :class:`SolverSettings` by :func:`profiles_for`);
+  repository's :class:`ServedShapes` by :func:`profiles_for`);
 * ``fp16``: the fp16 copy of a graph with fp32 islands and clamped constants (:func:`convert_to_fp16`);
 * ``build``: the toolchain, cache names (:func:`engine_name`), :func:`build_engine`, :func:`install_engine`;
 * ``engine``: :class:`TrtEngine` (torch CUDA tensors as buffers) and :class:`TrtEstimator`;
@@ -23,7 +23,7 @@ from s3flow.runtime.tensorrt.fp16 import (FP16_SAFE_LIMIT, FP32_OPS, FP32_SCOPES
 from s3flow.runtime.tensorrt.parity import (PARITY_BOUNDS, Parity, check_encoder_engine, check_engine,
                                             check_estimator_engine, compare, encoder_cases, estimator_cases,
                                             onnxruntime_engine, random_inputs, rel_l2)
-from s3flow.runtime.tensorrt.profiles import (ENCODER_MAX_FRAMES, MODELS, TOKEN_MEL_RATIO, Profile, SolverSettings,
+from s3flow.runtime.tensorrt.profiles import (ENCODER_MAX_FRAMES, MODELS, TOKEN_MEL_RATIO, Profile, ServedShapes,
                                               encoder_profile, estimator_profile, max_frames, max_tokens,
                                               profiles_for)
 
@@ -35,6 +35,6 @@ __all__ = [
     "FP16_SAFE_LIMIT", "FP32_OPS", "FP32_SCOPES", "Fp16Report", "clamp_for_fp16", "convert_to_fp16", "is_fp32_node",
     "PARITY_BOUNDS", "Parity", "check_encoder_engine", "check_engine", "check_estimator_engine", "compare",
     "encoder_cases", "estimator_cases", "onnxruntime_engine", "random_inputs", "rel_l2",
-    "ENCODER_MAX_FRAMES", "MODELS", "TOKEN_MEL_RATIO", "Profile", "SolverSettings", "encoder_profile",
+    "ENCODER_MAX_FRAMES", "MODELS", "TOKEN_MEL_RATIO", "Profile", "ServedShapes", "encoder_profile",
     "estimator_profile", "max_frames", "max_tokens", "profiles_for",
 ]

@@ -1,5 +1,5 @@
 """Running a TensorRT engine with torch CUDA tensors as its buffers, and the estimator engine as a solver
-estimator. Tensor names are the contract's (``s3flow.contract``): the engines are built from ONNX exports
+estimator. Tensor names are the contract's (``s3flow_contract.tensors``): the engines are built from ONNX exports
 named by it."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from s3flow import contract
+from s3flow_contract import tensors as contract
 from s3flow.runtime.tensorrt.build import EngineBuildError
 
 [VELOCITY] = contract.names(contract.ESTIMATOR_OUTPUTS)
@@ -70,12 +70,11 @@ class TrtEngine:
 
 
 class TrtEstimator:
-    """A TensorRT estimator engine as a solver estimator: ``velocity = est(x, mask, mu, t, spks, cond, r)``
-    (fp32 out; ``r`` only for meanflow engines)."""
+    """A TensorRT estimator engine as a solver estimator: ``velocity = est(inputs: EstimatorInputs)`` (fp32
+    out; ``r`` only for meanflow engines)."""
 
     def __init__(self, engine: TrtEngine):
         self.engine = engine
 
-    def __call__(self, x, mask, mu, t, spks, cond, r=None):
-        names = contract.names(contract.estimator_inputs(meanflow=r is not None))
-        return self.engine(**dict(zip(names, (x, mask, mu, t, spks, cond, r))))[VELOCITY].float()
+    def __call__(self, inputs) -> torch.Tensor:
+        return self.engine(**inputs.named())[VELOCITY].float()

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from s3flow import contract
+from s3flow_contract import tensors as contract
 from s3flow.runtime.tensorrt.profiles import Profile
 
 #: Relative L2 error bound against the fp32 reference, per engine precision (estimator and encoder).

@@ -1,12 +1,12 @@
 """Optimisation profiles of the TensorRT engines: the (min, opt, max) of each input's batch and length axes.
 
-One profile per engine, sized by the repository's limits and batch size:
+One profile per engine, sized by the repository's longest inputs and batch size:
 
 * estimator: batch 1 .. 2 x max batch (a guided batch of B utterances is one 2B call; a guidance rate of
   0 calls with B rows), frames 2 .. prompt + generated frames the server admits, opt at 2 x 300;
 * flow encoder: batch 1 .. max batch, tokens 1 .. prompt + speech tokens admitted, opt at 150 tokens.
 
-The inputs and their dims come from ``s3flow.contract`` (a ``-1`` first dim is the batch axis, any other
+The inputs and their dims come from ``s3flow_contract.tensors`` (a ``-1`` first dim is the batch axis, any other
 ``-1`` the length axis, ``FEATS`` the mel bins).
 """
 from __future__ import annotations
@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from s3flow import contract
-from s3flow.contract import TOKEN_MEL_RATIO
-from s3flow.protocol import Limits
+from s3flow_contract import tensors as contract
+from s3flow_contract.tensors import TOKEN_MEL_RATIO
 
 MODELS = ("estimator", "flow_encoder")
 #: The encoder's relative-position table (EncoderConfig.pos_enc_max_len default).
@@ -77,14 +76,14 @@ class Profile:
         return f"b{'-'.join(map(str, self.batch))}_{axis}{'-'.join(map(str, self.length))}"
 
 
-def max_frames(limits: Limits) -> int:
+def max_frames(shapes: "ServedShapes") -> int:
     """Longest estimator input the server admits: prompt frames + generated frames."""
-    return TOKEN_MEL_RATIO * limits.max_prompt_tokens + limits.max_utterance_frames
+    return TOKEN_MEL_RATIO * shapes.max_prompt_tokens + shapes.max_utterance_frames
 
 
-def max_tokens(limits: Limits) -> int:
+def max_tokens(shapes: "ServedShapes") -> int:
     """Longest encoder input the server admits: prompt tokens + speech tokens."""
-    return limits.max_prompt_tokens + limits.max_utterance_frames // TOKEN_MEL_RATIO
+    return shapes.max_prompt_tokens + shapes.max_utterance_frames // TOKEN_MEL_RATIO
 
 
 def estimator_profile(n_feats: int, meanflow: bool, max_batch: int, max_frames: int, *,
@@ -104,18 +103,17 @@ def encoder_profile(max_batch: int, max_tokens: int, *, min_tokens: int = 1, opt
 
 
 @dataclass
-class SolverSettings:
+class ServedShapes:
     """What the engines' profiles need from a repository's ``cfm_solver`` config (scripts/build_engines.py
-    reads it): batch size, limits, mel bins, meanflow."""
+    reads it): batch size, the longest prompt and utterance it admits, mel bins, meanflow."""
     max_batch: int
-    limits: Limits
+    max_prompt_tokens: int
+    max_utterance_frames: int
     n_feats: int
     meanflow: bool
 
 
-def profiles_for(settings: SolverSettings) -> dict[str, Profile]:
-    """The two profiles a repository needs (sized by its limits and batch size)."""
-    return {"estimator": estimator_profile(settings.n_feats, settings.meanflow, settings.max_batch,
-                                           max_frames(settings.limits)),
-            "flow_encoder": encoder_profile(settings.max_batch, max_tokens(settings.limits),
-                                            n_feats=settings.n_feats)}
+def profiles_for(shapes: ServedShapes) -> dict[str, Profile]:
+    """The two profiles a repository needs (sized by its longest inputs and batch size)."""
+    return {"estimator": estimator_profile(shapes.n_feats, shapes.meanflow, shapes.max_batch, max_frames(shapes)),
+            "flow_encoder": encoder_profile(shapes.max_batch, max_tokens(shapes), n_feats=shapes.n_feats)}

@@ -25,8 +25,9 @@ from typing import Iterable, Mapping, Optional
 
 import numpy as np
 
-from s3flow.contract import CONTROLS, FEATS, Tensor, names
-from s3flow.protocol import RequestError
+from s3flow_contract.answers import Answer, Disposition
+from s3flow_contract.tensors import CONTROLS, FEATS, Tensor, names
+from s3flow.protocol import RequestError, UnknownSequence
 from s3flow.serving.config_params import Params, check_tensors
 from s3flow.serving.responses import INTERNAL, INVALID_ARG, error_response, pb_utils
 
@@ -92,8 +93,11 @@ class TritonModel:
 
     #: sequence-batched models need ``sequence_batching`` with every control and ``max_batch_size`` >= 1
     sequence_batching = False
-    #: exceptions that mean "the request is bad" (INVALID_ARG); any other is INTERNAL
+    #: exceptions that mean "the request is bad" (INVALID_ARG, disposition fail); any other is INTERNAL, with
+    #: ``failure_disposition`` (fail: sending it again fails the same way; the vocoder says resume: its stream
+    #: state is gone, the utterance must be replayed)
     request_errors: tuple = (RequestError,)
+    failure_disposition = Disposition.FAIL
 
     # -- load --------------------------------------------------------------------------------------
     def initialize(self, args):
@@ -167,12 +171,20 @@ class TritonModel:
         """``respond``, with any failure turned into this request's error response."""
         try:
             return self.respond(request)
+        except UnknownSequence as exc:   # this server does not hold the sequence: replay it
+            return self.error(f"{self.name}: {exc}", INVALID_ARG, Answer(Disposition.RESUME, self.sequence_of(request)))
         except self.request_errors as exc:
-            return self.error(f"{self.name}: {exc}", INVALID_ARG)
+            return self.error(f"{self.name}: {exc}", INVALID_ARG, Answer(Disposition.FAIL, self.sequence_of(request)))
         except Exception as exc:  # one bad request must not fail the others
-            return self.error(f"{self.name}: {type(exc).__name__}: {exc}", INTERNAL)
+            return self.error(f"{self.name}: {type(exc).__name__}: {exc}", INTERNAL,
+                              Answer(self.failure_disposition, self.sequence_of(request)))
+
+    def sequence_of(self, request) -> Optional[int]:
+        """The request's correlation id (sequence-batched models), else None."""
+        return read_controls(request).corr_id if self.sequence_batching else None
 
     @staticmethod
-    def error(message: str, code: str = INTERNAL):
-        """An error response; ``code`` names a ``pb_utils.TritonError`` code (INVALID_ARG, UNAVAILABLE, ...)."""
-        return error_response(message, getattr(pb_utils.TritonError, code))
+    def error(message: str, code: str, answer: Answer):
+        """An error response: ``code`` names a ``pb_utils.TritonError`` code (INVALID_ARG, UNAVAILABLE, ...),
+        ``answer`` its disposition (``s3flow_contract.answers``)."""
+        return error_response(message, getattr(pb_utils.TritonError, code), answer)

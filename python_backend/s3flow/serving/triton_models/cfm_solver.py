@@ -9,7 +9,9 @@ Validation, admission, state changes, cancellation and the mapping of failures t
 ``s3flow.serving.session`` (over ``s3flow.engine.streaming``, which holds the state and the Euler loop),
 unit-tested without a server. This file holds what needs the stub: the config's parameters and its check
 against the contract (through ``base.TritonModel``), the BLS adapter the engine calls as its encoder and
-estimator, the request tensors in and the mel out, the idle reaper thread, and the solver's metrics.
+estimator, the request tensors in and the mel out, the idle reaper thread (the engine's ``SequenceTable``
+never evicts a sequence while one of its chunks is being served), and the solver's metrics (an engine
+``Observer``).
 """
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ import numpy as np
 import torch
 from torch.utils import dlpack
 
-from s3flow.contract import (ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, MEL_RESPONSE, REQUEST,
-                             by_name, estimator_inputs, names)
+from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, MEL_RESPONSE, REQUEST,
+                                     SOLVER_INPUTS, by_name, estimator_inputs, names)
+from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
-from s3flow.protocol import Limits
-from s3flow.serving.drain import draining_probe
+from s3flow.serving.admission import LiveCounts
+from s3flow.serving.draining import draining_probe
 from s3flow.serving.heap import trim_heap
 from s3flow.serving.metrics import FAMILIES, LIVE, SolverBook
 from s3flow.serving.session import Incoming, ModelCallError, SolverSession
@@ -45,8 +48,9 @@ def _to_torch(tensor) -> torch.Tensor:
 
 
 class BlsModel:
-    """Call another Triton model by name with its contract inputs (positional, in contract order); check the
-    response for errors; return its contract outputs as torch tensors."""
+    """Call another Triton model by name with tensors named as its contract names them; check the response for
+    errors; return its contract outputs as torch tensors. ``BlsEncoder`` and ``BlsEstimator`` give it the
+    engine's encoder and estimator signatures."""
 
     def __init__(self, model_name: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
                  device_id: int | None = None):
@@ -56,14 +60,14 @@ class BlsModel:
         self.memory = ({} if device_id is None else
                        {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, device_id)})
 
-    def __call__(self, *values: torch.Tensor) -> list[torch.Tensor]:
-        if len(values) != len(self.inputs):  # a bug of the caller, not of the callee: INTERNAL
-            raise TypeError(f"model '{self.model_name}' takes {list(self.inputs)}, got {len(values)} tensors")
+    def call(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        if tuple(tensors) != self.inputs:  # a bug of the caller, not of the callee: INTERNAL
+            raise TypeError(f"model '{self.model_name}' takes {list(self.inputs)}, got {list(tensors)}")
         if self.memory:  # the callee reads our device buffers on its own stream: finish writing them first
             torch.cuda.current_stream().synchronize()
         request = pb_utils.InferenceRequest(
             model_name=self.model_name, requested_output_names=self.output_list,
-            inputs=[_to_triton(k, v) for k, v in zip(self.inputs, values)], **self.memory)
+            inputs=[_to_triton(k, v) for k, v in tensors.items()], **self.memory)
         response = request.exec()
         if response.has_error():
             raise ModelCallError(f"model '{self.model_name}' failed: {response.error().message()}")
@@ -76,45 +80,59 @@ class BlsModel:
         return out
 
 
+class BlsEncoder(BlsModel):
+    """The engine's ``encode(tokens, token_len, embedding) -> (mu, mask, spks)`` over BLS."""
+
+    def __call__(self, tokens: torch.Tensor, token_len: torch.Tensor, embedding: torch.Tensor):
+        return self.call(dict(zip(self.inputs, (tokens, token_len, embedding))))
+
+
+class BlsEstimator(BlsModel):
+    """The solver's ``Estimator`` (``EstimatorInputs`` in, velocity out) over BLS."""
+
+    def __call__(self, inputs) -> torch.Tensor:
+        return self.call(inputs.named())[0]
+
+
 class TritonPythonModel(TritonModel):
     sequence_batching = True
 
     def setup(self, args):
         p = self.params
-        self.limits = Limits.from_parameters(p.raw)
+        self.settings = SolverSettings.from_parameters(p.raw)
         self.n_feats, self.meanflow = p.int("n_feats"), p.bool("meanflow")
-        self.check_contract(REQUEST, MEL_RESPONSE, self.n_feats)  # the solver declares its inputs optional
+        self.check_contract(SOLVER_INPUTS, MEL_RESPONSE, self.n_feats)  # the solver declares its inputs optional
         torch.set_num_threads(p.int("torch_threads", 1))
         device_id = None  # KIND_GPU (gpu target): BLS outputs on this GPU, the solve stays there
         if self.instance_kind == "GPU":
             device_id = self.device_id
             torch.cuda.set_device(device_id)
-        self.encoder = BlsModel(p.str("encoder_model", "flow_encoder"), names(ENCODER_INPUTS),
-                                names(ENCODER_OUTPUTS), device_id)
-        self.estimator = BlsModel(p.str("estimator_model", "estimator"), names(estimator_inputs(self.meanflow)),
-                                  names(ESTIMATOR_OUTPUTS), device_id)
-        engine = StreamingEngine(self.encoder, self._estimate, n_feats=self.n_feats, meanflow=self.meanflow,
-                                 limits=self.limits, bucket_ratio=p.float("length_bucket_ratio", 0.0))
-        self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name))
-        self.metrics.book.instrument(engine)  # chunk latency, NFE, frames, sequences per Euler step
+        self.encoder = BlsEncoder(p.str("encoder_model", "flow_encoder"), names(ENCODER_INPUTS),
+                                  names(ENCODER_OUTPUTS), device_id)
+        self.estimator = BlsEstimator(p.str("estimator_model", "estimator"), names(estimator_inputs(self.meanflow)),
+                                      names(ESTIMATOR_OUTPUTS), device_id)
+        self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name), self._dropped)
+        engine = StreamingEngine(self.encoder, self.estimator, n_feats=self.n_feats, meanflow=self.meanflow,
+                                 solving=self.settings.solving, capacity=self.settings.capacity,
+                                 observer=self.metrics.book, bucket_ratio=p.float("length_bucket_ratio", 0.0))
         if p.bool("warmup", True):  # s3flow.serving.warmup: no first-run cost on a real chunk
-            self.logger.log_info(warm_up_solver(engine).describe())
+            self.logger.log_info(warm_up_solver(engine, self.settings.rules).describe())
         voices = None
         if p.bool("voices", False):  # START may name a voice the voice_encoder stored
             from s3flow.serving.voice_registry import VoiceRegistry, default_dir
             voices = VoiceRegistry(p.str("voice_dir", "") or default_dir(), p.int("max_voices"),
                                    p.int("max_voice_bytes")).get
-        self.session = SolverSession(engine, on_drop=self._dropped, name=self.name, draining=draining_probe(),
+        self.session = SolverSession(engine, self.settings.rules, name=self.name, draining=draining_probe(),
                                      voices=voices)
+        # admission (the ensembles' first step) refuses STARTs when the instances are full: it reads these
+        self.live_counts = LiveCounts(LiveCounts.default_folder())
+        self.instance = args.get("model_instance_name", self.name)
+        self._publish_live()
         # Triton drops an idle sequence without telling the model: a reaper thread evicts idle states even
-        # when no request comes; the lock keeps it and execute from touching the store at once.
-        self._lock, self._stop = threading.Lock(), threading.Event()
+        # when no request comes (the table has its own lock and never evicts a sequence being served).
+        self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name=f"{self.name}-idle-reaper", daemon=True)
         self._reaper.start()
-
-    def _estimate(self, x, mask, mu, t, spks, cond, r=None):
-        """The engine's estimator: velocity (B, n_feats, T) over BLS (r only for meanflow)."""
-        return self.estimator(x, mask, mu, t, spks, cond, *((r,) if self.meanflow else ()))[0]
 
     # -- execute ----------------------------------------------------------------------------------
     def _incoming(self, request) -> Incoming:
@@ -124,47 +142,59 @@ class TritonPythonModel(TritonModel):
 
     def execute(self, requests):
         started = self.metrics.book.begin()
-        with self._lock:
-            try:
-                outcomes = self.session.handle([self._incoming(r) for r in requests])
-            finally:
-                self.metrics.live(self.session.live)
+        try:
+            outcomes = self.session.handle([self._incoming(r) for r in requests])
+        finally:
+            self._publish_live()
         if sum(o.result.mel.shape[1] for o in outcomes if o.result is not None) >= _TRIM_AFTER_FRAMES:
             trim_heap()
         responses = []
         for o in outcomes:
             if o.error is not None:
-                responses.append(self.error(o.error, o.code))
+                responses.append(self.error(o.error, o.code, o.answer))
             elif o.result is None:  # an empty slot of the direct strategy
                 responses.append(empty_response())
             else:
                 responses.append(ok_response({
                     _MEL.name: o.result.mel[None].astype(_MEL.np_dtype, copy=False),
                     _FRAME_OFFSET.name: np.array([[o.result.frame_offset]], dtype=_FRAME_OFFSET.np_dtype)}))
-        with self._lock:
-            self.metrics.book.end(started)  # s3flow_chunk_seconds etc. of the chunks answered
+        self.metrics.book.end(started)  # s3flow_chunk_seconds etc. of the chunks answered
         return responses
 
     def _reap(self):
-        period = min(max(self.limits.idle_timeout_s / 4, 0.05), 5.0)
+        period = min(max(self.settings.capacity.idle_timeout_s / 4, 0.05), 5.0)
         while not self._stop.wait(period):
-            with self._lock:
-                if self.session is not None and self.session.evict_idle():
-                    self.metrics.live(self.session.live)
+            session = self.session
+            if session is not None and session.evict_idle():
+                self._publish_live()
+
+    def _publish_live(self) -> None:
+        """The live count to the metrics and to admission (``LiveCounts``)."""
+        session = self.session
+        if session is None:
+            return
+        ids = session.engine.sequences.ids()
+        self.metrics.live(len(ids))
+        try:
+            self.live_counts.write(self.instance, ids, self.settings.capacity.max_live_sequences)
+        except OSError as exc:   # admission then counts this instance as it last wrote (or not at all)
+            self.logger.log_warn(f"{self.name}: cannot write the live count: {exc}")
 
     def _dropped(self, corr_id, reason: str) -> None:
-        """A sequence's state went before its END: logged and counted (``s3flow_sequences_dropped_total``)."""
-        self.metrics.dropped(reason)
-        what = f"evicted sequence {corr_id} after {self.limits.idle_timeout_s} s idle" if reason == "idle" \
+        """A sequence's state went before its END (counted by the metrics as ``s3flow_sequences_dropped_total``):
+        logged."""
+        idle = self.settings.capacity.idle_timeout_s
+        what = f"evicted sequence {corr_id} after {idle} s idle" if reason == "idle" \
             else f"dropped sequence {corr_id} ({reason})"
-        self.logger.log_info(f"{self.name}: {what}; {self.session.live} live")
+        live = self.session.live if getattr(self, "session", None) is not None else 0
+        self.logger.log_info(f"{self.name}: {what}; {live} live")
 
     def finalize(self):
         self._stop.set()
         self._reaper.join(10)
-        with self._lock:
-            self.session = None
-            self.metrics.close()
+        self.session = None
+        self.metrics.close()
+        self.live_counts.remove(self.instance)
 
 
 class _SolverMetrics:
@@ -174,9 +204,10 @@ class _SolverMetrics:
     cannot make (no custom metrics, or no HISTOGRAM) is left out; the others still publish.
     """
 
-    def __init__(self, model: str, instance: str):
+    def __init__(self, model: str, instance: str, on_drop):
         self.labels = {"model": model, "instance": instance}
-        self.book = SolverBook(self._publish)
+        self.book = SolverBook(self._publish, on_drop=on_drop)
+        self._lock = threading.Lock()   # execute and the idle reaper both publish
         self._families, self._metrics = {}, {}
         for family in FAMILIES:
             try:
@@ -188,6 +219,10 @@ class _SolverMetrics:
         self.live(0)  # the gauge shows from the load on, not from the first request
 
     def _publish(self, family, value: float, extra: dict) -> None:
+        with self._lock:
+            self._publish_locked(family, value, extra)
+
+    def _publish_locked(self, family, value: float, extra: dict) -> None:
         metrics_family = self._families.get(family.name)
         if metrics_family is None:
             return
@@ -205,9 +240,6 @@ class _SolverMetrics:
 
     def live(self, n: int) -> None:
         self._publish(LIVE, n, {})
-
-    def dropped(self, reason: str) -> None:
-        self.book.dropped(reason)
 
     def close(self) -> None:
         """Metrics must go before their families (the stub checks)."""

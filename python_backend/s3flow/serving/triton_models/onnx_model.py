@@ -18,7 +18,7 @@ import os
 
 import onnxruntime as ort
 
-from s3flow.contract import ESTIMATOR_OUTPUTS, MEANFLOW_INPUT, names, stateless_tensors
+from s3flow_contract.tensors import ESTIMATOR_OUTPUTS, MEANFLOW_INPUT, names, stateless_tensors
 from s3flow.protocol import RequestError
 from s3flow.runtime.ort import OrtModel, OrtSettings, auto_threads
 from s3flow.serving.heap import trim_heap

@@ -12,10 +12,10 @@ import os
 import torch
 from torch.utils import dlpack
 
-from s3flow.contract import names
+from s3flow_contract.tensors import names
 from s3flow.protocol import RequestError
 from s3flow.runtime.torch_runner import WEIGHTS_FILE, TorchModelSettings, TorchRunner, load_module
-from s3flow.contract import stateless_tensors
+from s3flow_contract.tensors import stateless_tensors
 from s3flow.serving.triton_models.base import TritonModel, pb_utils
 
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from s3flow.contract import VOCODER_INPUTS, VOCODER_OUTPUTS, by_name
-from s3flow.engine.streaming import SequenceStore
+from s3flow_contract.answers import Disposition
+from s3flow_contract.tensors import VOCODER_INPUTS, VOCODER_OUTPUTS, by_name
+from s3flow.engine.observer import Observer
+from s3flow.engine.sequences import Capacity, SequenceTable
 from s3flow.engine.vocoder_stream import StreamError, StreamSettings, VocoderStream
 from s3flow.model.vocoder_source import SourceParams
 from s3flow.protocol import RequestError, numbers_from_parameters
@@ -37,6 +39,7 @@ def source_params_from(params: Params) -> SourceParams:
 class TritonPythonModel(TritonModel):
     sequence_batching = True
     request_errors = (RequestError, StreamError)
+    failure_disposition = Disposition.RESUME   # the stream's state went with the failure: replay the utterance
 
     def setup(self, args):
         p = self.params
@@ -47,14 +50,13 @@ class TritonPythonModel(TritonModel):
         runner_settings = VocoderRunnerSettings.from_args(p.raw, self.instance_kind, self.device_id)
         runner = open_vocoder_runner(self.version_dir, runner_settings)
         self.stream = VocoderStream(runner.f0, runner.decode, self.source, self.settings, n_feats=self.n_feats)
-        self.store = SequenceStore(self.settings)   # idle_timeout_s, max_live_sequences
+        self.sequences = SequenceTable(Capacity.from_parameters(p.raw), _LogDrops(self))
         self.logger.log_info(f"{self.name}: HiFT in {runner_settings.backend} on {runner_settings.device}")
         if p.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no store entry
             self.logger.log_info(warm_up_vocoder(self.stream).describe())
 
     def execute(self, requests):
-        for corr_id in self.store.evict_idle():
-            self.logger.log_info(f"{self.name}: evicted idle sequence {corr_id}")
+        self.sequences.evict_idle()
         return super().execute(requests)
 
     def respond(self, request):
@@ -64,10 +66,9 @@ class TritonPythonModel(TritonModel):
         try:
             chunk = self._push(c, input_arrays(request, VOCODER_INPUTS))
         except Exception:  # a bad request or a failed network call: this sequence is lost, the others go on
-            self.store.drop(c.corr_id)  # a broken stream cannot continue seamlessly
+            self.sequences.end(c.corr_id, "broken stream")  # a broken stream cannot continue seamlessly
             raise
-        if c.end:
-            self.store.drop(c.corr_id)
+        self.sequences.commit(c.corr_id, end=c.end)
         return ok_response({
             _AUDIO.name: chunk.audio[None].astype(_AUDIO.np_dtype, copy=False),
             _SAMPLE_OFFSET.name: np.array([[chunk.sample_offset]], dtype=_SAMPLE_OFFSET.np_dtype)})
@@ -83,9 +84,21 @@ class TritonPythonModel(TritonModel):
             seed = 0 if seed is None else int(seed.reshape(-1)[0])
             if seed < 0:
                 raise RequestError(f"seed must be >= 0, got {seed}")
-            self.store.create(c.corr_id, self.stream.start(seed))
-        state = self.store.get(c.corr_id)
+            state = self.stream.start(seed)
+            self.sequences.begin(c.corr_id, state)
+        else:
+            state = self.sequences.serve(c.corr_id)
         return self.stream.push(state, mel[0], int(offset.reshape(-1)[0]), end=c.end)
 
     def finalize(self):
-        self.stream = self.store = None
+        self.stream = self.sequences = None
+
+
+class _LogDrops(Observer):
+    """The vocoder's dropped sequences, logged."""
+
+    def __init__(self, model: TritonModel):
+        self.model = model
+
+    def sequence_dropped(self, corr_id, reason: str) -> None:
+        self.model.logger.log_info(f"{self.model.name}: dropped sequence {corr_id} ({reason})")

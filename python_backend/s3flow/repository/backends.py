@@ -6,30 +6,32 @@ from __future__ import annotations
 from pathlib import Path
 
 from s3flow.model.checkpoint import load_flow
-from s3flow.protocol import Limits
+from s3flow.engine.settings import SolverSettings
 from s3flow.runtime import tensorrt as tb
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, WEIGHTS_FILE, default_dtype, save_module
 from s3flow.serving.config_params import Params
-from s3flow.serving.model_config import read_config, write_model_folder
-from s3flow.serving.repository import MODEL_PY
-from s3flow.serving.repository_configs import stateless_config
-from s3flow.serving.repository_settings import RepositorySettings
-from s3flow.serving.warmup_samples import add_model_warmup
+from s3flow.repository.model_config import read_config, write_model_folder
+from s3flow.repository.generator import MODEL_PY
+from s3flow.repository.configs import stateless_config
+from s3flow.repository.settings import RepositorySettings
+from s3flow.repository.warmup_samples import add_model_warmup
 
 SOLVER = "cfm_solver"
 
 
-def read_solver_settings(repository: Path) -> tb.SolverSettings:
-    """What the engines' profiles need from the repository's ``cfm_solver`` config: batch size, limits,
-    mel bins, meanflow (read as a ModelConfig, parameters through ``Params``)."""
+def read_served_shapes(repository: Path) -> tb.ServedShapes:
+    """What the engines' profiles need from the repository's ``cfm_solver`` config: batch size, longest
+    prompt and utterance, mel bins, meanflow (read as a ModelConfig, parameters through ``Params``)."""
     folder = Path(repository) / SOLVER
     if not (folder / "config.pbtxt").is_file():
         raise FileNotFoundError(f"{folder / 'config.pbtxt'} not found: is {repository} a repository from "
                                 "build_repository.py?")
     config = read_config(folder)
     params = Params(config)
-    return tb.SolverSettings(max_batch=config.max_batch_size, limits=Limits.from_parameters(params.raw),
-                             n_feats=params.int("n_feats"), meanflow=params.bool("meanflow"))
+    settings = SolverSettings.from_parameters(params.raw)
+    return tb.ServedShapes(max_batch=config.max_batch_size, max_prompt_tokens=settings.rules.max_prompt_tokens,
+                           max_utterance_frames=settings.solving.max_utterance_frames,
+                           n_feats=params.int("n_feats"), meanflow=params.bool("meanflow"))
 
 
 def set_backend(repository: Path, model: str, backend: str, checkpoint=None,
@@ -41,7 +43,7 @@ def set_backend(repository: Path, model: str, backend: str, checkpoint=None,
     current = read_config(folder)
     if backend == "tensorrt" and current.platform == "tensorrt_plan":
         return f"{model}: already served by TensorRT"
-    st = read_solver_settings(repository)
+    st = read_served_shapes(repository)
     instances = current.instance_group[0].count if current.instance_group else 1
     settings = RepositorySettings(target="gpu", gpu_backend=backend, torch_dtype=dtype)
     config = stateless_config(model, st.n_feats, st.meanflow, settings, instances)

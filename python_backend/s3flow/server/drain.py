@@ -1,14 +1,14 @@
 """Graceful drain: a server that is going away finishes the utterances in flight and takes no new ones.
 
 The server side is a file. While the file named by ``S3FLOW_DRAIN_FILE`` (in the server's environment)
-exists, the solver answers every START with UNAVAILABLE ``the server is draining ...; send the START to
-another server`` and goes on serving the sequences it holds. To drain: create the file, then wait until the
+exists, the solver answers every START with UNAVAILABLE, disposition ``resume`` (``s3flow.serving.draining``),
+and goes on serving the sequences it holds. To drain: create the file, then wait until the
 solvers hold no sequence (their ``s3flow_live_sequences`` gauges on the metrics port sum to 0) or a deadline
 passes; then stop the server. Utterances still open at the deadline break, and a resuming client
 (``StreamingClient`` with several addresses) replays them on another server.
 
 Triton 2.51 itself closes its gRPC streams at once on SIGTERM, so the drain must come before Triton's
-SIGTERM. Three entry points (``python -m s3flow.serving.drain ...``):
+SIGTERM. Three entry points (``python -m s3flow.server.drain ...``):
 
 * ``supervise [--deadline-s 60] -- tritonserver ARGS``: run the server as a child; on SIGTERM or SIGINT drain,
   then SIGTERM the server and exit with its code (the container's entrypoint, ``TritonServer(drain_s=...)``);
@@ -18,7 +18,7 @@ SIGTERM. Three entry points (``python -m s3flow.serving.drain ...``):
 
 Example::
 
-    python -m s3flow.serving.drain supervise --deadline-s 60 --metrics-url http://127.0.0.1:8002/metrics -- \\
+    python -m s3flow.server.drain supervise --deadline-s 60 --metrics-url http://127.0.0.1:8002/metrics -- \\
         tritonserver --model-repository=model_repository
 """
 from __future__ import annotations
@@ -35,19 +35,12 @@ import urllib.error
 import urllib.request
 from typing import Callable, Optional
 
-from s3flow.serving.metrics import LIVE, metric_sum, read_metrics
+from s3flow.server.metrics_reader import metric_sum, read_metrics
+from s3flow.serving.draining import DRAIN_FILE_ENV
+from s3flow.serving.metrics import LIVE
 
-DRAIN_FILE_ENV = "S3FLOW_DRAIN_FILE"
 DEFAULT_DEADLINE_S = 60.0     # the longest utterance (60 s of audio) streams in well under this on a GPU
 LIVE_METRIC = LIVE.name
-
-
-def draining_probe(path: Optional[str] = None) -> Callable[[], bool]:
-    """For the solver: a function telling whether this server is draining (its drain file exists)."""
-    path = path if path is not None else os.environ.get(DRAIN_FILE_ENV, "")
-    if not path:
-        return lambda: False
-    return lambda: os.path.exists(path)
 
 
 def live_sequences(metrics_url: str, timeout_s: float = 3.0) -> int:
@@ -128,8 +121,8 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m s3flow.serving.drain`` (before its ``--``); defaults read the environment now."""
-    parser = argparse.ArgumentParser(prog="python -m s3flow.serving.drain", description=__doc__.split("\n\n")[0])
+    """The command line of ``python -m s3flow.server.drain`` (before its ``--``); defaults read the environment now."""
+    parser = argparse.ArgumentParser(prog="python -m s3flow.server.drain", description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("supervise", "drain", "ready"))
     parser.add_argument("--drain-file", default=os.environ.get(DRAIN_FILE_ENV, ""),
                         help=f"the drain file (default ${DRAIN_FILE_ENV}; supervise: a fresh temporary path)")

@@ -1,27 +1,27 @@
 """The ``config.pbtxt`` of every generated model, as a ``ModelConfig`` built from the tensor contract.
 
 One function per model, each taking the mel bins, the meanflow flag where it matters and the
-:class:`~s3flow.serving.repository_settings.RepositorySettings`; the tensors come from ``s3flow.contract``,
-the protobuf builders from ``s3flow.serving.model_config``. Nothing here writes a file
-(``s3flow.serving.repository`` does).
+:class:`~s3flow.repository.settings.RepositorySettings`; the tensors come from ``s3flow_contract.tensors``,
+the protobuf builders from ``s3flow.repository.model_config``. Nothing here writes a file
+(``s3flow.repository.generator`` does).
 
 Example::
 
-    from s3flow.serving.model_config import to_text
-    from s3flow.serving.repository_configs import solver_config
-    from s3flow.serving.repository_settings import RepositorySettings
+    from s3flow.repository.model_config import to_text
+    from s3flow.repository.configs import solver_config
+    from s3flow.repository.settings import RepositorySettings
     print(to_text(solver_config(80, False, RepositorySettings())))
 """
 from __future__ import annotations
 
 import dataclasses
 
-from s3flow.contract import (AUDIO_RESPONSE, ENCODER_MODEL, ESTIMATOR_MODEL, MEL_RESPONSE, REQUEST,
-                             VOCODER_INPUTS, VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS,
-                             VOICE_ENCODER_OUTPUTS, stateless_tensors)
-from s3flow.serving.model_config import (ModelConfig, add_ensemble_step, add_instances, add_sequence_controls,
+from s3flow_contract.tensors import (ADMISSION_OUTPUTS, AUDIO_RESPONSE, ENCODER_MODEL, ESTIMATOR_MODEL, MEL_RESPONSE,
+                                     REQUEST, SOLVER_INPUTS, VOCODER_INPUTS, VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS,
+                                     VOICE_ENCODER_OUTPUTS, stateless_tensors)
+from s3flow.repository.model_config import (ModelConfig, add_ensemble_step, add_instances, add_sequence_controls,
                                          add_tensors, set_parameters, set_strategy)
-from s3flow.serving.repository_settings import RepositorySettings
+from s3flow.repository.settings import RepositorySettings
 
 PYTHON = "python"
 
@@ -38,34 +38,49 @@ def _fields(settings) -> dict:
 def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> ModelConfig:
     """``cfm_solver``: sequence batching with the four controls, the request in, the mel out, every limit
     and knob a parameter."""
-    b, lim, v = s.batching, s.limits, s.voices
+    b, v = s.batching, s.voices
     config = _python("cfm_solver", b.max_batch_size)
-    seq = add_sequence_controls(config, s.triton_idle_us(lim.idle_timeout_s))
+    seq = add_sequence_controls(config, s.triton_idle_us(s.solver.capacity.idle_timeout_s))
     set_strategy(seq, b.strategy, b.max_queue_delay_us, b.max_candidate_sequences, b.preferred_batch_sizes)
-    add_tensors(config, REQUEST, MEL_RESPONSE, n_feats=n_feats)
+    add_tensors(config, SOLVER_INPUTS, MEL_RESPONSE, n_feats=n_feats)
     # on GPU hosts the solver runs on the device its BLS tensors live on
     add_instances(config, b.solver_instances, gpu=s.target == "gpu")
     set_parameters(config, {"n_feats": n_feats, "meanflow": meanflow, "encoder_model": ENCODER_MODEL,
                             "estimator_model": ESTIMATOR_MODEL, "torch_threads": s.torch_threads,
-                            "length_bucket_ratio": b.length_bucket_ratio, "warmup": s.warmup, **_fields(lim),
+                            "length_bucket_ratio": b.length_bucket_ratio, "warmup": s.warmup, **s.solver.parameters(),
                             "voices": v.enabled, "voice_dir": v.voice_dir, "max_voices": v.max_voices,
                             "max_voice_bytes": v.max_voice_bytes})
     return config
 
 
+def admission_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
+    """``admission``: the ensembles' first step (``s3flow.serving.admission``): stateless, the request in,
+    ``admitted`` out; the request rules, the voice registry and the capacity check as parameters."""
+    v = s.voices
+    config = _python("admission", s.batching.max_batch_size)
+    add_tensors(config, REQUEST, ADMISSION_OUTPUTS, n_feats=n_feats)
+    add_instances(config, s.batching.admission_instances, gpu=False)
+    set_parameters(config, {"n_feats": n_feats, **dataclasses.asdict(s.solver.rules), "voices": v.enabled,
+                            "voice_dir": v.voice_dir, "max_voices": v.max_voices,
+                            "max_voice_bytes": v.max_voice_bytes})
+    return config
+
+
 def ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
-    """``token2mel``: the public request straight to ``cfm_solver``, its mel back."""
+    """``token2mel``: the public request to ``admission``, then (admitted) to ``cfm_solver``; its mel back."""
     config = ModelConfig(name="token2mel", platform="ensemble", max_batch_size=s.batching.max_batch_size)
     add_tensors(config, REQUEST, MEL_RESPONSE, n_feats=n_feats)
-    add_ensemble_step(config, "cfm_solver", REQUEST, MEL_RESPONSE)
+    add_ensemble_step(config, "admission", REQUEST, ADMISSION_OUTPUTS)
+    add_ensemble_step(config, "cfm_solver", SOLVER_INPUTS, MEL_RESPONSE)
     return config
 
 
 def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
-    """``token2wav``: token2mel's inputs; cfm_solver's mel feeds the vocoder; both steps' outputs out."""
+    """``token2wav``: token2mel's steps; cfm_solver's mel feeds the vocoder; both steps' outputs out."""
     config = ModelConfig(name="token2wav", platform="ensemble", max_batch_size=s.batching.max_batch_size)
     add_tensors(config, REQUEST, AUDIO_RESPONSE + MEL_RESPONSE, n_feats=n_feats)
-    add_ensemble_step(config, "cfm_solver", REQUEST, MEL_RESPONSE)
+    add_ensemble_step(config, "admission", REQUEST, ADMISSION_OUTPUTS)
+    add_ensemble_step(config, "cfm_solver", SOLVER_INPUTS, MEL_RESPONSE)
     add_ensemble_step(config, "vocoder", VOCODER_INPUTS, VOCODER_OUTPUTS)
     return config
 
@@ -93,18 +108,19 @@ def stateless_config(name: str, n_feats: int, meanflow: bool, settings: Reposito
 
 
 def vocoder_config(n_feats: int, s: RepositorySettings, stream, source) -> ModelConfig:
-    """The stateful ``vocoder``: the solver's sequence controls and idle eviction (``stream``: its
-    ``StreamSettings``), no queue delay; ``source``: the HiFT's ``SourceParams``."""
+    """The stateful ``vocoder``: the solver's sequence controls and capacity (idle eviction, live cap),
+    ``stream``: its ``StreamSettings``, no queue delay; ``source``: the HiFT's ``SourceParams``."""
     from s3flow.runtime.vocoder import vocoder_backend_for
 
     backend = vocoder_backend_for(s.target, s.vocoder_backend)   # torch on the gpu target: HiFT on the GPU
     config = _python("vocoder", s.batching.max_batch_size)
-    seq = add_sequence_controls(config, s.triton_idle_us(stream.idle_timeout_s))
+    capacity = s.solver.capacity
+    seq = add_sequence_controls(config, s.triton_idle_us(capacity.idle_timeout_s))
     set_strategy(seq, "oldest", 0, s.batching.max_candidate_sequences)
     add_tensors(config, VOCODER_INPUTS, VOCODER_OUTPUTS, n_feats=n_feats)
     add_instances(config, 1, gpu=backend == "torch" and s.target == "gpu")
     set_parameters(config, {"n_feats": n_feats, "vocoder_backend": backend, "intra_op_threads": s.ort_threads,
-                            "warmup": s.warmup, **_fields(stream), **_fields(source)})
+                            "warmup": s.warmup, **_fields(stream), **_fields(capacity), **_fields(source)})
     return config
 
 
@@ -115,7 +131,7 @@ def voice_encoder_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     config = _python("voice_encoder", 0)
     add_tensors(config, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS, n_feats=n_feats)
     add_instances(config, 1, gpu=False)
-    set_parameters(config, {"n_feats": n_feats, "max_prompt_tokens": s.limits.max_prompt_tokens,
+    set_parameters(config, {"n_feats": n_feats, "max_prompt_tokens": s.solver.rules.max_prompt_tokens,
                             "voice_dir": v.voice_dir, "max_voices": v.max_voices,
                             "max_voice_bytes": v.max_voice_bytes, "torch_threads": s.torch_threads})
     return config

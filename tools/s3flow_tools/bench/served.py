@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..demo import demo_utterance
-from ..stream import StreamError, StreamingClient, Utterance, chunk_schedule
-from .report import SCHEDULE, Report, log
+from s3flow_client.demo import demo_utterance
+from s3flow_client.stream import StreamError, StreamingClient, Utterance, chunk_schedule
+from s3flow_tools.bench.report import SCHEDULE, Report, log
 
 
 def model_stats(client) -> dict:
@@ -35,7 +35,7 @@ class ServerStats:
     MODELS = ("cfm_solver", "flow_encoder", "estimator")
 
     def __init__(self, server):
-        """``server``: a running ``s3flow.serving.triton_server.TritonServer`` (its ``client()``)."""
+        """``server``: a running ``s3flow.server.triton_server.TritonServer`` (its ``client()``)."""
         self.client = server.client()
         self.before = self._read()
 

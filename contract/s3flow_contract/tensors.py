@@ -106,6 +106,12 @@ PROMPT = ("prompt_tokens", "prompt_mel", "speaker_embedding")
 #: Triton's sequence controls, as the solver and the vocoder receive them
 CONTROLS = ("START", "END", "READY", "CORRID")
 
+#: what the ``admission`` step of the ensembles answers a request it lets through (the solver waits for it, so
+#: a refused START never reaches the sequence batcher and takes no slot); optional on the solver, whose own
+#: checks stay, so the solver also serves requests sent to it directly
+ADMISSION_OUTPUTS = (Tensor("admitted", "bool", (1,)),)
+SOLVER_INPUTS = REQUEST + (Tensor("admitted", "bool", (1,), optional=True),)
+
 MEL_RESPONSE = (Tensor("mel", "float32", (FEATS, -1)), Tensor("frame_offset", "int64", (1,)))
 AUDIO_RESPONSE = (Tensor("audio", "float32", (-1,)), Tensor("sample_offset", "int64", (1,)))
 

@@ -12,7 +12,7 @@ Phase 2, :func:`run_memory`: short utterances in a row, the solver stub's reside
 
 Example::
 
-    from s3flow_client.bench.load import run_load, solver_stub_pid
+    from s3flow_tools.bench.load import run_load, solver_stub_pid
     report = run_load("127.0.0.1:8001", streams=4, utterances=3, stub_pid=solver_stub_pid(server_pid))
     assert report.ok, report.errors
 """
@@ -26,13 +26,14 @@ from typing import Optional
 
 import numpy as np
 
-from s3flow.serving.metrics import HISTOGRAMS, histogram, metric_sum, read_metrics
+from s3flow.server.metrics_reader import histogram, metric_sum, read_metrics
+from s3flow.serving.metrics import HISTOGRAMS
 
-from ..demo import demo_utterance
-from ..state import FRAMES_PER_TOKEN
-from ..stream import StreamError, StreamingClient, chunk_schedule
+from s3flow_client.demo import demo_utterance
+from s3flow_client.state import FRAMES_PER_TOKEN
+from s3flow_client.stream import StreamError, StreamingClient, chunk_schedule
 
-from s3flow.contract import LOOKAHEAD_FRAMES  # noqa: E402  withheld until the next chunk or END
+from s3flow_contract.tensors import LOOKAHEAD_FRAMES  # noqa: E402  withheld until the next chunk or END
 OUTPUT_ATOL = 5e-4       # batched under load vs alone (padding changes float summation order)
 
 

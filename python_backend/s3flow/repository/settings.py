@@ -1,9 +1,9 @@
-"""What a generated model repository is built for: the target, the solver's limits, the batching knobs, the
+"""What a generated model repository is built for: the target, the solver's settings, the batching knobs, the
 backends and the voice registry (dataclasses; the defaults live here and nowhere else).
 
 Example::
 
-    from s3flow.serving.repository_settings import Batching, RepositorySettings
+    from s3flow.repository.settings import Batching, RepositorySettings
     settings = RepositorySettings(target="gpu", batching=Batching(max_batch_size=4))
     settings.check()                     # ValueError naming the bad value, before anything is written
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from s3flow.protocol import Limits
+from s3flow.engine.settings import SolverSettings
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES
 
 Target = Literal["cpu", "gpu"]
@@ -41,13 +41,14 @@ class Batching:
     solver_instances: int = 1
     estimator_instances: int = 1
     encoder_instances: int = 1
+    admission_instances: int = 1            # the ensembles' first step (s3flow.serving.admission)
     length_bucket_ratio: float = 0.0        # >= 1: split a batch where a prefix is > this x the shortest; 0: off
 
     def check(self) -> None:
         if self.strategy not in ("oldest", "direct"):
             raise ValueError(f"strategy must be 'oldest' or 'direct', got {self.strategy!r}")
         for name in ("max_batch_size", "max_candidate_sequences", "solver_instances", "estimator_instances",
-                     "encoder_instances"):
+                     "encoder_instances", "admission_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.length_bucket_ratio and self.length_bucket_ratio < 1:
@@ -74,7 +75,7 @@ class VoiceSettings:
 @dataclass
 class RepositorySettings:
     target: Target = "cpu"
-    limits: Limits = field(default_factory=Limits)
+    solver: SolverSettings = field(default_factory=SolverSettings)
     batching: Batching = field(default_factory=Batching)
     ort_threads: int = 0                    # ONNX Runtime intra-op threads (0: all cores)
     torch_threads: int = 1                  # the solver's own torch work is small
@@ -101,13 +102,13 @@ class RepositorySettings:
         """Every part's own check, and the rules between them; ValueError names the bad value."""
         if self.target not in ("cpu", "gpu"):
             raise ValueError(f"target must be 'cpu' or 'gpu', got {self.target!r}")
-        self.limits.check()
+        self.solver.check()
         self.batching.check()
         self.voices.check()
-        b, lim = self.batching, self.limits
-        if b.strategy == "oldest" and lim.max_live_sequences >= b.max_candidate_sequences:
+        b, live = self.batching, self.solver.capacity.max_live_sequences
+        if b.strategy == "oldest" and live >= b.max_candidate_sequences:
             raise ValueError(
-                f"max_live_sequences ({self.limits.max_live_sequences}) must be below max_candidate_sequences "
+                f"max_live_sequences ({live}) must be below max_candidate_sequences "
                 f"({self.batching.max_candidate_sequences}): Triton would queue the extra utterances silently "
                 f"instead of the solver refusing them; raise max_candidate_sequences or lower max_live_sequences")
         if self.gpu_backend not in GPU_BACKENDS:

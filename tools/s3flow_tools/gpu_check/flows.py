@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from s3flow import contract
+from s3flow_contract import tensors as contract
 from s3flow.model.flow import FlowConfig, S3Flow, synthesize
 from s3flow.model.solver import FrameNoise
 from s3flow.runtime.torch_runner import TorchRunner
@@ -114,10 +114,9 @@ class FlowModes:
             if self._half is None:
                 self._half = copy.deepcopy(self.dev.estimator).half()
 
-            def half(x, mask, mu, t, spks, cond, r=None):
-                args = [a.half() if a is not None else None for a in (x, mask, mu, t, spks, cond, r)]
+            def half(inputs):
                 with torch.inference_mode():
-                    return self._half(*args).float()
+                    return self._half(**{k: v.half() for k, v in inputs.named().items()}).float()
             return half
         runner = self.runners[mode]
         set_tf32(mode == "tf32")

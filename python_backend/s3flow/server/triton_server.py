@@ -1,7 +1,7 @@
 """Launch and stop a real ``tritonserver`` process (no Docker, no GPU needed).
 
-Where the binary and its backends come from is :mod:`s3flow.serving.triton_install`; processes and ports
-by number are :mod:`s3flow.serving.processes`; both are re-exported here.
+Where the binary and its backends come from is :mod:`s3flow.server.install`; processes and ports
+by number are :mod:`s3flow.server.processes`; both are re-exported here.
 
 How the python models find their packages: the stub embeds the system ``libpython3.X`` and ignores
 ``PYTHONPATH``; the embedded interpreter looks ``python3`` up on ``PATH`` and uses the ``pyvenv.cfg`` next to
@@ -13,7 +13,7 @@ works too (the backend runs ``source <venv>/bin/activate`` before the stub) but 
 
 Example::
 
-    from s3flow.serving.triton_server import TritonServer
+    from s3flow.server.triton_server import TritonServer
 
     with TritonServer("model_repository") as server:      # start() + wait_ready()
         client = server.client()                          # tritonclient.grpc.InferenceServerClient
@@ -35,9 +35,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from s3flow.serving.processes import (free_port, has_nvidia_gpu, is_running, kill, log_tail, port_open, read_cmdline,
+from s3flow.server.processes import (free_port, has_nvidia_gpu, is_running, kill, log_tail, port_open, read_cmdline,
                                       stop_pid, tree_rss_bytes)
-from s3flow.serving.triton_install import (TritonPaths, TritonServerError, check_venv, default_venv,
+from s3flow.server.install import (TritonPaths, TritonServerError, check_venv, default_venv,
                                            find_tritonserver, prepare_backend_dir, venv_numpy_version,
                                            venv_python_version)
 
@@ -82,7 +82,7 @@ class TritonServer:
         env: extra environment variables for the server.
         paths: a :class:`TritonPaths`; default :func:`find_tritonserver`.
         shm_byte_size: python-backend shared memory per model instance at start (``shm-default-byte-size``).
-        drain_s: run the server under ``s3flow.serving.drain supervise``: SIGTERM (``stop``) first drains (new
+        drain_s: run the server under ``s3flow.server.drain supervise``: SIGTERM (``stop``) first drains (new
             sequences refused, those in flight finish) for up to this many seconds; None: plain tritonserver.
     """
 
@@ -177,7 +177,7 @@ class TritonServer:
         if self.drain_s is None:
             return cmd
         python = str(self.venv / "bin" / "python3") if self.venv is not None else sys.executable
-        return [python, "-m", "s3flow.serving.drain", "supervise", f"--deadline-s={self.drain_s}",
+        return [python, "-m", "s3flow.server.drain", "supervise", f"--deadline-s={self.drain_s}",
                 f"--drain-file={self.drain_file}",
                 f"--metrics-url=http://{self.host}:{self.metrics_port}/metrics", "--"] + cmd
 

@@ -12,7 +12,7 @@ from typing import Iterable, Mapping, Optional, Union
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from s3flow.contract import CONTROLS, Tensor
+from s3flow_contract.tensors import CONTROLS, Tensor
 
 ModelConfig = mc.ModelConfig
 PathLike = Union[str, Path]

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 from s3flow.runtime import tensorrt as tb
-from s3flow.runtime.gpu_check.flows import FlowModes, Plan, Utterance, flops, set_tf32, utterance
-from s3flow.runtime.gpu_check.report import BOUNDS, Clock, Report, rel_error, table
+from s3flow_tools.gpu_check.flows import FlowModes, Plan, Utterance, flops, set_tf32, utterance
+from s3flow_tools.gpu_check.report import BOUNDS, Clock, Report, rel_error, table
 from s3flow.runtime.torch_runner import TorchRunner
 
 
@@ -46,6 +46,7 @@ def precision_section(rep: Report, guided: FlowModes, meanflow: FlowModes, plan:
 def estimator_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock, trt_engines: dict) -> None:
     cfg = fm.dev.estimator.config
     rows, data = [], {}
+    from s3flow.model.solver import EstimatorInputs
     from s3flow.runtime.onnx_export import make_estimator_inputs
     modes = (["fp32", "tf32"] if fm.device.type == "cuda" else ["fp32"]) + ["bf16", "fp16"]
     modes += [f"trt-{p}" for p in trt_engines]
@@ -62,7 +63,7 @@ def estimator_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock, trt_
                 fn = (lambda e=engine["engine"]: e(**inputs))
             else:
                 est = fm.estimator(mode)
-                fn = (lambda e=est: e(**inputs))
+                fn = (lambda e=est: e(EstimatorInputs(**inputs)))
             ms = clock.ms(fn)
             data[f"T{t}/{mode}"] = ms
             row.append(f"{ms:.2f}" + (f" ({gf / ms / 1e9:.3g})" if gf else ""))

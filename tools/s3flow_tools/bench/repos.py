@@ -1,9 +1,9 @@
 """Small seeded model repositories for the measurements and their tests (needs the server package, torch).
 
 The small flow config (``FlowConfig.small``) on seeded random weights, written with
-``s3flow.serving.repository.write_repository`` into ``out/repo`` (the checkpoint beside it, in ``out/``)::
+``s3flow.repository.generator.write_repository`` into ``out/repo`` (the checkpoint beside it, in ``out/``)::
 
-    from s3flow_client.bench.repos import load_test_repository
+    from s3flow_tools.bench.repos import load_test_repository
     repo = load_test_repository(Path("/tmp/load"), streams=4)
 """
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Optional
 
 from s3flow.model.checkpoint import load_flow, write_random_checkpoint
 from s3flow.model.flow import FlowConfig
-from s3flow.protocol import Limits
-from s3flow.serving.repository import Batching, RepositorySettings, write_repository
+from s3flow.engine.settings import SolverSettings
+from s3flow.repository.generator import write_repository
+from s3flow.repository.settings import Batching, RepositorySettings
 
 
 def small_repository(out: Path, settings: RepositorySettings, *, seed: int = 0, vocoder: bool = False,
@@ -32,10 +33,10 @@ def small_repository(out: Path, settings: RepositorySettings, *, seed: int = 0, 
 
 
 def load_test_repository(out: Path, *, streams: int = 16, seed: int = 0, idle_timeout_s: float = 60.0) -> Path:
-    """The load test's cpu repository: limits sized for ``streams`` concurrent streams, batches of up to 8
+    """The load test's cpu repository: capacity sized for ``streams`` concurrent streams, batches of up to 8
     chunks with a 2 ms queue delay, one ONNX Runtime thread per model."""
-    limits = Limits(max_steps=20, max_live_sequences=max(4 * streams, 8), idle_timeout_s=idle_timeout_s)
-    settings = RepositorySettings(limits=limits, batching=Batching(max_batch_size=8, max_queue_delay_us=2000),
+    solver = SolverSettings.of(max_steps=20, max_live_sequences=max(4 * streams, 8), idle_timeout_s=idle_timeout_s)
+    settings = RepositorySettings(solver=solver, batching=Batching(max_batch_size=8, max_queue_delay_us=2000),
                                   ort_threads=1)
     return small_repository(out, settings, seed=seed)
 
@@ -43,7 +44,7 @@ def load_test_repository(out: Path, *, streams: int = 16, seed: int = 0, idle_ti
 def warmup_repository(out: Path, warmup: bool, seed: int = 0) -> Path:
     """The warm-up measurement's repository (with ``token2wav``), Triton ``model_warmup`` and the stateful
     models' warm-up at load on or off (``RepositorySettings.warmup``)."""
-    settings = RepositorySettings(limits=Limits(max_steps=20, max_live_sequences=8),
+    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, max_live_sequences=8),
                                   batching=Batching(max_queue_delay_us=2000, max_candidate_sequences=16),
                                   ort_threads=1, warmup=warmup)
     return small_repository(out, settings, seed=seed, vocoder=True)

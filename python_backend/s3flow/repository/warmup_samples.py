@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from s3flow.contract import ENCODER_INPUTS, by_name, estimator_inputs
-from s3flow.serving.model_config import read_config, write_config
+from s3flow_contract.tensors import ENCODER_INPUTS, by_name, estimator_inputs
+from s3flow.repository.model_config import read_config, write_config
 from s3flow.serving.warmup import WARMUP_TOKENS
 
 #: Triton runs each ``model_warmup`` sample this many times (the second run of ONNX Runtime is the steady one).

@@ -2,7 +2,7 @@
 
 :class:`Report` holds one run: the machine, the settings, one :class:`CaseResult` per mode and utterance
 (a :class:`PathResult` per path: eager, ONNX Runtime in process, served), the estimator alone, the batching
-loads (``s3flow_client.bench.served.LoadResult``) and the failed self-checks. :func:`write_report` writes the
+loads (``s3flow_tools.bench.served.LoadResult``) and the failed self-checks. :func:`write_report` writes the
 markdown (ratios against :data:`TARGETS` first); :func:`markdown` and :func:`fmt` make its tables.
 """
 from __future__ import annotations

@@ -3,5 +3,5 @@ per-model statistics (``served``), the benchmark's results and tables (``report`
 repositories the measurements and their tests serve (``repos``, which needs the server package and torch).
 
 ``scripts/load_test.py``, ``scripts/benchmark.py`` and ``scripts/measure_warmup.py`` are thin CLIs over them.
-Nothing here is imported by ``import s3flow_client``.
+Neither ``s3flow`` nor ``s3flow_client`` imports anything here.
 """

@@ -17,8 +17,8 @@ On the gpu target every instance group is ``KIND_GPU``; ``gpu_backend="torch"`` 
 models with ``s3flow.serving.triton_models.torch_model`` (torch on CUDA, ``model.pt``) where no TensorRT
 engine is built.
 
-Each config is a ``ModelConfig`` (``s3flow.serving.repository_configs``, from ``s3flow.contract``) written
-with protobuf's ``text_format`` by ``s3flow.serving.model_config.write_model_folder``, the one writer of
+Each config is a ``ModelConfig`` (``s3flow.repository.configs``, from ``s3flow_contract.tensors``) written
+with protobuf's ``text_format`` by ``s3flow.repository.model_config.write_model_folder``, the one writer of
 model folders. Each python model's ``model.py`` is one line importing its class from ``s3flow.serving``, so
 the server's Python environment must have this package installed (the README's set-up does it; the Docker
 image too).
@@ -26,7 +26,7 @@ image too).
 Example::
 
     from s3flow.model.checkpoint import load_flow
-    from s3flow.serving.repository import RepositorySettings, write_repository
+    from s3flow.repository.generator import RepositorySettings, write_repository
     print(write_repository("model_repository", load_flow("s3gen.safetensors"), RepositorySettings()).describe())
 """
 from __future__ import annotations
@@ -38,16 +38,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from s3flow.contract import ENCODER_MODEL, ESTIMATOR_MODEL, STATELESS_MODELS
-from s3flow.serving.model_config import ModelConfig, write_model_folder
-from s3flow.serving.repository_configs import (ensemble_config,  # noqa: F401
+from s3flow_contract.tensors import ENCODER_MODEL, ESTIMATOR_MODEL, STATELESS_MODELS
+from s3flow.repository.model_config import ModelConfig, write_model_folder
+from s3flow.repository.configs import (admission_config, ensemble_config,
                                                solver_config, stateless_config, vocoder_config,
                                                voice_encoder_config, wav_ensemble_config)
-from s3flow.serving.repository_settings import (TRITON_IDLE_GRACE_S, Batching, RepositorySettings,  # noqa: F401
-                                                VoiceSettings)
-from s3flow.serving.warmup_samples import add_model_warmup
+from s3flow.repository.settings import RepositorySettings
+from s3flow.repository.warmup_samples import add_model_warmup
 
 MODEL_PY = {
+    "admission": "from s3flow.serving.triton_models.admission_model import TritonPythonModel  # noqa: F401\n",
     "vocoder": "from s3flow.serving.triton_models.vocoder_model import TritonPythonModel  # noqa: F401\n",
     "cfm_solver": "from s3flow.serving.triton_models.cfm_solver import TritonPythonModel  # noqa: F401\n",
     "onnx": "from s3flow.serving.triton_models.onnx_model import TritonPythonModel  # noqa: F401\n",
@@ -79,11 +79,12 @@ class RepositorySummary:
 
 
 def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings) -> list[tuple[ModelConfig, Files]]:
-    """token2mel, cfm_solver, flow_encoder and estimator: each model's config (with its Triton warm-up
-    sample where it has one, s3flow.serving.warmup) and the small files of its folder (model.py, the warm-up
-    data); the weights are written beside them by :func:`write_repository`."""
+    """token2mel, admission, cfm_solver, flow_encoder and estimator: each model's config (with its Triton
+    warm-up sample where it has one, s3flow.serving.warmup) and the small files of its folder (model.py, the
+    warm-up data); the weights are written beside them by :func:`write_repository`."""
     b = s.batching
     out = [(ensemble_config(n_feats, s), {}),
+           (admission_config(n_feats, s), {"1/model.py": MODEL_PY["admission"]}),
            (solver_config(n_feats, meanflow, s), {"1/model.py": MODEL_PY["cfm_solver"]})]
     for name, instances in ((ENCODER_MODEL, b.encoder_instances), (ESTIMATOR_MODEL, b.estimator_instances)):
         config = stateless_config(name, n_feats, meanflow, s, instances)
@@ -98,7 +99,7 @@ def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings) -> list[tup
 
 def write_flow_configs(repository: Union[str, Path], n_feats: int, meanflow: bool,
                        s: RepositorySettings) -> list[Path]:
-    """Write again the four flow models' configs (and small files) of an existing repository for settings
+    """Write again the five flow models' configs (and small files) of an existing repository for settings
     ``s``, keeping the weights (scripts/sweep_batching.py: one repository, a config per sweep point). The
     solver takes registered voices if the repository has a voice encoder."""
     voices = (Path(repository) / VOICE_MODELS[0]).is_dir()
@@ -113,7 +114,8 @@ def write_vocoder_models(out: Path, vocoder, n_feats: int, s: RepositorySettings
     """Write ``token2wav`` and ``vocoder`` (configs, model.py, and the weights: the two ONNX graphs for the
     onnx backend, ``hift.safetensors`` for the torch one); return the files.
 
-    The vocoder's idle timeout, live-sequence cap and utterance length follow the solver's limits.
+    The vocoder's capacity (idle timeout, live-sequence cap) and utterance length cap follow the solver's (no
+    cap with bounded context).
     """
     from s3flow.engine.vocoder_stream import StreamSettings
     from s3flow.model.vocoder import write_vocoder_checkpoint
@@ -122,9 +124,9 @@ def write_vocoder_models(out: Path, vocoder, n_feats: int, s: RepositorySettings
     if vocoder.config.in_channels != n_feats:
         raise ValueError(f"the vocoder takes {vocoder.config.in_channels} mel bins, the flow makes {n_feats}")
     backend = vocoder_backend_for(s.target, s.vocoder_backend)   # a bad name fails before anything is written
-    stream = dataclasses.replace(stream_settings or StreamSettings(), idle_timeout_s=s.limits.idle_timeout_s,
-                                 max_live_sequences=s.limits.max_live_sequences,
-                                 max_utterance_frames=s.limits.max_utterance_frames)
+    solving = s.solver.solving   # the solver's prefix mode caps an utterance; bounded context does not
+    stream = dataclasses.replace(stream_settings or StreamSettings(),
+                                 max_utterance_frames=solving.max_utterance_frames if solving.context_frames < 0 else 0)
     stream.check()
     out = Path(out)
     files = write_model_folder(out, wav_ensemble_config(n_feats, s))

@@ -1,0 +1,58 @@
+"""What the streaming engine reports as it works, for metrics, logs and (later) a scheduler.
+
+The engine calls an :class:`Observer`; nothing replaces or wraps an engine method to watch it. Every
+method has a default that does nothing, so an observer implements only what it needs:
+
+* ``estimator_step(sequences, rows, frames)``: one estimator call ran: ``sequences`` utterances solved
+  together, ``rows`` batch rows (twice the sequences with classifier-free guidance), ``frames`` the padded
+  length;
+* ``chunk_answered(corr_id, start, nfe, frames)``: a chunk's solve succeeded and its newly final ``frames``
+  go out; ``nfe`` its network evaluations (steps, x2 with guidance); ``start`` whether it was a START;
+* ``sequence_dropped(corr_id, reason)``: a sequence's state went before its END
+  (``s3flow.engine.sequences.DROP_REASONS``).
+
+Example::
+
+    class Counting(Observer):
+        def __init__(self):
+            self.steps = 0
+        def estimator_step(self, sequences, rows, frames):
+            self.steps += 1
+    engine = StreamingEngine(encode, estimator, ..., observer=Counting())
+"""
+from __future__ import annotations
+
+
+class Observer:
+    """Receives the engine's reports (see the module docstring); the defaults ignore them."""
+
+    def estimator_step(self, sequences: int, rows: int, frames: int) -> None:
+        pass
+
+    def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
+        pass
+
+    def sequence_dropped(self, corr_id, reason: str) -> None:
+        pass
+
+
+class Observers(Observer):
+    """Several observers as one (each gets every report, in order)."""
+
+    def __init__(self, *observers: Observer):
+        self.observers = observers
+
+    def estimator_step(self, sequences: int, rows: int, frames: int) -> None:
+        for o in self.observers:
+            o.estimator_step(sequences, rows, frames)
+
+    def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
+        for o in self.observers:
+            o.chunk_answered(corr_id, start, nfe, frames)
+
+    def sequence_dropped(self, corr_id, reason: str) -> None:
+        for o in self.observers:
+            o.sequence_dropped(corr_id, reason)
+
+
+NO_OBSERVER = Observer()

@@ -1,0 +1,103 @@
+"""The solver's settings, split by meaning: what a request may be, what the server holds, how a chunk is solved.
+
+=======================  =========================================  ===========================================
+part                     fields                                     read by
+=======================  =========================================  ===========================================
+``RequestRules``         max_steps, max_guidance_rate,              ``s3flow.protocol.parse_request``
+(``s3flow.protocol``)    max_prompt_tokens, max_chunk_tokens,
+                         max_request_bytes
+``Capacity``             max_live_sequences, idle_timeout_s         ``s3flow.engine.sequences.SequenceTable``
+(``engine.sequences``)
+``ChunkSolving``         context_frames, holdback_frames,           ``s3flow.engine.streaming.StreamingEngine``
+                         default_steps, default_guidance_rate,
+                         max_utterance_frames
+=======================  =========================================  ===========================================
+
+Every field is a ``parameters`` entry of the cfm_solver config, by its own name (the names are distinct
+across the parts), and a ``scripts/build_repository.py`` flag. :class:`SolverSettings` holds the three and
+moves them to and from that flat form.
+
+Example::
+
+    settings = SolverSettings.of(context_frames=-1, max_live_sequences=8)   # flat names, any part
+    settings.solving.context_frames, settings.capacity.max_live_sequences
+    SolverSettings.from_parameters(settings.parameters()) == settings
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from s3flow.engine.sequences import Capacity
+from s3flow.protocol import NumericSettings, RequestRules, check_numbers
+
+
+@dataclass
+class ChunkSolving(NumericSettings):
+    """How the engine solves a chunk (see ``s3flow.engine.streaming``)."""
+    #: Streaming mode. -1: every chunk re-solves the whole prefix (cost grows with the utterance);
+    #: C >= 0: bounded context, each chunk solves prompt + the last C emitted frames (as conditioning)
+    #: + its new tokens. 100 (2 s): see results/streaming.md and the README.
+    context_frames: int = 100
+    holdback_frames: int = 0              # generated frames withheld until the next chunk (or END)
+    default_steps: int = 0                # 0: the checkpoint's default (10, or 2 for meanflow)
+    default_guidance_rate: float = 0.7
+    max_utterance_frames: int = 3000      # generated frames (60 s of audio)
+
+    def check(self) -> None:
+        check_numbers(self, "chunk setting", lowest={"holdback_frames": 0, "default_steps": 0,
+                                                     "default_guidance_rate": 0, "context_frames": -1})
+
+
+_PARTS = {"rules": RequestRules, "capacity": Capacity, "solving": ChunkSolving}
+
+
+@dataclass(frozen=True)
+class SolverSettings:
+    """The solver's three kinds of settings (module docstring)."""
+    rules: RequestRules = field(default_factory=RequestRules)
+    capacity: Capacity = field(default_factory=Capacity)
+    solving: ChunkSolving = field(default_factory=ChunkSolving)
+
+    def __post_init__(self):
+        self.check()
+
+    @staticmethod
+    def names() -> dict[str, object]:
+        """Every field's flat name and default value."""
+        return {f.name: f.default for cls in _PARTS.values() for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def of(cls, **flat) -> "SolverSettings":
+        """Settings from flat field names (each goes to its part); the rest keep their defaults."""
+        unknown = set(flat) - set(cls.names())
+        if unknown:
+            raise TypeError(f"unknown solver settings {sorted(unknown)}")
+        parts = {}
+        for part, kind in _PARTS.items():
+            mine = {f.name: flat[f.name] for f in dataclasses.fields(kind) if f.name in flat}
+            parts[part] = kind(**mine)
+        return cls(**parts)
+
+    @classmethod
+    def from_parameters(cls, params: Mapping[str, str]) -> "SolverSettings":
+        """From a config's ``parameters`` (string values; other keys ignored), each part checked."""
+        return cls(**{part: kind.from_parameters(params) for part, kind in _PARTS.items()})
+
+    def parameters(self) -> dict[str, object]:
+        """The flat form: {field name: value} of all three parts."""
+        return {k: v for part in _PARTS for k, v in dataclasses.asdict(getattr(self, part)).items()}
+
+    def replace(self, **flat) -> "SolverSettings":
+        """A copy with some flat fields changed."""
+        return SolverSettings.of(**{**self.parameters(), **flat})
+
+    def check(self) -> None:
+        for part in _PARTS:
+            getattr(self, part).check()
+        if self.solving.default_steps > self.rules.max_steps:
+            raise ValueError(f"default_steps {self.solving.default_steps} exceeds max_steps {self.rules.max_steps}")
+        if self.solving.default_guidance_rate > self.rules.max_guidance_rate:
+            raise ValueError(f"default_guidance_rate {self.solving.default_guidance_rate} exceeds max_guidance_rate "
+                             f"{self.rules.max_guidance_rate}")

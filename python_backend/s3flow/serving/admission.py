@@ -1,0 +1,123 @@
+"""Admission: the checks a START must pass before Triton's sequence batcher gives it a slot.
+
+Triton's sequence batcher holds a slot for a sequence from its START until its END or its idle window, even
+when the solver answered the START with an error; a refused START left without END keeps its slot that long,
+and a new utterance then waits in Triton's backlog. So the ensembles (``token2mel``, ``token2wav``) run a
+stateless ``admission`` step first, and the solver waits for its answer (an ``admitted`` tensor): a START
+refused there never reaches the sequence batcher and holds nothing. It refuses, each with the disposition the
+solver would give (``s3flow_contract.answers``):
+
+* a request that does not validate (``s3flow.protocol.parse_request``): ``fail``;
+* a voice this server does not hold: ``retry`` with ``resend=prompt``;
+* while the server drains: ``resume``;
+* when the solver instances hold as many live sequences as they may (their live ids, written by each instance
+  after every execute into ``LiveCounts``, plus the STARTs admitted in the last ``grace_s`` that they do not
+  list yet): ``busy`` with a retry time.
+
+Chunks after the START pass unchecked (their sequence holds its slot legitimately; the solver validates them);
+they also tell admission that the solver has their sequence (so a short utterance is never counted twice).
+The solver keeps every check of its own, so a request sent to it directly is refused as before.
+
+Example::
+
+    admission = Admission(RequestRules(), n_feats=80, live=LiveCounts(folder))
+    outcome = admission.check(corr_id=7, start=True, inputs=tensors)   # None: admitted
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Optional
+
+import numpy as np
+
+from s3flow_contract.answers import Answer, Disposition
+from s3flow.protocol import RequestError, RequestRules, parse_request
+from s3flow.serving.responses import INVALID_ARG, UNAVAILABLE
+from s3flow.serving.session import Outcome, with_voice
+from s3flow.serving.voice_registry import UnknownVoice
+
+
+class LiveCounts:
+    """Each solver instance's live sequences (their correlation ids) and cap, as small files in one folder
+    (``/dev/shm`` by default: the instances are separate processes): written by the solver after every
+    execute, read by admission."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def default_folder(server_pid: Optional[int] = None) -> Path:
+        """The per-run folder of a server (its python models are its children)."""
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        return Path(root) / f"s3flow-live-{server_pid if server_pid is not None else os.getppid()}"
+
+    def write(self, instance: str, live_ids: Iterable[int], cap: int) -> None:
+        path = self.folder / instance
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(" ".join([str(int(cap))] + [str(int(i)) for i in live_ids]) + "\n")
+        tmp.replace(path)
+
+    def remove(self, instance: str) -> None:
+        """An instance that unloads stops counting."""
+        (self.folder / instance).unlink(missing_ok=True)
+
+    def read(self) -> tuple[set, int]:
+        """(live correlation ids, cap) over the instances that wrote."""
+        ids, cap = set(), 0
+        for path in self.folder.iterdir():
+            if path.suffix == ".tmp":
+                continue
+            try:
+                fields = [int(x) for x in path.read_text().split()]
+            except (OSError, ValueError):
+                continue
+            if fields:
+                cap += fields[0]
+                ids.update(fields[1:])
+        return ids, cap
+
+
+class Admission:
+    """Decides whether a request may go on to the solver (module docstring)."""
+
+    def __init__(self, rules: RequestRules, n_feats: int, live: Optional[LiveCounts] = None,
+                 voices: Optional[Callable[[str], dict]] = None, draining: Callable[[], bool] = lambda: False,
+                 name: str = "admission", grace_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.rules, self.n_feats, self.live, self.voices, self.draining = rules, n_feats, live, voices, draining
+        self.name, self.grace_s, self.clock = name, grace_s, clock
+        self._admitted: dict[int, float] = {}       # STARTs admitted and perhaps not yet counted: id -> time
+
+    def check(self, corr_id: int, start: bool, end: bool, inputs: Mapping[str, np.ndarray]) -> Optional[Outcome]:
+        """None to let the request through, else the refusal (with its code and disposition)."""
+        if not start:   # a later chunk: its START reached the solver, which counts the sequence from then on
+            self._admitted.pop(corr_id, None)
+            return None
+        seq = f"{self.name}: sequence {corr_id}: "
+        try:
+            parse_request(with_voice(inputs, start, self.voices), start=True, end=end, rules=self.rules,
+                          n_feats=self.n_feats)
+        except UnknownVoice as exc:
+            return Outcome(error=seq + str(exc), code=INVALID_ARG,
+                           answer=Answer(Disposition.RETRY, corr_id, resend="prompt"))
+        except RequestError as exc:
+            return Outcome(error=seq + str(exc), code=INVALID_ARG, answer=Answer(Disposition.FAIL, corr_id))
+        if self.draining():
+            return Outcome(error=seq + "the server is draining (shutting down) and takes no new sequences; send "
+                                       "the START to another server", code=UNAVAILABLE,
+                           answer=Answer(Disposition.RESUME, corr_id))
+        if self.live is not None:
+            now = self.clock()
+            live, cap = self.live.read()
+            self._admitted = {c: t for c, t in self._admitted.items() if now - t <= self.grace_s and c not in live}
+            held = len(live) + len(self._admitted) - (corr_id in live)   # a restart on a live id takes no slot
+            if cap and held >= cap:
+                wait = self.grace_s
+                return Outcome(error=seq + f"too many live sequences ({held}, max_live_sequences {cap}); retry in "
+                                           f"{wait:.1f} s", code=UNAVAILABLE,
+                               answer=Answer(Disposition.BUSY, corr_id, retry_after_s=wait))
+            self._admitted[corr_id] = now
+        return None

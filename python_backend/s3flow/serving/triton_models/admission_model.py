@@ -1,0 +1,42 @@
+"""The ``admission`` python-backend model: the ensembles' first step, refusing STARTs before the sequence batcher.
+
+Stateless (no sequence batching): it reads a request's sequence flags from Triton (``request.flags()``) and its
+tensors (``contract.REQUEST``), asks ``s3flow.serving.admission.Admission`` and answers ``admitted`` [1] BOOL,
+which ``cfm_solver`` waits for, or the refusal with its disposition. See ``s3flow.serving.admission``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from s3flow_contract.tensors import ADMISSION_OUTPUTS, REQUEST
+from s3flow.protocol import RequestRules
+from s3flow.serving.admission import Admission, LiveCounts
+from s3flow.serving.draining import draining_probe
+from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response, pb_utils
+
+_ADMITTED = ADMISSION_OUTPUTS[0]
+
+
+class TritonPythonModel(TritonModel):
+
+    def setup(self, args):
+        p = self.params
+        n_feats = p.int("n_feats")
+        self.check_contract(REQUEST, ADMISSION_OUTPUTS, n_feats)
+        voices = None
+        if p.bool("voices", False):
+            from s3flow.serving.voice_registry import VoiceRegistry, default_dir
+            voices = VoiceRegistry(p.str("voice_dir", "") or default_dir(), p.int("max_voices"),
+                                   p.int("max_voice_bytes")).get
+        live = LiveCounts(LiveCounts.default_folder())
+        self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, live, voices, draining_probe(),
+                                   name=self.name)
+
+    def respond(self, request):
+        flags = request.flags()
+        start = bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
+        end = bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
+        refusal = self.admission.check(request.correlation_id(), start, end, input_arrays(request, REQUEST))
+        if refusal is not None:
+            return self.error(refusal.error, refusal.code, refusal.answer)
+        return ok_response({_ADMITTED.name: np.ones((1, 1), dtype=_ADMITTED.np_dtype)})

@@ -1,0 +1,70 @@
+"""Admission ahead of the sequence batcher (s3flow.serving.admission), without a server: a START that would be
+refused is refused here with the solver's disposition, later chunks pass, the live count is the solver
+instances' ids plus STARTs admitted but not yet counted (never both), and a restart on a live id takes no slot."""
+import numpy as np
+
+from helpers import request_inputs
+from s3flow_contract.answers import Disposition
+from s3flow.protocol import RequestRules
+from s3flow.serving.admission import Admission, LiveCounts
+from s3flow.serving.voice_registry import UnknownVoice
+from s3flow_client.demo import demo_utterance
+
+U = demo_utterance(1.0, seed=1)
+START = request_inputs(U, 0, 10, True)
+
+
+def test_a_valid_start_and_every_later_chunk_pass():
+    a = Admission(RequestRules(), n_feats=80)
+    assert a.check(1, True, False, START) is None
+    bad = dict(request_inputs(U, 10, 20, False), speech_tokens=np.array([[7000]], np.int64))
+    assert a.check(1, False, False, bad) is None, "a later chunk is the solver's to validate"
+
+
+def test_an_invalid_start_is_refused_with_fail_naming_the_value():
+    bad = dict(START, speech_tokens=np.array([[1, 7000]], np.int64))
+    o = Admission(RequestRules(), n_feats=80, name="admission").check(5, True, False, bad)
+    assert o.code == "INVALID_ARG" and o.answer.disposition is Disposition.FAIL and o.answer.sequence == 5
+    assert o.error == "admission: sequence 5: speech_tokens must be in [0, 6561), got 7000"
+
+
+def test_an_unknown_voice_asks_for_the_prompt_and_draining_sends_elsewhere():
+    def voices(voice_id):
+        raise UnknownVoice(f"voice_id {voice_id} is not registered on this server")
+    from s3flow_contract.tensors import request_arrays
+    by_id = request_arrays(U.speech_tokens[:5], start=True, voice_id="v-0000000000000000")
+    o = Admission(RequestRules(), 80, voices=voices).check(2, True, False, by_id)
+    assert o.answer.disposition is Disposition.RETRY and o.answer.resend == "prompt" and "not registered" in o.error
+    o = Admission(RequestRules(), 80, draining=lambda: True).check(3, True, False, START)
+    assert o.code == "UNAVAILABLE" and o.answer.disposition is Disposition.RESUME and "draining" in o.error
+
+
+def test_capacity_counts_live_ids_and_recent_admissions_once(tmp_path):
+    live = LiveCounts(tmp_path)
+    now = [0.0]
+    a = Admission(RequestRules(), 80, live=live, grace_s=1.0, clock=lambda: now[0])
+    live.write("cfm_solver_0", [], cap=2)
+    assert a.check(1, True, False, START) is None            # admitted, not yet listed by the solver
+    live.write("cfm_solver_0", [1], cap=2)                    # the solver lists it: counted once, not twice
+    assert a.check(2, True, False, START) is None
+    full = a.check(3, True, False, START)
+    assert full.code == "UNAVAILABLE" and full.answer.disposition is Disposition.BUSY
+    assert full.answer.retry_after_s == 1.0 and "too many live sequences (2, max_live_sequences 2)" in full.error
+    assert a.check(1, True, False, START) is None, "a restart on a live id takes no new slot"
+    a._admitted.clear()
+    live.write("cfm_solver_0", [], cap=2)
+    assert a.check(5, True, False, START) is None and a.check(6, True, False, START) is None
+    a.check(5, False, True, request_inputs(U, 10, 12, False))   # 5 ended before the solver ever listed it
+    assert a.check(7, True, False, START) is None, "an ended sequence is not counted as pending"
+    now[0] += 1.5                                             # the solver never listed sequence 2: it went away
+    assert a.check(3, True, False, START) is None, "an admission not listed after the grace stops counting"
+
+
+def test_live_counts_sum_the_instances_and_forget_one_that_unloads(tmp_path):
+    live = LiveCounts(tmp_path)
+    live.write("cfm_solver_0", [1, 2], cap=4)
+    live.write("cfm_solver_1", [7], cap=4)
+    (tmp_path / "cfm_solver_2.tmp").write_text("garbage")     # a half-written file is not read
+    assert live.read() == ({1, 2, 7}, 8)
+    live.remove("cfm_solver_1")
+    assert live.read() == ({1, 2}, 4)

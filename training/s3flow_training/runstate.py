@@ -1,0 +1,101 @@
+"""Time-boxed, resumable training runs: one phase (vocoder, teacher, student) spans several runs.
+
+A phase has a fixed schedule (its total steps: the learning rate follows it whatever the runs), and each
+run does a slice of it until the schedule ends or its time budget does. Every random choice of a step
+(its batch, prompts, crops, noise, dropout) is a function of (seed, step) only (``step_rng``,
+``step_seed``), so ``RunState`` needs to keep only the weights, the EMA, the optimiser and the step, which
+it writes to one file outside the repository (``build/train_state/<phase>.pt``) every ``save_every``
+steps and at the end of the run: a run cut in two gives the same weights as one run.
+
+When that file is gone (a fresh clone), a phase can go on from its committed checkpoint instead
+(``warm_start``): the shipped EMA weights become both the weights and the EMA, the optimiser starts
+afresh with a short warm-up, and the step comes from ``training.json``.
+
+Example::
+
+    state = RunState(path, model=flow, optimizer=opt, ema=ema)
+    step = state.load()           # 0 when there is nothing to resume
+    while step < total and clock.running():
+        rng = step_rng(seed, PHASE, step); ...; step += 1
+        if step % 200 == 0: state.save(step)
+    state.save(step)
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+
+class RunState:
+    """The resumable state of one training phase (see the module docstring)."""
+
+    def __init__(self, path: Optional[Path], model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema,
+                 tag: str = ""):
+        self.path = Path(path) if path is not None else None
+        self.model, self.optimizer, self.ema, self.tag = model, optimizer, ema, tag
+
+    def load(self) -> int:
+        """Restore the last saved state; returns its step (0 when there is none)."""
+        if self.path is None or not self.path.is_file():
+            return 0
+        state = torch.load(self.path, weights_only=False)
+        if state["tag"] != self.tag:
+            raise ValueError(f"{self.path} holds the state of {state['tag']!r}, not of {self.tag!r}: "
+                             "delete it to start afresh")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.ema.shadow = state["ema"]
+        return int(state["step"])
+
+    def save(self, step: int) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        torch.save({"tag": self.tag, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "ema": self.ema.shadow, "step": step}, tmp)
+        tmp.replace(self.path)   # a run killed mid-write leaves the previous state intact
+
+
+def step_rng(seed: int, phase: int, step: int) -> np.random.Generator:
+    """The numpy generator of one step of one phase: a function of (seed, phase, step) only."""
+    return np.random.default_rng([seed, phase, step])
+
+
+def step_seed(seed: int, phase: int, step: int) -> int:
+    """A torch seed for one step of one phase (its noise, t, dropout), from (seed, phase, step) only."""
+    return int(step_rng(seed, phase + 1000, step).integers(2 ** 62))
+
+
+class Clock:
+    """A run's limits: ``running(step)`` is true until ``budget_s`` seconds have passed (None: no limit)
+    and, when ``max_steps`` is given, until that many steps were done since ``first_step``."""
+
+    def __init__(self, budget_s: Optional[float], first_step: int = 0, max_steps: Optional[int] = None):
+        self.budget_s, self.t0 = budget_s, time.perf_counter()
+        self.first_step, self.max_steps = first_step, max_steps
+
+    def running(self, step: int) -> bool:
+        if self.max_steps is not None and step - self.first_step >= self.max_steps:
+            return False
+        return self.budget_s is None or self.elapsed() < self.budget_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def warm_start(model: torch.nn.Module, checkpoint_state: dict[str, torch.Tensor], ema) -> None:
+    """Start from committed weights: they become the model's weights and its EMA."""
+    model.load_state_dict(checkpoint_state)
+    ema.shadow = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+def rewarm_factor(step: int, warm_started_at: Optional[int], steps: int = 50) -> float:
+    """Scale of the learning rate after a warm start: a fresh optimiser ramps up over ``steps`` steps."""
+    if warm_started_at is None:
+        return 1.0
+    return min(1.0, (step + 1 - warm_started_at) / steps)
