@@ -29,7 +29,7 @@ demo: setup $(if $(TEXT),espeak)
 	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS) $(if $(MEANFLOW),--meanflow) $(if $(VOICE),--voice) \
 	  $(if $(TEXT),--text "$(TEXT)" --speaker $(or $(SPEAKER),0))
 
-test: setup
+test: setup espeak
 	$(PYTHON) -m pytest -q -rs
 
 test-fast: setup

@@ -42,7 +42,7 @@ fi
 
 build_repository() {  # $1: gpu backend; skipped when the same weights, settings and code built it before
     local stamp
-    stamp="$WEIGHTS_ID $1 $DTYPE ${S3FLOW_REPOSITORY_ARGS:-} $(find python_backend scripts -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16)"
+    stamp="$WEIGHTS_ID $1 $DTYPE ${S3FLOW_REPOSITORY_ARGS:-} $(find contract python_backend client scripts -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16)"
     if [ -f "$REPO/.s3flow-stamp" ] && [ "$(cat "$REPO/.s3flow-stamp")" = "$stamp" ]; then
         log "model repository up to date ($REPO, $1)"
         return

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
 
 from s3flow.model.voice import VoiceFrontend, VoiceLimits
 from s3flow_client.audio import read_wav

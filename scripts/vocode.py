@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
 
 from s3flow.model.vocoder import load_vocoder
 

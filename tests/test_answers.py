@@ -51,3 +51,4 @@ def test_triton_s_own_errors_map_through_one_table(message, disposition, sequenc
 def test_a_message_without_a_valid_tag_is_a_failure_unless_triton_s_table_knows_it(message):
     assert read_tag(message) is None
     assert answer_of(message) == Answer(Disposition.FAIL)
+

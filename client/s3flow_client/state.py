@@ -7,12 +7,18 @@ compared with the delivered ones (``replay_tolerance``) and dropped (see ``s3flo
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from typing import Optional
 
 import numpy as np
 
+from s3flow_contract.tensors import SAMPLES_PER_FRAME
 from s3flow_contract.tensors import TOKEN_MEL_RATIO as FRAMES_PER_TOKEN
+
+#: The utterance's first 40 ms, which the vocoder silences and fades in (as upstream does): audio that ends
+#: there is no sound yet, so first audio counts from the first response that reaches beyond it.
+SILENT_START_SAMPLES = 2 * SAMPLES_PER_FRAME
 _corr_ids = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
 
 
@@ -88,7 +94,7 @@ class UtteranceState:
         if new_chunk or new.size:
             self.audio_parts.append(new)
             self.samples += new.size
-            if self.first_audio_at != self.first_audio_at:
+            if math.isnan(self.first_audio_at) and self.samples > SILENT_START_SAMPLES:
                 self.first_audio_at = now - self.t0
         return new
 

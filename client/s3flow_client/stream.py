@@ -96,7 +96,9 @@ class StreamResult:
     frames_expected: int = 0
     audio: Optional[np.ndarray] = None  # (samples,) assembled, token2wav only
     chunk_samples: list = field(default_factory=list)
-    first_audio_s: float = float("nan")  # from the first request to the first non-empty audio
+    #: from the first request to the first response whose samples reach beyond the silent, faded-in first 40 ms
+    #: (``state.SILENT_START_SAMPLES``): when a listener first hears something
+    first_audio_s: float = float("nan")
     retries: list = field(default_factory=list)  # the server errors after which a chunk was sent again
     resumes: list = field(default_factory=list)  # each time the utterance was replayed on a (new) server
     replayed_frames: int = 0          # frames computed again by resumes (the extra work), checked, not re-delivered

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds Triton keeps an idle sequence after the models' --idle-timeout-s; it counts a "
                         "computing chunk as idle, so it must exceed the longest chunk (default: "
                         + ", ".join(f"{k} {v:g}" for k, v in TRITON_IDLE_GRACE_S.items()) + ")")
+    b.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
+                   help="the ensembles' admission step ahead of the solver: a refused START takes no sequence "
+                        "slot (s3flow.serving.admission) (default: on)")
     b.add_argument("--solver-instances", type=int, default=d.solver_instances)
     b.add_argument("--estimator-instances", type=int, default=d.estimator_instances)
     b.add_argument("--ort-threads", type=int, default=0,
@@ -128,7 +131,8 @@ def main(argv=None) -> int:
     settings = RepositorySettings(target=args.target, solver=solver, batching=batching, ort_threads=args.ort_threads,
                                   gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype,
                                   vocoder_backend=args.vocoder_backend, triton_idle_grace_s=args.triton_idle_grace_s,
-                                  voices=VoiceSettings(args.voice_dir, args.max_voices, args.max_voice_bytes))
+                                  voices=VoiceSettings(args.voice_dir, args.max_voices, args.max_voice_bytes),
+                                  admission=args.admission)
     voice_ckpt = None
     if args.voice:
         from s3flow.model.checkpoint import read_tensors

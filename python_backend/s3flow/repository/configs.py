@@ -70,17 +70,24 @@ def ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     """``token2mel``: the public request to ``admission``, then (admitted) to ``cfm_solver``; its mel back."""
     config = ModelConfig(name="token2mel", platform="ensemble", max_batch_size=s.batching.max_batch_size)
     add_tensors(config, REQUEST, MEL_RESPONSE, n_feats=n_feats)
-    add_ensemble_step(config, "admission", REQUEST, ADMISSION_OUTPUTS)
-    add_ensemble_step(config, "cfm_solver", SOLVER_INPUTS, MEL_RESPONSE)
+    _solver_steps(config, s)
     return config
+
+
+def _solver_steps(config: ModelConfig, s: RepositorySettings) -> None:
+    """admission (unless ``s.admission`` is off), then cfm_solver waiting for its answer."""
+    if s.admission:
+        add_ensemble_step(config, "admission", REQUEST, ADMISSION_OUTPUTS)
+        add_ensemble_step(config, "cfm_solver", SOLVER_INPUTS, MEL_RESPONSE)
+    else:
+        add_ensemble_step(config, "cfm_solver", REQUEST, MEL_RESPONSE)
 
 
 def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     """``token2wav``: token2mel's steps; cfm_solver's mel feeds the vocoder; both steps' outputs out."""
     config = ModelConfig(name="token2wav", platform="ensemble", max_batch_size=s.batching.max_batch_size)
     add_tensors(config, REQUEST, AUDIO_RESPONSE + MEL_RESPONSE, n_feats=n_feats)
-    add_ensemble_step(config, "admission", REQUEST, ADMISSION_OUTPUTS)
-    add_ensemble_step(config, "cfm_solver", SOLVER_INPUTS, MEL_RESPONSE)
+    _solver_steps(config, s)
     add_ensemble_step(config, "vocoder", VOCODER_INPUTS, VOCODER_OUTPUTS)
     return config
 

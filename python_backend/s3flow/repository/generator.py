@@ -83,9 +83,10 @@ def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings) -> list[tup
     warm-up sample where it has one, s3flow.serving.warmup) and the small files of its folder (model.py, the
     warm-up data); the weights are written beside them by :func:`write_repository`."""
     b = s.batching
-    out = [(ensemble_config(n_feats, s), {}),
-           (admission_config(n_feats, s), {"1/model.py": MODEL_PY["admission"]}),
-           (solver_config(n_feats, meanflow, s), {"1/model.py": MODEL_PY["cfm_solver"]})]
+    out = [(ensemble_config(n_feats, s), {})]
+    if s.admission:
+        out.append((admission_config(n_feats, s), {"1/model.py": MODEL_PY["admission"]}))
+    out.append((solver_config(n_feats, meanflow, s), {"1/model.py": MODEL_PY["cfm_solver"]}))
     for name, instances in ((ENCODER_MODEL, b.encoder_instances), (ESTIMATOR_MODEL, b.estimator_instances)):
         config = stateless_config(name, n_feats, meanflow, s, instances)
         files: Files = {}
@@ -186,7 +187,8 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
         for name in STATELESS_MODELS:
             summary.files.append(save_module(out / name / "1" / WEIGHTS_FILE, name, modules[name]))
     # a model left from an earlier build would serve another checkpoint's vocoder or voices
-    for present, names in ((vocoder is not None, VOCODER_MODELS), (voice_checkpoint is not None, VOICE_MODELS)):
+    for present, names in ((vocoder is not None, VOCODER_MODELS), (voice_checkpoint is not None, VOICE_MODELS),
+                           (s.admission, ("admission",))):
         for name in () if present else names:
             if (out / name).exists():
                 shutil.rmtree(out / name)

@@ -83,6 +83,9 @@ class RepositorySettings:
     #: gpu_backend torch: the estimator's compute dtype (fp32, bf16 or fp16; the encoder stays fp32)
     torch_dtype: Literal["fp32", "bf16", "fp16"] = DEFAULT_ESTIMATOR_DTYPE
     warmup: bool = True                     # warm every model up at load (s3flow.serving.warmup)
+    #: the ensembles' admission step ahead of the solver (s3flow.serving.admission: a refused START takes no
+    #: sequence slot); False: the request goes straight to cfm_solver, as before (measurements, experiments)
+    admission: bool = True
     vocoder_backend: Literal["auto", "onnx", "torch"] = "auto"  # auto: torch on the GPU (gpu), onnx (cpu)
     voices: VoiceSettings = field(default_factory=VoiceSettings)
     #: seconds Triton keeps an idle sequence after the models' idle timeout (None: TRITON_IDLE_GRACE_S[target])

@@ -1,0 +1,18 @@
+"""The client's book-keeping of one utterance (s3flow_client.state): what a listener hears first."""
+import numpy as np
+
+from s3flow_client.demo import demo_utterance
+from s3flow_client.state import SILENT_START_SAMPLES, UtteranceState
+
+
+def test_first_audio_counts_the_first_response_with_sound_not_the_first_response():
+    """A response with no samples (the vocoder holds back its lookahead), or with only the silent, faded-in
+    first 40 ms, is not first audio; the first response that reaches beyond it is."""
+    s = UtteranceState(0, demo_utterance(1.0, seed=1), [10, 15], tolerance=1e-3)
+    s.t0 = 100.0
+    s.accept_audio(np.zeros(0, np.float32), 0, now=100.1, new_chunk=True)
+    assert np.isnan(s.first_audio_at), "an empty response is no audio"
+    s.accept_audio(np.zeros(SILENT_START_SAMPLES, np.float32), 0, now=100.2, new_chunk=True)
+    assert np.isnan(s.first_audio_at), "the silent first 40 ms are no audio"
+    s.accept_audio(np.ones(480, np.float32), SILENT_START_SAMPLES, now=100.35, new_chunk=True)
+    assert abs(s.first_audio_at - 0.35) < 1e-9
