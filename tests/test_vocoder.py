@@ -628,3 +628,20 @@ def test_cli_writes_wav_and_png_while_streaming(served, tmp_path):
     assert rate == 24000 and audio.size == HOP_SAMPLES * mel.shape[1]
     np.testing.assert_allclose(audio, onnx_vocode(onnx, hift, mel, 5), atol=1.5 / 32767, rtol=0)
     assert (tmp_path / "audio_0.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_small_first_lookahead_sounds_at_once_and_is_exact_after_the_first_response():
+    """first_lookahead_frames: the first push of 14 frames (the client's first 10-token chunk) carries audio
+    at once; from the second response on (after its cross-fade) the stream equals offline vocoding again."""
+    hift, runner = small_vocoder(), small_runner()
+    mel = stand_in_mel(120, seed=2)
+    ref = torch_vocode(mel, seed=5)
+    sizes = [14, 20, 40, 46]
+    exact, offsets_exact, _ = stream_in_process(runner, hift, mel, sizes, seed=5)
+    assert offsets_exact[1] == 0, "with the regular lookahead (20) the first response carries nothing"
+    early, offsets, _ = stream_in_process(runner, hift, mel, sizes, seed=5, first_lookahead_frames=4)
+    first = offsets[1]                           # samples the first response carried: 14 - 4 frames
+    assert first == (14 - 4) * HOP_SAMPLES
+    settle = first + StreamSettings().crossfade_samples
+    assert np.abs(early[settle:] - ref[settle:]).max() < STREAM_TOL
+    assert np.abs(exact - ref).max() < STREAM_TOL and early.shape == ref.shape

@@ -60,13 +60,17 @@ class StreamSettings(NumericSettings):
     """
     context_frames: int = 16             # mel frames re-vocoded before the first unemitted frame
     lookahead_frames: int = 20           # mel frames of audio withheld until more mel (or END) arrives
+    #: the first response's lookahead (-1: ``lookahead_frames``): a smaller one lets the first mel chunk carry
+    #: audio at once; its last frames' audio then lacks right context, and the next response cross-fades from
+    #: it into the exact stream (``crossfade_samples``), so only the first response differs from offline
+    first_lookahead_frames: int = -1
     crossfade_samples: int = 480         # fresh audio fades in from the previous pass's withheld audio
     max_utterance_frames: int = 0        # 0: no cap (the state is bounded whatever the length)
 
     def check(self) -> None:
         check_numbers(self, "vocoder setting",
                       lowest={"context_frames": 0, "lookahead_frames": 0, "crossfade_samples": 0,
-                              "max_utterance_frames": 0})
+                              "max_utterance_frames": 0, "first_lookahead_frames": -1})
         if self.context_frames < F0_LOOKAHEAD_FRAMES:
             raise ValueError(f"context_frames must be >= {F0_LOOKAHEAD_FRAMES} (the F0 predictor's context), "
                              f"got {self.context_frames}")
@@ -133,7 +137,10 @@ class VocoderStream:
         state.received += mel.shape[1]
         w0, w1 = state.ctx_start, state.received
 
-        emit_frame = w1 if end else max(w1 - s.lookahead_frames, 0)
+        lookahead = s.lookahead_frames
+        if state.emitted == 0 and s.first_lookahead_frames >= 0:
+            lookahead = s.first_lookahead_frames
+        emit_frame = w1 if end else max(w1 - lookahead, 0)
         if emit_frame * hop <= state.emitted:
             return AudioChunk(np.zeros(0, np.float32), state.emitted)
 

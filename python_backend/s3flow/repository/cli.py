@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--vocoder-lookahead-frames", type=int, default=StreamSettings().lookahead_frames,
                    help="mel frames of audio held back for the right context; 20 streams exactly, fewer "
                         "lowers latency (default: %(default)s)")
+    v.add_argument("--vocoder-first-lookahead-frames", type=int, default=StreamSettings().first_lookahead_frames,
+                   help="the first response's lookahead (-1: the same); fewer lets the first mel chunk carry "
+                        "audio, cross-faded into the exact stream by the next response (default: %(default)s)")
     vo = p.add_argument_group("voices (voice_encoder and the voice registry)")
     vs = VoiceSettings()
     vo.add_argument("--voice", action=argparse.BooleanOptionalAction, default=True,
@@ -166,7 +169,8 @@ def main(argv=None) -> int:
                                             seed=args.seed)
             print(f"wrote seeded random vocoder checkpoint {voc_ckpt}")
         hift = load_vocoder(voc_ckpt)
-        voc_settings = StreamSettings(lookahead_frames=args.vocoder_lookahead_frames)
+        voc_settings = StreamSettings(lookahead_frames=args.vocoder_lookahead_frames,
+                                      first_lookahead_frames=args.vocoder_first_lookahead_frames)
     summary = write_repository(args.output, flow, settings, vocoder=hift,
                                vocoder_settings=voc_settings, voice_checkpoint=voice_ckpt)
     print(summary.describe())
