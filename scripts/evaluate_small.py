@@ -322,6 +322,18 @@ def write_report(args, tables, results, spread, base, streams, info, heldout, ou
     L.append(f"## Picture\n\n![ground truth, teacher-10, teacher-2, student-2]({png.name})\n")
     L.append(f"`{png.name}`: the demo utterance (`checkpoints/trained/demo_utt.npz`), same noise for all three "
              f"solvers, same colour scale.\n")
+    pilots = ROOT / "results" / "estimator_pilots.json"
+    if pilots.is_file():
+        doc = json.loads(pilots.read_text())
+        L.append("## Choosing the estimator\n")
+        L.append(f"{doc['what']} ({doc['date']}; {doc['script']}). {doc['note']}.\n")
+        L.append("| estimator (channels x blocks x mid stages) | parameters | steps in 12 min | mel error vs truth | "
+                 "detail ratio | ESTOI |")
+        L.append("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for r in doc["pilots"]:
+            L.append(f"| {r['config']} | {r['params']:,} | {r['steps']} | {r['mae']:.3f} | {r['detail_ratio']:.2f} | "
+                     f"{r['estoi']:.3f} |")
+        L.append("")
     if info.get("phases"):
         L.append("## Training (from `checkpoints/trained/training.json`)\n")
         L.append("| phase | steps | runs | wall | CPU | last losses |")

@@ -94,15 +94,25 @@ def settings_for(args) -> tuple[DataSettings, VocoderTrainSettings, TrainSetting
     return data, voc, flow
 
 
+#: The settings each phase's runs depend on: a phase's record is kept while they stay the same.
+PHASE_SETTINGS = {"dataset": ("data_settings",), "package": ("data_settings",),
+                  "vocoder": ("data_settings", "vocoder_settings"),
+                  "teacher": ("data_settings", "train_settings"), "student": ("data_settings", "train_settings")}
+
+
 class Record:
-    """``training.json``: settings, configs and every phase's runs; written after each phase run."""
+    """``training.json``: settings, configs and every phase's runs; written after each phase run. A phase's
+    runs are kept while the settings it depends on (``PHASE_SETTINGS``) are unchanged, and dropped (the phase
+    starts afresh) when they change."""
 
     def __init__(self, path: Path, base: dict):
         self.path = path
         old = json.loads(path.read_text()) if path.is_file() else {}
-        same = all(old.get(k) == v for k, v in base.items())
-        self.data = {**base, "phases": old.get("phases", {}) if same else {}}
-        self.data.update({k: old[k] for k in ("configs", "parameters") if same and k in old})
+        phases = {name: ph for name, ph in old.get("phases", {}).items()
+                  if old.get("quick") == base.get("quick")
+                  and all(old.get(k) == base.get(k) for k in PHASE_SETTINGS.get(name, tuple(base)))}
+        self.data = {**base, "phases": phases}
+        self.data.update({k: old[k] for k in ("configs", "parameters") if k in old})
 
     def phase(self, name: str) -> dict:
         return self.data["phases"].setdefault(name, {"finished": False, "steps_done": 0, "runs": []})

@@ -268,6 +268,8 @@ def test_settings_flat_names_are_distinct_across_the_parts():
     ("default_guidance_rate", "-0.5", "chunk setting default_guidance_rate must be >= 0, got -0.5"),
     ("default_steps", "60", "default_steps 60 exceeds max_steps 50"),
     ("default_guidance_rate", "11", "default_guidance_rate 11.0 exceeds max_guidance_rate 10.0"),
+    ("prompt_frames", "-3", "chunk setting prompt_frames must be >= -1, got -3"),
+    ("slide_prompt", "2", "chunk setting slide_prompt must be 0 or 1, got 2"),
 ])
 def test_settings_from_parameters_errors_name_the_value(key, raw, needle):
     with pytest.raises(ValueError) as info:
@@ -287,6 +289,8 @@ def test_settings_check_on_direct_construction():
         SolverSettings.of(max_live_sequences=0)
     with pytest.raises(ValueError, match="default_steps 8 exceeds max_steps 4"):
         SolverSettings.of(max_steps=4, default_steps=8)
+    with pytest.raises(ValueError, match=r"slide_prompt 1 needs bounded context \(context_frames >= 0\)"):
+        SolverSettings.of(context_frames=-1, slide_prompt=1)
 
 
 # ------------------------------------------------------------------------------------------ property test

@@ -11,7 +11,7 @@ from s3flow.protocol import RequestError, RequestRules, ServerBusy, parse_reques
 from s3flow_client import chunk_schedule
 from s3flow_client.demo import demo_utterance
 from s3flow_contract.tensors import request_arrays
-from s3flow.engine.streaming import StreamingEngine
+from s3flow.engine.streaming import StreamingEngine, planned_calls
 
 #: the prefix re-run mode, whatever the server's default
 PREFIX = SolverSettings.of(context_frames=-1)
@@ -236,7 +236,7 @@ def test_a_chunk_being_solved_is_not_evicted_by_a_reaper_running_meanwhile():
     """The engine's chunk is in flight from admit to the end of run: an idle reaper running during a very
     slow solve (here 100 s per Euler step) does not take its state, and the sequence goes on."""
     from helpers import torch_encoder
-    from s3flow.engine.streaming import StreamingEngine
+    from s3flow.engine.streaming import StreamingEngine, planned_calls
     from s3flow.model.flow import TorchEstimator
     flow = small_flow()
     table, clock, log = _table(idle_timeout_s=5.0)
@@ -340,16 +340,19 @@ def test_a_full_table_refuses_a_start_saying_when_a_slot_frees_but_takes_a_resta
 # ------------------------------------------------------------------------------- bounded context
 
 
-def _offline_window(flow, u, prompt_frames_ctx, c0, e, n, final):
-    """Offline synthesis of a bounded-context chunk as an independent call: the prompt extended by the
-    context (tokens [c0/2, e/2) and their emitted mel), speech tokens [e/2, n), the same starting point."""
+def _offline_window(flow, u, prompt_frames_ctx, c0, e, n, final, prompt_used=None):
+    """Offline synthesis of a bounded-context chunk as an independent call: the prompt's last ``prompt_used``
+    frames (all by default) extended by the context (tokens [c0/2, e/2) and their emitted mel), speech tokens
+    [e/2, n), the same starting point (the prompt region's noise of those prompt frames)."""
     from s3flow.model.solver import FrameNoise
+    tp = u.prompt_mel.shape[0]
+    used = tp if prompt_used is None else prompt_used
     ctx_tokens = u.speech_tokens[c0 // 2:e // 2]
-    prompt_tokens = np.concatenate([u.prompt_tokens, ctx_tokens])
-    prompt_feat = np.concatenate([u.prompt_mel, prompt_frames_ctx.T], axis=0)  # frames-major
+    prompt_tokens = np.concatenate([u.prompt_tokens[(tp - used) // 2:], ctx_tokens])
+    prompt_feat = np.concatenate([u.prompt_mel[tp - used:], prompt_frames_ctx.T], axis=0)  # frames-major
     noise = FrameNoise(u.seed, 80)
     g = 2 * n if final else 2 * n - 6
-    z = np.concatenate([noise.prompt(u.prompt_mel.shape[0]), noise.frames(c0, g)], axis=1)
+    z = np.concatenate([noise.prompt(tp)[:, tp - used:], noise.frames(c0, g)], axis=1)
     return synthesize(flow, torch.from_numpy(u.speech_tokens[e // 2:n])[None], torch.from_numpy(prompt_tokens)[None],
                       torch.from_numpy(prompt_feat)[None], torch.from_numpy(u.speaker_embedding)[None],
                       finalize=final, z=torch.from_numpy(z)[None]).mel[0].numpy()
@@ -375,6 +378,48 @@ def test_bounded_context_chunk_equals_offline_synthesis_with_the_context_as_prom
         np.testing.assert_allclose(res.mel, ref[:, :res.mel.shape[1]], atol=2e-4, rtol=0)
         emitted = np.concatenate([emitted, res.mel], axis=1)
     assert emitted.shape[1] == 2 * len(u.speech_tokens)
+
+
+@pytest.mark.parametrize("cap,slide", [(20, 0), (0, 0), (200, 1), (20, 1)])
+def test_a_capped_or_sliding_prompt_chunk_equals_offline_synthesis_with_its_stated_conditioning(cap, slide):
+    """prompt_frames P keeps the prompt's last P frames on every chunk; slide_prompt makes the conditioning the
+    last C frames of prompt ++ emitted mel. Either way a chunk is offline synthesis with that conditioning."""
+    flow = small_flow()
+    u = demo_utterance(2.4, seed=4, noise_seed=6)
+    tp = u.prompt_mel.shape[0]
+    sizes, context = [8, 12, 20, 20], 16
+    settings = SolverSettings.of(context_frames=context, prompt_frames=cap, slide_prompt=slide)
+    [results] = stream_in_process(make_engine(flow, settings), [u], [sizes])
+    emitted, used_by_chunk = np.zeros((80, 0), np.float32), []
+    for k, res in enumerate(results):
+        n, final, e = sum(sizes[:k + 1]), k == len(sizes) - 1, emitted.shape[1]
+        c0 = max(0, e - context) // 2 * 2
+        used = min(tp, cap)
+        if slide:
+            used = min(used, max(0, context - (e - c0)) // 2 * 2)
+        used_by_chunk.append(used)
+        ref = _offline_window(flow, u, emitted[:, c0:e], c0, e, n, final, prompt_used=used)
+        np.testing.assert_allclose(res.mel, ref[:, :res.mel.shape[1]], atol=2e-4, rtol=0)
+        emitted = np.concatenate([emitted, res.mel], axis=1)
+    assert emitted.shape[1] == 2 * len(u.speech_tokens)
+    if slide:
+        assert used_by_chunk[0] == min(tp, cap, context) and used_by_chunk[-1] < used_by_chunk[0], used_by_chunk
+    else:
+        assert set(used_by_chunk) == {min(tp, cap)}, used_by_chunk
+
+
+def test_a_sliding_prompt_makes_a_chunks_cost_independent_of_the_prompt_length():
+    """Planned estimator frames per chunk: with the whole prompt a 10 s prompt adds 450 frames to every chunk
+    over a 1 s one; sliding, the two cost the same once the window is full, and the first chunk pays at most
+    the window."""
+    chunks = [10, 20, 40, 80, 100, 100]
+    def frames(prompt_tokens, **kw):
+        return [f for _, f in planned_calls(8, prompt_tokens, chunks, 100, steps=1, **kw)]
+    whole_short, whole_long = frames(25), frames(250)
+    assert [b - a for a, b in zip(whole_short, whole_long)] == [450] * len(chunks)
+    slide_short, slide_long = frames(25, slide_prompt=1, prompt_frames=100), frames(250, slide_prompt=1, prompt_frames=100)
+    assert slide_long[0] == 100 + 2 * 10 - 6 and slide_long[3:] == slide_short[3:], (slide_short, slide_long)
+    assert sum(slide_long) < 0.35 * sum(whole_long), (sum(slide_long), sum(whole_long))
 
 
 def test_bounded_context_cost_per_chunk_does_not_grow_with_the_utterance():
@@ -430,7 +475,7 @@ class _FailingEstimator:
 def test_a_failed_chunk_leaves_the_state_as_before_and_a_retry_continues_exactly(context):
     from helpers import torch_encoder
     from s3flow.model.flow import TorchEstimator
-    from s3flow.engine.streaming import StreamingEngine
+    from s3flow.engine.streaming import StreamingEngine, planned_calls
     flow = small_flow()
     u = demo_utterance(1.6, seed=8, noise_seed=2)
     u.n_timesteps = 3

@@ -48,14 +48,14 @@ CFG_DROPOUT = 0.2
 def trained_config(meanflow: bool = False) -> FlowConfig:
     """The shipped small models' sizes: the small test encoder (64 wide, 2 + 2 conformer blocks, the real
     6561-token vocabulary) and a 192-wide estimator of upstream's architecture (1 transformer block per
-    stage, 4 mid stages, 3 heads of 64).
+    stage, 2 mid stages, 3 heads of 64).
 
     The estimator must be wider than the 80 mel bins: at t = 0 the velocity is ``E[x1] - z``, and a
     64-channel U-Net cannot carry the 80-dim noise z through, so its samples keep per-pixel noise. A
     128-wide one with 2 mid stages kept visible noise after a 30-minute run (the first shipped model); the
-    192-wide one was chosen by a time-matched comparison (results/small_model.md, *Choosing the estimator*).
+    width goes to 192 (results/small_model.md, *Choosing the estimator*, has the time-matched pilots).
     """
-    est = EstimatorConfig(channels=(192,), attention_head_dim=64, n_blocks=1, num_mid_blocks=4,
+    est = EstimatorConfig(channels=(192,), attention_head_dim=64, n_blocks=1, num_mid_blocks=2,
                           num_heads=3, meanflow=meanflow)
     return FlowConfig(EncoderConfig.small(), est)
 
@@ -67,16 +67,17 @@ class TrainSettings:
     batch_size: int = 16
     #: Probability that an example has a same-voice speaker prompt (else: no prompt, cond all zeros).
     prompt_prob: float = 0.85
-    #: Prompt length range in tokens, drawn log-uniformly once per batch (10 tokens = 0.4 s to 250 = 10 s,
-    #: Chatterbox's longest prompt), so a batch pads little.
-    prompt_tokens: tuple[int, int] = (10, 250)
+    #: Prompt length range in tokens, drawn log-uniformly once per batch (10 tokens = 0.4 s to 150 = 6 s; the
+    #: old corpus' prompts were at most 2 s; 10 s, Chatterbox's longest, cost twice as much per step here),
+    #: so a batch pads little.
+    prompt_tokens: tuple[int, int] = (10, 150)
     #: Probability that the cond also holds the utterance's own preceding frames after the prompt (up to
     #: ``context_tokens``): what a bounded-context streaming chunk conditions on.
     context_prob: float = 0.3
     context_tokens: int = 50
     max_tokens: int = 50
     # teacher
-    teacher_steps: int = 4500
+    teacher_steps: int = 2600
     teacher_lr: float = 2e-3
     warmup_steps: int = 100
     ema_decay: float = 0.999
@@ -88,7 +89,7 @@ class TrainSettings:
     #: Start the estimator's residual branches at zero (``identity_init``).
     identity_init: bool = True
     #: Steps at the start with the condition always dropped (then 0.2): see ``train_teacher``.
-    uncond_steps: int = 200
+    uncond_steps: int = 100
     # student
     student_rounds: int = 300
     student_batch_size: int = 8

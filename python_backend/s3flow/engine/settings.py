@@ -8,7 +8,8 @@ part                     fields                                     read by
                          max_request_bytes
 ``Capacity``             max_live_sequences, idle_timeout_s         ``s3flow.engine.sequences.SequenceTable``
 (``engine.sequences``)
-``ChunkSolving``         context_frames, holdback_frames,           ``s3flow.engine.streaming.StreamingEngine``
+``ChunkSolving``         context_frames, prompt_frames,             ``s3flow.engine.streaming.StreamingEngine``
+                         slide_prompt, holdback_frames,
                          default_steps, default_guidance_rate,
                          max_utterance_frames
 =======================  =========================================  ===========================================
@@ -40,6 +41,13 @@ class ChunkSolving(NumericSettings):
     #: C >= 0: bounded context, each chunk solves prompt + the last C emitted frames (as conditioning)
     #: + its new tokens. 100 (2 s): see results/streaming.md and the README.
     context_frames: int = 100
+    #: The speaker prompt's share of a chunk's conditioning. -1: the whole prompt conditions every chunk;
+    #: P >= 0: only its last P frames (whole tokens) do, so a 10 s prompt costs what a P-frame one does.
+    prompt_frames: int = -1
+    #: 0: the (capped) prompt conditions every chunk; 1: the emitted frames push it out, a bounded-context
+    #: chunk's conditioning being the last ``context_frames`` frames of prompt ++ emitted mel (the voice's
+    #: own frames replace the prompt's; the speaker embedding stays).
+    slide_prompt: int = 0
     holdback_frames: int = 0              # generated frames withheld until the next chunk (or END)
     default_steps: int = 0                # 0: the checkpoint's default (10, or 2 for meanflow)
     default_guidance_rate: float = 0.7
@@ -47,7 +55,13 @@ class ChunkSolving(NumericSettings):
 
     def check(self) -> None:
         check_numbers(self, "chunk setting", lowest={"holdback_frames": 0, "default_steps": 0,
-                                                     "default_guidance_rate": 0, "context_frames": -1})
+                                                     "default_guidance_rate": 0, "context_frames": -1,
+                                                     "prompt_frames": -1, "slide_prompt": 0})
+        if self.slide_prompt not in (0, 1):
+            raise ValueError(f"chunk setting slide_prompt must be 0 or 1, got {self.slide_prompt}")
+        if self.slide_prompt and self.context_frames < 0:
+            raise ValueError("chunk setting slide_prompt 1 needs bounded context (context_frames >= 0): "
+                             "in prefix mode there is no window for the emitted frames to slide through")
 
 
 _PARTS = {"rules": RequestRules, "capacity": Capacity, "solving": ChunkSolving}

@@ -11,6 +11,12 @@ Two modes (``ChunkSolving.context_frames``, ``s3flow.engine.settings``):
   those C frames' mel and tokens (and the frames not yet final), whatever the utterance's length: a stream
   may go on for hours (no length cap; the prefix mode keeps ``max_utterance_frames``).
 
+The speaker prompt conditions a chunk in one of three ways (``ChunkSolving.prompt_frames``,
+``slide_prompt``): whole (the default); capped to its last P frames, kept on every chunk; or, in bounded
+context, sliding: the conditioning is the last C frames of prompt ++ emitted mel, so the emitted frames (the
+same voice) push the prompt out and a chunk's cost no longer depends on the prompt's length at all. In every
+case a chunk equals offline synthesis with its stated conditioning as the prompt, from the same frame noise.
+
 In both, the ODE starting point of the frames made so far, ``noised_mels``, is carried from chunk to chunk
 and pinned for the frames that are solved again (the lookahead and held-back frames, and in prefix mode
 everything), with fresh seeded noise for new frames. Only frames that became final are returned, with their
@@ -55,13 +61,14 @@ EncodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 @dataclass
 class SequenceState:
     """Everything the server keeps for one utterance between its chunks."""
+    #: the prompt's tokens and mel that may condition a chunk (the last ``prompt_frames`` when capped)
     prompt_tokens: np.ndarray          # (Np,) int64
-    prompt_mel: np.ndarray             # (n_feats, Tp) float32
+    prompt_mel: np.ndarray             # (n_feats, Tp) float32, Tp = 2 Np
     speaker_embedding: np.ndarray      # (192,) float32
     n_steps: int
     guidance_rate: float
     noise: FrameNoise
-    prompt_noise: np.ndarray           # (n_feats, Tp): the prompt region's fixed starting point
+    prompt_noise: np.ndarray           # (n_feats, Tp): the kept prompt frames' fixed starting point
     #: the speech tokens a later chunk can still use: those from token ``token_offset`` on (prefix mode: all;
     #: bounded context: from the first token of the next chunk's context on)
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -83,7 +90,8 @@ class Chunk:
     """An admitted chunk: its sequence's state (unchanged until the solve succeeded), the new tokens, and
     the planned solve.
 
-    The solve's row holds the conditioning prefix (prompt mel ++ context mel, ``prefix_mel``) and then
+    The solve's row holds the conditioning prefix (the prompt's last ``prompt_frames`` frames ++ the
+    context mel, ``prefix_mel``) and then
     generated frames ``[first_frame, valid_frames)`` of the utterance; ``encoder_tokens`` is its encoder
     input and ``start`` its ODE starting point. After the chunk, generated frames below ``final_frames``
     are final (the rest wait for the lookahead tokens or the hold-back).
@@ -96,6 +104,7 @@ class Chunk:
     replaced: Optional[SequenceState]  # the live state a START replaced (put back if it fails)
     encoder_tokens: np.ndarray         # (Nq,) prompt ++ context tokens ++ the rest
     prefix_mel: np.ndarray             # (n_feats, P) prompt mel ++ context mel
+    prompt_frames: int                 # the prompt's frames in prefix_mel (the rest is context)
     start: np.ndarray                  # (n_feats, P + valid_frames - first_frame) ODE starting point
     first_frame: int                   # first generated frame in the solve (0 in prefix mode)
     valid_frames: int                  # generated frames valid after this chunk
@@ -147,10 +156,13 @@ class StreamingEngine:
             steps = req.n_timesteps or self.solving.default_steps or default_steps(self.meanflow)
             rate = self.solving.default_guidance_rate if req.guidance_rate is None else req.guidance_rate
             noise = FrameNoise(req.seed, self.n_feats)
-            state = SequenceState(prompt_tokens=req.prompt_tokens, prompt_mel=req.prompt_mel,
+            tp = req.prompt_mel.shape[1]
+            cut = tp - self._prompt_kept(tp)   # frames before the kept tail never condition anything
+            state = SequenceState(prompt_tokens=req.prompt_tokens[cut // TOKEN_MEL_RATIO:],
+                                  prompt_mel=req.prompt_mel[:, cut:],
                                   speaker_embedding=req.speaker_embedding, n_steps=int(steps),
                                   guidance_rate=0.0 if self.meanflow else float(rate), noise=noise,
-                                  prompt_noise=noise.prompt(req.prompt_mel.shape[1]))
+                                  prompt_noise=noise.prompt(tp)[:, cut:])
             replaced = self.sequences.begin(corr_id, state)
         else:
             state, replaced = self.sequences.serve(corr_id), None
@@ -166,6 +178,11 @@ class StreamingEngine:
             self.sequences.rollback(corr_id, replaced, started=req.start)
             raise
 
+    def _prompt_kept(self, prompt_frames: int) -> int:
+        """Frames of a prompt of ``prompt_frames`` that the state keeps: all, or the capped tail (whole tokens)."""
+        cap = self.solving.prompt_frames
+        return prompt_frames if cap < 0 else min(prompt_frames, cap - cap % TOKEN_MEL_RATIO)
+
     def _plan(self, corr_id, s: SequenceState, req: ChunkRequest, replaced: Optional[SequenceState]) -> Chunk:
         e = s.emitted
         context = np.zeros((self.n_feats, 0), np.float32)
@@ -176,16 +193,20 @@ class StreamingEngine:
             first -= first % TOKEN_MEL_RATIO  # a whole number of tokens
             if e > first:
                 context = s.mel_tail[:, s.mel_tail.shape[1] - (e - first):]
-        tokens = np.concatenate([s.prompt_tokens, s.tokens[first // TOKEN_MEL_RATIO - s.token_offset:],
-                                 req.speech_tokens])
-        prefix_mel = np.concatenate([s.prompt_mel, context], axis=1)
+        used = s.prompt_frames
+        if self.solving.slide_prompt:   # the window of C frames over prompt ++ emitted: the prompt fills the rest
+            room = max(0, self.context_frames - context.shape[1])
+            used = min(used, room - room % TOKEN_MEL_RATIO)
+        tokens = np.concatenate([s.prompt_tokens[s.prompt_tokens.size - used // TOKEN_MEL_RATIO:],
+                                 s.tokens[first // TOKEN_MEL_RATIO - s.token_offset:], req.speech_tokens])
+        prefix_mel = np.concatenate([s.prompt_mel[:, s.prompt_frames - used:], context], axis=1)
         length = int(solve_frames(torch.tensor([tokens.size]), prefix_mel.shape[1], req.end)[0])
-        valid = first + length - s.prompt_frames
+        valid = first + length - used
         final = valid if req.end else max(valid - self.solving.holdback_frames, e)
-        start = starting_point(s.noise, s.prompt_noise, first, valid, s.noised_mels)
+        start = starting_point(s.noise, s.prompt_noise[:, s.prompt_frames - used:], first, valid, s.noised_mels)
         return Chunk(corr_id, s, req.speech_tokens, finalize=req.end, started=req.start, replaced=replaced,
-                     encoder_tokens=tokens, prefix_mel=prefix_mel, start=start, first_frame=first,
-                     valid_frames=valid, final_frames=final)
+                     encoder_tokens=tokens, prefix_mel=prefix_mel, prompt_frames=used, start=start,
+                     first_frame=first, valid_frames=valid, final_frames=final)
 
     # -- one step for several sequences --------------------------------------------------------------
     def run(self, chunks: list[Chunk], on_step: Optional[Callable[[int], None]] = None) -> list[ChunkResult]:
@@ -265,7 +286,7 @@ class StreamingEngine:
     def _commit(self, c: Chunk, x: np.ndarray) -> ChunkResult:
         """Apply a solved chunk to its sequence's state; the newly final frames."""
         s = c.state
-        tp, e = s.prompt_frames, s.emitted  # generated frame f sits at tp + f - first_frame in the solve
+        tp, e = c.prompt_frames, s.emitted  # generated frame f sits at tp + f - first_frame in the solve
         mel = x[:, tp + e - c.first_frame:tp + c.final_frames - c.first_frame].copy()
         s.received_tokens += int(c.tokens.size)
         if c.tokens.size:
@@ -290,10 +311,10 @@ class StreamingEngine:
 
 
 def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
-                  meanflow: bool = False) -> list[tuple[int, int]]:
+                  meanflow: bool = False, prompt_frames: int = -1, slide_prompt: int = 0) -> list[tuple[int, int]]:
     """The (batch rows, frames) of every estimator call of one utterance streamed in ``chunks`` (guided unless
     ``meanflow``), planned by the real ``StreamingEngine`` over stand-in models (zeros): the cost of any model
-    size without running it."""
+    size without running it. ``prompt_frames`` and ``slide_prompt`` are the ``ChunkSolving`` fields."""
     calls: list[tuple[int, int]] = []
 
     def encode(tokens, token_len, embedding):
@@ -305,7 +326,8 @@ def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], conte
         return torch.zeros_like(inputs.x)
 
     rules = RequestRules(max_chunk_tokens=max(chunks))
-    solving = ChunkSolving(context_frames=context_frames, max_utterance_frames=max(3000, 2 * sum(chunks)))
+    solving = ChunkSolving(context_frames=context_frames, prompt_frames=prompt_frames, slide_prompt=slide_prompt,
+                           max_utterance_frames=max(3000, 2 * sum(chunks)))
     engine = StreamingEngine(encode, estimate, n_feats=n_feats, meanflow=meanflow, solving=solving)
     rng = np.random.default_rng(0)
     for k, size in enumerate(chunks):
