@@ -16,6 +16,9 @@
 #   S3FLOW_DRAIN_FILE           the drain flag file the solver checks; the k8s preStop hook and readiness
 #                               probe use the same path [/tmp/s3flow-draining]
 #   S3FLOW_EXIT_TIMEOUT_S       after the drain: how long tritonserver waits for requests still open [15]
+#   S3FLOW_ADMIN_KEY_FILE       a file holding the admin key (a mounted Secret): every API category a streaming
+#                               client does not need then answers only calls with header s3flow-admin-key
+#                               (python -m s3flow.server.access; docs/security.md); empty: all open []
 # Arguments are appended to the tritonserver command line.
 set -euo pipefail
 cd "${S3FLOW_HOME:-/opt/s3flow}"
@@ -70,6 +73,12 @@ POOL=${S3FLOW_CUDA_POOL_BYTES:-2147483648}
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 POOL_ARGS=()
 for ((i = 0; i < GPUS; i++)); do POOL_ARGS+=("--cuda-memory-pool-byte-size=$i:$POOL"); done
+ACCESS_ARGS=()
+if [ -n "${S3FLOW_ADMIN_KEY_FILE:-}" ]; then
+    mapfile -t ACCESS_ARGS < <(python3 -m s3flow.server.access flags "$S3FLOW_ADMIN_KEY_FILE")
+    [ "${#ACCESS_ARGS[@]}" -gt 0 ] || { log "S3FLOW_ADMIN_KEY_FILE=$S3FLOW_ADMIN_KEY_FILE: no usable key"; exit 1; }
+    log "API categories other than health, metadata and inference need the admin key"
+fi
 log "starting tritonserver on $GPUS GPU(s) under the drain supervisor"
 # SIGTERM (docker stop, Kubernetes) goes to the supervisor: it drains (new sequences refused, those in flight
 # finish, up to S3FLOW_DRAIN_DEADLINE_S), then stops tritonserver
@@ -82,4 +91,4 @@ exec python3 -m s3flow.server.drain supervise --deadline-s "${S3FLOW_DRAIN_DEADL
     --http-port=8000 --grpc-port=8001 --metrics-port=8002 --allow-metrics=true --allow-gpu-metrics=true \
     --backend-config=python,shm-default-byte-size=67108864 \
     --backend-config=python,shm-growth-byte-size=67108864 \
-    "${POOL_ARGS[@]}" --exit-timeout-secs="${S3FLOW_EXIT_TIMEOUT_S:-15}" "$@"
+    "${POOL_ARGS[@]}" "${ACCESS_ARGS[@]}" --exit-timeout-secs="${S3FLOW_EXIT_TIMEOUT_S:-15}" "$@"

@@ -25,6 +25,7 @@ import sys
 import time
 
 from s3flow.server import triton_server
+from s3flow.server.access import ServerTls
 
 
 def _read_pid(pid_file: pathlib.Path) -> int | None:
@@ -64,6 +65,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     if args.log_verbose:
         extra.append(f"--log-verbose={args.log_verbose}")
     try:
+        admin_key = args.admin_key_file.read_text().strip() if args.admin_key_file else None
+        tls = ServerTls(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert or args.tls_key else None
         server = triton_server.TritonServer(
             args.repository,
             host=args.host,
@@ -75,12 +78,14 @@ def cmd_start(args: argparse.Namespace) -> int:
             load_models=args.load_model or (),
             extra_args=extra,
             venv=args.venv if args.venv is not None else "auto",
+            admin_key=admin_key,
+            tls=tls,
         )
         server.start()
         args.pid_file.parent.mkdir(parents=True, exist_ok=True)
         args.pid_file.write_text(f"{server.pid}\n")
         ready_s = server.wait_ready(args.timeout)
-    except triton_server.TritonServerError as err:
+    except (triton_server.TritonServerError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         args.pid_file.unlink(missing_ok=True)
         return 1
@@ -100,10 +105,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
+    from s3flow.server.access import admin_headers
+
     client = grpcclient.InferenceServerClient(url)
     try:
         ready = client.is_server_live(client_timeout=5) and client.is_server_ready(client_timeout=5)
-        models = [m.name for m in client.get_model_repository_index().models if m.state == "READY"]
+        index = client.get_model_repository_index(headers=admin_headers())  # restricted: $S3FLOW_ADMIN_KEY
+        models = [m.name for m in index.models if m.state == "READY"]
     except InferenceServerException as err:
         print(f"running but not answering: pid={pid} grpc={url}: {err}")
         return 1
@@ -151,6 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--load-model", action="append", help="model to load at start in explicit mode; repeatable")
     models.add_argument("--venv", type=pathlib.Path, default=None,
                         help="venv the python models run in; None = the venv running this script")
+    access = start.add_argument_group("access (docs/security.md)")
+    access.add_argument("--admin-key-file", type=pathlib.Path, default=None,
+                        help="restrict every API category a streaming client does not need to calls with this "
+                             "key (header s3flow-admin-key; our tools send $S3FLOW_ADMIN_KEY)")
+    access.add_argument("--tls-cert", type=pathlib.Path, help="gRPC TLS: the server's PEM certificate")
+    access.add_argument("--tls-key", type=pathlib.Path, help="gRPC TLS: the server's PEM key")
+    access.add_argument("--tls-client-ca", type=pathlib.Path,
+                        help="mutual TLS: clients must present a certificate this CA signed")
     start.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for ready")
     start.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     start.add_argument("--extra", action="append",

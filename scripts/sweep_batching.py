@@ -53,6 +53,7 @@ from s3flow.model.flow import FlowConfig
 from s3flow.engine.settings import SolverSettings
 from s3flow.repository.generator import write_flow_configs, write_repository
 from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.server.access import admin_headers
 from s3flow.server.triton_server import TritonServer, TritonServerError
 
 KNOBS = [f.name for f in dataclasses.fields(Batching)] + ["ort_threads"]
@@ -116,7 +117,7 @@ def repository_settings(setting: dict, solver: SolverSettings) -> RepositorySett
 
 def served_differs(grpc_url: str, s: RepositorySettings) -> str:
     """What of the solver's batching the running server does not have as ``s`` says ("" when all is)."""
-    served = grpcclient.InferenceServerClient(grpc_url).get_model_config("cfm_solver").config
+    served = grpcclient.InferenceServerClient(grpc_url).get_model_config("cfm_solver", headers=admin_headers()).config
     seq = served.sequence_batching
     strategy = seq.WhichOneof("strategy_choice")
     b = s.batching

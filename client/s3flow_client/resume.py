@@ -35,12 +35,12 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
-import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from s3flow_contract.answers import Answer, answer_of
 from s3flow_contract.tensors import AUDIO_RESPONSE, MEL_RESPONSE, request_arrays
 
+from .channel import Channel
 from .state import UtteranceState, new_corr_id
 from .wire import infer_inputs, requested_outputs
 
@@ -59,11 +59,12 @@ def classify(message: str) -> Answer:
 class _Conn:
     """One gRPC stream to one server; its callbacks land in the shared event queue tagged with its id."""
 
-    def __init__(self, conn_id: int, url: str, events: queue.Queue, timeout_s: float, header: int):
+    def __init__(self, conn_id: int, url: str, events: queue.Queue, timeout_s: float, header: int,
+                 channel: Channel):
         self.id, self.url, self.alive = conn_id, url, True
-        self.client = grpcclient.InferenceServerClient(url)
+        self.client = channel.connect(url)
         self.client.start_stream(callback=lambda result, error: events.put((conn_id, result, error)),
-                                 stream_timeout=timeout_s, headers={SEQUENCE_HEADER: str(header)})
+                                 stream_timeout=timeout_s, headers={**channel.headers, SEQUENCE_HEADER: str(header)})
 
     def send(self, model: str, tensors: dict, request_id: str, corr_id: int, start: bool, end: bool,
              outputs: tuple) -> None:
@@ -100,7 +101,7 @@ class Run:
         for conn in self.conns.values():
             if conn.alive and conn.url == url:
                 return conn
-        conn = _Conn(next(self._ids), url, self.events, self.c.timeout_s, s.corr_id)
+        conn = _Conn(next(self._ids), url, self.events, self.c.timeout_s, s.corr_id, self.c.channel)
         self.conns[conn.id] = conn
         return conn
 
@@ -119,9 +120,10 @@ class Run:
         """A server whose stream broke is asked whether it is live before a stream is opened to it again: a
         stream to an address that does not answer can take until its deadline to fail (gRPC's reconnect
         back-off), a liveness call fails within PROBE_S. Returns None if it answers live, else why not."""
-        client = grpcclient.InferenceServerClient(url)
+        client = self.c.channel.connect(url)
         try:
-            why = None if client.is_server_live(client_timeout=PROBE_S) else "it says it is not live"
+            why = None if client.is_server_live(headers=self.c.channel.headers, client_timeout=PROBE_S) \
+                else "it says it is not live"
         except InferenceServerException as exc:
             why = str(exc)
         finally:

@@ -39,6 +39,7 @@ import numpy as np
 
 from s3flow_contract.tensors import SAMPLES_PER_FRAME, request_arrays
 
+from .channel import Channel
 from .resume import Run
 from .state import FRAMES_PER_TOKEN, UtteranceState
 
@@ -144,12 +145,13 @@ class StreamingClient:
             server lost it, went away or started draining.
         replay_tolerance: largest difference allowed between delivered frames (and samples) and their
             replayed copies after a resume.
+        channel: TLS and the metadata every call carries (``s3flow_client.channel``; default: plain gRPC).
     """
 
     def __init__(self, url: Union[str, Sequence[str]] = "127.0.0.1:8001", model: str = "token2mel",
                  timeout_s: Optional[float] = None, response_timeout_s: Optional[float] = 120.0,
                  audio: Optional[bool] = None, max_retries: int = 3, retry_backoff_s: float = 0.25,
-                 max_resumes: int = 3, replay_tolerance: float = 1e-3):
+                 max_resumes: int = 3, replay_tolerance: float = 1e-3, channel: Optional[Channel] = None):
         self.urls = [u.strip() for u in (url.split(",") if isinstance(url, str) else url) if u.strip()]
         if not self.urls:
             raise ValueError(f"no server address in {url!r}")
@@ -159,6 +161,7 @@ class StreamingClient:
         self.max_resumes, self.replay_tolerance = max_resumes, replay_tolerance
         self.audio = model.startswith("token2wav") if audio is None else audio  # ask for audio + sample_offset
         self.response_timeout_s = response_timeout_s
+        self.channel = channel or Channel()
 
     def synthesize(self, utterances: Sequence[Utterance],
                    progress: Optional[Callable[[int], None]] = None,

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
-import tritonclient.grpc as grpcclient
 
 from s3flow_contract.tensors import PROMPT, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS, VOICE_ID, by_name
 
 from .audio import read_wav
+from .channel import Channel
 from .stream import Utterance
 from .wire import infer_inputs, requested_outputs
 
@@ -59,10 +60,11 @@ def _arrays(**values) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(value, dtype=spec[name].np_dtype) for name, value in values.items()}
 
 
-def _call(url: str, inputs: dict, outputs: tuple[str, ...]) -> dict:
-    client = grpcclient.InferenceServerClient(url)
+def _call(url: str, inputs: dict, outputs: tuple[str, ...], channel: Optional[Channel]) -> dict:
+    channel = channel or Channel()
+    client = channel.connect(url)
     try:
-        result = client.infer(MODEL, infer_inputs(inputs, VOICE_ENCODER_INPUTS),
+        result = client.infer(MODEL, infer_inputs(inputs, VOICE_ENCODER_INPUTS), headers=channel.headers,
                               outputs=requested_outputs(t for t in VOICE_ENCODER_OUTPUTS if t.name in outputs))
         return {n: result.as_numpy(n) for n in outputs}
     finally:
@@ -77,22 +79,22 @@ def _voice(out: dict) -> Voice:
 _PROMPT_OUT = (VOICE_ID,) + PROMPT
 
 
-def register_voice(url: str, wav: np.ndarray, sample_rate: int) -> Voice:
+def register_voice(url: str, wav: np.ndarray, sample_rate: int, channel: Optional[Channel] = None) -> Voice:
     """Register a reference (mono float32 samples at their own rate); the server checks it (1-20 s, no NaN,
     not silent, a supported rate) and answers INVALID_ARG naming what is wrong."""
-    return _voice(_call(url, _arrays(wav=wav, sample_rate=[sample_rate]), _PROMPT_OUT))
+    return _voice(_call(url, _arrays(wav=wav, sample_rate=[sample_rate]), _PROMPT_OUT, channel))
 
 
 def register_prompt(url: str, prompt_tokens: np.ndarray, prompt_mel: np.ndarray,
-                    speaker_embedding: np.ndarray) -> Voice:
+                    speaker_embedding: np.ndarray, channel: Optional[Channel] = None) -> Voice:
     """Register a prompt made elsewhere (e.g. Chatterbox's ``conds.pt``, see ``read_conds``)."""
     return _voice(_call(url, _arrays(prompt_tokens=prompt_tokens, prompt_mel=prompt_mel,
-                                     speaker_embedding=speaker_embedding), _PROMPT_OUT))
+                                     speaker_embedding=speaker_embedding), _PROMPT_OUT, channel))
 
 
-def list_voices(url: str) -> list[str]:
+def list_voices(url: str, channel: Optional[Channel] = None) -> list[str]:
     """The voice ids the server holds, most recently used first."""
-    out = _call(url, _arrays(list_voices=[True]), ("voice_ids",))["voice_ids"]
+    out = _call(url, _arrays(list_voices=[True]), ("voice_ids",), channel)["voice_ids"]
     return [v.decode() for v in out.reshape(-1)]
 
 

@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from s3flow.server.access import ServerTls, restricted_api_flags
 from s3flow.server.processes import (free_port, has_nvidia_gpu, is_running, kill, log_tail, port_open, read_cmdline,
                                       stop_pid, tree_rss_bytes)
 from s3flow.server.install import (TritonPaths, TritonServerError, check_venv, default_venv,
@@ -84,6 +85,9 @@ class TritonServer:
         shm_byte_size: python-backend shared memory per model instance at start (``shm-default-byte-size``).
         drain_s: run the server under ``s3flow.server.drain supervise``: SIGTERM (``stop``) first drains (new
             sequences refused, those in flight finish) for up to this many seconds; None: plain tritonserver.
+        admin_key: every API category a streaming client does not need answers only calls that carry
+            this key (:mod:`s3flow.server.access`); None: all open.
+        tls: gRPC over TLS (:class:`s3flow.server.access.ServerTls`); readiness is then probed over HTTP.
     """
 
     def __init__(
@@ -102,6 +106,8 @@ class TritonServer:
         paths: TritonPaths | None = None,
         shm_byte_size: int | None = None,
         drain_s: float | None = None,
+        admin_key: str | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         if model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {model_control_mode!r}")
@@ -122,6 +128,10 @@ class TritonServer:
         self.paths = paths or find_tritonserver()
         self.shm_byte_size = shm_byte_size
         self.drain_s = drain_s
+        self.admin_key = admin_key
+        self.tls = tls
+        self.access_flags = (restricted_api_flags(admin_key) if admin_key is not None else []) + \
+            (tls.flags() if tls is not None else [])
         self.drain_file = (pathlib.Path(tempfile.mkdtemp(prefix="s3flow-drain-")) / "draining"
                            if drain_s is not None else None)
         self.shm_prefix = f"s3flow_{os.getpid()}_{uuid.uuid4().hex[:8]}"
@@ -149,6 +159,24 @@ class TritonServer:
 
         return grpcclient.InferenceServerClient(self.grpc_url, **kwargs)
 
+    def _ready_now(self) -> bool:
+        """One live+ready probe: over gRPC, or over HTTP when gRPC needs TLS (health is open on both)."""
+        from tritonclient.utils import InferenceServerException
+
+        if self.tls is None:
+            client, kwargs = self.client(), {"client_timeout": 2.0}
+        else:
+            import tritonclient.http as httpclient
+
+            client, kwargs = httpclient.InferenceServerClient(self.http_url, connection_timeout=2.0,
+                                                              network_timeout=2.0), {}
+        try:
+            return client.is_server_live(**kwargs) and client.is_server_ready(**kwargs)
+        except (InferenceServerException, OSError):
+            return False
+        finally:
+            client.close()
+
     # ----------------------------------------------------------------------------------------- command
     def command(self) -> list[str]:
         """The full command line (ports must be chosen, see :meth:`start`)."""
@@ -173,6 +201,7 @@ class TritonServer:
         if not has_nvidia_gpu():
             cmd.append("--allow-gpu-metrics=false")  # otherwise: "Error: Failed to initialize NVML" in the log
         cmd += [f"--load-model={name}" for name in self.load_models]
+        cmd += self.access_flags
         cmd += self.extra_args
         if self.drain_s is None:
             return cmd
@@ -229,7 +258,8 @@ class TritonServer:
         cmd = self.command()
         self._close_log()
         self._log_handle = open(self.log_file, "ab")
-        self._log_handle.write(("$ " + " ".join(cmd) + "\n").encode())
+        shown = [a.replace(self.admin_key, "<admin key>") if self.admin_key else a for a in cmd]
+        self._log_handle.write(("$ " + " ".join(shown) + "\n").encode())
         self._log_handle.flush()
         self._log_start = self._log_handle.tell()
         self.process = subprocess.Popen(
@@ -243,14 +273,12 @@ class TritonServer:
         return self
 
     def wait_ready(self, timeout: float = 120.0) -> float:
-        """Poll gRPC live+ready until both hold; return the seconds waited.
+        """Poll live+ready until both hold; return the seconds waited.
 
         Raises:
             TritonServerError: the process exited (with its exit code and log tail), or ``timeout`` passed
                 (the server is stopped first).
         """
-        from tritonclient.utils import InferenceServerException
-
         if self.process is None:
             raise TritonServerError("server not started")
         start = time.monotonic()
@@ -265,16 +293,10 @@ class TritonServer:
                 )
             # A gRPC channel that failed to connect backs off for seconds before it retries, so wait for
             # the port to accept TCP first and use a fresh client for each probe.
-            if port_open(self.host, self.grpc_port):
-                client = self.client()
-                try:
-                    if client.is_server_live(client_timeout=2.0) and client.is_server_ready(client_timeout=2.0):
-                        self._wait_metrics_port(start + timeout)
-                        return time.monotonic() - start
-                except InferenceServerException:
-                    pass
-                finally:
-                    client.close()
+            if port_open(self.host, self.grpc_port) and port_open(self.host, self.http_port):
+                if self._ready_now():
+                    self._wait_metrics_port(start + timeout)
+                    return time.monotonic() - start
             if time.monotonic() - start > timeout:
                 self.stop()
                 raise TritonServerError(

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from s3flow.server.access import admin_headers
 from s3flow_client.demo import demo_utterance
 from s3flow_client.stream import StreamError, StreamingClient, Utterance, chunk_schedule
 from s3flow_tools.bench.report import SCHEDULE, Report, log
@@ -23,7 +24,7 @@ from s3flow_tools.bench.report import SCHEDULE, Report, log
 def model_stats(client) -> dict:
     """{model: (executions, compute_infer ns)} of every model, from Triton's statistics."""
     out = {}
-    for m in client.get_inference_statistics(as_json=True).get("model_stats", []):
+    for m in client.get_inference_statistics(as_json=True, headers=admin_headers()).get("model_stats", []):
         compute = int(m.get("inference_stats", {}).get("compute_infer", {}).get("ns", 0))
         out[m["name"]] = (int(m.get("execution_count", 0)), compute)
     return out
@@ -42,7 +43,7 @@ class ServerStats:
     def _read(self) -> dict:
         out = {}
         for m in self.MODELS:
-            s = self.client.get_inference_statistics(m).model_stats[0]
+            s = self.client.get_inference_statistics(m, headers=admin_headers()).model_stats[0]
             out[m] = (s.inference_stats.compute_infer.ns / 1e9, int(s.inference_count), int(s.execution_count))
         return out
 
