@@ -628,7 +628,7 @@ def router_entry(docs: list[dict]) -> tuple[dict, dict]:
     return listener(envoy, named[port["targetPort"]]), port
 
 
-from s3flow_client.resume import SEQUENCE_HEADER  # noqa: E402  (the header the router hashes on)
+from s3flow_client.channel import SEQUENCE_HEADER  # noqa: E402  (the header the router hashes on)
 
 #: the gRPC methods a streaming client calls (KServe v2 over gRPC): all the router may route
 CLIENT_METHODS = {f"/inference.GRPCInferenceService/{m}" for m in

@@ -28,7 +28,7 @@ from s3flow.repository.model_config import read_config
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import Batching, RepositorySettings
 from s3flow.repository.configs import solver_config, stateless_config
-from s3flow_client.resume import SEQUENCE_HEADER
+from s3flow_client.channel import SEQUENCE_HEADER
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"

@@ -22,6 +22,9 @@ Examples::
     .venv/bin/python -m s3flow_client voices register conds.pt
     .venv/bin/python -m s3flow_client voices list
 
+    # live: token ids piped in as a text-to-token model makes them; the wav grows as audio arrives
+    my_t3 | .venv/bin/python -m s3flow_client --model token2wav --voice ref.wav --tokens-from -
+
     # several servers: an utterance whose server goes away resumes on the next
     .venv/bin/python -m s3flow_client --url 10.0.0.5:8001,10.0.0.6:8001 --seconds 5
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +110,9 @@ def main(argv=None) -> int:
     src.add_argument("--inputs", type=Path, help=".npz with speech_tokens, prompt_tokens, prompt_feat, embedding")
     src.add_argument("--voice", type=Path, help="a mono .wav reference: registered (voice_encoder), then the "
                      "utterances start by its voice id")
+    src.add_argument("--tokens-from", metavar="FILE", help="live: read speech token ids (whitespace separated) "
+                     "from FILE ('-': standard input) as they come, stream them, write the wav as it grows; the "
+                     "prompt comes from --inputs or --voice (else a random one)")
     src.add_argument("--seconds", type=float, default=5.0, help="random tokens: utterance length (default: 5)")
     src.add_argument("--utterances", type=int, default=1, help="utterances streamed at once (default: 1)")
     src.add_argument("--seed", type=int, default=0, help="noise seed; utterance i uses seed + i (default: 0)")
@@ -124,6 +131,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     channel = channel_of(p, args)
 
+    if args.tokens_from:
+        return live_main(args, channel)
     utts, truth = [], load_truth(args.inputs) if args.inputs else None
     voice = None
     if args.voice:
@@ -190,6 +199,70 @@ def main(argv=None) -> int:
             print(f"  first audio {r.first_audio_s * 1000:.0f} ms; samples per response {r.chunk_samples}; "
                   f"wrote {wavs[i].path} and {png}")
     return code
+
+
+def read_tokens(path: str):
+    """Token id batches from a file or standard input, one list per line as the line arrives."""
+    f = sys.stdin if path == "-" else open(path)
+    try:
+        for line in f:
+            ids = [int(t) for t in line.split()]
+            if ids:
+                yield ids
+    finally:
+        if f is not sys.stdin:
+            f.close()
+
+
+def live_main(args, channel: Channel) -> int:
+    """``--tokens-from``: one live utterance fed from a file or a pipe."""
+    from .audio import WavWriter
+    from .live import LiveClient
+
+    if args.voice:
+        from .voices import read_reference, register_voice
+        voice = register_voice(args.url.split(",")[0], *read_reference(args.voice), channel=channel)
+        prompt = dict(voice_id=voice.voice_id, prompt_tokens=voice.prompt_tokens, prompt_mel=voice.prompt_mel,
+                      speaker_embedding=voice.speaker_embedding)
+    else:
+        u = load_utterance(args.inputs) if args.inputs else demo_utterance(1.0, seed=args.seed)
+        prompt = dict(prompt_tokens=u.prompt_tokens, prompt_mel=u.prompt_mel, speaker_embedding=u.speaker_embedding)
+    audio = args.model.startswith("token2wav")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    wav = WavWriter(args.out_dir / "audio_0.wav") if audio else None
+    mels = []
+    with LiveClient(args.url, args.model, channel=channel, response_timeout_s=args.timeout) as client:
+        stream = client.open(**prompt, seed=args.seed, n_timesteps=args.steps, guidance_rate=args.guidance_rate)
+
+        def feed():
+            try:
+                for ids in read_tokens(args.tokens_from):
+                    stream.push(ids)
+            except ValueError as exc:   # not token ids: stop the utterance, say why
+                print(f"error: --tokens-from {args.tokens_from}: {exc}", file=sys.stderr)
+                stream.cancel()
+                return
+            stream.end()
+
+        threading.Thread(target=feed, daemon=True).start()
+        try:
+            for piece in stream:
+                mels.append(piece.mel)
+                if wav is not None and piece.audio is not None and piece.audio.size:
+                    wav.write(piece.audio)
+        finally:
+            if wav is not None:
+                wav.close()
+        r = stream.result()
+    if r.error:
+        print(f"error: {r.error}", file=sys.stderr)
+        return 1
+    np.save(args.out_dir / "mel_0.npy", r.mel)
+    print(f"live utterance: {len(stream.sizes)} chunks {stream.sizes} -> {r.mel.shape[1]} frames "
+          f"({r.audio_s:.2f} s); first chunk {r.first_chunk_s * 1000:.0f} ms"
+          + (f", first audio {r.first_audio_s * 1000:.0f} ms, {r.stalls} stalls ({r.stall_s:.2f} s); wrote {wav.path}"
+             if wav is not None else "") + f", {args.out_dir / 'mel_0.npy'}")
+    return 0
 
 
 if __name__ == "__main__":

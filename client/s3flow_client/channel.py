@@ -1,4 +1,4 @@
-"""How the client reaches a server: TLS and the gRPC metadata every call carries.
+"""How the client reaches a server: TLS and the gRPC metadata every call carries; one stream to one server.
 
 A plain loopback server needs nothing (``Channel()``). A server or router that terminates TLS needs the CA
 that signed its certificate (``root_certificates``); with mutual TLS also the client's own key and
@@ -7,11 +7,18 @@ authenticates them, or the admin key of Triton's restricted API categories (docs
 """
 from __future__ import annotations
 
+import queue
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import tritonclient.grpc as grpcclient
+
+from .wire import infer_inputs, requested_outputs
+
+#: gRPC metadata naming the stream's first sequence id: a load balancer hashing on it (docker/k8s/) keeps
+#: every chunk of the stream's utterances on one server, which sequence batching requires.
+SEQUENCE_HEADER = "x-sequence-id"
 
 
 @dataclass(frozen=True)
@@ -42,3 +49,26 @@ class Channel:
         return grpcclient.InferenceServerClient(url, ssl=True, root_certificates=read(self.root_certificates),
                                                 private_key=read(self.private_key),
                                                 certificate_chain=read(self.certificate_chain))
+
+
+class ServerStream:
+    """One gRPC stream to one server; its callbacks land in the shared event queue tagged with its id."""
+
+    def __init__(self, conn_id: int, url: str, events: queue.Queue, timeout_s: float, header: int,
+                 channel: Channel):
+        self.id, self.url, self.alive = conn_id, url, True
+        self.client = channel.connect(url)
+        self.client.start_stream(callback=lambda result, error: events.put((conn_id, result, error)),
+                                 stream_timeout=timeout_s, headers={**channel.headers, SEQUENCE_HEADER: str(header)})
+
+    def send(self, model: str, tensors: dict, request_id: str, corr_id: int, start: bool, end: bool,
+             outputs: tuple) -> None:
+        self.client.async_stream_infer(model, infer_inputs(tensors), request_id=request_id, sequence_id=corr_id,
+                                       sequence_start=start, sequence_end=end, outputs=requested_outputs(outputs))
+
+    def close(self) -> None:
+        self.alive = False
+        try:
+            self.client.stop_stream(cancel_requests=True)  # joins the response thread
+        finally:
+            self.client.close()

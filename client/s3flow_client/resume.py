@@ -40,55 +40,32 @@ from tritonclient.utils import InferenceServerException
 from s3flow_contract.answers import Answer, answer_of
 from s3flow_contract.tensors import AUDIO_RESPONSE, MEL_RESPONSE, request_arrays
 
-from .channel import Channel
+from .channel import ServerStream
 from .state import UtteranceState, new_corr_id
-from .wire import infer_inputs, requested_outputs
 
 log = logging.getLogger("s3flow_client")
 
-#: gRPC metadata naming the stream's first sequence id: a load balancer hashing on it (docker/k8s/) keeps
-#: every chunk of the stream's utterances on one server, which sequence batching requires.
-SEQUENCE_HEADER = "x-sequence-id"
 PROBE_S = 2.0                          # liveness probe of an address whose stream broke
+
 
 def classify(message: str) -> Answer:
     """What to do about an error message: its disposition and the sequence it names (table above)."""
     return answer_of(message)
 
 
-class _Conn:
-    """One gRPC stream to one server; its callbacks land in the shared event queue tagged with its id."""
-
-    def __init__(self, conn_id: int, url: str, events: queue.Queue, timeout_s: float, header: int,
-                 channel: Channel):
-        self.id, self.url, self.alive = conn_id, url, True
-        self.client = channel.connect(url)
-        self.client.start_stream(callback=lambda result, error: events.put((conn_id, result, error)),
-                                 stream_timeout=timeout_s, headers={**channel.headers, SEQUENCE_HEADER: str(header)})
-
-    def send(self, model: str, tensors: dict, request_id: str, corr_id: int, start: bool, end: bool,
-             outputs: tuple) -> None:
-        self.client.async_stream_infer(model, infer_inputs(tensors), request_id=request_id, sequence_id=corr_id,
-                                       sequence_start=start, sequence_end=end, outputs=requested_outputs(outputs))
-
-    def close(self) -> None:
-        self.alive = False
-        try:
-            self.client.stop_stream(cancel_requests=True)  # joins the response thread
-        finally:
-            self.client.close()
-
-
 class Run:
     """One ``StreamingClient.synthesize`` call: the event loop over all utterances and connections."""
 
     def __init__(self, client, streams: list[UtteranceState], progress: Optional[Callable[[int], None]],
-                 on_audio: Optional[Callable[[int, np.ndarray], None]]):
+                 on_audio: Optional[Callable[[int, np.ndarray], None]], live: bool = False):
+        """``live``: the loop keeps running for utterances opened later (``add``) until ``close``; tokens,
+        ENDs and cancels arrive from other threads through the event queue (``s3flow_client.live``)."""
         self.c, self.streams, self.progress, self.on_audio = client, streams, progress, on_audio
+        self.live, self.closed = live, False
         self.by_id = {s.corr_id: s for s in streams}
         self.retired: set[int] = set()                 # ids of attempts given up: their answers are ignored
         self.cleanups: set[str] = set()                # END requests of those, not yet answered
-        self.conns: dict[int, _Conn] = {}
+        self.conns: dict[int, ServerStream] = {}
         self.suspect: set[str] = set()                 # addresses whose stream broke
         self.events: queue.Queue = queue.Queue()
         self.due: list[tuple[float, UtteranceState]] = []  # sends scheduled for later (back-off)
@@ -96,16 +73,16 @@ class Run:
         self._ids = itertools.count()
 
     # -- connections ---------------------------------------------------------------------------------
-    def conn_for(self, s: UtteranceState) -> _Conn:
+    def conn_for(self, s: UtteranceState) -> ServerStream:
         url = self.c.urls[s.url_i]
         for conn in self.conns.values():
             if conn.alive and conn.url == url:
                 return conn
-        conn = _Conn(next(self._ids), url, self.events, self.c.timeout_s, s.corr_id, self.c.channel)
+        conn = ServerStream(next(self._ids), url, self.events, self.c.timeout_s, s.corr_id, self.c.channel)
         self.conns[conn.id] = conn
         return conn
 
-    def broken(self, conn: _Conn, why: str) -> None:
+    def broken(self, conn: ServerStream, why: str) -> None:
         """The stream to conn's server broke: every open utterance on it resumes elsewhere."""
         if not conn.alive:
             return
@@ -138,16 +115,37 @@ class Run:
         if why is not None:
             self.resume(s, f"the server at {url} does not answer: {why}")
             return
-        conn = s.conn = self.conn_for(s)
         i = s.next_chunk
+        if i == len(s.sizes) and not self.choose_chunk(s):
+            return  # live: waiting for tokens (or nothing to say at all)
+        conn = s.conn = self.conn_for(s)
         s.sent_at = time.perf_counter()
+        s.in_flight, s.recheck_at = True, None
+        end = s.is_end(i)
+        if end:
+            s.end_chunk = i
         try:
-            conn.send(self.c.model, s.tensors(), f"{s.corr_id}:{i}", s.corr_id, i == 0, i == len(s.sizes) - 1,
-                      self.outputs)
+            conn.send(self.c.model, s.tensors(), f"{s.corr_id}:{i}", s.corr_id, i == 0, end, self.outputs)
         except InferenceServerException as exc:  # the stream is gone; its cause comes through the callback
             self.broken(conn, self.cause(conn) or str(exc))
 
-    def cause(self, conn: _Conn, wait_s: float = 0.5) -> Optional[str]:
+    def choose_chunk(self, s: UtteranceState) -> bool:
+        """A live utterance's next chunk size (recorded in ``s.sizes``); False: nothing to send yet."""
+        from .chunking import Situation
+
+        now = time.perf_counter()
+        latency = s.latencies[-1] if s.latencies else None
+        d = s.chunker.decide(Situation(s.unsent, s.ended, len(s.sizes), s.lead_s(now), latency, s.token_rate()))
+        if d.size is None or (d.size == 0 and not s.ended):
+            s.recheck_at = None if d.recheck_s is None else now + d.recheck_s
+            return False
+        if d.size == 0 and not s.sizes:   # ended before any token: no sequence to open
+            s.done, s.wall = True, now - s.t0
+            return False
+        s.sizes.append(d.size)
+        return True
+
+    def cause(self, conn: ServerStream, wait_s: float = 0.5) -> Optional[str]:
         """The error that broke conn's stream, from the events (the others stay queued in order)."""
         kept, found, until = [], None, time.perf_counter() + wait_s
         while found is None and time.perf_counter() < until:
@@ -167,7 +165,7 @@ class Run:
         """Give up this attempt's sequence: its answers are ignored; an empty END frees its server slot."""
         self.retired.add(s.corr_id)
         conn = s.conn
-        if conn is None or not conn.alive or (s.next_chunk == len(s.sizes) - 1):
+        if conn is None or not conn.alive or s.end_chunk is not None:
             return  # nothing was sent, the stream is gone, or the END itself was in flight
         rid = f"end:{s.corr_id}"
         try:
@@ -205,9 +203,10 @@ class Run:
         """The utterance starts over as a new sequence at address ``url_i`` (its answered chunks replayed)."""
         s.url_i, s.corr_id = url_i, new_corr_id()
         self.by_id[s.corr_id] = s
-        s.next_chunk, s.server_frames, s.server_samples, s.conn = 0, 0, 0, None
+        s.next_chunk, s.server_frames, s.server_samples, s.conn, s.in_flight = 0, 0, 0, None, False
+        s.end_chunk = None
 
-    def on_error(self, conn: _Conn, error) -> None:
+    def on_error(self, conn: ServerStream, error) -> None:
         message = str(error)
         answer = classify(message)
         cid = answer.sequence
@@ -219,6 +218,7 @@ class Run:
             self.broken(conn, message)  # tritonclient hands over stream errors without the request
             return
         kind = answer.disposition.value
+        s.in_flight = False
         if answer.resend == "prompt" and s.by_voice_id and s.utt.prompt_tokens is not None:
             s.by_voice_id = False   # this server does not hold the voice: START again with the prompt itself
             s.retries.append(message)
@@ -252,13 +252,18 @@ class Run:
         if s is None or s.done or cid != s.corr_id:
             return  # an answer for an attempt given up
         fresh = i >= s.answered  # a chunk never answered before, not a replayed one
+        s.in_flight = False
         try:
-            s.accept(result.as_numpy("mel")[0], int(result.as_numpy("frame_offset").reshape(-1)[0]), fresh)
+            frame_at, sample_at = s.frames, s.samples
+            mel = s.accept(result.as_numpy("mel")[0], int(result.as_numpy("frame_offset").reshape(-1)[0]), fresh)
+            audio = None
             if self.c.audio:
-                new = s.accept_audio(result.as_numpy("audio").reshape(-1),
-                                     int(result.as_numpy("sample_offset").reshape(-1)[0]), now, fresh)
-                if self.on_audio and new.size:
-                    self.on_audio(s.index, new)
+                audio = s.accept_audio(result.as_numpy("audio").reshape(-1),
+                                       int(result.as_numpy("sample_offset").reshape(-1)[0]), now, fresh)
+                if self.on_audio and audio.size:
+                    self.on_audio(s.index, audio)
+            if s.sink is not None and (mel.shape[1] or (audio is not None and audio.size)):
+                s.sink(mel, frame_at, audio, sample_at)
         except ValueError as exc:
             self.fail(s, str(exc))
             return
@@ -267,11 +272,42 @@ class Run:
             s.answered = i + 1
             if self.progress:
                 self.progress(1)
+        ended = i == s.end_chunk   # (a live END may have come after this chunk was sent without it)
         s.next_chunk += 1
-        if s.next_chunk < len(s.sizes):
-            self.send(s)
-        else:
+        if ended:
             s.done, s.wall = True, now - s.t0
+        else:
+            self.send(s)   # a live one may wait for tokens here
+
+    # -- live control (events put by other threads: conn_id None) -------------------------------------
+    def control(self, kind: str, s: Optional[UtteranceState], arg=None) -> None:
+        now = time.perf_counter()
+        if kind == "open":
+            s.t0 = now
+            self.streams.append(s)
+            self.by_id[s.corr_id] = s
+            self.send(s)
+        elif kind == "close":
+            self.closed = True
+        elif s.done:
+            return
+        elif kind == "push":
+            s.push(arg, now)
+            self.nudge(s)
+        elif kind == "end":
+            s.finish()
+            self.nudge(s)
+        elif kind == "cancel":
+            self.fail(s, f"{s.where()}: cancelled by the client")
+
+    def nudge(self, s: UtteranceState) -> None:
+        """A live utterance with nothing in flight and nothing due may have a chunk to send now."""
+        if not s.done and not s.in_flight and not any(d[1] is s for d in self.due):
+            self.send(s)
+
+    def busy(self) -> bool:
+        """The loop has work: an utterance not done, or (live) the client still open."""
+        return (self.live and not self.closed) or any(not s.done for s in self.streams)
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -282,26 +318,39 @@ class Run:
             s.t0 = start
             self.send(s)
         try:
-            while any(not s.done for s in self.streams):
+            while self.busy():
                 now = time.perf_counter()
                 for item in [d for d in self.due if d[0] <= now]:
                     self.due.remove(item)
                     if not item[1].done:
                         self.send(item[1])
-                if all(s.done for s in self.streams):
+                for s in [s for s in self.streams if s.recheck_at is not None and s.recheck_at <= now]:
+                    s.recheck_at = None
+                    self.nudge(s)
+                self.notify_done()
+                if not self.busy():
                     break  # the sends above may have settled the last utterances (given up)
+                waiting = any(s.in_flight for s in self.streams if not s.done)
                 wait = self.deadline - now
-                if self.c.response_timeout_s is not None and not self.due:
+                if self.c.response_timeout_s is not None and not self.due and waiting:
                     wait = min(wait, last_event + self.c.response_timeout_s - now)
                 if self.due:
                     wait = min(wait, min(d[0] for d in self.due) - now)
+                rechecks = [s.recheck_at for s in self.streams if s.recheck_at is not None and not s.done]
+                if rechecks:
+                    wait = min(wait, min(rechecks) - now)
                 try:
                     conn_id, result, error = self.events.get(timeout=min(max(wait, 0.01), 3600.0))
                 except queue.Empty:
-                    if self.due and time.perf_counter() < self.deadline:
-                        continue  # a retry is due, not a silent server
+                    if (self.due or rechecks or not waiting) and time.perf_counter() < self.deadline:
+                        continue  # a retry or a chunking decision is due, or nothing awaits an answer
                     self.timed_out(time.perf_counter() >= self.deadline)
                     break
+                if conn_id is None:   # live control from another thread
+                    self.control(result, error[0], error[1])
+                    if result in ("push", "end", "open"):
+                        last_event = time.perf_counter()
+                    continue
                 conn = self.conns[conn_id]
                 if not conn.alive:
                     continue  # a stream given up: its utterances moved on
@@ -315,6 +364,17 @@ class Run:
             for conn in self.conns.values():
                 if conn.alive:
                     conn.close()
+            for s in self.streams:
+                if not s.done:
+                    s.error, s.done = s.error or f"{s.where()}: the client closed", True
+            self.notify_done()
+
+    def notify_done(self) -> None:
+        """Tell the live sinks of utterances that just finished (a None delivery)."""
+        for s in self.streams:
+            if s.done and s.sink is not None:
+                sink, s.sink = s.sink, None
+                sink(None, s.frames, None, s.samples)
 
     def timed_out(self, overall: bool) -> None:
         bound = (f"{self.c.timeout_s} s in all" if overall else f"{self.c.response_timeout_s} s since the last one")
@@ -330,6 +390,8 @@ class Run:
                 conn_id, result, error = self.events.get(timeout=0.05)
             except queue.Empty:
                 continue
+            if conn_id is None:
+                continue  # live control after the loop ended: nothing left to act on
             if result is not None:
                 self.cleanups.discard(result.get_response().id)
                 continue

@@ -28,10 +28,25 @@ def new_corr_id() -> int:
 
 
 class UtteranceState:
-    """Book-keeping for one utterance: what was delivered, and where its current attempt stands."""
+    """Book-keeping for one utterance: what was delivered, and where its current attempt stands.
 
-    def __init__(self, index: int, utt, sizes: list[int], tolerance: float):
-        self.index, self.utt, self.sizes, self.tolerance = index, utt, sizes, tolerance
+    ``chunks``: the planned chunk sizes (every token in hand, ``ended``), or a live chunker
+    (``s3flow_client.chunking.LiveChunks``): tokens then arrive by ``push`` until ``finish``, ``sizes`` grows
+    as chunks are chosen, and the chunk that sends the last token after ``finish`` carries the END.
+    """
+
+    def __init__(self, index: int, utt, chunks, tolerance: float):
+        self.index, self.utt, self.tolerance = index, utt, tolerance
+        self.live = not isinstance(chunks, (list, tuple))
+        self.chunker = chunks if self.live else None
+        self.sizes: list[int] = [] if self.live else list(chunks)   # chunk sizes sent (a resume replays them)
+        self.ended = not self.live
+        self.pushed_at: list[tuple[float, int]] = []   # (time, tokens so far) of recent pushes (live)
+        self.in_flight = False                         # a chunk of this attempt awaits its answer
+        self.end_chunk: Optional[int] = None           # the chunk this attempt sent with the END flag
+        self.recheck_at: Optional[float] = None        # when a live chunker wants to decide again
+        self.first_frame_at = float("nan")
+        self.sink = None                               # live: receives each delivery (see s3flow_client.live)
         self.corr_id, self.url_i, self.conn = new_corr_id(), 0, None
         self.next_chunk, self.answered = 0, 0          # chunk to send in this attempt; chunks ever answered
         self.server_frames = self.server_samples = 0   # what this attempt's responses covered
@@ -49,6 +64,41 @@ class UtteranceState:
         self.replayed_frames, self.replay_max_diff = 0, 0.0
         self.by_voice_id = utt.voice_id is not None   # START names the voice; False: it carries the prompt
 
+    # -- live tokens ----------------------------------------------------------------------------------
+    def push(self, tokens: np.ndarray, now: float) -> None:
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if self.ended:
+            raise ValueError(f"utterance {self.index}: push after end()")
+        self.utt.speech_tokens = np.concatenate([self.utt.speech_tokens, tokens])
+        self.pushed_at = [p for p in self.pushed_at if now - p[0] < 2.0] + [(now, len(self.utt.speech_tokens))]
+
+    def finish(self) -> None:
+        self.ended = True
+
+    @property
+    def unsent(self) -> int:
+        return len(self.utt.speech_tokens) - sum(self.sizes)
+
+    def token_rate(self) -> Optional[float]:
+        """Tokens per second over the recent pushes (None: too few to say)."""
+        if len(self.pushed_at) < 2 or self.pushed_at[-1][0] - self.pushed_at[0][0] < 0.1:
+            return None
+        (t0, n0), (t1, n1) = self.pushed_at[0], self.pushed_at[-1]
+        return (n1 - n0) / (t1 - t0)
+
+    def lead_s(self, now: float) -> float:
+        """Audio delivered and not yet played, if playback began with the first delivered frame."""
+        if math.isnan(self.first_frame_at):
+            return 0.0
+        return self.frames / (FRAMES_PER_TOKEN * 25.0) - (now - self.first_frame_at)
+
+    def is_end(self, i: int) -> bool:
+        """Chunk i carries the END: the last planned one, or (live) the one that sends the last token after
+        ``finish``."""
+        if not self.live:
+            return i == len(self.sizes) - 1
+        return self.ended and sum(self.sizes[:i + 1]) == len(self.utt.speech_tokens)
+
     def tensors(self) -> dict:
         """The tensors of this attempt's next chunk (a START carries the voice id or the prompt, and the options)."""
         i = self.next_chunk
@@ -56,8 +106,10 @@ class UtteranceState:
         return self.utt.request(lo, lo + self.sizes[i], start=i == 0, by_voice_id=self.by_voice_id)
 
     def where(self) -> str:
-        return (f"sequence {self.corr_id} reached frame {self.frames} of {FRAMES_PER_TOKEN * sum(self.sizes)} "
-                f"(chunk {self.next_chunk + 1} of {len(self.sizes)} in flight)")
+        total = FRAMES_PER_TOKEN * len(self.utt.speech_tokens)
+        more = "" if self.ended else " so far"
+        return (f"sequence {self.corr_id} reached frame {self.frames} of {total}{more} "
+                f"(chunk {self.next_chunk + 1} of {len(self.sizes)}{more} in flight)")
 
     def _merge(self, got: np.ndarray, offset: int, have: int, parts: list, axis: int, what: str) -> np.ndarray:
         """The part of ``got`` (starting at ``offset``) beyond the ``have`` delivered; the rest must agree."""
@@ -72,8 +124,9 @@ class UtteranceState:
                                  f"splicing two different syntheses")
         return got.take(range(n, got.shape[axis]), axis=axis)
 
-    def accept(self, mel: np.ndarray, offset: int, new_chunk: bool) -> None:
-        """A response's frames: those delivered already are checked; a new chunk's part is kept (even empty)."""
+    def accept(self, mel: np.ndarray, offset: int, new_chunk: bool) -> np.ndarray:
+        """A response's frames: those delivered already are checked; a new chunk's part is kept (even empty)
+        and returned."""
         if offset != self.server_frames:
             raise ValueError(f"sequence {self.corr_id}: frame offset {offset} does not continue the "
                              f"{self.server_frames} frames received (gap or duplicate)")
@@ -83,6 +136,9 @@ class UtteranceState:
         if new_chunk or new.shape[1]:
             self.parts.append(new)
             self.frames += new.shape[1]
+            if math.isnan(self.first_frame_at) and new.shape[1]:
+                self.first_frame_at = time.perf_counter()
+        return new
 
     def accept_audio(self, audio: np.ndarray, offset: int, now: float, new_chunk: bool) -> np.ndarray:
         """Returns the newly delivered samples."""

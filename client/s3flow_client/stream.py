@@ -40,23 +40,11 @@ import numpy as np
 from s3flow_contract.tensors import SAMPLES_PER_FRAME, request_arrays
 
 from .channel import Channel
+from .chunking import chunk_schedule
 from .resume import Run
 from .state import FRAMES_PER_TOKEN, UtteranceState
 
 FRAMES_PER_SECOND = 50.0
-
-
-def chunk_schedule(n_tokens: int, first: int = 10, growth: float = 2.0, largest: int = 100) -> list[int]:
-    """Chunk sizes summing to n_tokens: a small first chunk (fast first audio), then growing ones."""
-    if first < 1 or largest < first or growth < 1:
-        raise ValueError(f"need 1 <= first <= largest and growth >= 1, got {first}, {largest}, {growth}")
-    sizes, size, left = [], float(first), n_tokens
-    while left > 0:
-        take = min(int(size), left)
-        sizes.append(take)
-        left -= take
-        size = min(size * growth, largest)
-    return sizes
 
 
 @dataclass
@@ -104,6 +92,10 @@ class StreamResult:
     resumes: list = field(default_factory=list)  # each time the utterance was replayed on a (new) server
     replayed_frames: int = 0          # frames computed again by resumes (the extra work), checked, not re-delivered
     replay_max_diff: float = 0.0      # largest difference between a delivered frame and its replayed copy
+    #: live utterances (s3flow_client.live): times a real-time player starting ``start_buffer_s`` after the first
+    #: audio would have run dry, and for how long in all
+    stalls: int = 0
+    stall_s: float = 0.0
 
     @property
     def first_chunk_s(self) -> float:
