@@ -19,6 +19,10 @@
 #   S3FLOW_ADMIN_KEY_FILE       a file holding the admin key (a mounted Secret): every API category a streaming
 #                               client does not need then answers only calls with header s3flow-admin-key
 #                               (python -m s3flow.server.access; docs/security.md); empty: all open []
+#   S3FLOW_TENANTS              1: voices per tenant, named by the s3flow-tenant header that the router sets
+#                               after authenticating the client (docs/security.md) [0]
+#   S3FLOW_VOICE_KEY_FILE       a file holding the fleet's voice-id key (a mounted Secret): ids are keyed
+#                               digests, the same on every server with the key []
 # Arguments are appended to the tritonserver command line.
 set -euo pipefail
 cd "${S3FLOW_HOME:-/opt/s3flow}"
@@ -78,6 +82,14 @@ if [ -n "${S3FLOW_ADMIN_KEY_FILE:-}" ]; then
     mapfile -t ACCESS_ARGS < <(python3 -m s3flow.server.access flags "$S3FLOW_ADMIN_KEY_FILE")
     [ "${#ACCESS_ARGS[@]}" -gt 0 ] || { log "S3FLOW_ADMIN_KEY_FILE=$S3FLOW_ADMIN_KEY_FILE: no usable key"; exit 1; }
     log "API categories other than health, metadata and inference need the admin key"
+fi
+if [ "${S3FLOW_TENANTS:-0}" = 1 ]; then  # s3flow.server.access.tenant_flags
+    ACCESS_ARGS+=(--grpc-header-forward-pattern=s3flow-tenant --http-header-forward-pattern=s3flow-tenant)
+    log "voices are per tenant (header s3flow-tenant)"
+fi
+if [ -n "${S3FLOW_VOICE_KEY_FILE:-}" ]; then  # read by the python models (s3flow.serving.voice_registry)
+    [ -s "$S3FLOW_VOICE_KEY_FILE" ] || { log "S3FLOW_VOICE_KEY_FILE=$S3FLOW_VOICE_KEY_FILE is empty"; exit 1; }
+    export S3FLOW_VOICE_KEY_FILE
 fi
 log "starting tritonserver on $GPUS GPU(s) under the drain supervisor"
 # SIGTERM (docker stop, Kubernetes) goes to the supervisor: it drains (new sequences refused, those in flight

@@ -80,6 +80,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             venv=args.venv if args.venv is not None else "auto",
             admin_key=admin_key,
             tls=tls,
+            tenants=args.tenants,
         )
         server.start()
         args.pid_file.parent.mkdir(parents=True, exist_ok=True)
@@ -163,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     access.add_argument("--admin-key-file", type=pathlib.Path, default=None,
                         help="restrict every API category a streaming client does not need to calls with this "
                              "key (header s3flow-admin-key; our tools send $S3FLOW_ADMIN_KEY)")
+    access.add_argument("--tenants", action="store_true",
+                        help="voices per tenant, named by the s3flow-tenant header (only behind a router that sets "
+                             "it after authenticating the client)")
     access.add_argument("--tls-cert", type=pathlib.Path, help="gRPC TLS: the server's PEM certificate")
     access.add_argument("--tls-key", type=pathlib.Path, help="gRPC TLS: the server's PEM key")
     access.add_argument("--tls-client-ca", type=pathlib.Path,

@@ -29,7 +29,7 @@ def test_an_invalid_start_is_refused_with_fail_naming_the_value():
 
 
 def test_an_unknown_voice_asks_for_the_prompt_and_draining_sends_elsewhere():
-    def voices(voice_id):
+    def voices(voice_id, tenant=""):
         raise UnknownVoice(f"voice_id {voice_id} is not registered on this server")
     from s3flow_contract.tensors import request_arrays
     by_id = request_arrays(U.speech_tokens[:5], start=True, voice_id="v-0000000000000000")

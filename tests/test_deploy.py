@@ -826,6 +826,17 @@ def test_triton_takes_its_admin_key_from_a_secret_and_restricts_the_apis(tmp_pat
     assert flags["--http-restricted-api"].split(":")[0].split(",") == list(RESTRICTED_HTTP)
     assert flags["--grpc-restricted-protocol"].endswith("=sandbox-admin-key-0123456789")
     assert flags["--model-control-mode"] == "none", "clients could load and unload models"
+    from s3flow.server.access import tenant_flags
+    assert all(f in got["tritonserver"] for f in tenant_flags()), "voices per tenant in the fleet"
+    assert Path(got["server_env"]["S3FLOW_VOICE_KEY_FILE"]).read_text().strip(), "the voice key reaches the models"
+
+
+def test_router_names_the_tenant_itself(rendered):
+    entry, _ = router_entry(rendered)
+    routes = http_manager(entry)["route_config"]
+    assert "s3flow-tenant" in routes["request_headers_to_remove"]
+    (added,) = [h for h in routes["request_headers_to_add"] if h["header"]["key"] == "s3flow-tenant"]
+    assert added["header"]["value"] == "%DOWNSTREAM_PEER_URI_SAN%" and added["append_action"] == "OVERWRITE_IF_EXISTS_OR_ADD"
 
 
 # ------------------------------------------------------------------------------------------ Dockerfile
@@ -1171,11 +1182,12 @@ def check_triton_deployment(tmp_path: Path, docs: list[dict], tritonserver_flags
     ckpt = tmp_path / "s3gen.safetensors"  # the Deployment's /models/... path, in the sandbox
     ckpt.write_bytes(b"")
     env.update(S3FLOW_CHECKPOINT=str(ckpt), S3FLOW_STATE=str(tmp_path / "state"))
-    if "S3FLOW_ADMIN_KEY_FILE" in env:  # the mounted Secret, in the sandbox
-        check_secret_mount(template, c, env["S3FLOW_ADMIN_KEY_FILE"])
-        key_file = tmp_path / "admin-key"
-        key_file.write_text("sandbox-admin-key-0123456789\n")
-        env["S3FLOW_ADMIN_KEY_FILE"] = str(key_file)
+    for var in ("S3FLOW_ADMIN_KEY_FILE", "S3FLOW_VOICE_KEY_FILE"):   # the mounted Secret, in the sandbox
+        if var in env:
+            check_secret_mount(template, c, env[var])
+            key_file = tmp_path / var.lower()
+            key_file.write_text("sandbox-admin-key-0123456789\n")
+            env[var] = str(key_file)
     got = check_entrypoint_calls(run_entrypoint(tmp_path, env), tritonserver_flags, env)
     assert Path(got["scripts"]["build_repository"].checkpoint) == ckpt
     check_probes(c, container_env(c))

@@ -247,7 +247,7 @@ def test_a_draining_server_refuses_new_sequences_and_serves_the_ones_it_holds():
 
 
 # ------------------------------------------------------------------------------------------- dispositions
-def _unknown_voice(voice_id):
+def _unknown_voice(voice_id, tenant=""):
     from s3flow.serving.voice_registry import UnknownVoice
     raise UnknownVoice(f"voice_id {voice_id} is not registered on this server")
 

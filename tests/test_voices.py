@@ -19,7 +19,7 @@ from s3flow.server.triton_server import TritonServer
 from s3flow.model.voice import VoiceConfig, VoiceFrontend
 from s3flow.serving.voice_registry import UnknownVoice, VoiceRegistry, voice_id_of
 from s3flow.serving.voice_service import VoiceService
-from s3flow_client import StreamingClient
+from s3flow_client import StreamingClient, Utterance
 from s3flow_client.demo import demo_utterance
 from s3flow_client.voices import list_voices, read_reference, register_prompt, register_voice
 from test_session import session
@@ -68,6 +68,44 @@ def test_the_registry_is_bounded_in_bytes(tmp_path):
     for seed in range(4):
         reg.put(*prompt(seed))
     assert len(reg.voices()) == 2 and sum(v.bytes for v in reg.voices()) <= 2.5 * size
+
+
+def test_a_tenant_sees_and_uses_only_its_own_voices(tmp_path):
+    reg = VoiceRegistry(tmp_path, secret=b"fleet-secret-0123456789")
+    a = reg.put(*prompt(0), tenant="acme")
+    assert [v.voice_id for v in reg.voices("acme")] == [a] and reg.voices("beta") == [] and reg.voices() == []
+    with pytest.raises(UnknownVoice, match=f"voice_id {a} is not registered on this server for tenant 'beta'"):
+        reg.get(a, "beta")
+    assert reg.get(a, "acme")["prompt_tokens"].shape == (1, 20)
+    b = reg.put(*prompt(0), tenant="beta")            # the same reference registered by another tenant
+    assert b != a and reg.get(b, "beta") and [v.voice_id for v in reg.voices("beta")] == [b]
+
+
+def test_keyed_ids_agree_across_servers_and_cannot_be_derived_without_the_key(tmp_path):
+    key = b"fleet-secret-0123456789"
+    one, two = VoiceRegistry(tmp_path / "1", secret=key), VoiceRegistry(tmp_path / "2", secret=key)
+    assert one.put(*prompt(3), tenant="acme") == two.put(*prompt(3), tenant="acme")   # failover keeps the id
+    keyed = one.put(*prompt(3), tenant="acme")
+    assert keyed not in {voice_id_of(*prompt(3)), voice_id_of(*prompt(3), "acme"), voice_id_of(*prompt(3), "acme", b"x" * 16)}
+    assert VoiceRegistry(tmp_path / "3").put(*prompt(3)) == voice_id_of(*prompt(3))    # no key, no tenant: as before
+
+
+def test_one_tenant_cannot_evict_another_tenants_voices(tmp_path):
+    reg = VoiceRegistry(tmp_path, max_voices=2)
+    mine = reg.put(*prompt(0), tenant="quiet")
+    for seed in range(1, 6):
+        reg.put(*prompt(seed), tenant="noisy")
+    assert len(reg.voices("noisy")) == 2 and [v.voice_id for v in reg.voices("quiet")] == [mine]
+    assert reg.get(mine, "quiet")
+
+
+def test_a_tenant_header_is_read_from_the_request_parameters():
+    from s3flow.protocol import RequestError, tenant_of
+
+    assert tenant_of("") == "" and tenant_of('{"other": "x"}') == ""
+    assert tenant_of('{"s3flow-tenant": "spiffe://acme/t1"}') == "spiffe://acme/t1"
+    with pytest.raises(RequestError, match="header s3flow-tenant 'a b'"):
+        tenant_of('{"s3flow-tenant": "a b"}')
 
 
 # ------------------------------------------------------------------------------------------ voice_encoder logic
@@ -185,6 +223,40 @@ def test_an_unknown_voice_falls_back_to_the_prompt_and_bad_references_are_refuse
     [again] = StreamingClient(server.grpc_url, timeout_s=60).synthesize([a.utterance(u.speech_tokens, n_timesteps=3)])
     assert not again.retries
     np.testing.assert_allclose(again.mel, r.mel, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tenant_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tenants")
+    ckpt = write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=5)
+    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1,
+                                  voices=VoiceSettings(max_voices=8))
+    write_repository(root / "repo", load_flow(ckpt), settings, voice_checkpoint=ckpt)
+    (root / "voice-key").write_text("fleet-voice-key-0123456789\n")
+    with TritonServer(root / "repo", log_file=root / "server.log", tenants=True,
+                      env={"S3FLOW_VOICE_KEY_FILE": str(root / "voice-key")}) as srv:
+        yield srv
+
+
+@pytest.mark.server
+def test_a_tenant_never_sees_or_uses_another_tenants_voice(tenant_server):
+    from s3flow_client import StreamError
+    from s3flow_client.channel import Channel
+
+    url = tenant_server.grpc_url
+    acme, beta = Channel(headers={"s3flow-tenant": "acme"}), Channel(headers={"s3flow-tenant": "beta"})
+    u = demo_utterance(1.0, seed=30)
+    a = register_prompt(url, u.prompt_tokens, u.prompt_mel, u.speaker_embedding, channel=acme)
+    assert a.voice_id != voice_id_of(u.prompt_tokens, u.prompt_mel, u.speaker_embedding)   # keyed
+    assert a.voice_id in list_voices(url, acme)
+    assert a.voice_id not in list_voices(url, beta) and a.voice_id not in list_voices(url)
+    by_id = Utterance(u.speech_tokens, None, None, None, n_timesteps=3, voice_id=a.voice_id)
+    [ok] = StreamingClient(url, timeout_s=60, channel=acme).synthesize([by_id])
+    assert ok.mel.shape == (80, 50) and not ok.retries
+    with pytest.raises(StreamError, match=f"voice_id {a.voice_id} is not registered on this server for tenant 'beta'"):
+        StreamingClient(url, timeout_s=60, max_retries=1, channel=beta).synthesize([by_id])
+    [again] = StreamingClient(url, timeout_s=60, channel=acme).synthesize([by_id])   # the server goes on
+    np.testing.assert_allclose(again.mel, ok.mel, atol=1e-5, rtol=0)
 
 
 def _write_wav(path, samples: np.ndarray, rate: int) -> None:

@@ -126,6 +126,11 @@ class LiveStream:
             yield piece
 
     @property
+    def pieces(self) -> list[Piece]:
+        """Every piece delivered so far, in order (also those already iterated)."""
+        return list(self._all)
+
+    @property
     def sizes(self) -> list[int]:
         """The chunk sizes sent so far (what a resume replays)."""
         return list(self._state.sizes)

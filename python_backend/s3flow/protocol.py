@@ -25,6 +25,30 @@ class RequestError(ValueError):
     """A client's request is invalid; the message names the bad value. Maps to INVALID_ARG."""
 
 
+#: The request header naming the tenant a request belongs to: set by the router after it authenticated the
+#: client (docs/security.md), forwarded by tritonserver as a request parameter when it runs with
+#: ``--grpc-header-forward-pattern`` for it; absent: the single default tenant "".
+TENANT_HEADER = "s3flow-tenant"
+_TENANT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:@/+=-")
+
+
+def tenant_of(parameters: str) -> str:
+    """The tenant named by a request's parameters (Triton's JSON of them); "" when none is."""
+    import json
+
+    if not parameters or TENANT_HEADER not in parameters:
+        return ""
+    try:
+        value = json.loads(parameters).get(TENANT_HEADER, "")
+    except (ValueError, AttributeError):
+        return ""
+    value = value if isinstance(value, str) else str(value)
+    if len(value) > 256 or not set(value) <= _TENANT_CHARS:
+        raise RequestError(f"header {TENANT_HEADER} {value[:40]!r}: at most 256 characters of A-Z a-z 0-9 "
+                           "and ._:@/+=-")
+    return value
+
+
 class UnknownSequence(RequestError):
     """A chunk of a sequence this server does not hold (never started here, ended, or evicted): the client
     should replay the utterance (disposition ``resume``)."""

@@ -77,7 +77,7 @@ class TrainSettings:
     context_tokens: int = 50
     max_tokens: int = 50
     # teacher
-    teacher_steps: int = 2600
+    teacher_steps: int = 2000
     teacher_lr: float = 2e-3
     warmup_steps: int = 100
     ema_decay: float = 0.999

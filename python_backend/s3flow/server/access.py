@@ -56,6 +56,16 @@ def restricted_api_flags(key: str) -> list[str]:
             f"--http-restricted-api={','.join(RESTRICTED_HTTP)}:{rule}"]
 
 
+def tenant_flags() -> list[str]:
+    """tritonserver flags that forward the tenant header to the models as a request parameter (through the
+    ensembles to every step): voices are then per tenant (``s3flow.serving.voice_registry``). Only where the
+    one entry in front (the router) sets that header after authenticating the client: a client that reaches
+    tritonserver itself could name any tenant."""
+    from s3flow.protocol import TENANT_HEADER
+
+    return [f"--grpc-header-forward-pattern={TENANT_HEADER}", f"--http-header-forward-pattern={TENANT_HEADER}"]
+
+
 def admin_headers(key: Optional[str] = None) -> dict[str, str]:
     """Headers for a call to a restricted category: the key given, else ``$S3FLOW_ADMIN_KEY``, else none."""
     key = key if key is not None else os.environ.get(ADMIN_KEY_ENV)

@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from s3flow.server.access import ServerTls, restricted_api_flags
+from s3flow.server.access import ServerTls, restricted_api_flags, tenant_flags
 from s3flow.server.processes import (free_port, has_nvidia_gpu, is_running, kill, log_tail, port_open, read_cmdline,
                                       stop_pid, tree_rss_bytes)
 from s3flow.server.install import (TritonPaths, TritonServerError, check_venv, default_venv,
@@ -88,6 +88,8 @@ class TritonServer:
         admin_key: every API category a streaming client does not need answers only calls that carry
             this key (:mod:`s3flow.server.access`); None: all open.
         tls: gRPC over TLS (:class:`s3flow.server.access.ServerTls`); readiness is then probed over HTTP.
+        tenants: forward the tenant header to the models (voices per tenant; only behind an entry that sets
+            the header itself, docs/security.md).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class TritonServer:
         drain_s: float | None = None,
         admin_key: str | None = None,
         tls: ServerTls | None = None,
+        tenants: bool = False,
     ) -> None:
         if model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {model_control_mode!r}")
@@ -131,7 +134,7 @@ class TritonServer:
         self.admin_key = admin_key
         self.tls = tls
         self.access_flags = (restricted_api_flags(admin_key) if admin_key is not None else []) + \
-            (tls.flags() if tls is not None else [])
+            (tls.flags() if tls is not None else []) + (tenant_flags() if tenants else [])
         self.drain_file = (pathlib.Path(tempfile.mkdtemp(prefix="s3flow-drain-")) / "draining"
                            if drain_s is not None else None)
         self.shm_prefix = f"s3flow_{os.getpid()}_{uuid.uuid4().hex[:8]}"

@@ -85,20 +85,21 @@ class Admission:
     """Decides whether a request may go on to the solver (module docstring)."""
 
     def __init__(self, rules: RequestRules, n_feats: int, live: Optional[LiveCounts] = None,
-                 voices: Optional[Callable[[str], dict]] = None, draining: Callable[[], bool] = lambda: False,
+                 voices: Optional[Callable[[str, str], dict]] = None, draining: Callable[[], bool] = lambda: False,
                  name: str = "admission", grace_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
         self.rules, self.n_feats, self.live, self.voices, self.draining = rules, n_feats, live, voices, draining
         self.name, self.grace_s, self.clock = name, grace_s, clock
         self._admitted: dict[int, float] = {}       # STARTs admitted and perhaps not yet counted: id -> time
 
-    def check(self, corr_id: int, start: bool, end: bool, inputs: Mapping[str, np.ndarray]) -> Optional[Outcome]:
+    def check(self, corr_id: int, start: bool, end: bool, inputs: Mapping[str, np.ndarray],
+              tenant: str = "") -> Optional[Outcome]:
         """None to let the request through, else the refusal (with its code and disposition)."""
         if not start:   # a later chunk: its START reached the solver, which counts the sequence from then on
             self._admitted.pop(corr_id, None)
             return None
         seq = f"{self.name}: sequence {corr_id}: "
         try:
-            parse_request(with_voice(inputs, start, self.voices), start=True, end=end, rules=self.rules,
+            parse_request(with_voice(inputs, start, self.voices, tenant), start=True, end=end, rules=self.rules,
                           n_feats=self.n_feats)
         except UnknownVoice as exc:
             return Outcome(error=seq + str(exc), code=INVALID_ARG,

@@ -72,6 +72,7 @@ class Incoming:
     end: bool
     inputs: Mapping[str, np.ndarray]
     ready: bool = True                                 # False: an empty slot of the direct strategy
+    tenant: str = ""                                   # whose voices a START may name (docs/security.md)
     is_cancelled: Callable[[], bool] = field(default=lambda: False)
 
 
@@ -90,7 +91,7 @@ def _failed(corr_id, message: str, code: str, disposition: Disposition, **extra)
 
 
 def with_voice(inputs: Mapping[str, np.ndarray], start: bool,
-               voices: Optional[Callable[[str], dict]]) -> Mapping[str, np.ndarray]:
+               voices: Optional[Callable[[str, str], dict]], tenant: str = "") -> Mapping[str, np.ndarray]:
     """The request's tensors with a ``voice_id`` replaced by that voice's prompt tensors (``voices(voice_id)``
     gives them, or raises ``UnknownVoice``); unchanged without one. RequestError for a misplaced id."""
     if VOICE_ID not in inputs:
@@ -107,19 +108,19 @@ def with_voice(inputs: Mapping[str, np.ndarray], start: bool,
         raise RequestError(f"{VOICE_ID} given, but this server has no voice registry (no voice_encoder model)")
     value = raw.reshape(-1)[0]
     voice_id = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-    return {**{k: v for k, v in inputs.items() if k != VOICE_ID}, **voices(voice_id)}
+    return {**{k: v for k, v in inputs.items() if k != VOICE_ID}, **voices(voice_id, tenant)}
 
 
 class SolverSession:
     """Runs batches of requests through a ``StreamingEngine``, validating them by ``rules``.
 
     ``draining()`` True refuses new sequences (START) while the ones in flight go on (``s3flow.server.drain``).
-    ``voices(voice_id)`` gives a registered voice's prompt tensors for a START that names one
+    ``voices(voice_id, tenant)`` gives a registered voice's prompt tensors for a START that names one
     (``s3flow.serving.voice_registry.VoiceRegistry.get``), or raises RequestError.
     """
 
     def __init__(self, engine: StreamingEngine, rules: RequestRules = RequestRules(), name: str = "cfm_solver",
-                 draining: Callable[[], bool] = lambda: False, voices: Optional[Callable[[str], dict]] = None):
+                 draining: Callable[[], bool] = lambda: False, voices: Optional[Callable[[str, str], dict]] = None):
         self.engine, self.rules, self.name, self.draining = engine, rules, name, draining
         self.voices = voices
 
@@ -155,7 +156,7 @@ class SolverSession:
                 if not req.ready:
                     continue
                 try:
-                    parsed = parse_request(with_voice(req.inputs, req.start, self.voices), start=req.start,
+                    parsed = parse_request(with_voice(req.inputs, req.start, self.voices, req.tenant), start=req.start,
                                            end=req.end, rules=self.rules, n_feats=self.engine.n_feats)
                     if req.start and self.draining():
                         raise Draining("the server is draining (shutting down) and takes no new sequences; "

@@ -29,12 +29,13 @@ class VoiceService:
                  n_feats: int = 80):
         self.frontend, self.registry, self.rules, self.n_feats = frontend, registry, rules, n_feats
 
-    def handle(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def handle(self, inputs: Mapping[str, np.ndarray], tenant: str = "") -> dict[str, np.ndarray]:
+        """One request of ``tenant`` (its voices only: docs/security.md)."""
         given = {k for k in inputs}
         if "list_voices" in given:
             if given - {"list_voices"}:
                 raise RequestError(f"list_voices goes alone, got also {sorted(given - {'list_voices'})}")
-            ids = [v.voice_id.encode() for v in self.registry.voices()]
+            ids = [v.voice_id.encode() for v in self.registry.voices(tenant)]
             return {"voice_ids": np.array(ids, dtype=np.object_)}
         if "wav" in given or "sample_rate" in given:
             if given != {"wav", "sample_rate"}:
@@ -51,7 +52,7 @@ class VoiceService:
         req = parse_request({"speech_tokens": np.zeros((1, 1), np.int64), **{k: v[None] for k, v in prompt.items()}},
                             start=True, end=False, rules=self.rules, n_feats=self.n_feats)
         tokens, mel, emb = req.prompt_tokens, np.ascontiguousarray(req.prompt_mel.T), req.speaker_embedding
-        voice_id = self.registry.put(tokens, mel, emb)
+        voice_id = self.registry.put(tokens, mel, emb, tenant)
         return {"voice_id": np.array([voice_id.encode()], dtype=np.object_), "prompt_tokens": tokens,
                 "prompt_mel": mel, "speaker_embedding": emb}
 

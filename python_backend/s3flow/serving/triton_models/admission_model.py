@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from s3flow_contract.answers import Answer, Disposition
 from s3flow_contract.tensors import ADMISSION_OUTPUTS, REQUEST
-from s3flow.protocol import RequestRules
+from s3flow.protocol import RequestError, RequestRules, tenant_of
 from s3flow.serving.admission import Admission, LiveCounts
 from s3flow.serving.draining import draining_probe
+from s3flow.serving.responses import INVALID_ARG
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response, pb_utils
 
 _ADMITTED = ADMISSION_OUTPUTS[0]
@@ -25,9 +27,9 @@ class TritonPythonModel(TritonModel):
         self.check_contract(REQUEST, ADMISSION_OUTPUTS, n_feats)
         voices = None
         if p.bool("voices", False):
-            from s3flow.serving.voice_registry import VoiceRegistry, default_dir
+            from s3flow.serving.voice_registry import VoiceRegistry, default_dir, secret_from_env
             voices = VoiceRegistry(p.str("voice_dir", "") or default_dir(), p.int("max_voices"),
-                                   p.int("max_voice_bytes")).get
+                                   p.int("max_voice_bytes"), secret_from_env()).get
         live = LiveCounts(LiveCounts.default_folder())
         self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, live, voices, draining_probe(),
                                    name=self.name)
@@ -36,7 +38,12 @@ class TritonPythonModel(TritonModel):
         flags = request.flags()
         start = bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
         end = bool(flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
-        refusal = self.admission.check(request.correlation_id(), start, end, input_arrays(request, REQUEST))
+        try:
+            tenant = tenant_of(request.parameters())
+        except RequestError as exc:
+            return self.error(f"{self.name}: sequence {request.correlation_id()}: {exc}", INVALID_ARG,
+                              Answer(Disposition.FAIL, request.correlation_id()))
+        refusal = self.admission.check(request.correlation_id(), start, end, input_arrays(request, REQUEST), tenant)
         if refusal is not None:
             return self.error(refusal.error, refusal.code, refusal.answer)
         return ok_response({_ADMITTED.name: np.ones((1, 1), dtype=_ADMITTED.np_dtype)})

@@ -25,6 +25,7 @@ from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_
                                      SOLVER_INPUTS, by_name, estimator_inputs, names)
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
+from s3flow.protocol import RequestError, tenant_of
 from s3flow.serving.admission import LiveCounts
 from s3flow.serving.draining import draining_probe
 from s3flow.serving.heap import trim_heap
@@ -119,9 +120,9 @@ class TritonPythonModel(TritonModel):
             self.logger.log_info(warm_up_solver(engine, self.settings.rules).describe())
         voices = None
         if p.bool("voices", False):  # START may name a voice the voice_encoder stored
-            from s3flow.serving.voice_registry import VoiceRegistry, default_dir
+            from s3flow.serving.voice_registry import VoiceRegistry, default_dir, secret_from_env
             voices = VoiceRegistry(p.str("voice_dir", "") or default_dir(), p.int("max_voices"),
-                                   p.int("max_voice_bytes")).get
+                                   p.int("max_voice_bytes"), secret_from_env()).get
         self.session = SolverSession(engine, self.settings.rules, name=self.name, draining=draining_probe(),
                                      voices=voices)
         # admission (the ensembles' first step) refuses STARTs when the instances are full: it reads these
@@ -137,8 +138,14 @@ class TritonPythonModel(TritonModel):
     # -- execute ----------------------------------------------------------------------------------
     def _incoming(self, request) -> Incoming:
         c = read_controls(request)
+        # the ensembles' first step (admission) refused a bad tenant already; called directly, a bad one owns
+        # no voice (the sentinel cannot be a tenant's name)
+        try:
+            tenant = tenant_of(request.parameters()) if c.start else ""
+        except RequestError:
+            tenant = "!invalid"
         return Incoming(corr_id=c.corr_id, start=c.start, end=c.end, inputs=input_arrays(request, REQUEST),
-                        ready=c.ready, is_cancelled=request.is_cancelled)
+                        ready=c.ready, is_cancelled=request.is_cancelled, tenant=tenant)
 
     def execute(self, requests):
         started = self.metrics.book.begin()

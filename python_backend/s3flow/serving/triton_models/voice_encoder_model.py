@@ -15,9 +15,9 @@ import torch
 
 from s3flow_contract.tensors import VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS
 from s3flow.model.voice import VoiceFrontend
-from s3flow.protocol import RequestRules
+from s3flow.protocol import RequestRules, tenant_of
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response
-from s3flow.serving.voice_registry import VoiceRegistry, default_dir
+from s3flow.serving.voice_registry import VoiceRegistry, default_dir, secret_from_env
 from s3flow.serving.voice_service import VoiceService
 
 
@@ -31,12 +31,14 @@ class TritonPythonModel(TritonModel):
         frontend = VoiceFrontend.from_checkpoint(os.path.join(self.version_dir, "voice.safetensors"))
         self.folder = p.str("voice_dir", "") or str(default_dir())
         self.owns_folder = not p.str("voice_dir", "")
-        registry = VoiceRegistry(self.folder, p.int("max_voices", 1000), p.int("max_voice_bytes", 256 << 20))
+        registry = VoiceRegistry(self.folder, p.int("max_voices", 1000), p.int("max_voice_bytes", 256 << 20),
+                                 secret_from_env())
         rules = RequestRules(max_prompt_tokens=p.int("max_prompt_tokens", 500))
         self.service = VoiceService(frontend, registry, rules, n_feats=n_feats)
 
     def respond(self, request):
-        return ok_response(self.service.handle(input_arrays(request, VOICE_ENCODER_INPUTS)))
+        return ok_response(self.service.handle(input_arrays(request, VOICE_ENCODER_INPUTS),
+                                               tenant_of(request.parameters())))
 
     def finalize(self):
         if self.owns_folder:  # voices of this server run survive nothing
