@@ -25,8 +25,8 @@ from s3flow.model.checkpoint import load_flow, write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import RepositorySettings
-from s3flow.server.access import (ADMIN_KEY_HEADER, CATEGORIES, OPEN_GRPC, RESTRICTED_GRPC, RESTRICTED_HTTP,
-                                  ServerTls, admin_headers, check_admin_key, restricted_api_flags)
+from s3flow.server.access import (ADMIN_KEY_HEADER, CATEGORIES, GRPC_ADMIN_KEY_HEADER, OPEN_GRPC, RESTRICTED_GRPC,
+                                  RESTRICTED_HTTP, ServerTls, admin_headers, check_admin_key, restricted_api_flags)
 from s3flow.server.install import find_tritonserver
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
@@ -87,7 +87,8 @@ def test_tools_send_the_key_from_the_environment(monkeypatch):
     monkeypatch.delenv("S3FLOW_ADMIN_KEY", raising=False)
     assert admin_headers() == {}
     monkeypatch.setenv("S3FLOW_ADMIN_KEY", KEY)
-    assert admin_headers() == {ADMIN_KEY_HEADER: KEY} and admin_headers("other") == {ADMIN_KEY_HEADER: "other"}
+    assert admin_headers() == {GRPC_ADMIN_KEY_HEADER: KEY} and admin_headers("other") == {GRPC_ADMIN_KEY_HEADER: "other"}
+    assert admin_headers(protocol="http") == {ADMIN_KEY_HEADER: KEY}
 
 
 def test_tls_settings_name_a_missing_file(tmp_path):
@@ -138,8 +139,8 @@ def test_restricted_grpc_categories_need_the_key(server):
             with pytest.raises(InferenceServerException, match=ADMIN_KEY_HEADER):
                 call()
             with pytest.raises(InferenceServerException, match=ADMIN_KEY_HEADER):
-                call(headers={ADMIN_KEY_HEADER: "wrong-key-0123456789"})
-            assert call(headers={ADMIN_KEY_HEADER: KEY}) is not None, category
+                call(headers={GRPC_ADMIN_KEY_HEADER: "wrong-key-0123456789"})
+            assert call(headers=admin_headers(KEY)) is not None, category
         assert client.is_server_ready() and client.get_model_metadata("token2mel").name == "token2mel"  # open
     finally:
         client.close()
@@ -152,7 +153,7 @@ def test_http_keeps_only_health_open(server):
         assert client.is_server_live() and client.is_server_ready()
         with pytest.raises(InferenceServerException, match=ADMIN_KEY_HEADER):
             client.get_model_metadata("token2mel")
-        assert client.get_model_metadata("token2mel", headers={ADMIN_KEY_HEADER: KEY})["name"] == "token2mel"
+        assert client.get_model_metadata("token2mel", headers=admin_headers(KEY, "http"))["name"] == "token2mel"
     finally:
         client.close()
 

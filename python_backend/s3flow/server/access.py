@@ -32,8 +32,11 @@ OPEN_GRPC = ("health", "metadata", "inference")
 OPEN_HTTP = ("health",)
 RESTRICTED_GRPC = tuple(c for c in CATEGORIES if c not in OPEN_GRPC)
 RESTRICTED_HTTP = tuple(c for c in CATEGORIES if c not in OPEN_HTTP)
-#: the header that carries the admin key (lower case: gRPC metadata keys are)
+#: the header that carries the admin key over HTTP (lower case: gRPC metadata keys are) ...
 ADMIN_KEY_HEADER = "s3flow-admin-key"
+#: ... and over gRPC, where Triton expects the rule's key behind its own prefix (measured on Triton 2.51:
+#: "This protocol is restricted, expecting header 'triton-grpc-protocol-s3flow-admin-key'")
+GRPC_ADMIN_KEY_HEADER = "triton-grpc-protocol-" + ADMIN_KEY_HEADER
 #: where our tools find the key
 ADMIN_KEY_ENV = "S3FLOW_ADMIN_KEY"
 
@@ -66,10 +69,11 @@ def tenant_flags() -> list[str]:
     return [f"--grpc-header-forward-pattern={TENANT_HEADER}", f"--http-header-forward-pattern={TENANT_HEADER}"]
 
 
-def admin_headers(key: Optional[str] = None) -> dict[str, str]:
-    """Headers for a call to a restricted category: the key given, else ``$S3FLOW_ADMIN_KEY``, else none."""
+def admin_headers(key: Optional[str] = None, protocol: str = "grpc") -> dict[str, str]:
+    """Headers for a ``protocol`` ("grpc" or "http") call to a restricted category: the key given, else
+    ``$S3FLOW_ADMIN_KEY``, else none."""
     key = key if key is not None else os.environ.get(ADMIN_KEY_ENV)
-    return {ADMIN_KEY_HEADER: key} if key else {}
+    return {GRPC_ADMIN_KEY_HEADER if protocol == "grpc" else ADMIN_KEY_HEADER: key} if key else {}
 
 
 @dataclass(frozen=True)
