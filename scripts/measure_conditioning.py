@@ -66,10 +66,10 @@ TRAINED = ROOT / "checkpoints" / "trained"
 CONTEXT = 100
 #: name -> ChunkSolving settings (all with context_frames = CONTEXT)
 CANDIDATES = {
-    "whole prompt (before)": {},
-    "prompt capped at 100 frames": {"prompt_frames": 100},
-    "prompt capped at 50 frames": {"prompt_frames": 50},
-    "prompt slides out of C": {"slide_prompt": 1},
+    "whole prompt (before)": {"prompt_frames": -1, "slide_prompt": 0},
+    "prompt capped at 100 frames": {"prompt_frames": 100, "slide_prompt": 0},
+    "prompt capped at 50 frames": {"prompt_frames": 50, "slide_prompt": 0},
+    "prompt slides out of C": {"prompt_frames": -1, "slide_prompt": 1},
     "capped at 50, slides out of C": {"prompt_frames": 50, "slide_prompt": 1},
 }
 BEFORE = "whole prompt (before)"
@@ -138,7 +138,7 @@ def measure_quality(teacher, hift, utts: Sequence[HeldoutUtterance], log_=log) -
     rows["offline, whole prompt"] = [judge(synthesize_one(teacher, u, 10, 0.7, seed=k)[0], u, hift, [])
                                      for k, u in enumerate(utts)]
     log_("quality: offline done")
-    runs = [(name, extra, 0) for name, extra in CANDIDATES.items()] + [(BEFORE + ", another seed", {}, 100)]
+    runs = [(name, extra, 0) for name, extra in CANDIDATES.items()] + [(BEFORE + ", another seed", CANDIDATES[BEFORE], 100)]
     for name, extra, seed in runs:
         got = []
         for k, u in enumerate(utts):
@@ -181,9 +181,39 @@ def served_cost(work: Path, extra: dict, prompts_s: Sequence[float], lengths_s: 
                     client.synthesize([u])
                     times["single"].append(time.perf_counter() - t0)
                 out[(p, s)] = tuple(statistics.median(times[k]) for k in ("stream", "single", "first"))
-                log_(f"cost {extra or 'before'}: prompt {p:g} s, utterance {s:g} s: "
+                log_(f"cost {extra}: prompt {p:g} s, utterance {s:g} s: "
                      f"{out[(p, s)][0] / out[(p, s)][1]:.2f}x, first chunk {1000 * out[(p, s)][2]:.0f} ms")
     return out
+
+
+def full_size_table(candidates: Sequence[str], prompts_s, lengths_s) -> str:
+    """Full size (71 M estimator, guided 10 steps): estimator GFLOP of a stream over offline synthesis with the
+    whole prompt, counted from the config over a dry run of the real engine (``planned_calls``)."""
+    from s3flow.engine.streaming import planned_calls
+    from s3flow.model.estimator import EstimatorConfig
+    from s3flow.model.flops import estimator_flops, solve_flops
+
+    full = EstimatorConfig.full()
+    names = [BEFORE, *candidates]
+    header = ["utterance"] + [f"{name}: {p:g} s prompt" for name in names for p in prompts_s]
+    body = []
+    for secs in lengths_s:
+        n = int(round(25 * secs))
+        chunks = chunk_schedule(n)
+        row = [f"{secs:g} s"]
+        for name in names:
+            for p in prompts_s:
+                np_ = int(round(25 * p))
+                offline = estimator_flops(full, 2, 2 * (np_ + n)).total * 10
+                calls = planned_calls(80, np_, chunks, CONTEXT, 10, **CANDIDATES[name])
+                row.append(f"{solve_flops(full, calls) / offline:.2f}x")
+        body.append(row)
+    first = ["first chunk GFLOP"]
+    for name in names:
+        for p in prompts_s:
+            calls = planned_calls(80, int(round(25 * p)), [10, 20], CONTEXT, 10, **CANDIDATES[name])
+            first.append(f"{solve_flops(full, calls[:10]) / 1e9:,.0f}")
+    return markdown(header, body + [first])
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -191,15 +221,15 @@ def fmt(x: float, digits: int = 3) -> str:
     return "n/a" if x != x else f"{x:.{digits}f}"
 
 
-def quality_table(rows: dict[str, list[Quality]], n_short: int) -> str:
+def quality_table(rows: dict[str, list[Quality]], n_short: int, long_s: float) -> str:
     header = ["conditioning", "ESTOI", "mel MAE", "voice distance", "seam roughness",
-              "30 s: ESTOI", "30 s: voice distance, last 10 s"]
+              f"{long_s:.0f} s: ESTOI", f"{long_s:.0f} s: voice distance", f"{long_s:.0f} s: voice distance, last 10 s"]
     body = []
     for name, qs in rows.items():
         short, long_ = qs[:n_short], qs[n_short]
         body.append([name, fmt(np.mean([q.estoi for q in short])), fmt(np.mean([q.mae for q in short])),
                      fmt(np.mean([q.voice for q in short])), fmt(np.nanmean([q.seams for q in short]), 2),
-                     fmt(long_.estoi), fmt(long_.voice_last10)])
+                     fmt(long_.estoi), fmt(long_.voice), fmt(long_.voice_last10)])
     return markdown(header, body)
 
 
@@ -222,15 +252,18 @@ def main(argv=None) -> int:
     p.add_argument("--voices", type=int, default=4, help="voices in the quality set (default: %(default)s)")
     p.add_argument("--long-s", type=float, default=30.0, help="the long quality utterance (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=2, help="served runs per cell (default: %(default)s)")
-    p.add_argument("--candidate", default="capped at 50, slides out of C", choices=sorted(CANDIDATES),
-                   help="the candidate whose cost is served beside the old default (default: %(default)s)")
+    p.add_argument("--candidates", nargs="+", default=["prompt capped at 50 frames", "capped at 50, slides out of C"],
+                   choices=sorted(CANDIDATES), help="the candidates whose cost is served beside the old default "
+                   "(default: %(default)s; the first is the served default, s3flow.engine.settings.ChunkSolving)")
     p.add_argument("--quick", action="store_true", help="2 voices, a 12 s long one, fewer cost cells")
+    p.add_argument("--lengths", type=float, nargs="+", default=[2.0, 5.0, 10.0, 30.0, 60.0],
+                   help="utterance seconds of the cost table (default: %(default)s)")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "conditioning.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     torch.set_num_threads(2)
     t0 = time.perf_counter()
-    prompts_s, lengths_s = (1.0, 3.0, 10.0), (2.0, 5.0, 10.0, 30.0, 60.0)
+    prompts_s, lengths_s = (1.0, 3.0, 10.0), tuple(args.lengths)
     if args.quick:
         args.voices, args.long_s, args.repeats, lengths_s = 2, 12.0, 1, (2.0, 10.0)
     sections = []
@@ -239,10 +272,11 @@ def main(argv=None) -> int:
         hift = load_vocoder(args.trained / "vocoder.safetensors")
         utts = quality_set(load_heldout(args.trained / "heldout.npz"), args.voices, args.long_s)
         rows = measure_quality(teacher, hift, utts)
-        sections.append(("quality", quality_table(rows, len(utts) - 1), rows, utts))
+        sections.append(("quality", quality_table(rows, len(utts) - 1, utts[-1].frames / 50), rows, utts))
     work = Path(tempfile.mkdtemp(prefix="conditioning-"))
-    costs = {"before": served_cost(work, {}, prompts_s, lengths_s, args.repeats),
-             args.candidate: served_cost(work, CANDIDATES[args.candidate], prompts_s, lengths_s, args.repeats)}
+    costs = {"before": served_cost(work, CANDIDATES[BEFORE], prompts_s, lengths_s, args.repeats)}
+    for name in args.candidates:
+        costs[name] = served_cost(work, CANDIDATES[name], prompts_s, lengths_s, args.repeats)
     write_report(args, sections, costs, prompts_s, lengths_s, time.perf_counter() - t0)
     return 0
 
@@ -258,12 +292,17 @@ def write_report(args, sections, costs, prompts_s, lengths_s, wall_s: float) -> 
               f"{n} held-out sentences ({', '.join(f'voice {u.voice}' for u in utts[:n])}), each prompted with "
               f"{PROMPT_TOKENS / 25:g} s joined from other held-out sentences of its voice, and one "
               f"{utts[n].frames / 50:.0f} s utterance of voice {utts[n].voice} ({utts[n].text}). Means over the "
-              "short ones; the 30 s columns are the long one.", "", table, ""]
+              "short ones; the last three columns are the long one.", "", table, ""]
     L += ["## Cost (served: token2mel on a real tritonserver; small config, seeded weights, 10 guided steps)", "",
           "Stream wall time over the same utterance sent as one request with the whole prompt (the old default's "
           "server: what offline synthesis costs), the client's "
           f"default chunk schedule (10, 20, 40, 80, 100 tokens); median of {args.repeats} run(s). First chunk: "
-          f"the {lengths_s[0]:g} s utterance's first response.", "", cost_table(costs, prompts_s, lengths_s), ""]
+          f"the {lengths_s[0]:g} s utterance's first response.", "", cost_table(costs, prompts_s, lengths_s), "",
+          "## Full size (71 M estimator, guided 10 steps): estimator cost, counted", "",
+          "Estimator GFLOP of the stream over offline synthesis with the whole prompt, from the config "
+          "(`s3flow.model.flops`) over a dry run of the real `StreamingEngine` with stand-in models "
+          "(`planned_calls`); the last row: the first chunk's 10 guided steps.", "",
+          full_size_table(args.candidates, prompts_s, lengths_s), ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(L))
     print("\n".join(L))

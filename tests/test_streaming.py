@@ -14,7 +14,7 @@ from s3flow_contract.tensors import request_arrays
 from s3flow.engine.streaming import StreamingEngine, planned_calls
 
 #: the prefix re-run mode, whatever the server's default
-PREFIX = SolverSettings.of(context_frames=-1)
+PREFIX = SolverSettings.of(context_frames=-1, prompt_frames=-1)   # offline synthesis of each prefix
 
 
 @pytest.mark.parametrize("meanflow", [False, True])

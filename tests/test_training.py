@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+import tiny_corpus
 from s3flow.model.checkpoint import load_flow, random_flow
 from s3flow.model.flow import FlowConfig, TorchEstimator
-from s3flow_training.data import DataSettings, Dataset, Utterance, make_sentences, make_xvectors
+from s3flow_training.data import Dataset, make_sentences
 from s3flow_training.evaluate import synthesize_one
 from s3flow_training.package import load_heldout
 from s3flow_training.mel import S3GEN_MEL, hz_to_mel_slaney, log_mel, mel_filterbank, mel_to_hz_slaney, resample
@@ -81,17 +82,8 @@ def test_sentences_are_seeded_and_distinct():
 # --------------------------------------------------------------------------------------------- training
 
 
-def tiny_dataset(seed: int = 0, n: int = 12, vocab: int = 16) -> Dataset:
-    """Utterances whose mel is a fixed function of the tokens plus a little noise, 2 voices."""
-    rng = np.random.default_rng(seed)
-    table = rng.normal(-5, 2, (vocab, 80, 2)).astype(np.float32)
-    stats = rng.normal(0, 1, (2, 2, 80)).astype(np.float32)
-    utts = []
-    for i in range(n):
-        tokens = rng.integers(0, vocab, int(rng.integers(8, 14)))
-        mel = np.concatenate([table[t] for t in tokens], axis=1) + 0.1 * rng.standard_normal((80, 2 * len(tokens)))
-        utts.append(Utterance(f"u{i}", i % 2, tokens.astype(np.int64), mel.astype(np.float32), heldout=i >= n - 2))
-    return Dataset(utts, np.zeros((vocab, 160), np.float32), stats, make_xvectors(stats, seed), DataSettings())
+def tiny_dataset(seed: int = 0) -> Dataset:
+    return tiny_corpus.tiny_dataset(seed, n=12, heldout=2)
 
 
 def test_cfm_loss_decreases_on_a_tiny_batch():

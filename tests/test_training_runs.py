@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 import torch
 
+import tiny_corpus
 from s3flow.model.flow import FlowConfig
 from s3flow.model.vocoder import VocoderConfig
-from s3flow_training.data import DataSettings, Dataset, Utterance, make_xvectors, prompt_for, tokenize
+from s3flow_training.data import Dataset, prompt_for, tokenize
 from s3flow_training.distill import train_student
 from s3flow_training.intelligibility import griffin_lim, intelligibility, log_spectral_distance
 from s3flow_training.package import Frontend, load_heldout
@@ -40,17 +41,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def tiny_dataset(seed: int = 0, n: int = 16, vocab: int = 16) -> Dataset:
-    """Utterances of 8-13 tokens whose mel is a function of the tokens plus noise; 2 voices, 4 held out."""
-    rng = np.random.default_rng(seed)
-    table = rng.normal(-5, 2, (vocab, 80, 2)).astype(np.float32)
-    stats = rng.normal(0, 1, (2, 2, 80)).astype(np.float32)
-    utts = []
-    for i in range(n):
-        tokens = rng.integers(0, vocab, int(rng.integers(8, 14)))
-        mel = np.concatenate([table[t] for t in tokens], axis=1) + 0.1 * rng.standard_normal((80, 2 * len(tokens)))
-        utts.append(Utterance(f"u{i}", i % 2, tokens.astype(np.int64), mel.astype(np.float32), heldout=i >= n - 4))
-    return Dataset(utts, np.zeros((vocab, 160), np.float32), stats, make_xvectors(stats, seed), DataSettings())
+def tiny_dataset(seed: int = 0) -> Dataset:
+    return tiny_corpus.tiny_dataset(seed, n=16, heldout=4)
 
 
 # --------------------------------------------------------------------------------------------- data

@@ -135,7 +135,8 @@ class Run:
 
         now = time.perf_counter()
         latency = s.latencies[-1] if s.latencies else None
-        d = s.chunker.decide(Situation(s.unsent, s.ended, len(s.sizes), s.lead_s(now), latency, s.token_rate()))
+        d = s.chunker.decide(Situation(s.unsent, s.ended, len(s.sizes), s.lead_s(now, self.c.audio), latency,
+                                       s.token_rate()))
         if d.size is None or (d.size == 0 and not s.ended):
             s.recheck_at = None if d.recheck_s is None else now + d.recheck_s
             return False

@@ -86,8 +86,13 @@ class UtteranceState:
         (t0, n0), (t1, n1) = self.pushed_at[0], self.pushed_at[-1]
         return (n1 - n0) / (t1 - t0)
 
-    def lead_s(self, now: float) -> float:
-        """Audio delivered and not yet played, if playback began with the first delivered frame."""
+    def lead_s(self, now: float, audio: bool = False) -> float:
+        """Output delivered and not yet played, if playback began with the first delivered frame (``audio``:
+        the first delivered samples beyond the silent start, and the samples delivered)."""
+        if audio:
+            if math.isnan(self.first_audio_at):
+                return 0.0
+            return self.samples / (SAMPLES_PER_FRAME * FRAMES_PER_TOKEN * 25.0) - (now - self.t0 - self.first_audio_at)
         if math.isnan(self.first_frame_at):
             return 0.0
         return self.frames / (FRAMES_PER_TOKEN * 25.0) - (now - self.first_frame_at)

@@ -178,7 +178,7 @@ def stream_vs_offline(flow: S3Flow, utts: Sequence[HeldoutUtterance], name: str,
     """Stream each utterance with ``chunks_for(n_tokens)`` chunk sizes and compare with offline synthesis
     (same tokens, prompt and seed). Seam frames: within ``radius`` frames of a chunk boundary. Default
     ``settings``: the prefix re-run mode."""
-    settings = settings or SolverSettings.of(context_frames=-1)
+    settings = settings or SolverSettings.of(context_frames=-1, prompt_frames=-1)
     from s3flow_client import chunk_schedule
     chunks_for = chunks_for or (lambda n: chunk_schedule(n, 10, 2.0, 100))
     seam_err, other_err, gt_s, gt_o, n_seams = [], [], [], [], 0

@@ -41,9 +41,10 @@ class ChunkSolving(NumericSettings):
     #: C >= 0: bounded context, each chunk solves prompt + the last C emitted frames (as conditioning)
     #: + its new tokens. 100 (2 s): see results/streaming.md and the README.
     context_frames: int = 100
-    #: The speaker prompt's share of a chunk's conditioning. -1: the whole prompt conditions every chunk;
-    #: P >= 0: only its last P frames (whole tokens) do, so a 10 s prompt costs what a P-frame one does.
-    prompt_frames: int = -1
+    #: The speaker prompt's share of a chunk's conditioning. -1: the whole prompt conditions every chunk (the
+    #: default before 2026-12-02); P >= 0: only its last P frames (whole tokens) do, so a 10 s prompt costs
+    #: what a P-frame one does. 50 (1 s): results/conditioning.md.
+    prompt_frames: int = 50
     #: 0: the (capped) prompt conditions every chunk; 1: the emitted frames push it out, a bounded-context
     #: chunk's conditioning being the last ``context_frames`` frames of prompt ++ emitted mel (the voice's
     #: own frames replace the prompt's; the speaker embedding stays).
