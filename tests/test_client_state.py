@@ -2,7 +2,8 @@
 import numpy as np
 
 from s3flow_client.demo import demo_utterance
-from s3flow_client.state import SILENT_START_SAMPLES, UtteranceState
+from s3flow_contract.tensors import SILENT_START_SAMPLES
+from s3flow_client.state import UtteranceState
 
 
 def test_first_audio_counts_the_first_response_with_sound_not_the_first_response():

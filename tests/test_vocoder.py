@@ -549,6 +549,24 @@ def test_served_streams_at_once_keep_their_own_state(served):
 
 
 @pytest.mark.server
+def test_the_server_counts_each_utterances_first_audio_once_within_the_clients_figure(served):
+    """s3flow_first_audio_seconds: one observation per token2wav utterance, START arrival to first sound, at
+    most what the client measured (its figure adds the network and the response's way back)."""
+    from s3flow.server.metrics_reader import histogram, read_metrics
+    from s3flow_client import StreamingClient
+    from s3flow_client.demo import demo_utterance
+
+    server = served[0]
+    url = f"127.0.0.1:{server.metrics_port}"
+    before = histogram(read_metrics(url), "s3flow_first_audio_seconds")
+    utts = [demo_utterance(1.2, seed=70 + i, noise_seed=i) for i in range(2)]
+    results = StreamingClient(server.grpc_url, "token2wav").synthesize(utts)
+    after = histogram(read_metrics(url), "s3flow_first_audio_seconds")
+    assert after.count - before.count == 2
+    assert 0 < after.sum - before.sum <= sum(r.first_audio_s for r in results)
+
+
+@pytest.mark.server
 def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_path):
     """token2wav with ``vocoder_backend torch`` (the gpu target's runner; here KIND_CPU, device cpu) on its
     own server, against the ONNX-backed server of the module: same flow, same vocoder weights, same stream."""

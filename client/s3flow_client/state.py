@@ -13,12 +13,9 @@ from typing import Optional
 
 import numpy as np
 
-from s3flow_contract.tensors import SAMPLES_PER_FRAME
+from s3flow_contract.tensors import SAMPLES_PER_FRAME, SILENT_START_SAMPLES
 from s3flow_contract.tensors import TOKEN_MEL_RATIO as FRAMES_PER_TOKEN
 
-#: The utterance's first 40 ms, which the vocoder silences and fades in (as upstream does): audio that ends
-#: there is no sound yet, so first audio counts from the first response that reaches beyond it.
-SILENT_START_SAMPLES = 2 * SAMPLES_PER_FRAME
 _corr_ids = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
 
 

@@ -86,7 +86,7 @@ class StreamResult:
     audio: Optional[np.ndarray] = None  # (samples,) assembled, token2wav only
     chunk_samples: list = field(default_factory=list)
     #: from the first request to the first response whose samples reach beyond the silent, faded-in first 40 ms
-    #: (``state.SILENT_START_SAMPLES``): when a listener first hears something
+    #: (``s3flow_contract.tensors.SILENT_START_SAMPLES``): when a listener first hears something
     first_audio_s: float = float("nan")
     retries: list = field(default_factory=list)  # the server errors after which a chunk was sent again
     resumes: list = field(default_factory=list)  # each time the utterance was replayed on a (new) server

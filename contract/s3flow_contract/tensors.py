@@ -25,6 +25,9 @@ TOKEN_MEL_RATIO = 2
 PRE_LOOKAHEAD_TOKENS = 3
 LOOKAHEAD_FRAMES = PRE_LOOKAHEAD_TOKENS * TOKEN_MEL_RATIO
 SAMPLES_PER_FRAME = 480
+#: token2wav's first 40 ms, silenced and faded in (as upstream does): audio that ends there is no sound yet, so
+#: first audio counts from the first response whose samples reach beyond it
+SILENT_START_SAMPLES = 2 * SAMPLES_PER_FRAME
 
 #: numpy dtype name -> (Triton config type, wire type of tritonclient's InferInput)
 _TYPES = {"int64": ("TYPE_INT64", "INT64"), "int32": ("TYPE_INT32", "INT32"), "float32": ("TYPE_FP32", "FP32"),

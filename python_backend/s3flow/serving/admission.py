@@ -86,8 +86,11 @@ class Admission:
 
     def __init__(self, rules: RequestRules, n_feats: int, live: Optional[LiveCounts] = None,
                  voices: Optional[Callable[[str, str], dict]] = None, draining: Callable[[], bool] = lambda: False,
-                 name: str = "admission", grace_s: float = 1.0, clock: Callable[[], float] = time.monotonic):
+                 name: str = "admission", grace_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 starts=None):
+        """``starts``: a ``s3flow.serving.start_clock.StartClock`` marking each admitted START (first audio)."""
         self.rules, self.n_feats, self.live, self.voices, self.draining = rules, n_feats, live, voices, draining
+        self.starts = starts
         self.name, self.grace_s, self.clock = name, grace_s, clock
         self._admitted: dict[int, float] = {}       # STARTs admitted and perhaps not yet counted: id -> time
 
@@ -121,4 +124,6 @@ class Admission:
                                            f"{wait:.1f} s", code=UNAVAILABLE,
                                answer=Answer(Disposition.BUSY, corr_id, retry_after_s=wait))
             self._admitted[corr_id] = now
+        if self.starts is not None:
+            self.starts.mark(corr_id)
         return None

@@ -1,4 +1,4 @@
-"""The solver's Prometheus metrics: their names, kinds and buckets, what is observed, and reading them back.
+"""The solver's and the vocoder's Prometheus metrics: their names, kinds and buckets, what is observed.
 
 No Triton import here: ``s3flow.serving.triton_models.cfm_solver`` publishes what :class:`SolverBook` observes through
 the python backend's metric API (``pb_utils.MetricFamily``); the tests, the drain supervisor and the load test
@@ -18,6 +18,10 @@ metric (labels ``model``, ``instance``)       kind       what
                                                          with classifier-free guidance)
 ``s3flow_chunk_frames``                       histogram  mel frames a chunk made final (returned)
 ``s3flow_step_batch_size``                    histogram  sequences solved together in one Euler step
+``s3flow_first_audio_seconds``                histogram  the vocoder (token2wav): from a START's arrival
+                                                         at the ensemble (admission) to its first samples
+                                                         beyond the silent 40 ms start (what a listener
+                                                         waits for; ``s3flow.serving.start_clock``)
 ============================================  =========  ===============================================
 
 Example::
@@ -65,8 +69,15 @@ CHUNK_FRAMES = Family("s3flow_chunk_frames", "histogram", "mel frames a chunk ma
 STEP_BATCH = Family("s3flow_step_batch_size", "histogram", "sequences solved together in one Euler step",
                     BATCH_BUCKETS)
 
-FAMILIES = (LIVE, DROPPED, CHUNK_SECONDS, FIRST_CHUNK_SECONDS, CHUNK_NFE, CHUNK_FRAMES, STEP_BATCH)
-HISTOGRAMS = tuple(f for f in FAMILIES if f.kind == "histogram")
+FIRST_AUDIO_SECONDS = Family("s3flow_first_audio_seconds", "histogram",
+                             "seconds from a START's arrival at the token2wav ensemble to the vocoder's first samples "
+                             "beyond the silent 40 ms start", SECONDS_BUCKETS)
+
+SOLVER_FAMILIES = (LIVE, DROPPED, CHUNK_SECONDS, FIRST_CHUNK_SECONDS, CHUNK_NFE, CHUNK_FRAMES, STEP_BATCH)
+VOCODER_FAMILIES = (FIRST_AUDIO_SECONDS,)
+FAMILIES = SOLVER_FAMILIES + VOCODER_FAMILIES
+#: the solver's histograms (every token2mel and token2wav load shows them; the load test checks their counts)
+HISTOGRAMS = tuple(f for f in SOLVER_FAMILIES if f.kind == "histogram")
 
 Publish = Callable[[Family, float, dict], None]
 

@@ -14,6 +14,7 @@ from s3flow.protocol import RequestError, RequestRules, tenant_of
 from s3flow.serving.admission import Admission, LiveCounts
 from s3flow.serving.draining import draining_probe
 from s3flow.serving.responses import INVALID_ARG
+from s3flow.serving.start_clock import StartClock
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response, pb_utils
 
 _ADMITTED = ADMISSION_OUTPUTS[0]
@@ -32,7 +33,7 @@ class TritonPythonModel(TritonModel):
                                    p.int("max_voice_bytes"), secret_from_env()).get
         live = LiveCounts(LiveCounts.default_folder())
         self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, live, voices, draining_probe(),
-                                   name=self.name)
+                                   name=self.name, starts=StartClock(StartClock.default_folder()))
 
     def respond(self, request):
         flags = request.flags()

@@ -29,8 +29,9 @@ from s3flow.protocol import RequestError, tenant_of
 from s3flow.serving.admission import LiveCounts
 from s3flow.serving.draining import draining_probe
 from s3flow.serving.heap import trim_heap
-from s3flow.serving.metrics import FAMILIES, LIVE, SolverBook
+from s3flow.serving.metrics import LIVE, SOLVER_FAMILIES, SolverBook
 from s3flow.serving.session import Incoming, ModelCallError, SolverSession
+from s3flow.serving.triton_models.metric_api import TritonMetrics
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
                                                read_controls)
 from s3flow.serving.warmup import warm_up_solver
@@ -205,50 +206,16 @@ class TritonPythonModel(TritonModel):
 
 
 class _SolverMetrics:
-    """The solver's Prometheus metrics through the python backend's metric API; their names, kinds, buckets
-    and what is observed are ``s3flow.serving.metrics`` (``SolverBook``), documented in docs/operations.md. Labels
-    ``model`` and ``instance`` on all, ``reason`` on ``s3flow_sequences_dropped_total``. A family the stub
-    cannot make (no custom metrics, or no HISTOGRAM) is left out; the others still publish.
-    """
+    """The solver's Prometheus metrics (``s3flow.serving.metrics``: ``SolverBook`` observes, documented in
+    docs/operations.md), published through ``TritonMetrics``."""
 
     def __init__(self, model: str, instance: str, on_drop):
-        self.labels = {"model": model, "instance": instance}
-        self.book = SolverBook(self._publish, on_drop=on_drop)
-        self._lock = threading.Lock()   # execute and the idle reaper both publish
-        self._families, self._metrics = {}, {}
-        for family in FAMILIES:
-            try:
-                kind = getattr(pb_utils.MetricFamily, family.kind.upper())
-                self._families[family.name] = pb_utils.MetricFamily(
-                    name=family.name, description=family.description, kind=kind)
-            except (AttributeError, pb_utils.TritonModelException):
-                continue
+        self.api = TritonMetrics(SOLVER_FAMILIES, model, instance)
+        self.book = SolverBook(self.api.publish, on_drop=on_drop)
         self.live(0)  # the gauge shows from the load on, not from the first request
 
-    def _publish(self, family, value: float, extra: dict) -> None:
-        with self._lock:
-            self._publish_locked(family, value, extra)
-
-    def _publish_locked(self, family, value: float, extra: dict) -> None:
-        metrics_family = self._families.get(family.name)
-        if metrics_family is None:
-            return
-        key = (family.name, tuple(sorted(extra.items())))
-        metric = self._metrics.get(key)
-        if metric is None:
-            buckets = {"buckets": list(family.buckets)} if family.kind == "histogram" else {}
-            metric = self._metrics[key] = metrics_family.Metric(labels={**self.labels, **extra}, **buckets)
-        if family.kind == "histogram":
-            metric.observe(float(value))
-        elif family.kind == "counter":
-            metric.increment(float(value))
-        else:
-            metric.set(float(value))
-
     def live(self, n: int) -> None:
-        self._publish(LIVE, n, {})
+        self.api.publish(LIVE, n, {})
 
     def close(self) -> None:
-        """Metrics must go before their families (the stub checks)."""
-        self._metrics = {}
-        self._families = {}
+        self.api.close()

@@ -12,10 +12,12 @@ of the first out.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from s3flow_contract.answers import Disposition
-from s3flow_contract.tensors import VOCODER_INPUTS, VOCODER_OUTPUTS, by_name
+from s3flow_contract.tensors import SILENT_START_SAMPLES, VOCODER_INPUTS, VOCODER_OUTPUTS, by_name
 from s3flow.engine.observer import Observer
 from s3flow.engine.sequences import Capacity, SequenceTable
 from s3flow.engine.vocoder_stream import StreamError, StreamSettings, VocoderStream
@@ -23,8 +25,11 @@ from s3flow.model.vocoder_source import SourceParams
 from s3flow.protocol import RequestError, numbers_from_parameters
 from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
 from s3flow.serving.config_params import Params
+from s3flow.serving.metrics import FIRST_AUDIO_SECONDS, VOCODER_FAMILIES
+from s3flow.serving.start_clock import StartClock
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response,
                                                read_controls)
+from s3flow.serving.triton_models.metric_api import TritonMetrics
 from s3flow.serving.warmup import warm_up_vocoder
 
 _MEL, _FRAME_OFFSET, _SEED = (t.name for t in VOCODER_INPUTS)
@@ -51,6 +56,10 @@ class TritonPythonModel(TritonModel):
         runner = open_vocoder_runner(self.version_dir, runner_settings)
         self.stream = VocoderStream(runner.f0, runner.decode, self.source, self.settings, n_feats=self.n_feats)
         self.sequences = SequenceTable(Capacity.from_parameters(p.raw), _LogDrops(self))
+        # first audio (s3flow_first_audio_seconds): admission marked each START's arrival
+        self.starts = StartClock(StartClock.default_folder())
+        self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
+        self.metrics = TritonMetrics(VOCODER_FAMILIES, self.name, args.get("model_instance_name", self.name))
         self.logger.log_info(f"{self.name}: HiFT in {runner_settings.backend} on {runner_settings.device}")
         if p.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no store entry
             self.logger.log_info(warm_up_vocoder(self.stream).describe())
@@ -69,6 +78,7 @@ class TritonPythonModel(TritonModel):
             self.sequences.end(c.corr_id, "broken stream")  # a broken stream cannot continue seamlessly
             raise
         self.sequences.commit(c.corr_id, end=c.end)
+        self._first_audio(c, chunk.sample_offset + chunk.audio.size)
         return ok_response({
             _AUDIO.name: chunk.audio[None].astype(_AUDIO.np_dtype, copy=False),
             _SAMPLE_OFFSET.name: np.array([[chunk.sample_offset]], dtype=_SAMPLE_OFFSET.np_dtype)})
@@ -86,11 +96,24 @@ class TritonPythonModel(TritonModel):
                 raise RequestError(f"seed must be >= 0, got {seed}")
             state = self.stream.start(seed)
             self.sequences.begin(c.corr_id, state)
+            started = self.starts.take(c.corr_id)
+            if started is not None:
+                self.awaiting_audio[c.corr_id] = started
         else:
             state = self.sequences.serve(c.corr_id)
         return self.stream.push(state, mel[0], int(offset.reshape(-1)[0]), end=c.end)
 
+    def _first_audio(self, c, samples_out: int) -> None:
+        """Observe a START-to-first-sound time once per utterance (and forget it at END)."""
+        started = self.awaiting_audio.get(c.corr_id)
+        if started is not None and samples_out > SILENT_START_SAMPLES:
+            self.metrics.publish(FIRST_AUDIO_SECONDS, max(0.0, time.time() - started), {})
+            del self.awaiting_audio[c.corr_id]
+        if c.end:
+            self.awaiting_audio.pop(c.corr_id, None)
+
     def finalize(self):
+        self.metrics.close()
         self.stream = self.sequences = None
 
 
@@ -101,4 +124,5 @@ class _LogDrops(Observer):
         self.model = model
 
     def sequence_dropped(self, corr_id, reason: str) -> None:
+        self.model.awaiting_audio.pop(corr_id, None)
         self.model.logger.log_info(f"{self.model.name}: dropped sequence {corr_id} ({reason})")

@@ -1,0 +1,51 @@
+"""Publishing ``s3flow.serving.metrics`` families through the python backend's metric API (``pb_utils``).
+
+One ``TritonMetrics`` per model instance: labels ``model`` and ``instance`` on every series, more per call
+(``reason`` of a drop). A family the stub cannot make (no custom metrics, or no HISTOGRAM) is left out; the
+others still publish. Thread-safe (the solver's execute and its idle reaper both publish).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+from s3flow.serving.metrics import Family
+from s3flow.serving.triton_models.base import pb_utils
+
+
+class TritonMetrics:
+    def __init__(self, families: Iterable[Family], model: str, instance: str):
+        self.labels = {"model": model, "instance": instance}
+        self._lock = threading.Lock()
+        self._families, self._metrics = {}, {}
+        for family in families:
+            try:
+                kind = getattr(pb_utils.MetricFamily, family.kind.upper())
+                self._families[family.name] = pb_utils.MetricFamily(
+                    name=family.name, description=family.description, kind=kind)
+            except (AttributeError, pb_utils.TritonModelException):
+                continue
+
+    def publish(self, family: Family, value: float, extra: dict) -> None:
+        """Observe (histogram), increment (counter) or set (gauge) ``family``'s series for ``extra`` labels."""
+        with self._lock:
+            metrics_family = self._families.get(family.name)
+            if metrics_family is None:
+                return
+            key = (family.name, tuple(sorted(extra.items())))
+            metric = self._metrics.get(key)
+            if metric is None:
+                buckets = {"buckets": list(family.buckets)} if family.kind == "histogram" else {}
+                metric = self._metrics[key] = metrics_family.Metric(labels={**self.labels, **extra}, **buckets)
+            if family.kind == "histogram":
+                metric.observe(float(value))
+            elif family.kind == "counter":
+                metric.increment(float(value))
+            else:
+                metric.set(float(value))
+
+    def close(self) -> None:
+        """Metrics must go before their families (the stub checks)."""
+        with self._lock:
+            self._metrics = {}
+            self._families = {}
