@@ -209,6 +209,30 @@ def test_idle_sequences_are_evicted():
         table.serve(2)
 
 
+def test_a_sequence_whose_chunk_waits_in_the_queue_is_not_idle(tmp_path):
+    """A request seen (by admission, before the queue) after the table last picked up a chunk of its sequence
+    keeps the sequence from going idle however long it waits; once picked up and answered, idle time counts
+    again. Marks are real ArrivalMarks files, as the served models share them."""
+    from s3flow.serving.arrivals import ArrivalMarks
+
+    wall = _Clock()
+    seen = ArrivalMarks(tmp_path, clock=lambda: wall.now)
+    clock, log = _Clock(), DropLog()
+    table = SequenceTable(Capacity(idle_timeout_s=5.0), log, clock=clock, waiting=seen.peek, wall=lambda: wall.now)
+    for cid in (1, 2):
+        seen.mark(cid)
+        wall.now += 0.1
+        _answered(table, cid, object())
+    wall.now, clock.now = 1.0, 1.0
+    seen.mark(2)                        # sequence 2's next chunk arrives and waits behind a long queue
+    wall.now, clock.now = 60.0, 60.0
+    assert table.evict_idle() == [1], "1 has nothing queued; 2's chunk waited 59 s and is still there"
+    table.serve(2)                      # picked up at last ...
+    table.commit(2, end=False)          # ... and answered: idle from here
+    clock.now, wall.now = 66.0, 66.0
+    assert table.evict_idle() == [2] and log.drops == [(1, "idle"), (2, "idle")]
+
+
 def test_a_sequence_in_flight_is_never_evicted_however_long_it_takes():
     """Begun (a START) or served (a later chunk) and not yet committed or rolled back: the chunk is being
     solved, and the idle reaper leaves it alone however long that takes; its idle time starts at the answer."""

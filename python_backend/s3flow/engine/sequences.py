@@ -64,10 +64,16 @@ class SequenceTable(Generic[State]):
     """States keyed by correlation id (see the module docstring)."""
 
     def __init__(self, capacity: Capacity, observer: Observer = NO_OBSERVER,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 waiting: Optional[Callable[[object], Optional[float]]] = None, wall: Callable[[], float] = time.time):
+        """``waiting(corr_id)``: when (``wall`` clock) the server last saw a request of the sequence arrive, or
+        None; a request seen after the table last picked up a chunk of it is waiting in the queue, and its
+        sequence is not idle however old its last answer (``s3flow.serving.arrivals``)."""
         self.capacity, self.observer, self.clock = capacity, observer, clock
+        self.waiting, self.wall = waiting, wall
         self._states: OrderedDict[object, State] = OrderedDict()
         self._answered: dict[object, float] = {}     # corr_id -> time of its last answer
+        self._picked: dict[object, float] = {}       # corr_id -> wall time its last chunk was picked up
         self._in_flight: set = set()
         self._lock = threading.Lock()
 
@@ -99,6 +105,7 @@ class SequenceTable(Generic[State]):
                                  f"{self.capacity.max_live_sequences}); retry in {wait:.1f} s", retry_after_s=wait)
             self._states[corr_id] = state
             self._answered[corr_id] = self.clock()
+            self._picked[corr_id] = self.wall()
             self._in_flight.add(corr_id)
             return old
 
@@ -110,6 +117,7 @@ class SequenceTable(Generic[State]):
                 raise UnknownSequence(f"sequence {corr_id} is not active: it never started with a START request, "
                                    f"already ended, or was evicted after {self.capacity.idle_timeout_s} s idle")
             self._states.move_to_end(corr_id)
+            self._picked[corr_id] = self.wall()
             self._in_flight.add(corr_id)
             return state
 
@@ -145,11 +153,12 @@ class SequenceTable(Generic[State]):
         return had
 
     def evict_idle(self) -> list:
-        """Reclaim the states not in flight whose last answer is more than ``idle_timeout_s`` old."""
+        """Reclaim the states not in flight whose last answer is more than ``idle_timeout_s`` old and that
+        have no chunk waiting in the queue (``waiting``)."""
         with self._lock:
             now = self.clock()
             gone = [c for c, t in self._answered.items()
-                    if c not in self._in_flight and now - t > self.capacity.idle_timeout_s]
+                    if c not in self._in_flight and now - t > self.capacity.idle_timeout_s and not self._queued(c)]
             for corr_id in gone:
                 self._pop(corr_id)
         for corr_id in gone:
@@ -167,6 +176,13 @@ class SequenceTable(Generic[State]):
             return self.capacity.idle_timeout_s + 0.1
         return max(0.0, min(idle) + self.capacity.idle_timeout_s - self.clock()) + 0.1
 
+    def _queued(self, corr_id) -> bool:
+        if self.waiting is None:
+            return False
+        seen = self.waiting(corr_id)
+        return seen is not None and seen > self._picked.get(corr_id, float("inf"))
+
     def _pop(self, corr_id) -> bool:
         self._answered.pop(corr_id, None)
+        self._picked.pop(corr_id, None)
         return self._states.pop(corr_id, None) is not None

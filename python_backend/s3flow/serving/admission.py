@@ -87,10 +87,11 @@ class Admission:
     def __init__(self, rules: RequestRules, n_feats: int, live: Optional[LiveCounts] = None,
                  voices: Optional[Callable[[str, str], dict]] = None, draining: Callable[[], bool] = lambda: False,
                  name: str = "admission", grace_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 starts=None):
-        """``starts``: a ``s3flow.serving.start_clock.StartClock`` marking each admitted START (first audio)."""
+                 starts=None, seen=None):
+        """``starts``, ``seen``: ``s3flow.serving.arrivals.ArrivalMarks`` for each admitted START (first audio)
+        and for every request (a chunk waiting in the queue keeps its sequence from going idle)."""
         self.rules, self.n_feats, self.live, self.voices, self.draining = rules, n_feats, live, voices, draining
-        self.starts = starts
+        self.starts, self.seen = starts, seen
         self.name, self.grace_s, self.clock = name, grace_s, clock
         self._admitted: dict[int, float] = {}       # STARTs admitted and perhaps not yet counted: id -> time
 
@@ -99,6 +100,8 @@ class Admission:
         """None to let the request through, else the refusal (with its code and disposition)."""
         if not start:   # a later chunk: its START reached the solver, which counts the sequence from then on
             self._admitted.pop(corr_id, None)
+            if self.seen is not None:
+                self.seen.mark(corr_id)
             return None
         seq = f"{self.name}: sequence {corr_id}: "
         try:
@@ -126,4 +129,6 @@ class Admission:
             self._admitted[corr_id] = now
         if self.starts is not None:
             self.starts.mark(corr_id)
+        if self.seen is not None:
+            self.seen.mark(corr_id)
         return None

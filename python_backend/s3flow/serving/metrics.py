@@ -21,7 +21,7 @@ metric (labels ``model``, ``instance``)       kind       what
 ``s3flow_first_audio_seconds``                histogram  the vocoder (token2wav): from a START's arrival
                                                          at the ensemble (admission) to its first samples
                                                          beyond the silent 40 ms start (what a listener
-                                                         waits for; ``s3flow.serving.start_clock``)
+                                                         waits for; ``s3flow.serving.arrivals``)
 ============================================  =========  ===============================================
 
 Example::

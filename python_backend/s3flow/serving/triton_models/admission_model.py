@@ -14,7 +14,7 @@ from s3flow.protocol import RequestError, RequestRules, tenant_of
 from s3flow.serving.admission import Admission, LiveCounts
 from s3flow.serving.draining import draining_probe
 from s3flow.serving.responses import INVALID_ARG
-from s3flow.serving.start_clock import StartClock
+from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response, pb_utils
 
 _ADMITTED = ADMISSION_OUTPUTS[0]
@@ -33,7 +33,8 @@ class TritonPythonModel(TritonModel):
                                    p.int("max_voice_bytes"), secret_from_env()).get
         live = LiveCounts(LiveCounts.default_folder())
         self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, live, voices, draining_probe(),
-                                   name=self.name, starts=StartClock(StartClock.default_folder()))
+                                   name=self.name, starts=ArrivalMarks(ArrivalMarks.default_folder("starts")),
+                                   seen=ArrivalMarks(ArrivalMarks.default_folder("seen")))
 
     def respond(self, request):
         flags = request.flags()

@@ -23,10 +23,12 @@ from torch.utils import dlpack
 
 from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, MEL_RESPONSE, REQUEST,
                                      SOLVER_INPUTS, by_name, estimator_inputs, names)
+from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import RequestError, tenant_of
 from s3flow.serving.admission import LiveCounts
+from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.draining import draining_probe
 from s3flow.serving.heap import trim_heap
 from s3flow.serving.metrics import LIVE, SOLVER_FAMILIES, SolverBook
@@ -114,9 +116,13 @@ class TritonPythonModel(TritonModel):
         self.estimator = BlsEstimator(p.str("estimator_model", "estimator"), names(estimator_inputs(self.meanflow)),
                                       names(ESTIMATOR_OUTPUTS), device_id)
         self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name), self._dropped)
+        # a chunk waiting in Triton's queue (admission saw it arrive) keeps its sequence from going idle
+        seen = ArrivalMarks(ArrivalMarks.default_folder("seen"))
+        table = SequenceTable(self.settings.capacity, self.metrics.book, waiting=seen.peek)
         engine = StreamingEngine(self.encoder, self.estimator, n_feats=self.n_feats, meanflow=self.meanflow,
                                  solving=self.settings.solving, capacity=self.settings.capacity,
-                                 observer=self.metrics.book, bucket_ratio=p.float("length_bucket_ratio", 0.0))
+                                 observer=self.metrics.book, bucket_ratio=p.float("length_bucket_ratio", 0.0),
+                                 table=table)
         if p.bool("warmup", True):  # s3flow.serving.warmup: no first-run cost on a real chunk
             self.logger.log_info(warm_up_solver(engine, self.settings.rules).describe())
         voices = None

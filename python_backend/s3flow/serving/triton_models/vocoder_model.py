@@ -26,7 +26,7 @@ from s3flow.protocol import RequestError, numbers_from_parameters
 from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
 from s3flow.serving.config_params import Params
 from s3flow.serving.metrics import FIRST_AUDIO_SECONDS, VOCODER_FAMILIES
-from s3flow.serving.start_clock import StartClock
+from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response,
                                                read_controls)
 from s3flow.serving.triton_models.metric_api import TritonMetrics
@@ -57,7 +57,7 @@ class TritonPythonModel(TritonModel):
         self.stream = VocoderStream(runner.f0, runner.decode, self.source, self.settings, n_feats=self.n_feats)
         self.sequences = SequenceTable(Capacity.from_parameters(p.raw), _LogDrops(self))
         # first audio (s3flow_first_audio_seconds): admission marked each START's arrival
-        self.starts = StartClock(StartClock.default_folder())
+        self.starts = ArrivalMarks(ArrivalMarks.default_folder("starts"))
         self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
         self.metrics = TritonMetrics(VOCODER_FAMILIES, self.name, args.get("model_instance_name", self.name))
         self.logger.log_info(f"{self.name}: HiFT in {runner_settings.backend} on {runner_settings.device}")
