@@ -201,3 +201,21 @@ def test_the_cli_reads_tokens_from_a_pipe(server, tmp_path):
                           "--tokens-from", "-", "--out-dir", str(tmp_path)], input="12 x7\n",
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "--tokens-from -: invalid literal" in bad.stderr
+
+
+@pytest.mark.server
+def test_closing_the_client_fails_an_utterance_never_ended_and_frees_it(server):
+    u = demo_utterance(1.0, seed=26)
+    metrics = f"http://{server.host}:{server.metrics_port}/metrics"
+    client = LiveClient(server.grpc_url, "token2mel", response_timeout_s=30)
+    stream = client.open(**prompt_of(u), n_timesteps=2)
+    stream.push(u.speech_tokens[:12])
+    next(iter(stream))
+    t0 = time.monotonic()
+    client.close()
+    assert time.monotonic() - t0 < 10
+    assert "the client closed before end()" in stream.result(timeout=1).error
+    deadline = time.monotonic() + 3.0
+    while live_sequences(metrics) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_sequences(metrics) == 0

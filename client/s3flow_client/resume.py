@@ -41,6 +41,7 @@ from s3flow_contract.answers import Answer, answer_of
 from s3flow_contract.tensors import AUDIO_RESPONSE, MEL_RESPONSE, request_arrays
 
 from .channel import ServerStream
+from .chunking import Situation
 from .state import UtteranceState, new_corr_id
 
 log = logging.getLogger("s3flow_client")
@@ -131,8 +132,6 @@ class Run:
 
     def choose_chunk(self, s: UtteranceState) -> bool:
         """A live utterance's next chunk size (recorded in ``s.sizes``); False: nothing to send yet."""
-        from .chunking import Situation
-
         now = time.perf_counter()
         latency = s.latencies[-1] if s.latencies else None
         d = s.chunker.decide(Situation(s.unsent, s.ended, len(s.sizes), s.lead_s(now, self.c.audio), latency,
@@ -288,8 +287,11 @@ class Run:
             self.streams.append(s)
             self.by_id[s.corr_id] = s
             self.send(s)
-        elif kind == "close":
+        elif kind == "close":   # utterances ended finish; those never ended cannot, and fail now
             self.closed = True
+            for t in self.streams:
+                if not t.done and not t.ended:
+                    self.fail(t, f"{t.where()}: the client closed before end()")
         elif s.done:
             return
         elif kind == "push":
