@@ -45,7 +45,6 @@ from .chunking import Situation
 from .state import UtteranceState, new_corr_id
 
 log = logging.getLogger("s3flow_client")
-
 PROBE_S = 2.0                          # liveness probe of an address whose stream broke
 
 
@@ -132,8 +131,7 @@ class Run:
 
     def choose_chunk(self, s: UtteranceState) -> bool:
         """A live utterance's next chunk size (recorded in ``s.sizes``); False: nothing to send yet."""
-        now = time.perf_counter()
-        latency = s.latencies[-1] if s.latencies else None
+        now, latency = time.perf_counter(), s.latencies[-1] if s.latencies else None
         d = s.chunker.decide(Situation(s.unsent, s.ended, len(s.sizes), s.lead_s(now, self.c.audio), latency,
                                        s.token_rate()))
         if d.size is None or (d.size == 0 and not s.ended):
@@ -308,8 +306,7 @@ class Run:
         if not s.done and not s.in_flight and not any(d[1] is s for d in self.due):
             self.send(s)
 
-    def busy(self) -> bool:
-        """The loop has work: an utterance not done, or (live) the client still open."""
+    def busy(self) -> bool:   # an utterance not done, or (live) the client still open
         return (self.live and not self.closed) or any(not s.done for s in self.streams)
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -351,8 +348,7 @@ class Run:
                     break
                 if conn_id is None:   # live control from another thread
                     self.control(result, error[0], error[1])
-                    if result in ("push", "end", "open"):
-                        last_event = time.perf_counter()
+                    last_event = time.perf_counter() if result in ("push", "end", "open") else last_event
                     continue
                 conn = self.conns[conn_id]
                 if not conn.alive:
@@ -372,8 +368,7 @@ class Run:
                     s.error, s.done = s.error or f"{s.where()}: the client closed", True
             self.notify_done()
 
-    def notify_done(self) -> None:
-        """Tell the live sinks of utterances that just finished (a None delivery)."""
+    def notify_done(self) -> None:   # a None delivery tells a live sink its utterance finished
         for s in self.streams:
             if s.done and s.sink is not None:
                 sink, s.sink = s.sink, None
