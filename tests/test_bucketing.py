@@ -8,6 +8,7 @@ from helpers import small_flow, stream_in_process, torch_encoder
 from s3flow.serving.config_params import Params
 from s3flow.repository.settings import Batching, RepositorySettings
 from s3flow.repository.configs import solver_config
+from s3flow.engine.settings import ChunkSolving
 from s3flow.engine.streaming import StreamingEngine
 from s3flow_client.demo import demo_utterance
 
@@ -17,7 +18,9 @@ def engine(flow, ratio: float, calls: list):
         calls.append((inputs.x.shape[0], inputs.x.shape[2]))
         with torch.inference_mode():
             return flow.estimator(**inputs.named())
-    return StreamingEngine(torch_encoder(flow), estimator, n_feats=80, meanflow=False, bucket_ratio=ratio)
+    # the whole prompt conditions every chunk, so the prompts' lengths spread the prefixes (the figures below)
+    return StreamingEngine(torch_encoder(flow), estimator, n_feats=80, meanflow=False, bucket_ratio=ratio,
+                           solving=ChunkSolving(prompt_frames=-1))
 
 
 def test_buckets_split_by_length_and_give_the_same_frames():

@@ -570,7 +570,7 @@ def test_k8s_deployment():
 def test_k8s_services_monitoring_and_kustomization():
     docs = _k8s()
     pod_labels = docs[("Deployment", "s3flow-triton")]["spec"]["template"]["metadata"]["labels"]
-    svc, headless = docs[("Service", "s3flow")], docs[("Service", "s3flow-headless")]
+    svc, headless = docs[("Service", "s3flow-metrics")], docs[("Service", "s3flow-headless")]
     assert headless["spec"]["clusterIP"] == "None"
     for s in (svc, headless):
         assert s["spec"]["selector"].items() <= pod_labels.items()
@@ -584,12 +584,15 @@ def test_k8s_services_monitoring_and_kustomization():
 def test_k8s_router_pins_sequences_by_the_clients_header():
     docs = _k8s()
     envoy = _yaml().safe_load(docs[("ConfigMap", "s3flow-router")]["data"]["envoy.yaml"])
-    [listener] = envoy["static_resources"]["listeners"]
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    [route] = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    assert route["route"]["hash_policy"] == [{"header": {"header_name": SEQUENCE_HEADER}}]
-    assert route["route"]["timeout"] == "0s", "streams must not be cut by a route timeout"
-    [cluster] = envoy["static_resources"]["clusters"]
+    [listener] = [lst for lst in envoy["static_resources"]["listeners"] if lst["name"] == "grpc"]
+    [hcm] = [f["typed_config"] for f in listener["filter_chains"][0]["filters"]
+             if f["name"] == "envoy.filters.network.http_connection_manager"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert any(r["match"]["path"].endswith("/ModelStreamInfer") for r in routes)
+    for route in routes:
+        assert route["route"]["hash_policy"] == [{"header": {"header_name": SEQUENCE_HEADER}}]
+        assert route["route"]["timeout"] == "0s", "streams must not be cut by a route timeout"
+    [cluster] = [c for c in envoy["static_resources"]["clusters"] if c["name"] == "triton"]
     assert cluster["lb_policy"] in ("RING_HASH", "MAGLEV") and cluster["type"] == "STRICT_DNS"
     [ep] = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
     assert ep["endpoint"]["address"]["socket_address"]["address"].startswith("s3flow-headless.")
@@ -597,7 +600,7 @@ def test_k8s_router_pins_sequences_by_the_clients_header():
     assert cluster["health_checks"][0]["http_health_check"]["path"] == "/v2/health/ready"
     router = docs[("Deployment", "s3flow-router")]["spec"]["template"]["spec"]
     assert router["volumes"][0]["configMap"]["name"] == "s3flow-router"
-    assert docs[("Service", "s3flow-router")]["spec"]["ports"][0]["port"] == 8001
+    assert docs[("Service", "s3flow-router")]["spec"]["ports"][0]["port"] == listener["address"]["socket_address"]["port_value"]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from s3flow.model.solver import EstimatorInputs
 from s3flow.protocol import RequestError
 from s3flow.repository import model_config as mc
 from s3flow.serving import responses
-from s3flow.serving.triton_models import base, cfm_solver, onnx_model, torch_model, voice_encoder_model, vocoder_model
+from s3flow.serving.triton_models import (base, cfm_solver, metric_api, onnx_model, torch_model, voice_encoder_model,
+                                         vocoder_model)
 
 
 class TritonModelException(Exception):
@@ -60,7 +61,11 @@ class Tensor:
 
 
 class Request(dict):
-    """Input arrays by name."""
+    """Input arrays by name; ``params`` the request parameters (Triton's JSON: forwarded headers)."""
+    params = "{}"
+
+    def parameters(self):
+        return self.params
 
 
 def FakePbUtils():  # noqa: N802 (a module stand-in)
@@ -73,7 +78,7 @@ def FakePbUtils():  # noqa: N802 (a module stand-in)
 @pytest.fixture(autouse=True)
 def pb_utils(monkeypatch):
     fake = FakePbUtils()
-    for module in (responses, base, cfm_solver, torch_model):
+    for module in (responses, base, cfm_solver, metric_api, torch_model):
         monkeypatch.setattr(module, "pb_utils", fake)
     return fake
 
@@ -200,9 +205,12 @@ def test_the_solver_reads_every_request_tensor_of_the_contract():
     request = Request(arrays, START=np.array([[1]], np.int32), READY=np.array([[1]], np.int32),
                       CORRID=np.array([[9]], np.uint64))
     request.is_cancelled = lambda: False
+    request.params = '{"s3flow-tenant": "acme"}'
     incoming = model._incoming(request)
-    assert (incoming.corr_id, incoming.start, incoming.end) == (9, True, False)
+    assert (incoming.corr_id, incoming.start, incoming.end, incoming.tenant) == (9, True, False, "acme")
     assert sorted(incoming.inputs) == sorted(contract.names(contract.REQUEST))
+    request.params = '{"s3flow-tenant": "not a tenant"}'   # called directly, past admission: owns no voice
+    assert model._incoming(request).tenant == "!invalid"
 
 
 class _BlsRequest:
