@@ -87,6 +87,29 @@ def test_book_observes_each_answered_chunk_and_each_euler_step(meanflow, rate, p
     assert engine.estimator_calls == 2 * steps == 2 * calls_after_first
 
 
+def test_book_follows_each_streams_lead_over_a_real_time_player_and_counts_underruns_once():
+    rec, now = Recorder(), [0.0]
+    book = m.SolverBook(rec, clock=lambda: now[0])
+
+    def answer(at: float, *chunks):
+        t0 = book.begin()
+        for corr_id, start, frames in chunks:
+            book.chunk_answered(corr_id, start, 2, frames)
+        now[0] = at
+        book.end(t0)
+
+    answer(0.2, (1, True, 14), (2, True, 14))     # 0.28 s of audio each
+    answer(0.4, (1, False, 40))                   # stream 1: 0.28 s delivered, 0.2 s played: lead 0.08
+    answer(0.7, (2, False, 40))                   # stream 2: 0.28 s delivered, 0.5 s played: dry
+    answer(1.5, (2, False, 40), (1, False, 10))   # 2: 1.08 - 1.3 < 0 again (counted once); 1: 1.08 - 1.3
+    lead = rec.values("s3flow_stream_lead_seconds")
+    assert lead == pytest.approx([0.08, -0.22, -0.22, -0.22])
+    assert rec.values("s3flow_stream_underruns_total") == [1, 1], "once per stream"
+    book.sequence_dropped(1, "idle")
+    answer(2.0, (1, False, 10))                   # a dropped stream is not followed any more
+    assert len(rec.values("s3flow_stream_lead_seconds")) == 4
+
+
 def test_book_observes_nothing_for_a_failed_run_and_counts_drops_by_reason():
     rec, heard = Recorder(), []
     book = m.SolverBook(rec, on_drop=lambda corr_id, reason: heard.append((corr_id, reason)))
@@ -171,7 +194,7 @@ def test_parser_reads_histograms_and_counters_of_triton_text():
 def test_families_follow_prometheus_naming():
     for f in m.FAMILIES:
         assert f.name.startswith("s3flow_") and (f.kind != "counter" or f.name.endswith("_total")), f
-        assert ("seconds" in f.name) == (f.buckets == m.SECONDS_BUCKETS), f
+        assert ("seconds" in f.name) == (f.buckets in (m.SECONDS_BUCKETS, m.LEAD_BUCKETS)), f
         assert list(f.buckets) == sorted(set(f.buckets)), f"{f.name}: buckets must rise"
 
 

@@ -18,6 +18,11 @@ metric (labels ``model``, ``instance``)       kind       what
                                                          with classifier-free guidance)
 ``s3flow_chunk_frames``                       histogram  mel frames a chunk made final (returned)
 ``s3flow_step_batch_size``                    histogram  sequences solved together in one Euler step
+``s3flow_stream_lead_seconds``                histogram  at each answer after a stream's first: the audio
+                                                         it had delivered minus the time since its first
+                                                         answer (a player starting then, at real time);
+                                                         negative: that player ran dry (no per-stream label)
+``s3flow_stream_underruns_total``             counter    streams whose lead went negative (once each)
 ``s3flow_first_audio_seconds``                histogram  the vocoder (token2wav): from a START's arrival
                                                          at the ensemble (admission) to its first samples
                                                          beyond the silent 40 ms start (what a listener
@@ -35,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,6 +51,11 @@ SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 NFE_BUCKETS = (1, 2, 4, 8, 10, 16, 20, 32, 50, 100)
 FRAMES_BUCKETS = (0, 10, 25, 50, 100, 200, 400, 800, 1600, 3200)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+#: Lead buckets (seconds of audio ahead of a real-time player; below 0: it ran dry).
+LEAD_BUCKETS = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+FRAMES_PER_SECOND = 50.0
+#: streams whose lead the book follows at once (the least recently answered are forgotten beyond it)
+MAX_STREAMS_FOLLOWED = 4096
 
 
 @dataclass(frozen=True)
@@ -68,12 +79,17 @@ CHUNK_NFE = Family("s3flow_chunk_nfe", "histogram",
 CHUNK_FRAMES = Family("s3flow_chunk_frames", "histogram", "mel frames a chunk made final", FRAMES_BUCKETS)
 STEP_BATCH = Family("s3flow_step_batch_size", "histogram", "sequences solved together in one Euler step",
                     BATCH_BUCKETS)
+STREAM_LEAD = Family("s3flow_stream_lead_seconds", "histogram",
+                     "at each answer after a stream's first: audio delivered before it minus the time since the "
+                     "first answer (a real-time player starting then); negative: the player ran dry", LEAD_BUCKETS)
+UNDERRUNS = Family("s3flow_stream_underruns_total", "counter", "streams whose lead went negative (once each)")
 
 FIRST_AUDIO_SECONDS = Family("s3flow_first_audio_seconds", "histogram",
                              "seconds from a START's arrival at the token2wav ensemble to the vocoder's first samples "
                              "beyond the silent 40 ms start", SECONDS_BUCKETS)
 
-SOLVER_FAMILIES = (LIVE, DROPPED, CHUNK_SECONDS, FIRST_CHUNK_SECONDS, CHUNK_NFE, CHUNK_FRAMES, STEP_BATCH)
+SOLVER_FAMILIES = (LIVE, DROPPED, CHUNK_SECONDS, FIRST_CHUNK_SECONDS, CHUNK_NFE, CHUNK_FRAMES, STEP_BATCH,
+                   STREAM_LEAD, UNDERRUNS)
 VOCODER_FAMILIES = (FIRST_AUDIO_SECONDS,)
 FAMILIES = SOLVER_FAMILIES + VOCODER_FAMILIES
 #: the solver's histograms (every token2mel and token2wav load shows them; the load test checks their counts)
@@ -94,16 +110,19 @@ class SolverBook(Observer):
     def __init__(self, publish: Publish, clock: Callable[[], float] = time.perf_counter,
                  on_drop: Callable[[object, str], None] = lambda corr_id, reason: None):
         self.publish, self.clock, self.on_drop = publish, clock, on_drop
-        self._pending: list[tuple[bool, int, int]] = []   # (START, nfe, frames) of answered chunks
+        self._pending: list[tuple[object, bool, int, int]] = []   # (corr_id, START, nfe, frames) answered
+        #: corr_id -> [first answer's time, frames delivered, went dry] of the streams followed
+        self._streams: OrderedDict = OrderedDict()
 
     # -- the engine's reports --------------------------------------------------------------------------
     def estimator_step(self, sequences: int, rows: int, frames: int) -> None:
         self.publish(STEP_BATCH, sequences, {})
 
     def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
-        self._pending.append((bool(start), int(nfe), int(frames)))
+        self._pending.append((corr_id, bool(start), int(nfe), int(frames)))
 
     def sequence_dropped(self, corr_id, reason: str) -> None:
+        self._streams.pop(corr_id, None)
         self.publish(DROPPED, 1, {"reason": reason})
         self.on_drop(corr_id, reason)
 
@@ -116,12 +135,32 @@ class SolverBook(Observer):
     def end(self, started: float) -> int:
         """Call when ``execute``'s responses are ready: publish each answered chunk's latency (its batch's
         time in ``execute``), NFE and frames. Returns the number of chunks observed."""
-        seconds = self.clock() - started
-        for new, n, frames in self._pending:
+        now = self.clock()
+        seconds = now - started
+        for corr_id, new, n, frames in self._pending:
             self.publish(CHUNK_SECONDS, seconds, {})
             if new:
                 self.publish(FIRST_CHUNK_SECONDS, seconds, {})
             self.publish(CHUNK_NFE, n, {})
             self.publish(CHUNK_FRAMES, frames, {})
+            self._follow(corr_id, new, frames, now)
         count, self._pending = len(self._pending), []
         return count
+
+    def _follow(self, corr_id, new: bool, frames: int, now: float) -> None:
+        """The stream's lead at this answer (``s3flow_stream_lead_seconds``), and its first underrun."""
+        if new:
+            self._streams[corr_id] = [now, frames, False]
+            while len(self._streams) > MAX_STREAMS_FOLLOWED:
+                self._streams.popitem(last=False)
+            return
+        st = self._streams.get(corr_id)
+        if st is None:
+            return
+        self._streams.move_to_end(corr_id)
+        lead = st[1] / FRAMES_PER_SECOND - (now - st[0])
+        self.publish(STREAM_LEAD, lead, {})
+        if lead < 0 and not st[2]:
+            st[2] = True
+            self.publish(UNDERRUNS, 1, {})
+        st[1] += frames

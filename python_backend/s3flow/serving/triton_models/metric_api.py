@@ -36,7 +36,12 @@ class TritonMetrics:
             metric = self._metrics.get(key)
             if metric is None:
                 buckets = {"buckets": list(family.buckets)} if family.kind == "histogram" else {}
-                metric = self._metrics[key] = metrics_family.Metric(labels={**self.labels, **extra}, **buckets)
+                try:
+                    metric = metrics_family.Metric(labels={**self.labels, **extra}, **buckets)
+                except Exception:  # noqa: BLE001  (a series the stub refuses must not fail a request)
+                    self._families.pop(family.name, None)
+                    return
+                self._metrics[key] = metric
             if family.kind == "histogram":
                 metric.observe(float(value))
             elif family.kind == "counter":
