@@ -1351,3 +1351,32 @@ def test_probe_modules_import_no_heavy_modules(rendered, compose):
     heavy = {m: h for m in modules if (h := heavy_imports(m))}
     assert not heavy, (f"probes import {heavy}: each probe costs seconds of CPU and may time out "
                        f"(python -X importtime -c 'import MODULE' shows through which import)")
+
+
+# ------------------------------------------------------------------------------------------ Grafana
+#: Triton's own metrics the dashboard reads (Triton's metrics docs: inference and GPU families)
+TRITON_METRICS = {"nv_inference_queue_duration_us", "nv_inference_request_success", "nv_gpu_utilization"}
+
+
+def dashboard_metrics(dashboard: dict) -> set[str]:
+    """Every metric name the dashboard's queries and variables read."""
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    words = set(re.findall(r"\b([a-z_][a-z0-9_]*)\s*(?:\{|\[|\))", " ".join(exprs)))
+    return {w for w in words if w.startswith(("s3flow_", "nv_"))}
+
+
+def test_grafana_dashboard_reads_only_metrics_the_fleet_exports():
+    from s3flow.serving.metrics import FAMILIES
+
+    dashboard = json.loads((DOCKER / "grafana" / "s3flow.json").read_text())
+    ours = set()
+    for f in FAMILIES:
+        ours |= {f.name} | ({f"{f.name}_bucket", f"{f.name}_sum", f"{f.name}_count"} if f.kind == "histogram" else set())
+    used = dashboard_metrics(dashboard)
+    assert used and used <= ours | TRITON_METRICS, sorted(used - ours - TRITON_METRICS)
+    assert {"s3flow_first_audio_seconds_bucket", "s3flow_stream_underruns_total"} <= used, "what a listener feels"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) and all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])
+    broken = json.loads(json.dumps(dashboard).replace("s3flow_stream_underruns_total", "s3flow_stream_underrun_total"))
+    assert dashboard_metrics(broken) - ours - TRITON_METRICS == {"s3flow_stream_underrun_total"}
