@@ -77,8 +77,12 @@ def markdown(load: Optional[LoadReport], memory: Optional[MemoryReport], command
             f"| outputs under load vs alone, max abs diff > {OUTPUT_ATOL} | {len(load.output_mismatches)} |",
             f"| chunk latency p50 / p99 (chunks after the first) | {load.percentile_ms('chunk_latencies', 50):.0f} / "
             f"{load.percentile_ms('chunk_latencies', 99):.0f} ms |",
-            f"| first-chunk latency p50 / p99 | {load.percentile_ms('first_latencies', 50):.0f} / "
+            f"| first-chunk latency p50 / p99 (first audio, token2mel) | {load.percentile_ms('first_latencies', 50):.0f} / "
             f"{load.percentile_ms('first_latencies', 99):.0f} ms |",
+            f"| utterances whose real-time player ran dry (start at first audio / 0.3 s buffer) | "
+            f"{100 * load.stalled('stall_s'):.0f} % / {100 * load.stalled('stall_s_buffered'):.0f} % |",
+            f"| stall seconds per utterance p50 / p95 (no buffer) | {load.percentile_ms('stall_s', 50) / 1000:.2f} / "
+            f"{load.percentile_ms('stall_s', 95) / 1000:.2f} s |",
             f"| wall time | {load.wall_s:.1f} s |",
             f"| throughput | {n / load.wall_s:.2f} utterances/s, {load.chunks / load.wall_s:.1f} chunks/s, "
             f"{load.audio_s / load.wall_s:.2f} s of audio per s |",

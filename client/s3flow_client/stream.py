@@ -105,6 +105,22 @@ class StreamResult:
     def audio_s(self) -> float:
         return self.mel.shape[1] / FRAMES_PER_SECOND
 
+    def playback_stalls(self, start_buffer_s: float = 0.0) -> tuple[int, float]:
+        """(times, seconds) a real-time player runs dry: it starts ``start_buffer_s`` after the first response
+        with output and plays each response's frames as they arrive. The batch client sends each chunk when the
+        previous one is answered, so response k arrives at the sum of the first k+1 chunk latencies."""
+        count, dry, until, t = 0, 0.0, None, 0.0
+        for latency, frames in zip(self.chunk_latencies_s, self.chunk_frames):
+            t += latency
+            if frames == 0:
+                continue
+            if until is None:
+                until = t + start_buffer_s
+            elif t > until:
+                count, dry, until = count + 1, dry + t - until, t
+            until += frames / FRAMES_PER_SECOND
+        return count, dry
+
     @property
     def rtf(self) -> float:
         """Real-time factor: wall time over audio time (below 1 is faster than real time)."""

@@ -123,6 +123,10 @@ class LoadReport:
     output_mismatches: list = field(default_factory=list)
     chunk_latencies: list = field(default_factory=list)   # later chunks, seconds
     first_latencies: list = field(default_factory=list)   # first chunk of each utterance
+    #: per utterance: seconds a real-time player ran dry (StreamResult.playback_stalls), starting at the first
+    #: audio, and with a 0.3 s start-up buffer
+    stall_s: list = field(default_factory=list)
+    stall_s_buffered: list = field(default_factory=list)
     chunks: int = 0
     audio_s: float = 0.0
     rss_before_mb: Optional[float] = None
@@ -134,6 +138,11 @@ class LoadReport:
     @property
     def ok(self) -> bool:
         return not (self.errors or self.frame_errors or self.output_mismatches or self.not_run)
+
+    def stalled(self, which: str = "stall_s") -> float:
+        """The fraction of utterances whose player ran dry."""
+        values = getattr(self, which)
+        return sum(v > 0 for v in values) / len(values) if values else float("nan")
 
     def percentile_ms(self, which: str, q: float) -> float:
         values = getattr(self, which)
@@ -176,6 +185,8 @@ def run_load(url: str, streams: int, utterances: int, steps: int = 2, time_limit
                 report.audio_s += r.audio_s
                 report.first_latencies.append(r.chunk_latencies_s[0])
                 report.chunk_latencies.extend(r.chunk_latencies_s[1:])
+                report.stall_s.append(r.playback_stalls(0.0)[1])
+                report.stall_s_buffered.append(r.playback_stalls(0.3)[1])
                 if bad:
                     report.frame_errors.append(f"utterance {index}: {bad}")
 
