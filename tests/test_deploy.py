@@ -692,6 +692,9 @@ def check_router_tls(docs: list[dict]) -> list[str]:
 
 def test_router_terminates_tls_with_a_certificate_from_a_secret(rendered):
     assert check_router_tls(rendered) == []
+    entry, _ = router_entry(rendered)
+    ctx = entry["filter_chains"][0]["transport_socket"]["typed_config"]
+    assert ctx["require_client_certificate"] is True, "the one entry authenticates its clients (mutual TLS)"
     _, port = router_entry(rendered)
     assert port.get("appProtocol") == "grpc"
 
