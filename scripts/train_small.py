@@ -107,6 +107,7 @@ class Record:
 
     def __init__(self, path: Path, base: dict):
         self.path = path
+        base = json.loads(json.dumps(base))   # as the file holds it (tuples are lists there)
         old = json.loads(path.read_text()) if path.is_file() else {}
         phases = {name: ph for name, ph in old.get("phases", {}).items()
                   if old.get("quick") == base.get("quick")
