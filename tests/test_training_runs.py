@@ -232,3 +232,22 @@ def test_the_shipped_front_end_tokenizes_the_held_out_mels_as_shipped(heldout):
         np.testing.assert_array_equal(tokenize(u.mel, frontend.voice_stats[u.voice], frontend.codebook),
                                       u.speech_tokens)
         np.testing.assert_array_equal(frontend.xvectors[u.voice], u.xvector)
+
+
+def test_the_training_record_keeps_a_phase_while_its_own_settings_are_unchanged(tmp_path):
+    """scripts/train_small.py's Record: a phase's runs survive a later run whose settings for that phase are
+    the same (settings holding tuples included: the file holds lists), and go when they change."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_small", Path(__file__).parents[1] / "scripts" / "train_small.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = {"data_settings": {"n": 1}, "vocoder_settings": {"sizes": (1, 2)}, "train_settings": {"steps": (10, 20)},
+            "quick": False}
+    path = tmp_path / "training.json"
+    rec = mod.Record(path, base)
+    rec.add_run("vocoder", {"steps_to": 5, "wall_s": 1.0, "cpu_s": 2.0}, 5, True)
+    rec.add_run("teacher", {"steps_to": 7, "wall_s": 1.0, "cpu_s": 2.0}, 7, False)
+    again = mod.Record(path, {**base, "train_settings": {"steps": (10, 30)}})
+    assert again.phase("vocoder")["finished"] and again.phase("vocoder")["steps_done"] == 5
+    assert again.phase("teacher") == {"finished": False, "steps_done": 0, "runs": []}, "its settings changed"
