@@ -404,15 +404,23 @@ def test_bounded_context_chunk_equals_offline_synthesis_with_the_context_as_prom
     assert emitted.shape[1] == 2 * len(u.speech_tokens)
 
 
-@pytest.mark.parametrize("cap,slide", [(20, 0), (0, 0), (200, 1), (20, 1)])
+@pytest.mark.parametrize("cap,slide", [(20, 0), (0, 0), (200, 1), (20, 1), ("served default", 0)])
 def test_a_capped_or_sliding_prompt_chunk_equals_offline_synthesis_with_its_stated_conditioning(cap, slide):
     """prompt_frames P keeps the prompt's last P frames on every chunk; slide_prompt makes the conditioning the
-    last C frames of prompt ++ emitted mel. Either way a chunk is offline synthesis with that conditioning."""
+    last C frames of prompt ++ emitted mel. Either way a chunk is offline synthesis with that conditioning.
+    "served default": the default settings (the prompt's last 50 frames) on a 2 s prompt, what they promise."""
+    from s3flow.engine.settings import ChunkSolving
     flow = small_flow()
-    u = demo_utterance(2.4, seed=4, noise_seed=6)
+    default = cap == "served default"
+    u = demo_utterance(2.4, seed=4, noise_seed=6, prompt_seconds=2.0 if default else 1.0)
     tp = u.prompt_mel.shape[0]
     sizes, context = [8, 12, 20, 20], 16
-    settings = SolverSettings.of(context_frames=context, prompt_frames=cap, slide_prompt=slide)
+    if default:
+        cap = ChunkSolving().prompt_frames
+        assert 0 < cap < tp, "the default caps a 2 s prompt"
+        settings = SolverSettings.of(context_frames=context)
+    else:
+        settings = SolverSettings.of(context_frames=context, prompt_frames=cap, slide_prompt=slide)
     [results] = stream_in_process(make_engine(flow, settings), [u], [sizes])
     emitted, used_by_chunk = np.zeros((80, 0), np.float32), []
     for k, res in enumerate(results):
