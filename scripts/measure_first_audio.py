@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from s3flow.engine.vocoder_stream import StreamSettings, VocoderStream
+from s3flow.engine.vocoder_stream import SERVED_FIRST_LOOKAHEAD_FRAMES, StreamSettings, VocoderStream
 from s3flow.model.checkpoint import load_flow
 from s3flow.model.vocoder import TorchVocoder, load_vocoder
 from s3flow.model.vocoder_source import offline_vocode
@@ -49,8 +49,8 @@ from s3flow_tools.bench.report import log, machine, markdown
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ROOT / "checkpoints" / "trained"
 SR, HALF_S = 24000, 12000
-#: The first-lookahead the served default uses (what this script chose; results/first_audio.md).
-DEFAULT_FIRST_LOOKAHEAD = 4
+#: The first lookahead the served default uses (what this script chose; results/first_audio.md).
+DEFAULT_FIRST_LOOKAHEAD = SERVED_FIRST_LOOKAHEAD_FRAMES
 
 
 @dataclass(frozen=True)

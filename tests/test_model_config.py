@@ -142,7 +142,7 @@ def test_sequence_batching_controls_and_idle_times(repos, case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parameters_read_back_with_their_types(repos, case):
-    from s3flow.engine.vocoder_stream import StreamSettings
+    from s3flow.engine.vocoder_stream import SERVED_FIRST_LOOKAHEAD_FRAMES, StreamSettings
     from s3flow.runtime.torch_runner import default_dtype
 
     settings, meanflow, vocoder, voice = CASES[case]
@@ -169,7 +169,8 @@ def test_parameters_read_back_with_their_types(repos, case):
     if vocoder:
         params = Params(found["vocoder"])
         solving = SOLVER.solving   # the prefix mode's cap; bounded context (the default) has none
-        expected = StreamSettings(max_utterance_frames=solving.max_utterance_frames if solving.context_frames < 0 else 0)
+        expected = StreamSettings(max_utterance_frames=solving.max_utterance_frames if solving.context_frames < 0 else 0,
+                                  first_lookahead_frames=SERVED_FIRST_LOOKAHEAD_FRAMES)
         assert StreamSettings.from_parameters(params.raw) == expected
         assert Capacity.from_parameters(params.raw) == SOLVER.capacity, "the vocoder holds what the solver holds"
         backend = "onnx" if settings.target == "cpu" or settings.vocoder_backend == "onnx" else "torch"

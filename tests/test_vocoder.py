@@ -478,7 +478,8 @@ def served(tmp_path_factory):
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=7))
     hift = load_vocoder(write_vocoder_checkpoint(small_vocoder(), root / "hift.safetensors"))
     settings = RepositorySettings(solver=SOLVER, batching=Batching(max_queue_delay_us=20_000), ort_threads=1)
-    write_repository(root / "repo", flow, settings, vocoder=hift)
+    # exact streaming from the first response (the served default's first lookahead is its own test)
+    write_repository(root / "repo", flow, settings, vocoder=hift, vocoder_settings=StreamSettings())
     onnx = OnnxVocoder(root / "repo" / "vocoder" / "1", threads=1)  # the served graphs, as served
     with TritonServer(root / "repo", log_file=root / "server.log") as server:
         yield server, flow, hift, onnx
@@ -582,7 +583,7 @@ def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_
     onnx_server, flow, hift, onnx = served
     settings = RepositorySettings(solver=SOLVER, batching=Batching(max_queue_delay_us=20_000), ort_threads=1,
                                   vocoder_backend="torch")
-    write_repository(tmp_path / "repo", flow, settings, vocoder=hift)
+    write_repository(tmp_path / "repo", flow, settings, vocoder=hift, vocoder_settings=StreamSettings())  # as served
     config = read_config(tmp_path / "repo" / "vocoder")
     assert Params(config).str("vocoder_backend") == "torch"
     assert [g.kind for g in config.instance_group] == [config.instance_group[0].KIND_CPU]
@@ -657,9 +658,10 @@ def test_a_small_first_lookahead_sounds_at_once_and_is_exact_after_the_first_res
     sizes = [14, 20, 40, 46]
     exact, offsets_exact, _ = stream_in_process(runner, hift, mel, sizes, seed=5)
     assert offsets_exact[1] == 0, "with the regular lookahead (20) the first response carries nothing"
-    early, offsets, _ = stream_in_process(runner, hift, mel, sizes, seed=5, first_lookahead_frames=4)
+    from s3flow.engine.vocoder_stream import SERVED_FIRST_LOOKAHEAD_FRAMES as served   # token2wav's default
+    early, offsets, _ = stream_in_process(runner, hift, mel, sizes, seed=5, first_lookahead_frames=served)
     first = offsets[1]                           # samples the first response carried: 14 - 4 frames
-    assert first == (14 - 4) * HOP_SAMPLES
+    assert served == 4 and first == (14 - served) * HOP_SAMPLES
     settle = first + StreamSettings().crossfade_samples
     assert np.abs(early[settle:] - ref[settle:]).max() < STREAM_TOL
     assert np.abs(exact - ref).max() < STREAM_TOL and early.shape == ref.shape

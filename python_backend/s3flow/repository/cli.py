@@ -36,7 +36,7 @@ from s3flow.model.checkpoint import load_flow, write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.engine.settings import SolverSettings
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES
-from s3flow.engine.vocoder_stream import StreamSettings
+from s3flow.engine.vocoder_stream import SERVED_FIRST_LOOKAHEAD_FRAMES, StreamSettings
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import Batching, RepositorySettings, TRITON_IDLE_GRACE_S, VoiceSettings
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--vocoder-lookahead-frames", type=int, default=StreamSettings().lookahead_frames,
                    help="mel frames of audio held back for the right context; 20 streams exactly, fewer "
                         "lowers latency (default: %(default)s)")
-    v.add_argument("--vocoder-first-lookahead-frames", type=int, default=StreamSettings().first_lookahead_frames,
+    v.add_argument("--vocoder-first-lookahead-frames", type=int, default=SERVED_FIRST_LOOKAHEAD_FRAMES,
                    help="the first response's lookahead (-1: the same); fewer lets the first mel chunk carry "
                         "audio, cross-faded into the exact stream by the next response (default: %(default)s)")
     vo = p.add_argument_group("voices (voice_encoder and the voice registry)")

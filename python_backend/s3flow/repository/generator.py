@@ -118,7 +118,7 @@ def write_vocoder_models(out: Path, vocoder, n_feats: int, s: RepositorySettings
     The vocoder's capacity (idle timeout, live-sequence cap) and utterance length cap follow the solver's (no
     cap with bounded context).
     """
-    from s3flow.engine.vocoder_stream import StreamSettings
+    from s3flow.engine.vocoder_stream import SERVED_FIRST_LOOKAHEAD_FRAMES, StreamSettings
     from s3flow.model.vocoder import write_vocoder_checkpoint
     from s3flow.runtime.vocoder import VOCODER_WEIGHTS_FILE, export_vocoder, vocoder_backend_for
 
@@ -126,7 +126,7 @@ def write_vocoder_models(out: Path, vocoder, n_feats: int, s: RepositorySettings
         raise ValueError(f"the vocoder takes {vocoder.config.in_channels} mel bins, the flow makes {n_feats}")
     backend = vocoder_backend_for(s.target, s.vocoder_backend)   # a bad name fails before anything is written
     solving = s.solver.solving   # the solver's prefix mode caps an utterance; bounded context does not
-    stream = dataclasses.replace(stream_settings or StreamSettings(),
+    stream = dataclasses.replace(stream_settings or StreamSettings(first_lookahead_frames=SERVED_FIRST_LOOKAHEAD_FRAMES),
                                  max_utterance_frames=solving.max_utterance_frames if solving.context_frames < 0 else 0)
     stream.check()
     out = Path(out)
@@ -159,7 +159,8 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
     """Write configs, model.py files and (cpu target) the ONNX exports of ``flow`` into ``out``.
 
     With ``vocoder`` (an ``s3flow.model.vocoder.HiFTGenerator``) also ``token2wav`` and ``vocoder``
-    (``vocoder_settings``: an ``s3flow.engine.vocoder_stream.StreamSettings``, default exact streaming).
+    (``vocoder_settings``: an ``s3flow.engine.vocoder_stream.StreamSettings``; default: the first response
+    carries audio (``SERVED_FIRST_LOOKAHEAD_FRAMES``), exact streaming from the second on).
     With ``voice_checkpoint`` (a checkpoint holding ``tokenizer.*`` and ``speaker_encoder.*``) also
     ``voice_encoder``, and START requests may name a registered voice (``voice_id``).
 
