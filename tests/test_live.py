@@ -219,3 +219,17 @@ def test_closing_the_client_fails_an_utterance_never_ended_and_frees_it(server):
     while live_sequences(metrics) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live_sequences(metrics) == 0
+
+
+def test_a_push_after_end_is_refused_in_the_callers_thread_and_an_empty_utterance_ends_cleanly():
+    """No server is needed: an utterance ended before any token opens no sequence."""
+    u = demo_utterance(1.0, seed=27)
+    client = LiveClient("127.0.0.1:1", "token2mel")
+    stream = client.open(**prompt_of(u))
+    stream.end()
+    with pytest.raises(ValueError, match="push after end"):
+        stream.push(u.speech_tokens[:3])
+    assert list(stream) == []
+    client.close()
+    r = stream.result(timeout=5)
+    assert r.error is None and r.mel.shape[-1] == 0

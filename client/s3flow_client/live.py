@@ -82,16 +82,20 @@ class LiveStream:
         self._pieces: queue.Queue = queue.Queue()
         self._all: list[Piece] = []
         self._done = threading.Event()
+        self._ended = False
         self._opened = time.perf_counter()
         state.sink = self._deliver
 
     # -- verbs (any thread, never blocking) -------------------------------------------------------------
     def push(self, tokens) -> None:
+        if self._ended:
+            raise ValueError(f"utterance {self._state.index}: push after end()")
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size:
             self._client._put("push", self._state, tokens.copy())
 
     def end(self) -> None:
+        self._ended = True
         self._client._put("end", self._state)
 
     def cancel(self) -> None:

@@ -21,10 +21,8 @@ disposition    the client
 (no sequence)  an error that names no sequence broke the stream: every utterance on it resumes elsewhere
 =============  ==================================================================================
 
-Retries and resumes are bounded (``max_retries``, ``max_resumes`` per utterance, the call's deadline) and
-each is logged (logger ``s3flow_client``) and kept in ``StreamResult.retries`` / ``StreamResult.resumes``.
-A sequence the client gives up on, or moves away from, is ended with an empty END request so the server
-does not keep its slot until the idle timeout.
+Retries and resumes are bounded (``max_retries``, ``max_resumes``, the deadline), logged (``s3flow_client``)
+and kept in ``StreamResult.retries`` / ``.resumes``. A sequence given up or moved is ended with an empty END.
 """
 from __future__ import annotations
 
@@ -293,6 +291,9 @@ class Run:
         elif s.done:
             return
         elif kind == "push":
+            if s.ended:   # (LiveStream refuses a push after end() in the caller's thread already)
+                self.fail(s, f"{s.where()}: push after end()")
+                return
             s.push(arg, now)
             self.nudge(s)
         elif kind == "end":
