@@ -28,13 +28,7 @@ from s3flow_training.train import cfm_loss, make_batch, masked_mse, trained_conf
 TRAINED = Path(__file__).resolve().parents[1] / "checkpoints" / "trained"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: one thread is faster, and two threads on a shared 2-core host spin at barriers."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tiny tensors: one thread is faster
 
 
 # --------------------------------------------------------------------------------------------- mel

@@ -33,12 +33,7 @@ from s3flow.model.vocoder import HiFTGenerator
 TRAINED = Path(__file__).resolve().parents[1] / "checkpoints" / "trained"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tiny tensors: one thread is faster
 
 
 def tiny_dataset(seed: int = 0) -> Dataset:
