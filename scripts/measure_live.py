@@ -124,8 +124,8 @@ def main(argv=None) -> int:
                 for mode in ("live", "fixed"):
                     got = run_cell(server.grpc_url, utts[:n], rate, mode)
                     first = statistics.median(g["first_audio"] for g in got)
-                    st0 = [stalls(g["pieces"], 0.0, 1, 24000.0) for g in got]
-                    st5 = [stalls(g["pieces"], 0.5, 1, 24000.0) for g in got]
+                    st0 = [stalls(g["pieces"], 0.0, 24000.0) for g in got]
+                    st5 = [stalls(g["pieces"], 0.5, 24000.0) for g in got]
                     row = {"streams": n, "rate": rate, "mode": mode, "first_audio_s": first,
                            "first_tokens_s": 10 / rate, "ready_first_audio_s": ready,
                            "stalls_0": sum(c for c, _ in st0), "dry_0_s": sum(d for _, d in st0),

@@ -64,9 +64,9 @@ def test_stalls_count_the_times_a_real_time_player_runs_dry():
     piece = lambda at, n: Piece(np.zeros((80, 0)), 0, np.zeros(n, np.float32), 0, at)  # noqa: E731
     # 1 s of audio at t=0, the next second at t=1.5: dry for 0.5 s without a buffer, not with a 0.5 s one
     pieces = [piece(0.0, 24000), piece(1.5, 24000), piece(2.0, 24000)]
-    assert stalls(pieces, 0.0, 1, 24000.0) == (1, pytest.approx(0.5))
-    assert stalls(pieces, 0.5, 1, 24000.0) == (0, 0.0)
-    assert stalls([piece(0.0, 0), piece(0.2, 12000)], 0.0, 1, 24000.0) == (0, 0.0)   # an empty first response
+    assert stalls(pieces, 0.0, 24000.0) == (1, pytest.approx(0.5))
+    assert stalls(pieces, 0.5, 24000.0) == (0, 0.0)
+    assert stalls([piece(0.0, 0), piece(0.2, 12000)], 0.0, 24000.0) == (0, 0.0)   # an empty first response
 
 
 # ------------------------------------------------------------------------------------------ servers

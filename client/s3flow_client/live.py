@@ -40,7 +40,7 @@ from .channel import Channel
 from .chunking import LiveChunks
 from .resume import Run
 from .state import UtteranceState
-from .stream import StreamError, StreamingClient, StreamResult, Utterance
+from .stream import StreamError, StreamingClient, StreamResult, Utterance, dry_spells
 
 FRAMES_PER_SECOND = 50.0
 
@@ -56,22 +56,10 @@ class Piece:
     at_s: float
 
 
-def stalls(pieces: Sequence[Piece], start_buffer_s: float, rate: float, per_second: float) -> tuple[int, float]:
-    """(count, seconds) a real-time player runs dry, starting ``start_buffer_s`` after the first piece with
-    output; ``rate``: samples (or frames) per piece unit; ``per_second``: units per second of playback."""
-    count, dry, play_from, played_until = 0, 0.0, None, 0.0
-    for p in pieces:
-        n = p.audio.size if p.audio is not None else p.mel.shape[1]
-        if n == 0:
-            continue
-        if play_from is None:
-            play_from = p.at_s + start_buffer_s
-            played_until = play_from
-        if p.at_s > played_until:          # the player ran dry before this piece arrived
-            count, dry = count + 1, dry + p.at_s - played_until
-            played_until = p.at_s
-        played_until += n / per_second
-    return count, dry
+def stalls(pieces: Sequence[Piece], start_buffer_s: float, per_second: float) -> tuple[int, float]:
+    """``stream.dry_spells`` of the pieces (audio samples, or mel frames for token2mel, ``per_second``)."""
+    return dry_spells(((p.at_s, (p.audio.size if p.audio is not None else p.mel.shape[1]) / per_second)
+                       for p in pieces), start_buffer_s)
 
 
 class LiveStream:
@@ -146,7 +134,7 @@ class LiveStream:
         r = self._client._batch._result(self._state)
         buffer = self._client.start_buffer_s if start_buffer_s is None else start_buffer_s
         audio = self._client._batch.audio
-        r.stalls, r.stall_s = stalls(self._all, buffer, 1, 24000.0 if audio else FRAMES_PER_SECOND)
+        r.stalls, r.stall_s = stalls(self._all, buffer, 24000.0 if audio else FRAMES_PER_SECOND)
         return r
 
     async def result_async(self, timeout: Optional[float] = None) -> StreamResult:

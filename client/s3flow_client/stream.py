@@ -47,6 +47,21 @@ from .state import FRAMES_PER_TOKEN, UtteranceState
 FRAMES_PER_SECOND = 50.0
 
 
+def dry_spells(arrivals, start_buffer_s: float = 0.0) -> tuple[int, float]:
+    """(times, seconds) a real-time player runs dry, given (arrival s, seconds of output) per response: it
+    starts ``start_buffer_s`` after the first response with output and plays each as it arrives."""
+    count, dry, until = 0, 0.0, None
+    for t, seconds in arrivals:
+        if seconds <= 0:
+            continue
+        if until is None:
+            until = t + start_buffer_s
+        elif t > until:
+            count, dry, until = count + 1, dry + t - until, t
+        until += seconds
+    return count, dry
+
+
 @dataclass
 class Utterance:
     """One utterance to synthesise: speech tokens (N,), the speaker prompt and options."""
@@ -106,20 +121,10 @@ class StreamResult:
         return self.mel.shape[1] / FRAMES_PER_SECOND
 
     def playback_stalls(self, start_buffer_s: float = 0.0) -> tuple[int, float]:
-        """(times, seconds) a real-time player runs dry: it starts ``start_buffer_s`` after the first response
-        with output and plays each response's frames as they arrive. The batch client sends each chunk when the
-        previous one is answered, so response k arrives at the sum of the first k+1 chunk latencies."""
-        count, dry, until, t = 0, 0.0, None, 0.0
-        for latency, frames in zip(self.chunk_latencies_s, self.chunk_frames):
-            t += latency
-            if frames == 0:
-                continue
-            if until is None:
-                until = t + start_buffer_s
-            elif t > until:
-                count, dry, until = count + 1, dry + t - until, t
-            until += frames / FRAMES_PER_SECOND
-        return count, dry
+        """``dry_spells`` of this stream's responses. The batch client sends each chunk when the previous one is
+        answered, so response k arrives at the sum of the first k+1 chunk latencies."""
+        arrivals = np.cumsum(self.chunk_latencies_s) if self.chunk_latencies_s else []
+        return dry_spells(zip(arrivals, (f / FRAMES_PER_SECOND for f in self.chunk_frames)), start_buffer_s)
 
     @property
     def rtf(self) -> float:
