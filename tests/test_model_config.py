@@ -357,7 +357,22 @@ def test_check_ensemble_names_an_unconnected_tensor():
         check_ensemble(config)
     config = wav_ensemble_config(80, RepositorySettings())
     del config.ensemble_scheduling.step[2]
-    with pytest.raises(ValueError, match=r"token2wav: outputs \['audio', 'sample_offset'\] are made by no step"):
+    with pytest.raises(ValueError, match=r"token2wav: outputs \['audio', 'frame_offset', 'mel', 'sample_offset'\] "
+                                         r"are made by no step"):
+        check_ensemble(config)
+
+
+def test_check_ensemble_refuses_an_output_that_is_also_a_steps_input():
+    """The layout that made a request naming only 'audio' deadlock (issue 31): the solver's mel both an output of
+    token2wav and the vocoder's input."""
+    from s3flow.repository.configs import wav_ensemble_config
+
+    config = wav_ensemble_config(80, RepositorySettings())
+    solver, vocoder = config.ensemble_scheduling.step[1:]
+    assert dict(vocoder.input_map)["mel"] == "solver_mel" and dict(vocoder.output_map)["mel"] == "mel"
+    solver.output_map["mel"] = vocoder.input_map["mel"] = "mel"
+    del vocoder.output_map["mel"]
+    with pytest.raises(ValueError, match=r"token2wav: step 2 \(vocoder\) reads the ensemble outputs \['mel'\]"):
         check_ensemble(config)
 
 

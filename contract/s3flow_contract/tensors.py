@@ -154,7 +154,14 @@ def stateless_tensors(model: str, meanflow: bool = False) -> tuple[tuple[Tensor,
 # -- the vocoder (token2wav's second step) and its two ONNX graphs --------------------------------------
 VOCODER_INPUTS = (Tensor("mel", "float32", (FEATS, -1), ragged=True), Tensor("frame_offset", "int64", (1,)),
                   Tensor("seed", "int64", (1,), optional=True))
-VOCODER_OUTPUTS = AUDIO_RESPONSE
+#: The vocoder passes the mel it was given and its offset on, so that every output of ``token2wav`` is made by
+#: its last step: an ensemble prunes the steps whose outputs a request did not name, and an ensemble output that
+#: was also the vocoder's input would take the vocoder (and with it the audio) away from a client that names
+#: only the mel, or the solver's mel away from one that names only the audio.
+VOCODER_OUTPUTS = AUDIO_RESPONSE + MEL_RESPONSE
+#: Inside ``token2wav``: the solver's outputs, by the ensemble tensor names the vocoder reads them from (never an
+#: ensemble output, see above).
+SOLVER_TO_VOCODER = {"mel": "solver_mel", "frame_offset": "solver_frame_offset"}
 HIFT_F0 = ((Tensor("mel", "float32", (-1, FEATS, -1)),), (Tensor("f0", "float32", (-1, -1)),))
 HIFT_DECODER = ((Tensor("mel", "float32", (-1, FEATS, -1)), Tensor("harmonics", "float32", (-1, -1, -1))),
                 (Tensor("audio", "float32", (-1, -1)),))

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from s3flow_contract.tensors import (ADMISSION_OUTPUTS, AUDIO_RESPONSE, ENCODER_MODEL, ESTIMATOR_MODEL, MEL_RESPONSE,
-                                     REQUEST, SOLVER_INPUTS, VOCODER_INPUTS, VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS,
+from s3flow_contract.tensors import (ADMISSION_OUTPUTS, ENCODER_MODEL, ESTIMATOR_MODEL, MEL_RESPONSE, REQUEST,
+                                     SOLVER_INPUTS, SOLVER_TO_VOCODER, VOCODER_INPUTS, VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS,
                                      VOICE_ENCODER_OUTPUTS, stateless_tensors)
 from s3flow.repository.model_config import (ModelConfig, add_ensemble_step, add_instances, add_sequence_controls,
                                          add_tensors, set_parameters, set_strategy)
@@ -74,21 +74,25 @@ def ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     return config
 
 
-def _solver_steps(config: ModelConfig, s: RepositorySettings) -> None:
-    """admission (unless ``s.admission`` is off), then cfm_solver waiting for its answer."""
+def _solver_steps(config: ModelConfig, s: RepositorySettings, write_to=None) -> None:
+    """admission (unless ``s.admission`` is off), then cfm_solver waiting for its answer; ``write_to``: the
+    solver's outputs written to internal tensors of these names (``add_ensemble_step``)."""
     if s.admission:
         add_ensemble_step(config, "admission", REQUEST, ADMISSION_OUTPUTS)
-        add_ensemble_step(config, "cfm_solver", SOLVER_INPUTS, MEL_RESPONSE)
+        add_ensemble_step(config, "cfm_solver", SOLVER_INPUTS, MEL_RESPONSE, write_to=write_to)
     else:
-        add_ensemble_step(config, "cfm_solver", REQUEST, MEL_RESPONSE)
+        add_ensemble_step(config, "cfm_solver", REQUEST, MEL_RESPONSE, write_to=write_to)
 
 
 def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
-    """``token2wav``: token2mel's steps; cfm_solver's mel feeds the vocoder; both steps' outputs out."""
+    """``token2wav``: token2mel's steps; cfm_solver's mel feeds the vocoder (as internal tensors,
+    ``SOLVER_TO_VOCODER``), which makes every output: the audio, and the mel passed on. Each output is thus made
+    by the last step only, and a request that names any subset of them runs every step (an ensemble prunes the
+    steps that make no output it was asked for)."""
     config = ModelConfig(name="token2wav", platform="ensemble", max_batch_size=s.batching.max_batch_size)
-    add_tensors(config, REQUEST, AUDIO_RESPONSE + MEL_RESPONSE, n_feats=n_feats)
-    _solver_steps(config, s)
-    add_ensemble_step(config, "vocoder", VOCODER_INPUTS, VOCODER_OUTPUTS)
+    add_tensors(config, REQUEST, VOCODER_OUTPUTS, n_feats=n_feats)
+    _solver_steps(config, s, write_to=SOLVER_TO_VOCODER)
+    add_ensemble_step(config, "vocoder", VOCODER_INPUTS, VOCODER_OUTPUTS, read_from=SOLVER_TO_VOCODER)
     return config
 
 

@@ -71,27 +71,37 @@ def set_strategy(seq: mc.ModelSequenceBatching, strategy: str, max_queue_delay_u
         raise ValueError(f"strategy must be 'oldest' or 'direct', got {strategy!r}")
 
 
-def add_ensemble_step(config: ModelConfig, model: str, inputs: Iterable[Tensor],
-                      outputs: Iterable[Tensor]) -> mc.ModelEnsembling.Step:
+def add_ensemble_step(config: ModelConfig, model: str, inputs: Iterable[Tensor], outputs: Iterable[Tensor],
+                      read_from: Optional[Mapping[str, str]] = None,
+                      write_to: Optional[Mapping[str, str]] = None) -> mc.ModelEnsembling.Step:
     """A step of an ensemble that calls ``model`` (its latest version) with the ensemble's tensors of the same
-    names: ``inputs`` are read from the ensemble's inputs or an earlier step's outputs."""
+    names: ``inputs`` are read from the ensemble's inputs or an earlier step's outputs. ``read_from`` /
+    ``write_to`` map a model input / output name to another ensemble tensor (an internal one)."""
+    read_from, write_to = read_from or {}, write_to or {}
     step = config.ensemble_scheduling.step.add(model_name=model, model_version=-1)
-    step.input_map.update({t.name: t.name for t in inputs})
-    step.output_map.update({t.name: t.name for t in outputs})
+    step.input_map.update({t.name: read_from.get(t.name, t.name) for t in inputs})
+    step.output_map.update({t.name: write_to.get(t.name, t.name) for t in outputs})
     return step
 
 
 def check_ensemble(config: ModelConfig) -> None:
     """Raise ValueError unless every step reads a tensor the ensemble has by then (an input or an earlier
-    step's output) and every ensemble output is some step's output."""
+    step's output), every ensemble output is some step's output, and no ensemble output is also a step's input:
+    Triton prunes the steps that make no output a request names, so a step that made an output and another
+    step's input would be cut away from (or cut away) a request naming a subset of the outputs."""
     have = {i.name for i in config.input}
+    outputs = {o.name for o in config.output}
     for k, step in enumerate(config.ensemble_scheduling.step):
         missing = sorted(set(step.input_map.values()) - have)
         if missing:
             raise ValueError(f"{config.name}: step {k} ({step.model_name}) reads {missing}, which no input or "
                              f"earlier step provides")
+        shared = sorted(set(step.input_map.values()) & outputs)
+        if shared:
+            raise ValueError(f"{config.name}: step {k} ({step.model_name}) reads the ensemble outputs {shared}: a "
+                             f"request naming a subset of the outputs would prune a step it needs")
         have |= set(step.output_map.values())
-    missing = sorted({o.name for o in config.output} - have)
+    missing = sorted(outputs - have)
     if missing:
         raise ValueError(f"{config.name}: outputs {missing} are made by no step")
 
@@ -124,7 +134,10 @@ def write_model_folder(repository: PathLike, config: ModelConfig,
                        files: Optional[Mapping[str, Union[str, bytes]]] = None, *, replace: bool = True) -> list[Path]:
     """Write one model folder: ``<name>/config.pbtxt``, the version folder ``1/`` and ``files`` (relative path
     -> text or bytes, e.g. ``{"1/model.py": ...}``); with ``replace`` an old folder of that name goes first.
-    Returns the config's path and the files' (a version folder left empty also gets a ``.keep``, not listed)."""
+    Returns the config's path and the files' (a version folder left empty also gets a ``.keep``, not listed).
+    An ensemble's steps are checked first (``check_ensemble``)."""
+    if config.platform == "ensemble":
+        check_ensemble(config)
     folder = Path(repository) / config.name
     if replace and folder.exists():
         shutil.rmtree(folder)

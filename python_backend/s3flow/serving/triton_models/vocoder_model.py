@@ -8,7 +8,8 @@ networks run in this process, as the ``vocoder_backend`` parameter says: ``onnx`
 ``s3flow.engine.vocoder_stream``'s, the same for both. Tensors (``contract.VOCODER_INPUTS`` / ``_OUTPUTS``):
 ``mel`` [1, n_feats, F] the newly final frames, ``frame_offset`` [1, 1], ``seed`` [1, 1] (START, optional:
 the source noise's seed) in; ``audio`` [1, S] the newly final samples and ``sample_offset`` [1, 1] the index
-of the first out.
+of the first out, and the ``mel`` and ``frame_offset`` it was given passed on (so that every ``token2wav``
+output is the vocoder's: a request may name any subset of them).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from s3flow.serving.triton_models.metric_api import TritonMetrics
 from s3flow.serving.warmup import warm_up_vocoder
 
 _MEL, _FRAME_OFFSET, _SEED = (t.name for t in VOCODER_INPUTS)
-_AUDIO, _SAMPLE_OFFSET = (by_name(VOCODER_OUTPUTS)[n] for n in ("audio", "sample_offset"))
+_AUDIO, _SAMPLE_OFFSET, _MEL_OUT, _FRAME_OFFSET_OUT = (by_name(VOCODER_OUTPUTS)[n] for n in
+                                                        ("audio", "sample_offset", "mel", "frame_offset"))
 
 
 def source_params_from(params: Params) -> SourceParams:
@@ -72,16 +74,18 @@ class TritonPythonModel(TritonModel):
         c = read_controls(request)
         if not c.ready:  # an empty slot of the direct strategy
             return empty_response()
+        inputs = input_arrays(request, VOCODER_INPUTS)
         try:
-            chunk = self._push(c, input_arrays(request, VOCODER_INPUTS))
+            chunk = self._push(c, inputs)
         except Exception:  # a bad request or a failed network call: this sequence is lost, the others go on
             self.sequences.end(c.corr_id, "broken stream")  # a broken stream cannot continue seamlessly
             raise
         self.sequences.commit(c.corr_id, end=c.end)
         self._first_audio(c, chunk.sample_offset + chunk.audio.size)
-        return ok_response({
+        return ok_response({   # the mel and its offset passed on (contract.VOCODER_OUTPUTS says why)
             _AUDIO.name: chunk.audio[None].astype(_AUDIO.np_dtype, copy=False),
-            _SAMPLE_OFFSET.name: np.array([[chunk.sample_offset]], dtype=_SAMPLE_OFFSET.np_dtype)})
+            _SAMPLE_OFFSET.name: np.array([[chunk.sample_offset]], dtype=_SAMPLE_OFFSET.np_dtype),
+            _MEL_OUT.name: inputs[_MEL], _FRAME_OFFSET_OUT.name: inputs[_FRAME_OFFSET]})
 
     def _push(self, c, inputs: dict):
         mel, offset = inputs.get(_MEL), inputs.get(_FRAME_OFFSET)
