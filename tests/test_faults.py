@@ -252,6 +252,103 @@ def test_client_vanishing_through_the_ensemble_frees_the_state_after_the_idle_ti
     assert sum(freed.values()) == 1
 
 
+def stream_in_background(server, u) -> threading.Thread:
+    """Another client streaming ``u`` through token2mel while a test does something else."""
+    thread = threading.Thread(target=lambda: StreamingClient(server.grpc_url, timeout_s=60).synthesize([u]))
+    thread.start()
+    return thread
+
+
+#: a sequence whose client went is freed within the idle timeout plus this (the solver's reaper period, the
+#: arrival slack of s3flow.serving.arrivals.OnTheWay and one chunk's time)
+FREED_WITHIN_S = IDLE_S + 4.0
+
+
+def wait_idle_drops(server, before: dict, more: int, timeout: float) -> float:
+    """Poll ``s3flow_sequences_dropped_total{reason="idle"}`` until it is ``more`` above ``before``; the seconds it
+    took (fail after ``timeout``)."""
+    t0 = time.monotonic()
+    while True:
+        dropped = solver_metrics(server)[1].get("idle", 0) - before.get("idle", 0)
+        if dropped >= more:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, f"{dropped} of {more} sequences evicted within {timeout} s"
+        time.sleep(0.1)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("busy", [False, True], ids=["server-idle", "another-stream"])
+def test_a_chunk_cancelled_between_admission_and_the_solver_does_not_keep_its_sequence(server, busy):
+    """Issue 31, the race forced: a client goes after admission marked its next chunk and before the ensemble
+    sent it on (the ensemble checks cancellation between its steps), so the mark's request never reaches the
+    solver. The mark is written here exactly as admission writes it, into the server's folder; before the fix the
+    sequence stayed live for good. With the server idle, or busy with another stream meanwhile, it is freed within
+    the idle timeout of its last answer plus the slack."""
+    from s3flow.serving.arrivals import ArrivalMarks
+
+    wait_live(server, 0, IDLE_S + 3)
+    u = demo_utterance(2.0, seed=61)
+    stream = RawStream(server, "token2mel")
+    seq = 841 + busy
+    _, dropped = solver_metrics(server)
+    stream.send(seq, True, tensors(u, 0, 10, True, steps=2))
+    stream.response()
+    answered = time.monotonic()
+    ArrivalMarks(ArrivalMarks.default_folder("seen", server_pid=server.pid)).mark(seq)   # the next chunk's mark
+    stream.vanish()
+    other = None
+    if busy:   # a stream of 10 chunks over the next seconds: the solver keeps picking up newer requests
+        v = demo_utterance(4.0, seed=62)
+        v.chunks, v.n_timesteps = [10] * 10, 4
+        other = threading.Thread(target=lambda: StreamingClient(server.grpc_url, timeout_s=60).synthesize([v]))
+        other.start()
+    try:
+        wait_idle_drops(server, dropped, 1, FREED_WITHIN_S + 2)
+        freed = time.monotonic() - answered
+    finally:
+        if other is not None:
+            other.join(60)
+    print(f"\nfreed {freed:.1f} s after its last answer ({'another stream meanwhile' if busy else 'idle server'})")
+    assert freed < FREED_WITHIN_S
+    wait_live(server, 0, IDLE_S + 3)
+
+
+KILLED_CLIENT = """
+import sys
+from s3flow_client import StreamingClient
+from s3flow_client.demo import demo_utterance
+u = demo_utterance(4.0, seed=int(sys.argv[2]))
+u.chunks, u.n_timesteps = [10] * 10, 4
+StreamingClient(sys.argv[1], timeout_s=60).synthesize([u], progress=lambda _: print("chunk", flush=True))
+"""
+
+
+@pytest.mark.server
+def test_a_killed_client_is_freed_while_another_utterance_streams(server):
+    """Issue 31, as it was seen: a client process SIGKILLed while its 3rd chunk is in flight, another client
+    streaming an utterance right after, three times on one server: each killed sequence is freed within the idle
+    timeout plus the slack of the kill (before the fix: 3 of 10 stayed live for good)."""
+    wait_live(server, 0, IDLE_S + 3)
+    for attempt in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, server.grpc_url, str(70 + attempt)],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            for _ in range(2):   # two answers in: the third chunk is on its way or being solved
+                assert proc.stdout.readline().strip() == "chunk", "the client died on its own"
+        finally:
+            proc.kill()
+            proc.wait(10)
+        killed = time.monotonic()
+        v = demo_utterance(2.0, seed=80 + attempt)
+        v.chunks, v.n_timesteps = [10] * 5, 4
+        [r] = StreamingClient(server.grpc_url, timeout_s=60).synthesize([v])
+        assert r.error is None
+        wait_live(server, 0, FREED_WITHIN_S + 2)
+        freed = time.monotonic() - killed
+        print(f"\nkill {attempt + 1}: freed {freed:.1f} s after the kill")
+        assert freed < FREED_WITHIN_S + 1.0
+
+
 @pytest.mark.server
 def test_idle_sequence_is_evicted_and_a_later_chunk_gets_the_solvers_message(server):
     """The solver evicts a sequence idle for idle_timeout_s; Triton forgets it GRACE_S later, so a

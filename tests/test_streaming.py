@@ -209,28 +209,81 @@ def test_idle_sequences_are_evicted():
         table.serve(2)
 
 
+def _queue_table(tmp_path, slack_s: float = 1.0):
+    """A table whose ``pending`` is the solver's (``OnTheWay`` over real ArrivalMarks files, as the served models
+    share them), one fake clock for both the idle time and the marks."""
+    from s3flow.serving.arrivals import ArrivalMarks, OnTheWay
+
+    clock, log = _Clock(), DropLog()
+    seen = ArrivalMarks(tmp_path, clock=lambda: clock.now)
+    on_the_way = OnTheWay(seen, slack_s=slack_s, wall=lambda: clock.now)
+    table = SequenceTable(Capacity(idle_timeout_s=5.0), log, clock=clock, pending=on_the_way.pending,
+                          wall=lambda: clock.now)
+    return table, clock, log, seen, on_the_way
+
+
 def test_a_sequence_whose_chunk_waits_in_the_queue_is_not_idle(tmp_path):
     """A request seen (by admission, before the queue) after the table last picked up a chunk of its sequence
-    keeps the sequence from going idle however long it waits; once picked up and answered, idle time counts
-    again. Marks are real ArrivalMarks files, as the served models share them."""
-    from s3flow.serving.arrivals import ArrivalMarks
-
-    wall = _Clock()
-    seen = ArrivalMarks(tmp_path, clock=lambda: wall.now)
-    clock, log = _Clock(), DropLog()
-    table = SequenceTable(Capacity(idle_timeout_s=5.0), log, clock=clock, waiting=seen.peek, wall=lambda: wall.now)
-    for cid in (1, 2):
+    keeps the sequence from going idle however long it waits while the instance works through older requests;
+    once picked up and answered, idle time counts again."""
+    table, clock, log, seen, on_the_way = _queue_table(tmp_path)
+    for cid in (1, 2, 3):
         seen.mark(cid)
-        wall.now += 0.1
+        clock.now += 0.1
+        on_the_way.picking_up([cid])
         _answered(table, cid, object())
-    wall.now, clock.now = 1.0, 1.0
+    clock.now = 1.0
     seen.mark(2)                        # sequence 2's next chunk arrives and waits behind a long queue
-    wall.now, clock.now = 60.0, 60.0
+    clock.now = 1.2
+    seen.mark(3)
+    on_the_way.picking_up([3])          # the instance stays busy with what arrived before (or with) it
+    table.serve(3)
+    clock.now = 60.0
     assert table.evict_idle() == [1], "1 has nothing queued; 2's chunk waited 59 s and is still there"
     table.serve(2)                      # picked up at last ...
     table.commit(2, end=False)          # ... and answered: idle from here
-    clock.now, wall.now = 66.0, 66.0
+    clock.now = 66.0
     assert table.evict_idle() == [2] and log.drops == [(1, "idle"), (2, "idle")]
+
+
+def test_a_mark_whose_chunk_never_comes_keeps_nothing(tmp_path):
+    """Issue 31: a client that goes between admission and the solver leaves a mark whose request never reaches the
+    solver (the ensemble stops at the cancellation). Once the instance has been free for the slack, or has picked
+    up a request that arrived more than the slack after the mark, the mark keeps nothing: the sequence goes
+    ``idle_timeout_s`` after its last answer, as if no mark had been left."""
+    table, clock, log, seen, on_the_way = _queue_table(tmp_path)
+    for cid in (1, 2):
+        seen.mark(cid)
+        on_the_way.picking_up([cid])
+        _answered(table, cid, object())
+        on_the_way.free()
+    clock.now = 0.5
+    seen.mark(1)   # both clients go right after admission marked their next chunk
+    seen.mark(2)
+    clock.now = 0.6
+    assert table.evict_idle() == [] and on_the_way.pending(1, 0.0), "on its way as far as anyone knows"
+    on_the_way.picking_up([7])          # another stream's chunk, arrived long before: says nothing of 1 and 2
+    clock.now = 5.5
+    assert table.evict_idle() == [] and on_the_way.pending(2, 0.0)
+    seen.mark(9)                        # a request that arrived 5 s after those marks ...
+    on_the_way.picking_up([9])          # ... is picked up: theirs would have come before it
+    assert not on_the_way.pending(1, 0.0)
+    assert table.evict_idle() == [1, 2] and log.drops == [(1, "idle"), (2, "idle")]
+
+    table, clock, log, seen, on_the_way = _queue_table(tmp_path / "idle")
+    seen.mark(4)
+    on_the_way.picking_up([4])
+    _answered(table, 4, object())
+    on_the_way.free()
+    clock.now = 2.0
+    seen.mark(4)                        # its next chunk marked, then cancelled; nothing else happens
+    clock.now = 2.9
+    assert on_the_way.pending(4, 0.0), "free since 0.0, but the mark (2.0) is within the slack of now"
+    clock.now = 3.1
+    assert not on_the_way.pending(4, 0.0), "free for the slack after the mark: it would have come"
+    assert table.evict_idle() == [], "its last answer is 3.1 s old"
+    clock.now = 5.2
+    assert table.evict_idle() == [4]
 
 
 def test_a_sequence_in_flight_is_never_evicted_however_long_it_takes():

@@ -722,3 +722,39 @@ def test_a_request_naming_any_subset_of_the_outputs_gets_exactly_those_on_every_
                         np.testing.assert_array_equal(answer[name], full[name], err_msg=f"{model} {subset} {name}")
                 tried += 1
     assert tried == 3 + 15
+
+
+@pytest.mark.server
+def test_a_killed_token2wav_client_frees_the_solver_and_the_vocoder(served):
+    """Issue 31's invariant for the vocoder: its state of a stream whose client was SIGKILLed goes too (a reaper
+    thread, no request needed), after the solver's (a stream the solver still holds is never idle there)."""
+    import subprocess
+    import sys
+    import time
+
+    from s3flow.server.metrics_reader import metric_sum, read_metrics
+
+    server = served[0]
+    script = ("import sys\nfrom s3flow_client import StreamingClient\nfrom s3flow_client.demo import demo_utterance\n"
+              "u = demo_utterance(2.8, seed=90)\nu.chunks, u.n_timesteps = [10] * 7, 4\n"
+              "StreamingClient(sys.argv[1], 'token2wav', timeout_s=60).synthesize([u], progress=lambda _: "
+              "print('chunk', flush=True))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, server.grpc_url], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(2):
+            assert proc.stdout.readline().strip() == "chunk", "the client died on its own"
+    finally:
+        proc.kill()
+        proc.wait(10)
+    killed = time.monotonic()
+
+    def live():
+        m = read_metrics(f"127.0.0.1:{server.metrics_port}")
+        return metric_sum(m, "s3flow_live_sequences"), metric_sum(m, "s3flow_vocoder_live_sequences")
+
+    assert live()[1] == 1, "the vocoder holds the stream"
+    idle = SOLVER.capacity.idle_timeout_s
+    while live() != (0, 0):
+        assert time.monotonic() - killed < 2 * idle + 4, f"live (solver, vocoder) {live()}"
+        time.sleep(0.2)
+    print(f"\nsolver and vocoder freed {time.monotonic() - killed:.1f} s after the kill (idle timeout {idle} s)")

@@ -14,7 +14,8 @@ call                   what it does to the sequence
 ``rollback(id, old)``  the chunk failed: a START's new state goes (``old`` back in its place); a later
                        chunk's state stays as it was
 ``end(id, reason)``    the state goes before its END (bad request, cancelled, error, ...)
-``evict_idle()``       states whose last answer is ``idle_timeout_s`` old go; never one in flight
+``evict_idle()``       states whose last answer is ``idle_timeout_s`` old go; never one in flight, nor
+                       one with a chunk on its way (``pending``)
 =====================  ==========================================================================
 
 A state is changed only by the code that holds it in flight (the engine, between ``serve`` and
@@ -65,12 +66,13 @@ class SequenceTable(Generic[State]):
 
     def __init__(self, capacity: Capacity, observer: Observer = NO_OBSERVER,
                  clock: Callable[[], float] = time.monotonic,
-                 waiting: Optional[Callable[[object], Optional[float]]] = None, wall: Callable[[], float] = time.time):
-        """``waiting(corr_id)``: when (``wall`` clock) the server last saw a request of the sequence arrive, or
-        None; a request seen after the table last picked up a chunk of it is waiting in the queue, and its
-        sequence is not idle however old its last answer (``s3flow.serving.arrivals``)."""
+                 pending: Optional[Callable[[object, float], bool]] = None, wall: Callable[[], float] = time.time):
+        """``pending(corr_id, picked_at)``: whether a chunk of the sequence is on its way to the table, the table
+        having last picked one up at ``picked_at`` (``wall`` clock): such a sequence is not idle however old its
+        last answer (the solver: a request seen arriving after ``picked_at`` and still in the queue; the
+        vocoder: a sequence the solver still holds; ``s3flow.serving.arrivals``)."""
         self.capacity, self.observer, self.clock = capacity, observer, clock
-        self.waiting, self.wall = waiting, wall
+        self.pending, self.wall = pending, wall
         self._states: OrderedDict[object, State] = OrderedDict()
         self._answered: dict[object, float] = {}     # corr_id -> time of its last answer
         self._picked: dict[object, float] = {}       # corr_id -> wall time its last chunk was picked up
@@ -177,10 +179,7 @@ class SequenceTable(Generic[State]):
         return max(0.0, min(idle) + self.capacity.idle_timeout_s - self.clock()) + 0.1
 
     def _queued(self, corr_id) -> bool:
-        if self.waiting is None:
-            return False
-        seen = self.waiting(corr_id)
-        return seen is not None and seen > self._picked.get(corr_id, float("inf"))
+        return self.pending is not None and self.pending(corr_id, self._picked.get(corr_id, float("inf")))
 
     def _pop(self, corr_id) -> bool:
         self._answered.pop(corr_id, None)

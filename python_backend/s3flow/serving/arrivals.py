@@ -9,21 +9,28 @@ the solver and the vocoder are separate processes further down. Admission leaves
   A token2mel utterance never reaches a vocoder: its mark is swept after ``MAX_AGE_S``.
 * **seen** (``kind="seen"``): every request. A mark newer than the time the solver last picked up a chunk of
   that sequence means a chunk is waiting in Triton's queue: the sequence is not idle, whatever its last answer's
-  age (``s3flow.engine.sequences.SequenceTable``'s ``waiting``), so overload never evicts what it accepted.
+  age (``s3flow.engine.sequences.SequenceTable``'s ``pending``), so overload never evicts what it accepted.
+  Unless the chunk will never come: a client that goes between admission and the solver cancels its request,
+  and the ensemble, which checks cancellation between its steps, never sends it on. :class:`OnTheWay` tells the
+  two apart by what the solver instance has seen of Triton's queue since.
 
 Example::
 
     starts = ArrivalMarks(ArrivalMarks.default_folder("starts"))
     starts.mark(corr_id)              # admission, START admitted
     started = starts.take(corr_id)    # vocoder, START (None: not marked, e.g. the vocoder called directly)
+
+    on_the_way = OnTheWay(ArrivalMarks(ArrivalMarks.default_folder("seen")), slack_s=1.0)
+    SequenceTable(capacity, pending=on_the_way.pending)   # solver; execute() calls picking_up() and free()
 """
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 MAX_AGE_S = 600.0
 SWEEP_EVERY = 256
@@ -80,3 +87,51 @@ class ArrivalMarks:
             except OSError:
                 continue
         return gone
+
+
+class OnTheWay:
+    """Whether a request that admission marked (``seen``) is still on its way to this solver instance.
+
+    Triton hands a free instance the oldest requests queued for it (after at most its queue delay), so the
+    instance learns up to when every request has reached it (the *horizon*): up to the arrival of any request it
+    picks up (later arrivals queue behind earlier ones), and, once it has been free for ``slack_s``, up to
+    ``slack_s`` ago. ``slack_s`` covers the batcher's queue delay, the hop from admission to the batcher and the
+    order in which admission's instances mark. A mark older than the horizon belongs to a request that will
+    never come (cancelled between admission and the solver) and keeps nothing; a newer one keeps its sequence
+    however long it waits.
+    """
+
+    def __init__(self, marks: ArrivalMarks, slack_s: float, wall: Callable[[], float] = time.time):
+        if slack_s <= 0:
+            raise ValueError(f"slack_s must be > 0, got {slack_s}")
+        self.marks, self.slack_s, self.wall = marks, slack_s, wall
+        self._horizon = float("-inf")
+        self._free_since: Optional[float] = wall()
+        self._lock = threading.Lock()
+
+    def picking_up(self, corr_ids: Iterable[int]) -> None:
+        """The instance starts on requests of these sequences (each one's latest mark is its arrival)."""
+        arrived = [a for a in (self.marks.peek(c) for c in corr_ids) if a is not None]
+        with self._lock:
+            self._free_since = None
+            if arrived:
+                self._horizon = max(self._horizon, max(arrived) - self.slack_s)
+
+    def free(self) -> None:
+        """The instance answered what it had and is free for the next requests."""
+        with self._lock:
+            self._free_since = self.wall()
+
+    def horizon(self) -> float:
+        """Every request that arrived before this time (wall clock) has reached the instance."""
+        with self._lock:
+            now = self.wall()
+            if self._free_since is not None and now - self._free_since >= self.slack_s:
+                self._horizon = max(self._horizon, now - self.slack_s)
+            return self._horizon
+
+    def pending(self, corr_id: int, picked_at: float) -> bool:
+        """A request of the sequence arrived after ``picked_at`` (when its last chunk was picked up) and may still
+        come (``SequenceTable``'s ``pending``)."""
+        seen = self.marks.peek(corr_id)
+        return seen is not None and seen > picked_at and seen >= self.horizon()

@@ -27,6 +27,7 @@ metric (labels ``model``, ``instance``)       kind       what
                                                          at the ensemble (admission) to its first samples
                                                          beyond the silent 40 ms start (what a listener
                                                          waits for; ``s3flow.serving.arrivals``)
+``s3flow_vocoder_live_sequences``             gauge      streams whose state the vocoder instance holds
 ============================================  =========  ===============================================
 
 Example::
@@ -88,9 +89,11 @@ FIRST_AUDIO_SECONDS = Family("s3flow_first_audio_seconds", "histogram",
                              "seconds from a START's arrival at the token2wav ensemble to the vocoder's first samples "
                              "beyond the silent 40 ms start", SECONDS_BUCKETS)
 
+VOCODER_LIVE = Family("s3flow_vocoder_live_sequences", "gauge", "streams whose state the vocoder instance holds")
+
 SOLVER_FAMILIES = (LIVE, DROPPED, CHUNK_SECONDS, FIRST_CHUNK_SECONDS, CHUNK_NFE, CHUNK_FRAMES, STEP_BATCH,
                    STREAM_LEAD, UNDERRUNS)
-VOCODER_FAMILIES = (FIRST_AUDIO_SECONDS,)
+VOCODER_FAMILIES = (FIRST_AUDIO_SECONDS, VOCODER_LIVE)
 FAMILIES = SOLVER_FAMILIES + VOCODER_FAMILIES
 #: the solver's histograms (every token2mel and token2wav load shows them; the load test checks their counts)
 HISTOGRAMS = tuple(f for f in SOLVER_FAMILIES if f.kind == "histogram")

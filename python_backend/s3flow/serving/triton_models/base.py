@@ -152,6 +152,12 @@ class TritonModel:
         return os.path.join(self.args["model_repository"], self.args["model_version"])
 
     @property
+    def queue_delay_s(self) -> float:
+        """The sequence batcher's ``max_queue_delay_microseconds`` (oldest strategy), in seconds; 0 without."""
+        oldest = self.config.get("sequence_batching", {}).get("oldest", {})
+        return float(oldest.get("max_queue_delay_microseconds", 0)) / 1e6
+
+    @property
     def instance_kind(self) -> str:
         return self.args.get("model_instance_kind", "CPU")
 

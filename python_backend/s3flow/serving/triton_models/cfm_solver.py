@@ -15,8 +15,6 @@ never evicts a sequence while one of its chunks is being served), and the solver
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
 from torch.utils import dlpack
@@ -28,10 +26,11 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import RequestError, tenant_of
 from s3flow.serving.admission import LiveCounts
-from s3flow.serving.arrivals import ArrivalMarks
+from s3flow.serving.arrivals import ArrivalMarks, OnTheWay
 from s3flow.serving.draining import draining_probe
 from s3flow.serving.heap import trim_heap
 from s3flow.serving.metrics import LIVE, SOLVER_FAMILIES, SolverBook
+from s3flow.serving.reaper import IdleReaper
 from s3flow.serving.session import Incoming, ModelCallError, SolverSession
 from s3flow.serving.triton_models.metric_api import TritonMetrics
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
@@ -41,6 +40,9 @@ from s3flow.serving.warmup import warm_up_solver
 #: After a batch that made this many frames, give the freed heap back (s3flow.serving.heap).
 _TRIM_AFTER_FRAMES = 500
 _MEL, _FRAME_OFFSET = (by_name(MEL_RESPONSE)[n] for n in ("mel", "frame_offset"))
+#: How far out of order requests may reach the batcher after admission marked them (s3flow.serving.arrivals.OnTheWay;
+#: the batcher's own queue delay comes on top)
+ARRIVAL_SLACK_S = 1.0
 
 
 def _to_triton(name: str, t: torch.Tensor):
@@ -116,9 +118,11 @@ class TritonPythonModel(TritonModel):
         self.estimator = BlsEstimator(p.str("estimator_model", "estimator"), names(estimator_inputs(self.meanflow)),
                                       names(ESTIMATOR_OUTPUTS), device_id)
         self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name), self._dropped)
-        # a chunk waiting in Triton's queue (admission saw it arrive) keeps its sequence from going idle
-        seen = ArrivalMarks(ArrivalMarks.default_folder("seen"))
-        table = SequenceTable(self.settings.capacity, self.metrics.book, waiting=seen.peek)
+        # a chunk waiting in Triton's queue (admission saw it arrive, and it may still come) keeps its sequence
+        # from going idle
+        self.on_the_way = OnTheWay(ArrivalMarks(ArrivalMarks.default_folder("seen")),
+                                   slack_s=ARRIVAL_SLACK_S + self.queue_delay_s)
+        table = SequenceTable(self.settings.capacity, self.metrics.book, pending=self.on_the_way.pending)
         engine = StreamingEngine(self.encoder, self.estimator, n_feats=self.n_feats, meanflow=self.meanflow,
                                  solving=self.settings.solving, capacity=self.settings.capacity,
                                  observer=self.metrics.book, bucket_ratio=p.float("length_bucket_ratio", 0.0),
@@ -136,11 +140,8 @@ class TritonPythonModel(TritonModel):
         self.live_counts = LiveCounts(LiveCounts.default_folder())
         self.instance = args.get("model_instance_name", self.name)
         self._publish_live()
-        # Triton drops an idle sequence without telling the model: a reaper thread evicts idle states even
-        # when no request comes (the table has its own lock and never evicts a sequence being served).
-        self._stop = threading.Event()
-        self._reaper = threading.Thread(target=self._reap, name=f"{self.name}-idle-reaper", daemon=True)
-        self._reaper.start()
+        self.reaper = IdleReaper(self.session.evict_idle, self.settings.capacity.idle_timeout_s, self.name,
+                                 on_evicted=self._publish_live)
 
     # -- execute ----------------------------------------------------------------------------------
     def _incoming(self, request) -> Incoming:
@@ -156,9 +157,12 @@ class TritonPythonModel(TritonModel):
 
     def execute(self, requests):
         started = self.metrics.book.begin()
+        incoming = [self._incoming(r) for r in requests]
+        self.on_the_way.picking_up([i.corr_id for i in incoming if i.ready])
         try:
-            outcomes = self.session.handle([self._incoming(r) for r in requests])
+            outcomes = self.session.handle(incoming)
         finally:
+            self.on_the_way.free()
             self._publish_live()
         if sum(o.result.mel.shape[1] for o in outcomes if o.result is not None) >= _TRIM_AFTER_FRAMES:
             trim_heap()
@@ -174,13 +178,6 @@ class TritonPythonModel(TritonModel):
                     _FRAME_OFFSET.name: np.array([[o.result.frame_offset]], dtype=_FRAME_OFFSET.np_dtype)}))
         self.metrics.book.end(started)  # s3flow_chunk_seconds etc. of the chunks answered
         return responses
-
-    def _reap(self):
-        period = min(max(self.settings.capacity.idle_timeout_s / 4, 0.05), 5.0)
-        while not self._stop.wait(period):
-            session = self.session
-            if session is not None and session.evict_idle():
-                self._publish_live()
 
     def _publish_live(self) -> None:
         """The live count to the metrics and to admission (``LiveCounts``)."""
@@ -204,8 +201,7 @@ class TritonPythonModel(TritonModel):
         self.logger.log_info(f"{self.name}: {what}; {live} live")
 
     def finalize(self):
-        self._stop.set()
-        self._reaper.join(10)
+        self.reaper.stop()
         self.session = None
         self.metrics.close()
         self.live_counts.remove(self.instance)

@@ -26,8 +26,10 @@ from s3flow.model.vocoder_source import SourceParams
 from s3flow.protocol import RequestError, numbers_from_parameters
 from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
 from s3flow.serving.config_params import Params
-from s3flow.serving.metrics import FIRST_AUDIO_SECONDS, VOCODER_FAMILIES
+from s3flow.serving.metrics import FIRST_AUDIO_SECONDS, VOCODER_FAMILIES, VOCODER_LIVE
+from s3flow.serving.admission import LiveCounts
 from s3flow.serving.arrivals import ArrivalMarks
+from s3flow.serving.reaper import IdleReaper
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response,
                                                read_controls)
 from s3flow.serving.triton_models.metric_api import TritonMetrics
@@ -57,7 +59,11 @@ class TritonPythonModel(TritonModel):
         runner_settings = VocoderRunnerSettings.from_args(p.raw, self.instance_kind, self.device_id)
         runner = open_vocoder_runner(self.version_dir, runner_settings)
         self.stream = VocoderStream(runner.f0, runner.decode, self.source, self.settings, n_feats=self.n_feats)
-        self.sequences = SequenceTable(Capacity.from_parameters(p.raw), _LogDrops(self))
+        # a stream the solver still holds may get more mel (its chunk may wait in the solver's queue): not idle
+        solver_live = LiveCounts(LiveCounts.default_folder())
+        capacity = Capacity.from_parameters(p.raw)
+        self.sequences = SequenceTable(capacity, _LogDrops(self),
+                                       pending=lambda corr_id, _picked_at: corr_id in solver_live.read()[0])
         # first audio (s3flow_first_audio_seconds): admission marked each START's arrival
         self.starts = ArrivalMarks(ArrivalMarks.default_folder("starts"))
         self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
@@ -65,10 +71,19 @@ class TritonPythonModel(TritonModel):
         self.logger.log_info(f"{self.name}: HiFT in {runner_settings.backend} on {runner_settings.device}")
         if p.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no store entry
             self.logger.log_info(warm_up_vocoder(self.stream).describe())
+        self._publish_live()
+        self.reaper = IdleReaper(self.sequences.evict_idle, capacity.idle_timeout_s, self.name,
+                                 on_evicted=self._publish_live)
 
     def execute(self, requests):
         self.sequences.evict_idle()
-        return super().execute(requests)
+        try:
+            return super().execute(requests)
+        finally:
+            self._publish_live()
+
+    def _publish_live(self) -> None:
+        self.metrics.publish(VOCODER_LIVE, len(self.sequences), {})
 
     def respond(self, request):
         c = read_controls(request)
@@ -117,6 +132,7 @@ class TritonPythonModel(TritonModel):
             self.awaiting_audio.pop(c.corr_id, None)
 
     def finalize(self):
+        self.reaper.stop()
         self.metrics.close()
         self.stream = self.sequences = None
 

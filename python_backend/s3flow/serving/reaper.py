@@ -1,0 +1,38 @@
+"""The idle reaper of a stateful python model: a thread that evicts idle sequences when no request comes.
+
+Triton drops an idle sequence without telling the model, and the model's own ``evict_idle`` runs only when
+something calls it: a model whose clients all went would hold their states until its next request. Both
+stateful models (``cfm_solver``, ``vocoder``) run one :class:`IdleReaper` per instance (``SequenceTable`` has
+its own lock and never evicts a sequence being served, so the thread is safe beside ``execute``).
+
+Example::
+
+    reaper = IdleReaper(table.evict_idle, idle_timeout_s=5.0, name="vocoder", on_evicted=publish_live)
+    ...
+    reaper.stop()      # finalize()
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+
+class IdleReaper:
+    def __init__(self, evict: Callable[[], list], idle_timeout_s: float, name: str,
+                 on_evicted: Optional[Callable[[], None]] = None):
+        """Calls ``evict()`` (returning the evicted ids) every quarter of ``idle_timeout_s`` (between 50 ms and
+        5 s), then ``on_evicted()`` when it evicted any."""
+        self.evict, self.on_evicted = evict, on_evicted
+        self.period_s = min(max(idle_timeout_s / 4, 0.05), 5.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-idle-reaper", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            if self.evict() and self.on_evicted is not None:
+                self.on_evicted()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
