@@ -101,6 +101,6 @@ exec python3 -m s3flow.server.drain supervise --deadline-s "${S3FLOW_DRAIN_DEADL
     --drain-file "$S3FLOW_DRAIN_FILE" --metrics-url http://127.0.0.1:8002/metrics -- \
     tritonserver --model-repository="$REPO" --model-control-mode=none --disable-auto-complete-config \
     --http-port=8000 --grpc-port=8001 --metrics-port=8002 --allow-metrics=true --allow-gpu-metrics=true \
-    --backend-config=python,shm-default-byte-size=67108864 \
+    --backend-config=python,shm-default-byte-size=67108864 --backend-config=python,shm-region-prefix-name=s3flow_triton \
     --backend-config=python,shm-growth-byte-size=67108864 \
     "${POOL_ARGS[@]}" "${ACCESS_ARGS[@]}" --exit-timeout-secs="${S3FLOW_EXIT_TIMEOUT_S:-15}" "$@"

@@ -129,7 +129,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         args.pid_file.unlink(missing_ok=True)
         return 0
     t0 = time.monotonic()
-    graceful = triton_server.stop_pid(pid, timeout=args.timeout)
+    graceful = triton_server.stop_server_pid(pid, timeout=args.timeout)
     if triton_server.is_running(pid):
         print(f"error: pid {pid} still running", file=sys.stderr)
         return 1

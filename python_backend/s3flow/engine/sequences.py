@@ -14,6 +14,7 @@ call                   what it does to the sequence
 ``rollback(id, old)``  the chunk failed: a START's new state goes (``old`` back in its place); a later
                        chunk's state stays as it was
 ``end(id, reason)``    the state goes before its END (bad request, cancelled, error, ...)
+``end_all(reason)``    every state not in flight goes (the server is stopping)
 ``evict_idle()``       states whose last answer is ``idle_timeout_s`` old go; never one in flight, nor
                        one with a chunk on its way (``pending``)
 =====================  ==========================================================================
@@ -45,7 +46,7 @@ State = TypeVar("State")
 
 #: Why a state went before its END (the ``reason`` label of ``s3flow_sequences_dropped_total``).
 DROP_REASONS = ("idle", "cancelled", "invalid END request", "failed START", "failed END", "error",
-                "replaced by a new START", "utterance too long", "broken stream")
+                "replaced by a new START", "utterance too long", "broken stream", "server stopping")
 
 
 @dataclass
@@ -153,6 +154,13 @@ class SequenceTable(Generic[State]):
         if had:
             self.observer.sequence_dropped(corr_id, reason)
         return had
+
+    def end_all(self, reason: str) -> list:
+        """Drop every state not in flight for ``reason`` (the server is stopping); returns their ids (those in
+        flight go at a later call, once answered)."""
+        with self._lock:
+            gone = [c for c in self._states if c not in self._in_flight]
+        return [c for c in gone if self.end(c, reason)]
 
     def evict_idle(self) -> list:
         """Reclaim the states not in flight whose last answer is more than ``idle_timeout_s`` old and that

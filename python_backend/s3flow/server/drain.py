@@ -35,9 +35,10 @@ import urllib.error
 import urllib.request
 from typing import Callable, Optional
 
+from s3flow.server.leftovers import remove_server_files, remove_stale
 from s3flow.server.metrics_reader import metric_sum, read_metrics
-from s3flow.serving.draining import DRAIN_FILE_ENV
-from s3flow.serving.metrics import LIVE
+from s3flow.serving.draining import DRAIN_FILE_ENV, mark_closing, mark_draining
+from s3flow.serving.metrics import LIVE, VOCODER_LIVE
 
 DEFAULT_DEADLINE_S = 60.0     # the longest utterance (60 s of audio) streams in well under this on a GPU
 LIVE_METRIC = LIVE.name
@@ -56,8 +57,7 @@ def drain(drain_file: str, metrics_url: str, deadline_s: float = DEFAULT_DEADLIN
     Returns ``{"drained": bool, "seconds": float, "live_at_start": int, "live_at_end": int}``; a metrics
     port that does not answer counts as drained (the server is gone already).
     """
-    pathlib.Path(drain_file).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(drain_file).write_text(f"draining since {time.time():.3f}\n")
+    mark_draining(drain_file)
     t0 = time.monotonic()
 
     def live() -> int:
@@ -74,6 +74,32 @@ def drain(drain_file: str, metrics_url: str, deadline_s: float = DEFAULT_DEADLIN
     seconds = time.monotonic() - t0
     log(f"[s3flow drain] {'drained' if now == 0 else f'deadline passed with {now} live'} after {seconds:.1f} s")
     return {"drained": now == 0, "seconds": seconds, "live_at_start": first, "live_at_end": now}
+
+
+def close(drain_file: str, metrics_url: str, timeout_s: float = 10.0, poll_s: float = 0.1,
+          log: Callable[[str], None] = print) -> bool:
+    """After a drain (or instead of one): the solver and the vocoder drop what they still hold and give Triton the
+    sequence slots back (``s3flow.serving.draining``), so that the SIGTERM that follows finds no open sequence to
+    wait for. Waits until they hold nothing (their live gauges sum to 0) or ``timeout_s``; True when they do."""
+    mark_closing(drain_file)
+    t0 = time.monotonic()
+
+    def held() -> int:
+        try:
+            metrics = read_metrics(metrics_url, timeout_s=3.0)
+        except (OSError, urllib.error.URLError):
+            return 0
+        return int(metric_sum(metrics, LIVE_METRIC) + metric_sum(metrics, VOCODER_LIVE.name))
+
+    now = held()
+    while now > 0 and time.monotonic() - t0 < timeout_s:
+        time.sleep(poll_s)
+        now = held()
+    # a model frees a sequence's slot one reaper period after it dropped it: give the last ones that long
+    time.sleep(min(2 * poll_s, max(0.0, timeout_s - (time.monotonic() - t0))))
+    if now:
+        log(f"[s3flow drain] {now} sequences still held {timeout_s:.0f} s after closing")
+    return now == 0
 
 
 def ready(http_url: str, drain_file: str) -> bool:
@@ -109,6 +135,8 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
         else:
             drain(drain_file, metrics_url, deadline_s, log=lambda msg: print(msg, flush=True),
                   give_up=lambda: len(signals) > 1)
+        if len(signals) < 2:
+            close(drain_file, metrics_url, log=lambda msg: print(msg, flush=True))
         child.send_signal(signal.SIGTERM)
         try:
             child.wait(kill_after_s)
@@ -117,6 +145,8 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
             child.kill()
             child.wait(10)
     pathlib.Path(drain_file).unlink(missing_ok=True)
+    remove_server_files(child.pid)   # its /dev/shm folders, and what killed servers before it left there
+    remove_stale()
     return child.returncode
 
 

@@ -27,6 +27,16 @@ def log_tail(path: pathlib.Path | None, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
+def read_environ(pid: int) -> dict[str, str]:
+    """The environment a running process started with (Linux ``/proc``; empty if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = [a.decode(errors="replace").split("=", 1) for a in f.read().split(b"\0") if b"=" in a]
+    except OSError:
+        return {}
+    return dict(pairs)
+
+
 def read_cmdline(pid: int) -> list[str] | None:
     """argv of a running process (Linux ``/proc``), or None if it is gone or a zombie."""
     try:

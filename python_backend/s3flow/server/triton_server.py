@@ -36,8 +36,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from s3flow.server.access import ServerTls, restricted_api_flags, tenant_flags
+from s3flow.server.drain import close
+from s3flow.serving.draining import DRAIN_FILE_ENV
+from s3flow.server.leftovers import remove_server_files, remove_stale
 from s3flow.server.processes import (free_port, has_nvidia_gpu, is_running, kill, log_tail, port_open, read_cmdline,
-                                      stop_pid, tree_rss_bytes)
+                                      read_environ, stop_pid, tree_rss_bytes)
 from s3flow.server.install import (TritonPaths, TritonServerError, check_venv, default_venv,
                                            find_tritonserver, prepare_backend_dir, venv_numpy_version,
                                            venv_python_version)
@@ -135,8 +138,8 @@ class TritonServer:
         self.tls = tls
         self.access_flags = (restricted_api_flags(admin_key) if admin_key is not None else []) + \
             (tls.flags() if tls is not None else []) + (tenant_flags() if tenants else [])
-        self.drain_file = (pathlib.Path(tempfile.mkdtemp(prefix="s3flow-drain-")) / "draining"
-                           if drain_s is not None else None)
+        # supervised (drain_s): the supervisor drains and closes on SIGTERM; else stop() closes before SIGTERM
+        self.drain_file = pathlib.Path(tempfile.mkdtemp(prefix="s3flow-drain-")) / "draining"
         self.shm_prefix = f"s3flow_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.process: subprocess.Popen | None = None
         self._log_handle = None
@@ -216,7 +219,7 @@ class TritonServer:
     @property
     def draining(self) -> bool:
         """A drain has started (the supervisor made the drain file)."""
-        return self.drain_file is not None and self.drain_file.exists()
+        return self.drain_s is not None and self.drain_file.exists()
 
     def environment(self) -> dict[str, str]:
         """The server's environment: ours, plus the wheel libs on ``LD_LIBRARY_PATH`` and the venv on ``PATH``."""
@@ -231,6 +234,8 @@ class TritonServer:
         # allocations of 1 MiB and more are mapped and unmapped one by one, so memory a long utterance
         # needed goes back to the system (glibc's default threshold climbs, and the heap keeps it)
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
+        if self.drain_s is None:   # (the supervisor sets it for its child)
+            env[DRAIN_FILE_ENV] = str(self.drain_file)
         env.update(self.extra_env)
         return env
 
@@ -248,6 +253,7 @@ class TritonServer:
             raise TritonServerError(f"server already running (pid {self.process.pid})")
         if self.venv is not None:
             check_venv(self.venv)
+        remove_stale()   # what servers long gone left in /dev/shm
         chosen: set[int] = {p for p in self._fixed_ports.values() if p is not None}
         for name, fixed in self._fixed_ports.items():
             port = fixed
@@ -330,12 +336,16 @@ class TritonServer:
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM the process we started, wait ``timeout`` s, then SIGKILL its process group.
 
-        Returns the exit code (None if never started). Also removes this server's python-backend
-        shared-memory files from ``/dev/shm`` if a kill left them behind.
+        Unsupervised, the python models first drop what they hold and free Triton's sequence slots
+        (``s3flow.server.drain.close``), so that the shutdown has no open sequence to wait for. Returns the exit
+        code (None if never started). Also removes this server's files from ``/dev/shm`` (its folders, and the
+        python-backend regions a kill left behind).
         """
         if self.process is None:
             return None
         if self.process.poll() is None:
+            if self.drain_s is None and self.metrics_port is not None:   # free every sequence slot first
+                close(str(self.drain_file), f"{self.host}:{self.metrics_port}", log=lambda _: None)
             try:
                 self.process.send_signal(signal.SIGTERM)
                 self.process.wait(timeout + (self.drain_s or 0.0))
@@ -347,11 +357,14 @@ class TritonServer:
         return self.process.returncode
 
     def _cleanup_shm(self) -> None:
+        """This server's folders and any python-backend region a kill left (``s3flow.server.leftovers``)."""
+        remove_server_files(self.process.pid)
         for leftover in pathlib.Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             try:
                 leftover.unlink()
             except OSError:
                 pass
+
 
     def _close_log(self) -> None:
         if self._log_handle is not None:
@@ -376,3 +389,17 @@ class TritonServer:
 
     def __repr__(self) -> str:
         return f"TritonServer(pid={self.pid}, grpc={self.grpc_url}, repository={self.model_repository})"
+
+
+def stop_server_pid(pid: int, timeout: float = 30.0) -> bool:
+    """Stop a tritonserver by PID that this process did not start (``scripts/server.py stop``), as
+    :meth:`TritonServer.stop` does: its models drop what they hold and free the sequence slots first (its drain
+    file and metrics port read from its environment and command line), then SIGTERM, SIGKILL after ``timeout``;
+    then its ``/dev/shm`` folders go. True if it exited on SIGTERM."""
+    argv, drain_file = read_cmdline(pid) or [], read_environ(pid).get(DRAIN_FILE_ENV, "")
+    flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    if drain_file and "metrics-port" in flags:
+        close(drain_file, f"{flags.get('metrics-address', '127.0.0.1')}:{flags['metrics-port']}", log=lambda _: None)
+    graceful = stop_pid(pid, timeout=timeout)
+    remove_server_files(pid)
+    return graceful

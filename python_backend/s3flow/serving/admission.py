@@ -14,7 +14,8 @@ solver would give (``s3flow_contract.answers``):
   after every execute into ``LiveCounts``, plus the STARTs admitted in the last ``grace_s`` that they do not
   list yet): ``busy`` with a retry time.
 
-Chunks after the START pass unchecked (their sequence holds its slot legitimately; the solver validates them);
+Chunks after the START pass unchecked (their sequence holds its slot legitimately; the solver validates them),
+except those of a sequence the solver dropped (``gone``: answered ``resume`` with the solver's reason);
 they also tell admission that the solver has their sequence (so a short utterance is never counted twice).
 The solver keeps every check of its own, so a request sent to it directly is refused as before.
 
@@ -87,23 +88,31 @@ class Admission:
     def __init__(self, rules: RequestRules, n_feats: int, live: Optional[LiveCounts] = None,
                  voices: Optional[Callable[[str, str], dict]] = None, draining: Callable[[], bool] = lambda: False,
                  name: str = "admission", grace_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 starts=None, seen=None):
+                 starts=None, seen=None, gone=None):
         """``starts``, ``seen``: ``s3flow.serving.arrivals.ArrivalMarks`` for each admitted START (first audio)
-        and for every request (a chunk waiting in the queue keeps its sequence from going idle)."""
+        and for every request (a chunk waiting in the queue keeps its sequence from going idle); ``gone``: the
+        solver's marks of the sequences it dropped (a later chunk of one is answered here: Triton freed its
+        slot, so it would never reach the solver)."""
         self.rules, self.n_feats, self.live, self.voices, self.draining = rules, n_feats, live, voices, draining
-        self.starts, self.seen = starts, seen
+        self.starts, self.seen, self.gone = starts, seen, gone
         self.name, self.grace_s, self.clock = name, grace_s, clock
         self._admitted: dict[int, float] = {}       # STARTs admitted and perhaps not yet counted: id -> time
 
     def check(self, corr_id: int, start: bool, end: bool, inputs: Mapping[str, np.ndarray],
               tenant: str = "") -> Optional[Outcome]:
         """None to let the request through, else the refusal (with its code and disposition)."""
+        seq = f"{self.name}: sequence {corr_id}: "
         if not start:   # a later chunk: its START reached the solver, which counts the sequence from then on
             self._admitted.pop(corr_id, None)
+            gone = self.gone.note(corr_id) if self.gone is not None else None
+            if gone is not None:   # the solver dropped it and gave Triton its slot back
+                return Outcome(error=f"{self.name}: sequence {corr_id} is not active: {gone}", code=INVALID_ARG,
+                               answer=Answer(Disposition.RESUME, corr_id))
             if self.seen is not None:
                 self.seen.mark(corr_id)
             return None
-        seq = f"{self.name}: sequence {corr_id}: "
+        if self.gone is not None:
+            self.gone.take(corr_id)   # the id starts a new sequence
         try:
             parse_request(with_voice(inputs, start, self.voices, tenant), start=True, end=end, rules=self.rules,
                           n_feats=self.n_feats)

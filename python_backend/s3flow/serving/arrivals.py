@@ -7,6 +7,9 @@ the solver and the vocoder are separate processes further down. Admission leaves
 * **starts** (``kind="starts"``): each admitted START. The vocoder takes the mark at the utterance's START and
   observes ``now - mark`` when its first samples beyond the silent start go out (``s3flow_first_audio_seconds``).
   A token2mel utterance never reaches a vocoder: its mark is swept after ``MAX_AGE_S``.
+* **gone** (``kind="gone"``): written by the solver, not admission: each sequence it dropped before its END, with
+  why (``s3flow.serving.triton_models.slots``: Triton's slot is then freed, so a late chunk never reaches the
+  solver; admission answers it with the solver's words).
 * **seen** (``kind="seen"``): every request. A mark newer than the time the solver last picked up a chunk of
   that sequence means a chunk is waiting in Triton's queue: the sequence is not idle, whatever its last answer's
   age (``s3flow.engine.sequences.SequenceTable``'s ``pending``), so overload never evicts what it accepted.
@@ -34,6 +37,8 @@ from typing import Callable, Iterable, Optional
 
 MAX_AGE_S = 600.0
 SWEEP_EVERY = 256
+#: the per-server folders (module docstring); "gone": sequences a model dropped before their END, with why
+KINDS = ("starts", "seen", "gone")
 
 
 class ArrivalMarks:
@@ -45,15 +50,16 @@ class ArrivalMarks:
     @staticmethod
     def default_folder(kind: str, server_pid: Optional[int] = None) -> Path:
         """The per-run folder of a server for ``kind`` ("starts" or "seen"; its python models are its children)."""
-        if kind not in ("starts", "seen"):
-            raise ValueError(f"kind must be 'starts' or 'seen', got {kind!r}")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         return Path(root) / f"s3flow-{kind}-{server_pid if server_pid is not None else os.getppid()}"
 
-    def mark(self, corr_id: int) -> None:
+    def mark(self, corr_id: int, note: str = "") -> None:
+        """Mark ``corr_id`` now, with an optional one-line ``note`` (:meth:`note` reads it back)."""
         path = self.folder / str(int(corr_id))
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(f"{self.clock():.6f}\n")
+        tmp.write_text(f"{self.clock():.6f} {note}".rstrip() + "\n")
         tmp.replace(path)
         self._marks += 1
         if self._marks % SWEEP_EVERY == 0:
@@ -62,18 +68,26 @@ class ArrivalMarks:
     def peek(self, corr_id: int) -> Optional[float]:
         """The latest mark's time (wall clock), left in place; None when there is none."""
         try:
-            return float((self.folder / str(int(corr_id))).read_text())
-        except (OSError, ValueError):
+            return float((self.folder / str(int(corr_id))).read_text().split(maxsplit=1)[0])
+        except (OSError, ValueError, IndexError):
             return None
+
+    def note(self, corr_id: int) -> Optional[str]:
+        """The latest mark's note ("" when it has none); None when there is no mark."""
+        try:
+            fields = (self.folder / str(int(corr_id))).read_text().split(maxsplit=1)
+        except OSError:
+            return None
+        return fields[1].strip() if len(fields) > 1 else ("" if fields else None)
 
     def take(self, corr_id: int) -> Optional[float]:
         """The START's arrival time (wall clock), removing the mark; None when there is none."""
         path = self.folder / str(int(corr_id))
         try:
-            value = float(path.read_text())
+            value = float(path.read_text().split(maxsplit=1)[0])
             path.unlink(missing_ok=True)
             return value
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             return None
 
     def sweep(self) -> int:

@@ -1,19 +1,62 @@
-"""The drain probe the solver asks on every START: is this server draining (``s3flow.server.drain``)?
+"""The drain file: how a server that is going away tells its python models (``s3flow.server.drain`` writes it).
 
-While the file named by ``S3FLOW_DRAIN_FILE`` (in the server's environment) exists, the solver answers every
-START with a ``resume`` disposition (send it to another server) and goes on serving the sequences it holds.
+While the file named by ``S3FLOW_DRAIN_FILE`` (in the server's environment) exists, the server is *draining*:
+the solver answers every START with a ``resume`` disposition (send it to another server) and goes on serving
+the sequences it holds. When the file says ``closing`` (the drain is over, or there was none: a plain stop), the
+stateful models drop every sequence they still hold and give Triton its slot back
+(``s3flow.serving.triton_models.slots``): Triton's shutdown waits for every open sequence slot, and after
+SIGTERM it takes no more requests, so the slots must be freed before it.
 """
 from __future__ import annotations
 
 import os
+import pathlib
+import time
 from typing import Callable, Optional
 
 DRAIN_FILE_ENV = "S3FLOW_DRAIN_FILE"
+_DRAINING, _CLOSING = "draining", "closing"
+
+
+def _path(path: Optional[str]) -> str:
+    return path if path is not None else os.environ.get(DRAIN_FILE_ENV, "")
 
 
 def draining_probe(path: Optional[str] = None) -> Callable[[], bool]:
     """For the solver: a function telling whether this server is draining (its drain file exists)."""
-    path = path if path is not None else os.environ.get(DRAIN_FILE_ENV, "")
+    path = _path(path)
     if not path:
         return lambda: False
     return lambda: os.path.exists(path)
+
+
+def closing_probe(path: Optional[str] = None) -> Callable[[], bool]:
+    """For the stateful models: a function telling whether the server is closing (drop everything held)."""
+    path = _path(path)
+    if not path:
+        return lambda: False
+
+    def closing() -> bool:
+        try:
+            return pathlib.Path(path).read_text().startswith(_CLOSING)
+        except OSError:
+            return False
+    return closing
+
+
+def mark_draining(path: str) -> None:
+    """Start a drain: new sequences are refused from now on."""
+    _write(path, _DRAINING)
+
+
+def mark_closing(path: str) -> None:
+    """End it: the models drop what they hold and free its slots (new sequences are still refused)."""
+    _write(path, _CLOSING)
+
+
+def _write(path: str, phase: str) -> None:
+    p = pathlib.Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(f"{phase} since {time.time():.3f}\n")
+    tmp.replace(p)

@@ -19,10 +19,13 @@ from typing import Callable, Optional
 
 class IdleReaper:
     def __init__(self, evict: Callable[[], list], idle_timeout_s: float, name: str,
-                 on_evicted: Optional[Callable[[], None]] = None):
+                 on_evicted: Optional[Callable[[], None]] = None, then: Optional[Callable[[], object]] = None,
+                 log: Callable[[str], None] = lambda _: None):
         """Calls ``evict()`` (returning the evicted ids) every quarter of ``idle_timeout_s`` (between 50 ms and
-        5 s), then ``on_evicted()`` when it evicted any."""
-        self.evict, self.on_evicted = evict, on_evicted
+        5 s), then ``on_evicted()`` when it evicted any, then ``then()`` (the model's ``SlotRelease.send``: what
+        must not run inside ``execute``)."""
+        self.evict, self.on_evicted, self.then, self.log = evict, on_evicted, then, log
+        self.name = name
         self.period_s = min(max(idle_timeout_s / 4, 0.05), 5.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-idle-reaper", daemon=True)
@@ -30,8 +33,13 @@ class IdleReaper:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            if self.evict() and self.on_evicted is not None:
-                self.on_evicted()
+            try:
+                if self.evict() and self.on_evicted is not None:
+                    self.on_evicted()
+                if self.then is not None:
+                    self.then()
+            except Exception as exc:  # a bug here must not stop the reaping for good
+                self.log(f"{self.name}: idle reaper: {type(exc).__name__}: {exc}")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()

@@ -34,7 +34,8 @@ class TritonPythonModel(TritonModel):
         live = LiveCounts(LiveCounts.default_folder())
         self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, live, voices, draining_probe(),
                                    name=self.name, starts=ArrivalMarks(ArrivalMarks.default_folder("starts")),
-                                   seen=ArrivalMarks(ArrivalMarks.default_folder("seen")))
+                                   seen=ArrivalMarks(ArrivalMarks.default_folder("seen")),
+                                   gone=ArrivalMarks(ArrivalMarks.default_folder("gone")))
 
     def respond(self, request):
         flags = request.flags()

@@ -27,12 +27,13 @@ from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import RequestError, tenant_of
 from s3flow.serving.admission import LiveCounts
 from s3flow.serving.arrivals import ArrivalMarks, OnTheWay
-from s3flow.serving.draining import draining_probe
+from s3flow.serving.draining import closing_probe, draining_probe
 from s3flow.serving.heap import trim_heap
 from s3flow.serving.metrics import LIVE, SOLVER_FAMILIES, SolverBook
 from s3flow.serving.reaper import IdleReaper
-from s3flow.serving.session import Incoming, ModelCallError, SolverSession
+from s3flow.serving.session import Incoming, ModelCallError, Outcome, SolverSession
 from s3flow.serving.triton_models.metric_api import TritonMetrics
+from s3flow.serving.triton_models.slots import SlotRelease, releases_slot
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
                                                read_controls)
 from s3flow.serving.warmup import warm_up_solver
@@ -118,6 +119,11 @@ class TritonPythonModel(TritonModel):
         self.estimator = BlsEstimator(p.str("estimator_model", "estimator"), names(estimator_inputs(self.meanflow)),
                                       names(ESTIMATOR_OUTPUTS), device_id)
         self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name), self._dropped)
+        # a dropped sequence's Triton slot is freed at once (slots.py); admission answers its late chunks
+        self.gone = ArrivalMarks(ArrivalMarks.default_folder("gone"))
+        tokens = by_name(REQUEST)["speech_tokens"]
+        self.slots = SlotRelease(self.name, lambda: [pb_utils.Tensor(tokens.name, np.zeros((1, 0), tokens.np_dtype))],
+                                 log=self.logger.log_verbose)
         # a chunk waiting in Triton's queue (admission saw it arrive, and it may still come) keeps its sequence
         # from going idle
         self.on_the_way = OnTheWay(ArrivalMarks(ArrivalMarks.default_folder("seen")),
@@ -140,8 +146,9 @@ class TritonPythonModel(TritonModel):
         self.live_counts = LiveCounts(LiveCounts.default_folder())
         self.instance = args.get("model_instance_name", self.name)
         self._publish_live()
+        self.closing = closing_probe()
         self.reaper = IdleReaper(self.session.evict_idle, self.settings.capacity.idle_timeout_s, self.name,
-                                 on_evicted=self._publish_live)
+                                 on_evicted=self._publish_live, then=self._free_slots, log=self.logger.log_error)
 
     # -- execute ----------------------------------------------------------------------------------
     def _incoming(self, request) -> Incoming:
@@ -159,8 +166,14 @@ class TritonPythonModel(TritonModel):
         started = self.metrics.book.begin()
         incoming = [self._incoming(r) for r in requests]
         self.on_the_way.picking_up([i.corr_id for i in incoming if i.ready])
+        own = [i.ready and self.slots.is_release(i.corr_id, i.end) for i in incoming]   # our own END: answer empty
+        for i in incoming:
+            if i.ready and i.start:   # the id is in use again
+                self.slots.started(i.corr_id)
+                self.gone.take(i.corr_id)
         try:
-            outcomes = self.session.handle(incoming)
+            handled = iter(self.session.handle([i for i, mine in zip(incoming, own) if not mine]))
+            outcomes = [Outcome() if mine else next(handled) for mine in own]
         finally:
             self.on_the_way.free()
             self._publish_live()
@@ -179,6 +192,14 @@ class TritonPythonModel(TritonModel):
         self.metrics.book.end(started)  # s3flow_chunk_seconds etc. of the chunks answered
         return responses
 
+    def _free_slots(self) -> None:
+        """The reaper's second job: when the server closes, drop every sequence held; free the dropped ones'
+        Triton slots (slots.py), then say how many are left."""
+        if self.closing():
+            self.session.engine.sequences.end_all("server stopping")
+        if self.slots.send() or self.closing():
+            self._publish_live()
+
     def _publish_live(self) -> None:
         """The live count to the metrics and to admission (``LiveCounts``)."""
         session = self.session
@@ -193,10 +214,13 @@ class TritonPythonModel(TritonModel):
 
     def _dropped(self, corr_id, reason: str) -> None:
         """A sequence's state went before its END (counted by the metrics as ``s3flow_sequences_dropped_total``):
-        logged."""
+        logged, and unless its request ended it in Triton too, marked gone and its Triton slot freed."""
         idle = self.settings.capacity.idle_timeout_s
         what = f"evicted sequence {corr_id} after {idle} s idle" if reason == "idle" \
             else f"dropped sequence {corr_id} ({reason})"
+        if releases_slot(reason):
+            self.gone.mark(corr_id, f"evicted after {idle} s idle" if reason == "idle" else f"dropped ({reason})")
+            self.slots.dropped(corr_id)
         live = self.session.live if getattr(self, "session", None) is not None else 0
         self.logger.log_info(f"{self.name}: {what}; {live} live")
 

@@ -26,13 +26,15 @@ from s3flow.model.vocoder_source import SourceParams
 from s3flow.protocol import RequestError, numbers_from_parameters
 from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
 from s3flow.serving.config_params import Params
+from s3flow.serving.draining import closing_probe
 from s3flow.serving.metrics import FIRST_AUDIO_SECONDS, VOCODER_FAMILIES, VOCODER_LIVE
 from s3flow.serving.admission import LiveCounts
 from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.reaper import IdleReaper
-from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response,
+from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
                                                read_controls)
 from s3flow.serving.triton_models.metric_api import TritonMetrics
+from s3flow.serving.triton_models.slots import SlotRelease, releases_slot
 from s3flow.serving.warmup import warm_up_vocoder
 
 _MEL, _FRAME_OFFSET, _SEED = (t.name for t in VOCODER_INPUTS)
@@ -72,8 +74,11 @@ class TritonPythonModel(TritonModel):
         if p.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no store entry
             self.logger.log_info(warm_up_vocoder(self.stream).describe())
         self._publish_live()
+        # a dropped stream's Triton slot is freed at once (slots.py)
+        self.slots = SlotRelease(self.name, self._empty_end, log=self.logger.log_verbose)
+        self.closing = closing_probe()
         self.reaper = IdleReaper(self.sequences.evict_idle, capacity.idle_timeout_s, self.name,
-                                 on_evicted=self._publish_live)
+                                 on_evicted=self._publish_live, then=self._free_slots, log=self.logger.log_error)
 
     def execute(self, requests):
         self.sequences.evict_idle()
@@ -82,13 +87,27 @@ class TritonPythonModel(TritonModel):
         finally:
             self._publish_live()
 
+    def _free_slots(self) -> None:
+        """As the solver's: drop everything when the server closes; free the dropped streams' Triton slots."""
+        if self.closing():
+            self.sequences.end_all("server stopping")
+        if self.slots.send() or self.closing():
+            self._publish_live()
+
     def _publish_live(self) -> None:
         self.metrics.publish(VOCODER_LIVE, len(self.sequences), {})
 
+    def _empty_end(self) -> list:
+        """The inputs of the END that frees a dropped stream's slot (``SlotRelease``)."""
+        return [pb_utils.Tensor(_MEL, np.zeros((1, self.n_feats, 0), np.float32)),
+                pb_utils.Tensor(_FRAME_OFFSET, np.zeros((1, 1), np.int64))]
+
     def respond(self, request):
         c = read_controls(request)
-        if not c.ready:  # an empty slot of the direct strategy
+        if not c.ready or self.slots.is_release(c.corr_id, c.end):  # an empty slot of the direct strategy; our END
             return empty_response()
+        if c.start:
+            self.slots.started(c.corr_id)
         inputs = input_arrays(request, VOCODER_INPUTS)
         try:
             chunk = self._push(c, inputs)
@@ -145,4 +164,6 @@ class _LogDrops(Observer):
 
     def sequence_dropped(self, corr_id, reason: str) -> None:
         self.model.awaiting_audio.pop(corr_id, None)
+        if releases_slot(reason):
+            self.model.slots.dropped(corr_id)
         self.model.logger.log_info(f"{self.model.name}: dropped sequence {corr_id} ({reason})")

@@ -1,0 +1,177 @@
+"""A server stops on SIGTERM whatever its clients did, and leaves nothing in /dev/shm (issue 31, items 3 and 4).
+
+A small seeded token2wav repository with the cpu target's defaults (idle timeout 5 s, Triton's grace 30 s: an
+open sequence slot outlives Triton's 30 s exit timeout). Before the fix a server that had seen an abandoned
+stream waited its whole exit timeout on SIGTERM and was killed (measured here: 30.8 s, exit code 1; a quiet one
+5.9 s); now the models drop what they hold and free Triton's slots before the SIGTERM
+(``s3flow.server.drain.close``), whichever way the server is stopped: ``TritonServer.stop``, ``scripts/server.py
+stop``, or the drain supervisor of the container.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.flow import FlowConfig
+from s3flow.model.vocoder import VocoderConfig, random_vocoder
+from s3flow.repository.generator import write_repository
+from s3flow.repository.settings import RepositorySettings
+from s3flow.server.leftovers import REGION_MIN_AGE_S, SHM
+from s3flow.server.triton_server import TritonServer
+from s3flow_client import StreamingClient
+from s3flow_client.demo import demo_utterance
+from s3flow_client.wire import infer_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+#: a stop is quick when nothing holds it: the reaper's period to drop and free (idle / 4), Triton's unload
+STOPS_WITHIN_S = 15.0
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shutdown")
+    flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=5))
+    write_repository(root / "repo", flow, RepositorySettings(ort_threads=1), vocoder=random_vocoder(VocoderConfig.small(), seed=2))
+    return root / "repo"
+
+
+def utterance(seed: int):
+    u = demo_utterance(2.0, seed=seed)
+    u.chunks, u.n_timesteps = [10, 10, 10, 10, len(u.speech_tokens) - 40], 2
+    return u
+
+
+def abandon(url: str, model: str, seq_id: int, u, outputs=None, chunks: int = 2) -> None:
+    """Stream ``chunks`` chunks of ``u`` (naming ``outputs``, if given) and close the stream without END."""
+    events = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: events.put(error))
+    lo = 0
+    for k in range(chunks):
+        named = None if outputs is None else [grpcclient.InferRequestedOutput(o) for o in outputs]
+        client.async_stream_infer(model, infer_inputs(u.request(lo, lo + u.chunks[k], k == 0)), sequence_id=seq_id,
+                                  sequence_start=k == 0, outputs=named)
+        lo += u.chunks[k]
+        assert events.get(timeout=60) is None
+    client.stop_stream()
+    client.close()
+
+
+KILLED_CLIENT = """
+import sys
+from s3flow_client import StreamingClient
+from s3flow_client.demo import demo_utterance
+u = demo_utterance(2.0, seed=9)
+u.chunks, u.n_timesteps = [10] * 5, 2
+StreamingClient(sys.argv[1], "token2wav", timeout_s=60).synthesize([u], progress=lambda _: print("chunk", flush=True))
+"""
+
+
+def misuse(url: str) -> None:
+    """What a server met before SIGTERM hung: abandoned streams through both entry points, one naming only the
+    audio, and a client SIGKILLed with its third chunk on the way."""
+    abandon(url, "token2mel", 501, utterance(1))
+    abandon(url, "token2wav", 502, utterance(2))
+    abandon(url, "token2wav", 503, utterance(3), outputs=["audio"])
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, url], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(2):
+            assert proc.stdout.readline().strip() == "chunk", "the client died on its own"
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def ours() -> set[str]:
+    return {p.name for p in SHM.iterdir() if p.name.startswith(("s3flow-", "s3flow_"))} if SHM.is_dir() else set()
+
+
+def test_stop_after_abandoned_killed_and_naming_clients_is_a_quick_sigterm(repo, tmp_path):
+    with TritonServer(repo, log_file=tmp_path / "server.log") as server:
+        misuse(server.grpc_url)
+        t0 = time.monotonic()
+        code = server.stop()
+        took = time.monotonic() - t0
+    print(f"\nTritonServer.stop after the misuse: {took:.1f} s, exit code {code}")
+    assert code == 0 and took < STOPS_WITHIN_S, server.log_tail()
+
+
+def test_scripts_server_stop_after_the_same_is_a_quick_sigterm(repo, tmp_path):
+    python, script = sys.executable, str(ROOT / "scripts" / "server.py")
+    pid_file = tmp_path / "triton.pid"
+    out = subprocess.run([python, script, "start", str(repo), "--pid-file", str(pid_file)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    url = re.search(r"grpc=(\S+)", out.stdout).group(1)
+    pid = int(pid_file.read_text().split()[0])
+    try:
+        misuse(url)
+    finally:
+        stop = subprocess.run([python, script, "stop", "--pid-file", str(pid_file)], capture_output=True, text=True,
+                              timeout=120)
+    print(f"\n{stop.stdout.strip()}")
+    took = float(re.search(r"in ([\d.]+) s \((SIGTERM|SIGKILL)\)", stop.stdout).group(1))
+    assert stop.returncode == 0 and "(SIGTERM)" in stop.stdout and took < STOPS_WITHIN_S, stop.stdout
+    assert not any(name.endswith(f"-{pid}") for name in ours()), "its /dev/shm folders went with it"
+
+
+def test_the_drain_supervisor_stops_quickly_after_an_abandoned_stream(repo, tmp_path):
+    with TritonServer(repo, log_file=tmp_path / "server.log", drain_s=20) as server:
+        abandon(server.grpc_url, "token2wav", 601, utterance(4))
+        t0 = time.monotonic()
+        code = server.stop()
+        took = time.monotonic() - t0
+    print(f"\nsupervised stop after an abandoned stream: {took:.1f} s (the abandoned one is evicted at 5 s idle), "
+          f"exit code {code}")
+    assert code == 0 and took < 5.0 + STOPS_WITHIN_S, server.log_tail()
+
+
+def test_a_server_leaves_nothing_in_dev_shm_and_a_new_one_sweeps_what_dead_ones_left(repo, tmp_path):
+    before = ours()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale_folder = SHM / f"s3flow-seen-{dead.pid}"       # a server with that PID is gone
+    stale_folder.mkdir()
+    (stale_folder / "7").write_text("1.0\n")
+    stale_region = SHM / "s3flow_1_deadbeef_stub"        # a region nobody maps, older than a starting server's
+    stale_region.write_bytes(b"\0" * 64)
+    old = time.time() - REGION_MIN_AGE_S - 5
+    os.utime(stale_region, (old, old))
+    young_region = SHM / "s3flow_1_cafebabe_stub"        # could be a server's that is starting right now
+    young_region.write_bytes(b"\0" * 64)
+    try:
+        with TritonServer(repo, log_file=tmp_path / "server.log") as server:
+            assert not stale_folder.exists() and not stale_region.exists() and young_region.exists()
+            [r] = StreamingClient(server.grpc_url, "token2wav").synthesize([utterance(5)])
+            assert r.error is None
+            during = ours() - before
+            assert any(name.endswith(f"-{server.pid}") for name in during), during
+    finally:
+        young_region.unlink(missing_ok=True)
+    assert ours() - before == set(), f"left behind: {sorted(ours() - before)}"
+
+
+def test_a_killed_server_is_swept_by_the_next_start(repo, tmp_path):
+    before = ours()
+    server = TritonServer(repo, log_file=tmp_path / "killed.log").start()
+    server.wait_ready()
+    [r] = StreamingClient(server.grpc_url, "token2mel").synthesize([utterance(6)])
+    os.killpg(server.pid, signal.SIGKILL)
+    server.process.wait(30)
+    left = ours() - before
+    assert any(name.endswith(f"-{server.pid}") for name in left), "a killed server leaves its folders"
+    with TritonServer(repo, log_file=tmp_path / "next.log"):
+        assert not any(name.endswith(f"-{server.pid}") for name in ours())
+    server.stop()
