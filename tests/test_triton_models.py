@@ -71,7 +71,7 @@ class Request(dict):
 def FakePbUtils():  # noqa: N802 (a module stand-in)
     return types.SimpleNamespace(
         TritonModelException=TritonModelException, TritonError=TritonError, InferenceResponse=Response,
-        Tensor=Tensor, Logger=types.SimpleNamespace(log_info=lambda message: None),
+        Tensor=Tensor, Logger=types.SimpleNamespace(**{f"log_{kind}": lambda message: None for kind in ("info", "warn", "error", "verbose")}),
         get_input_tensor_by_name=lambda request, name: Tensor(name, request[name]) if name in request else None)
 
 

@@ -1,8 +1,8 @@
 """What a server leaves in ``/dev/shm``, and removing it: at its stop, and at the next start for servers long gone.
 
 A server's python models share small per-server folders, named by the server's PID (the models' parent):
-``s3flow-live-<pid>`` (``s3flow.serving.admission.LiveCounts``) and ``s3flow-<kind>-<pid>`` for each kind of
-``s3flow.serving.arrivals.ArrivalMarks``; the python backend maps its shared-memory regions there as well, named
+``s3flow-<name>-<pid>`` (``s3flow.serving.arrivals.server_folder``: ``LiveCounts`` and each kind of
+``ArrivalMarks``); the python backend maps its shared-memory regions there as well, named
 by ``--backend-config=python,shm-region-prefix-name`` (``s3flow_<launcher pid>_<random>`` for ``TritonServer``). A
 server that exits cleanly removes its regions but not our folders, and one that is killed removes neither.
 
@@ -19,20 +19,19 @@ import shutil
 import time
 from pathlib import Path
 
-from s3flow.serving.admission import LiveCounts
-from s3flow.serving.arrivals import KINDS, ArrivalMarks
+from s3flow.serving.arrivals import SERVER_FOLDERS, server_folder
 
 SHM = Path("/dev/shm")
 #: the python-backend regions of our servers (``TritonServer.shm_prefix``; the entrypoint's prefix too)
 REGION_PREFIX = "s3flow_"
 #: a region younger than this may belong to a server starting now (created, not yet mapped): left alone
 REGION_MIN_AGE_S = 60.0
-_FOLDER = re.compile(r"^s3flow-(?:live|" + "|".join(KINDS) + r")-(\d+)$")
+_FOLDER = re.compile(r"^s3flow-(?:" + "|".join(SERVER_FOLDERS) + r")-(\d+)$")
 
 
 def server_folders(server_pid: int) -> list[Path]:
     """The per-server folders of the server with this PID (whether they exist or not)."""
-    return [LiveCounts.default_folder(server_pid)] + [ArrivalMarks.default_folder(k, server_pid) for k in KINDS]
+    return [server_folder(name, server_pid) for name in SERVER_FOLDERS]
 
 
 def remove_server_files(server_pid: int) -> int:

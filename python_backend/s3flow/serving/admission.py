@@ -26,8 +26,6 @@ Example::
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional
@@ -36,6 +34,7 @@ import numpy as np
 
 from s3flow_contract.answers import Answer, Disposition
 from s3flow.protocol import RequestError, RequestRules, parse_request
+from s3flow.serving.arrivals import server_folder
 from s3flow.serving.responses import INVALID_ARG, UNAVAILABLE
 from s3flow.serving.session import Outcome, with_voice
 from s3flow.serving.voice_registry import UnknownVoice
@@ -52,9 +51,8 @@ class LiveCounts:
 
     @staticmethod
     def default_folder(server_pid: Optional[int] = None) -> Path:
-        """The per-run folder of a server (its python models are its children)."""
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        return Path(root) / f"s3flow-live-{server_pid if server_pid is not None else os.getppid()}"
+        """The per-run folder of a server (``s3flow.serving.arrivals.server_folder``)."""
+        return server_folder("live", server_pid)
 
     def write(self, instance: str, live_ids: Iterable[int], cap: int) -> None:
         path = self.folder / instance

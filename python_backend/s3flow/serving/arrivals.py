@@ -41,6 +41,17 @@ SWEEP_EVERY = 256
 KINDS = ("starts", "seen", "gone")
 
 
+#: every per-server folder: the marks' kinds, and "live" (``s3flow.serving.admission.LiveCounts``)
+SERVER_FOLDERS = ("live",) + KINDS
+
+
+def server_folder(name: str, server_pid: Optional[int] = None) -> Path:
+    """``/dev/shm/s3flow-<name>-<server pid>``: a folder the python models of one server share (they are its
+    children: the default PID is our parent's). ``s3flow.server.leftovers`` removes them."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return Path(root) / f"s3flow-{name}-{server_pid if server_pid is not None else os.getppid()}"
+
+
 class ArrivalMarks:
     def __init__(self, folder: Path, clock: Callable[[], float] = time.time):
         self.folder, self.clock = Path(folder), clock
@@ -49,11 +60,10 @@ class ArrivalMarks:
 
     @staticmethod
     def default_folder(kind: str, server_pid: Optional[int] = None) -> Path:
-        """The per-run folder of a server for ``kind`` ("starts" or "seen"; its python models are its children)."""
+        """The per-run folder of a server for ``kind`` (one of ``KINDS``)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        return Path(root) / f"s3flow-{kind}-{server_pid if server_pid is not None else os.getppid()}"
+        return server_folder(kind, server_pid)
 
     def mark(self, corr_id: int, note: str = "") -> None:
         """Mark ``corr_id`` now, with an optional one-line ``note`` (:meth:`note` reads it back)."""
