@@ -91,6 +91,8 @@ def settings_for(args) -> tuple[DataSettings, VocoderTrainSettings, TrainSetting
         flow = dataclasses.replace(flow, teacher_steps=30, student_rounds=8, batch_size=8, fine_steps=6,
                                    prompt_tokens=(5, 40), uncond_steps=10, warmup_steps=10, log_every=10,
                                    save_every=10)
+    if args.vocoder_steps is not None:
+        voc = dataclasses.replace(voc, steps=args.vocoder_steps)
     return data, voc, flow
 
 
@@ -98,6 +100,17 @@ def settings_for(args) -> tuple[DataSettings, VocoderTrainSettings, TrainSetting
 PHASE_SETTINGS = {"dataset": ("data_settings",), "package": ("data_settings",),
                   "vocoder": ("data_settings", "vocoder_settings"),
                   "teacher": ("data_settings", "train_settings"), "student": ("data_settings", "train_settings")}
+#: A phase's schedule length, which may grow without dropping its record (the phase goes on from where it was).
+PHASE_LENGTH = {"vocoder": ("vocoder_settings", "steps")}
+
+
+def _same(old: dict, new: dict, group: str, length=None) -> bool:
+    """Whether settings ``group`` is unchanged, but for a schedule length (``PHASE_LENGTH``) that grew."""
+    a, b = dict(old.get(group) or {}), dict(new.get(group) or {})
+    if length is not None and length[0] == group and a.get(length[1], 0) <= b.get(length[1], 0):
+        a.pop(length[1], None)
+        b.pop(length[1], None)
+    return a == b
 
 
 class Record:
@@ -111,7 +124,10 @@ class Record:
         old = json.loads(path.read_text()) if path.is_file() else {}
         phases = {name: ph for name, ph in old.get("phases", {}).items()
                   if old.get("quick") == base.get("quick")
-                  and all(old.get(k) == base.get(k) for k in PHASE_SETTINGS.get(name, tuple(base)))}
+                  and all(_same(old, base, k, PHASE_LENGTH.get(name)) for k in PHASE_SETTINGS.get(name, tuple(base)))}
+        for name, (group, key) in PHASE_LENGTH.items():   # a longer schedule: the phase goes on
+            if name in phases and phases[name]["steps_done"] < (base.get(group) or {}).get(key, 0):
+                phases[name]["finished"] = False
         self.data = {**base, "phases": phases}
         self.data.update({k: old[k] for k in ("configs", "parameters") if k in old})
 
@@ -143,6 +159,9 @@ def main(argv=None) -> int:
                    help="torch threads (default: %(default)s = this machine's cores)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a tiny corpus and a few steps: a smoke run")
+    p.add_argument("--vocoder-steps", type=int, default=None,
+                   help="the vocoder's schedule length (default: VocoderTrainSettings'); a longer one than the "
+                        "shipped vocoder's goes on from it")
     args = p.parse_args(argv)
     phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     unknown = set(phases) - set(PHASES)

@@ -246,3 +246,22 @@ def test_the_training_record_keeps_a_phase_while_its_own_settings_are_unchanged(
     again = mod.Record(path, {**base, "train_settings": {"steps": (10, 30)}})
     assert again.phase("vocoder")["finished"] and again.phase("vocoder")["steps_done"] == 5
     assert again.phase("teacher") == {"finished": False, "steps_done": 0, "runs": []}, "its settings changed"
+
+
+def test_a_longer_vocoder_schedule_keeps_its_record_and_goes_on(tmp_path):
+    """--vocoder-steps above the steps done keeps the vocoder's runs and makes it unfinished (it goes on from the
+    shipped weights); a shorter schedule, or any other change of its settings, starts it afresh."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_small", Path(__file__).parents[1] / "scripts" / "train_small.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = {"data_settings": {"n": 1}, "vocoder_settings": {"steps": 6, "lr": 1.0}, "train_settings": {}, "quick": False}
+    path = tmp_path / "training.json"
+    mod.Record(path, base).add_run("vocoder", {"steps_to": 6, "wall_s": 1.0, "cpu_s": 2.0}, 6, True)
+    longer = mod.Record(path, {**base, "vocoder_settings": {"steps": 9, "lr": 1.0}}).phase("vocoder")
+    assert longer["steps_done"] == 6 and not longer["finished"] and len(longer["runs"]) == 1
+    assert mod.Record(path, base).phase("vocoder")["finished"], "the file itself is unchanged until a run"
+    shorter = mod.Record(path, {**base, "vocoder_settings": {"steps": 4, "lr": 1.0}}).phase("vocoder")
+    other = mod.Record(path, {**base, "vocoder_settings": {"steps": 9, "lr": 2.0}}).phase("vocoder")
+    assert shorter["steps_done"] == other["steps_done"] == 0
