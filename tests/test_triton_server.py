@@ -1,7 +1,8 @@
 """The tritonserver launcher against a real server (from the nvidia-pytriton wheel), on CPU.
 
 A tiny model repository is written into a temporary folder: a python model (``add_one``), a BLS caller,
-a sequence-batched running sum keyed by correlation id, and ensembles over both. Every ``model.py`` imports
+a sequence-batched running sum keyed by correlation id, ensembles over both, and a decoupled sequence-batched
+model whose own loop thread runs steps over many sequences by BLS (the scheduler issue's shape, proven here first). Every ``model.py`` imports
 numpy and torch and ``add_one`` reports its ``sys.prefix``: the models must run in this venv.
 """
 
@@ -231,6 +232,150 @@ class TritonPythonModel:
 """
 
 
+# The shape the scheduler issue gives cfm_solver, in miniature: decoupled and sequence-batched; execute() queues each
+# request on its sequence's queue (with its response sender) and returns at once; one loop thread per instance runs
+# one step at a time over the head request of every sequence, all their rows in one BLS call to add_one, and
+# answers each request with COMPLETE_FINAL after its last step. A request adds INPUT to its sequence's sum, then
+# 1 per step (add_one); SUM is the sum after it, DEPTH how many requests of its sequence were queued in the model
+# when it arrived, ROWS the most rows of one step while it was served.
+STEP_SUM_CONFIG = """
+name: "step_sum"
+backend: "python"
+max_batch_size: 8
+model_transaction_policy { decoupled: true }
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "STEPS" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [
+  { name: "SUM" data_type: TYPE_FP32 dims: [ 1 ] },
+  { name: "DEPTH" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "ROWS" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+sequence_batching {
+  max_sequence_idle_microseconds: 30000000
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] },
+    { name: "END" control [ { kind: CONTROL_SEQUENCE_END fp32_false_true: [ 0, 1 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+  ]
+  oldest { max_candidate_sequences: 8 max_queue_delay_microseconds: 1000 }
+}
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+
+STEP_SUM_MODEL = """
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def value(request, name):
+    return pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)[0]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.cond = threading.Condition()
+        self.queues = {}     # corr id -> its requests in arrival order (dicts), the head being served
+        self.sums = {}       # corr id -> the sequence's sum
+        self.stopping = False
+        self.loop_thread = threading.Thread(target=self.loop, daemon=True)
+        self.loop_thread.start()
+
+    def execute(self, requests):
+        with self.cond:
+            for request in requests:
+                sender, steps = request.get_response_sender(), int(value(request, "STEPS"))
+                if steps < 0:   # validated here, answered at once: it never reaches the loop
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                        f"STEPS must be >= 0, got {steps}")), flags=FINAL)
+                    continue
+                q = self.queues.setdefault(request.correlation_id(), [])
+                q.append({"sender": sender, "x": float(value(request, "INPUT")),
+                          "steps": steps, "start": bool(value(request, "START")),
+                          "end": bool(value(request, "END")), "depth": len(q), "rows": 0, "begun": False})
+            self.cond.notify()
+        return None   # decoupled: every answer goes through its request's sender
+
+    def loop(self):
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.stopping or any(self.queues.values()))
+                if self.stopping:
+                    return
+                heads = [(c, q[0]) for c, q in self.queues.items() if q]
+            rows = []
+            for c, h in heads:
+                if not h["begun"]:
+                    h["begun"] = True
+                    if h["start"]:
+                        self.sums[c] = 0.0
+                    if c not in self.sums:
+                        self.finish(c, error=f"sequence {c} has no state: send sequence_start first")
+                        continue
+                    self.sums[c] += h["x"]
+                if h["steps"] > 0:
+                    rows.append((c, h))
+                else:
+                    self.finish(c)
+            if not rows:
+                continue
+            values = np.array([self.sums[c] for c, _ in rows], dtype=np.float32)
+            bls = pb_utils.InferenceRequest(model_name="add_one", requested_output_names=["OUTPUT"],
+                                            inputs=[pb_utils.Tensor("INPUT", values)]).exec()
+            if bls.has_error():
+                for c, _ in rows:
+                    self.finish(c, error=f"step failed: {bls.error().message()}")
+                continue
+            out = pb_utils.get_output_tensor_by_name(bls, "OUTPUT").as_numpy()
+            for (c, h), v in zip(rows, out):
+                self.sums[c] = float(v)
+                h["steps"] -= 1
+                h["rows"] = max(h["rows"], len(rows))
+
+    def finish(self, corr_id, error=None):
+        with self.cond:
+            h = self.queues[corr_id].pop(0)
+        if error is not None:
+            h["sender"].send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(error)),
+                             flags=FINAL)
+            return
+        h["sender"].send(pb_utils.InferenceResponse([
+            pb_utils.Tensor("SUM", np.array([[self.sums[corr_id]]], dtype=np.float32)),
+            pb_utils.Tensor("DEPTH", np.array([[h["depth"]]], dtype=np.int32)),
+            pb_utils.Tensor("ROWS", np.array([[h["rows"]]], dtype=np.int32))]), flags=FINAL)
+        if h["end"]:
+            del self.sums[corr_id]
+
+    def finalize(self):
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.loop_thread.join(10)
+"""
+
+# token2wav's shape with a decoupled solver: the decoupled step_sum, then the (not decoupled) stateful accumulate
+# on its output; the sequence controls pass through the ensemble to both.
+STEP_SUM_ENSEMBLE = """
+name: "step_sum_then_accumulate"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "INPUT" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "STEPS" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "TOTAL" data_type: TYPE_FP32 dims: [ 1 ] } ]
+ensemble_scheduling {
+  step [
+    { model_name: "step_sum" model_version: -1
+      input_map { key: "INPUT" value: "INPUT" } input_map { key: "STEPS" value: "STEPS" }
+      output_map { key: "SUM" value: "step_sum" } },
+    { model_name: "accumulate" model_version: -1
+      input_map { key: "INPUT" value: "step_sum" } output_map { key: "SUM" value: "TOTAL" } }
+  ]
+}
+"""
+
+
 def write_model(repo: pathlib.Path, name: str, config: str, model_py: str | None = None) -> None:
     (repo / name).mkdir(parents=True, exist_ok=True)
     (repo / name / "config.pbtxt").write_text(textwrap.dedent(config).lstrip())
@@ -245,6 +390,8 @@ def make_repository(repo: pathlib.Path) -> pathlib.Path:
     write_model(repo, "accumulate", ACCUMULATE_CONFIG, ACCUMULATE_MODEL)
     write_model(repo, "add_two", ADD_TWO_ENSEMBLE)
     write_model(repo, "accumulate_ensemble", ACCUMULATE_ENSEMBLE)
+    write_model(repo, "step_sum", STEP_SUM_CONFIG, STEP_SUM_MODEL)
+    write_model(repo, "step_sum_then_accumulate", STEP_SUM_ENSEMBLE)
     return repo
 
 
@@ -605,3 +752,70 @@ def test_cli_help_has_an_example():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     assert "scripts/server.py start model_repository" in out.stdout
+
+
+def stream_requests(server, model: str, sends: list[tuple[int, float, int, bool, bool]], outputs: list[str]) -> dict:
+    """Send ``sends`` (sequence id, INPUT, STEPS, start, end) over one gRPC stream without waiting for answers;
+    return {request index: {output: value} or the error message}."""
+    import queue
+
+    events = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        for i, (seq, x, steps, start, end) in enumerate(sends):
+            steps_in = grpcclient.InferInput("STEPS", [1, 1], "INT32")
+            steps_in.set_data_from_numpy(np.array([[steps]], dtype=np.int32))
+            client.async_stream_infer(model, [fp32_input("INPUT", np.array([[x]])), steps_in], request_id=str(i),
+                                      sequence_id=seq, sequence_start=start, sequence_end=end)
+        answers = {}
+        while len(answers) < len(sends):
+            result, error = events.get(timeout=60)
+            if error is not None:   # (an error's request id is not on the error object: keep the message)
+                answers[f"error{len(answers)}"] = str(error)
+                continue
+            answers[int(result.get_response().id)] = {o: result.as_numpy(o).reshape(-1)[0] for o in outputs}
+    finally:
+        client.stop_stream()
+        client.close()
+    return answers
+
+
+@pytest.mark.server
+def test_a_decoupled_sequence_model_runs_steps_over_many_sequences_from_its_own_thread(server):
+    """The scheduler issue's foundations on this Triton (2.51): with a decoupled model the sequence batcher hands
+    over a sequence's next request as soon as execute() returns (DEPTH > 0: two of one sequence in the model at
+    once, served in order from the model's own queue), BLS calls work from a background thread, one step's call
+    carries rows of several sequences (ROWS 2), and every answer goes through the request's sender."""
+    # the STARTs take 40 steps (40 BLS calls): the later requests, sent at once, arrive while they are served
+    sends = [(701, 1.0, 40, True, False), (702, 5.0, 40, True, False), (701, 10.0, 3, False, False),
+             (702, 50.0, 1, False, True), (701, 100.0, 1, False, True)]
+    got = stream_requests(server, "step_sum", sends, ["SUM", "DEPTH", "ROWS"])
+    assert not [k for k in got if isinstance(k, str)], got
+    assert [got[i]["SUM"] for i in range(5)] == [41.0, 45.0, 54.0, 96.0, 155.0]   # INPUT, then +1 per step
+    assert max(got[i]["DEPTH"] for i in (2, 4)) >= 1, "a sequence's next request came only after the last answer"
+    assert max(got[i]["ROWS"] for i in range(5)) == 2, "no step carried rows of both sequences"
+
+
+@pytest.mark.server
+def test_a_decoupled_model_is_not_reachable_by_a_unary_call_and_its_errors_reach_the_stream(server, client):
+    with pytest.raises(InferenceServerException, match="decoupled"):
+        steps = grpcclient.InferInput("STEPS", [1, 1], "INT32")
+        steps.set_data_from_numpy(np.array([[1]], dtype=np.int32))
+        client.infer("step_sum", [fp32_input("INPUT", np.array([[1.0]])), steps], sequence_id=711,
+                     sequence_start=True, sequence_end=True)
+    # a START refused in execute() makes no state (Triton's batcher took it as the START all the same)
+    got = stream_requests(server, "step_sum", [(712, 1.0, -1, True, False), (712, 1.0, 2, False, True)], ["SUM"])
+    assert sorted(got.values()) == ["STEPS must be >= 0, got -1", "sequence 712 has no state: send sequence_start "
+                                                                  "first"], got
+
+
+@pytest.mark.server
+def test_an_ensemble_streams_a_decoupled_step_into_a_stateful_one(server):
+    """token2wav's shape with a decoupled solver: the decoupled step_sum feeds the (not decoupled) sequence-batched
+    accumulate, the sequence controls reaching both through the ensemble: TOTAL sums step_sum's sums."""
+    sends = [(721, 1.0, 1, True, False), (721, 2.0, 1, False, False), (721, 3.0, 2, False, True)]
+    got = stream_requests(server, "step_sum_then_accumulate", sends, ["TOTAL"])
+    assert not [k for k in got if isinstance(k, str)], got
+    sums = [2.0, 5.0, 10.0]   # step_sum: 1+1, +2+1, +3+2
+    assert [got[i]["TOTAL"] for i in range(3)] == list(np.cumsum(sums))
