@@ -1,7 +1,10 @@
 """S3Gen's log-mel features (the ``mel`` the flow model is trained on and produces), torch only.
 
 The settings are upstream's ``s3gen/utils/mel.py`` (Matcha-TTS' ``mel_spectrogram`` with CosyVoice's
-config), written here without librosa:
+config); the function is serving's ``s3flow.model.voice.mel.s3gen_mel`` (one implementation: a prompt's mel at
+serving time is the corpus' mel at training time). The resamplers stay apart: the corpus is resampled here by
+FFT zero-padding (``resample``), a request's reference audio by serving's windowed sinc; their gap on the
+prompt mel is stated by ``tests/test_training.py``.
 
 =================  =========  ===========================================================
 parameter          value      meaning
@@ -28,12 +31,12 @@ Example::
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from s3flow.model.voice.mel import s3gen_mel, slaney_mel_filters
 
 
 @dataclass(frozen=True)
@@ -52,60 +55,26 @@ class MelSettings:
 S3GEN_MEL = MelSettings()
 
 
-def hz_to_mel_slaney(f: np.ndarray) -> np.ndarray:
-    """Slaney's mel scale: linear (200/3 Hz per mel) below 1 kHz, logarithmic above."""
-    f = np.asarray(f, dtype=np.float64)
-    f_sp, min_log_hz = 200.0 / 3, 1000.0
-    min_log_mel, logstep = min_log_hz / f_sp, math.log(6.4) / 27.0
-    return np.where(f >= min_log_hz, min_log_mel + np.log(np.maximum(f, 1e-10) / min_log_hz) / logstep,
-                    f / f_sp)
-
-
-def mel_to_hz_slaney(m: np.ndarray) -> np.ndarray:
-    """Inverse of ``hz_to_mel_slaney``."""
-    m = np.asarray(m, dtype=np.float64)
-    f_sp, min_log_hz = 200.0 / 3, 1000.0
-    min_log_mel, logstep = min_log_hz / f_sp, math.log(6.4) / 27.0
-    return np.where(m >= min_log_mel, min_log_hz * np.exp(logstep * (m - min_log_mel)), f_sp * m)
-
-
 @functools.lru_cache(maxsize=4)
 def mel_filterbank(settings: MelSettings = S3GEN_MEL) -> np.ndarray:
-    """(num_mels, n_fft // 2 + 1) float32 triangles on the Slaney mel scale, Slaney area-normalised
-    (``2 / (f[i + 2] - f[i])``), as ``librosa.filters.mel(sr, n_fft, n_mels, fmin, fmax)``."""
+    """(num_mels, n_fft // 2 + 1) float32 triangles on the Slaney mel scale, Slaney area-normalised: serving's
+    ``s3flow.model.voice.mel.slaney_mel_filters`` (librosa's ``filters.mel``)."""
     s = settings
-    fft_freqs = np.linspace(0.0, s.sampling_rate / 2, s.n_fft // 2 + 1)
-    edges = mel_to_hz_slaney(np.linspace(hz_to_mel_slaney(s.fmin), hz_to_mel_slaney(s.fmax), s.num_mels + 2))
-    widths = np.diff(edges)
-    ramps = edges[:, None] - fft_freqs[None, :]
-    lower = -ramps[:-2] / widths[:-1, None]
-    upper = ramps[2:] / widths[1:, None]
-    weights = np.maximum(0.0, np.minimum(lower, upper))
-    weights *= (2.0 / (edges[2:] - edges[:-2]))[:, None]
-    return weights.astype(np.float32)
+    return slaney_mel_filters(s.sampling_rate, s.n_fft, s.num_mels, s.fmin, s.fmax).numpy()
 
 
-def log_mel(audio: torch.Tensor, settings: MelSettings = S3GEN_MEL) -> torch.Tensor:
-    """Log-mel spectrogram of 24 kHz audio.
+def log_mel(audio: torch.Tensor) -> torch.Tensor:
+    """Log-mel spectrogram of 24 kHz audio: serving's ``s3flow.model.voice.mel.s3gen_mel``, the one function
+    both the corpus (training) and the prompt of a request (serving) go through.
 
     Args:
-        audio: (L,) or (B, L) float waveform in [-1, 1] at ``settings.sampling_rate``.
+        audio: (L,) or (B, L) float waveform in [-1, 1] at 24 kHz.
 
     Returns:
         (num_mels, L // hop) or (B, num_mels, L // hop) float32.
     """
-    s = settings
-    squeeze = audio.dim() == 1
-    y = audio.float().reshape(-1, audio.shape[-1])
-    pad = (s.n_fft - s.hop_size) // 2
-    y = F.pad(y[:, None, :], (pad, pad), mode="reflect")[:, 0, :]
-    spec = torch.stft(y, s.n_fft, hop_length=s.hop_size, win_length=s.win_size,
-                      window=torch.hann_window(s.win_size), center=False, normalized=False, onesided=True,
-                      return_complex=True)
-    mag = torch.sqrt(spec.real.pow(2) + spec.imag.pow(2) + 1e-9)
-    mel = torch.matmul(torch.from_numpy(mel_filterbank(s)), mag)
-    mel = torch.log(torch.clamp(mel, min=s.clip_val))
-    return mel[0] if squeeze else mel
+    mel = s3gen_mel(audio.float().reshape(-1, audio.shape[-1]))
+    return mel[0] if audio.dim() == 1 else mel
 
 
 def resample(audio: np.ndarray, src_rate: int, dst_rate: int) -> np.ndarray:
