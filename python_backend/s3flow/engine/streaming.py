@@ -51,8 +51,9 @@ from s3flow_contract.tensors import TOKEN_MEL_RATIO
 from s3flow.engine.observer import NO_OBSERVER, Observer
 from s3flow.engine.sequences import Capacity, SequenceTable
 from s3flow.engine.settings import ChunkSolving
-from s3flow.model.chunks import NoisedMels, condition, solve_frames, stack_rows, starting_point
-from s3flow.model.solver import FrameNoise, cfm_grid, default_steps, euler_solve, make_field
+from s3flow.engine.stepping import RowSolve, StepBatch
+from s3flow.model.chunks import NoisedMels, condition, solve_frames, starting_point
+from s3flow.model.solver import FrameNoise, cfm_grid, default_steps
 from s3flow.protocol import ChunkRequest, RequestError, RequestRules, parse_request
 
 EncodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
@@ -224,9 +225,9 @@ class StreamingEngine:
         for i, c in enumerate(chunks):
             groups.setdefault((c.state.n_steps, c.state.guidance_rate), []).append(i)
         try:
-            for (steps, rate), idx in groups.items():
+            for (steps, _rate), idx in groups.items():
                 for part in self._buckets(chunks, idx):
-                    xs = self._solve([chunks[i] for i in part], steps, rate, on_step)
+                    xs = self._solve([chunks[i] for i in part], steps, on_step)
                     for i, x in zip(part, xs):
                         solved[i] = x
         except BaseException:
@@ -256,8 +257,9 @@ class StreamingEngine:
             parts[-1].append(i)
         return parts
 
-    def _solve(self, chunks: list[Chunk], steps: int, rate: float, on_step) -> list[np.ndarray]:
-        """One padded batch: encoder, condition, Euler solve; per row the solved (n_feats, frames)."""
+    def prepare(self, chunks: list[Chunk]) -> list[RowSolve]:
+        """The chunks' encoder call (one padded batch) and conditioning: one ``RowSolve`` per chunk, at step 0
+        of its own grid, on the encoder's device (``s3flow.engine.stepping``)."""
         b = len(chunks)
         token_len = torch.tensor([c.encoder_tokens.size for c in chunks], dtype=torch.int64)
         tokens = torch.zeros(b, int(token_len.max()), dtype=torch.int64)
@@ -268,20 +270,29 @@ class StreamingEngine:
         lengths = torch.tensor([c.frames for c in chunks], dtype=torch.int64)
         cond = condition(mu.float(), spks.float(), lengths, [torch.from_numpy(c.prefix_mel) for c in chunks])
         dev = mu.device  # GPU hosts: the encoder's output is on the GPU; the solve stays there
-        z = stack_rows([c.start for c in chunks], cond.mu.shape[2]).to(dev)  # filled on the host, moved once
-        rows, frames = b * (2 if rate else 1), int(cond.mu.shape[2])
+        solves = []
+        for i, c in enumerate(chunks):
+            f = c.frames
+            x = torch.from_numpy(np.ascontiguousarray(c.start)).to(dev)
+            solves.append(RowSolve(mu=cond.mu[i, :, :f], mask=cond.mask[i, :, :f], spks=cond.spks[i],
+                                   cond=cond.cond[i, :, :f], x=x,
+                                   grid=cfm_grid(c.state.n_steps, self.meanflow, cond.mu),
+                                   rate=0.0 if self.meanflow else c.state.guidance_rate))
+        return solves
 
-        def step(i: int) -> None:
+    def _solve(self, chunks: list[Chunk], steps: int, on_step) -> list[np.ndarray]:
+        """One padded batch of chunks sharing steps and guidance: encoder, condition, then every Euler step
+        of all of them in one estimator call; per row the solved (n_feats, frames)."""
+        solves = self.prepare(chunks)
+        batch = StepBatch(solves, self.meanflow)
+        for i in range(steps):
             if on_step is not None:
                 on_step(i)           # cancellation checks raise from here, before the step runs
-            self.observer.estimator_step(b, rows, frames)
-
-        field = make_field(self.estimator, cond.mu, cond.mask, cond.spks, cond.cond, meanflow=self.meanflow,
-                           guidance_rate=rate)
-        x = euler_solve(field, z, cfm_grid(steps, self.meanflow, cond.mu), on_step=step).x.float().cpu()
+            self.observer.estimator_step(len(chunks), batch.rows, batch.frames)
+            batch.step(self.estimator)
         self.estimator_calls += steps
-        self.solved_frames += steps * int(lengths.max()) * b
-        return [x[i, :, :c.frames].numpy() for i, c in enumerate(chunks)]
+        self.solved_frames += steps * batch.frames * len(chunks)
+        return [s.x.float().cpu().numpy() for s in solves]
 
     def _commit(self, c: Chunk, x: np.ndarray) -> ChunkResult:
         """Apply a solved chunk to its sequence's state; the newly final frames."""
