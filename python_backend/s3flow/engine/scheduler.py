@@ -1,0 +1,83 @@
+"""Which chunks' rows go into the next Euler step: the scheduling policy, apart from the mechanism that steps them.
+
+The mechanism (``s3flow.engine.stepping``: one estimator call over the rows of any in-flight solves) lets every
+step carry a different set of chunks. This module only chooses the set, from what it is told of each chunk in
+flight (a :class:`Candidate`) and a cost per step; it knows nothing of tensors, Triton or how a step is run (as
+vLLM's scheduler sits beside its engine and workers). The served solver and the simulator
+(``s3flow_tools.schedule_sim``) run the same :func:`pick`.
+
+Policies:
+
+* ``deadline`` (least slack first): a chunk's *slack* is its stream's playback deadline (when a real-time player,
+  started at the stream's first audio plus a start-up buffer, needs the next frame; for a START: its arrival plus
+  a first-audio target; ``s3flow.engine.playback``) minus now minus the work the chunk has left
+  (its steps x the cost of one of its steps). The least slack goes first: the stream closest to running dry.
+* ``fifo``: oldest arrival first, for comparison (what Triton's ``oldest`` batcher does, one step at a time).
+
+A step's rows are capped by a :class:`StepBudget` (estimator rows and rows x padded frames), so that a step, and
+with it every stream's wait for its turn, stays about one step long whatever the load; a chunk that does not fit
+waits for the next step (a smaller one behind it in the order may still fit).
+
+Example::
+
+    budget = StepBudget(max_rows=16, max_row_frames=16 * 400)
+    chosen = pick(candidates, now, budget, cost=lambda rows, frames: 1e-3 + 2e-7 * rows * frames)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
+
+Policy = Literal["deadline", "fifo"]
+POLICIES = ("deadline", "fifo")
+#: seconds one step of ``rows`` estimator rows over ``frames`` padded frames takes (a cost model)
+StepCost = Callable[[int, int], float]
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """The most one estimator call may carry: ``max_rows`` rows (guided chunks take 2) and ``max_row_frames``
+    rows x padded frames (the call's size; it sets the step's time)."""
+    max_rows: int = 32
+    max_row_frames: int = 32 * 400
+
+    def __post_init__(self):
+        if self.max_rows < 1 or self.max_row_frames < 1:
+            raise ValueError(f"a step budget needs max_rows >= 1 and max_row_frames >= 1, got {self}")
+
+
+@dataclass
+class Candidate:
+    """A chunk in flight, as the policy sees it."""
+    key: object            # whatever the caller identifies the chunk by
+    arrival: float         # when it arrived (s)
+    deadline: float        # when its stream needs its next frame (s, same clock)
+    steps_left: int
+    rows: int              # estimator rows of one of its steps (2 with guidance)
+    frames: int            # its solve's frames
+
+
+def slack(c: Candidate, now: float, cost: StepCost) -> float:
+    """Seconds to spare: deadline - now - the chunk's remaining work (its steps at its own step cost)."""
+    return c.deadline - now - c.steps_left * cost(c.rows, c.frames)
+
+
+def pick(candidates: Sequence[Candidate], now: float, budget: StepBudget, cost: StepCost,
+         policy: Policy = "deadline") -> list[Candidate]:
+    """The candidates whose rows make the next step, in the policy's order, within ``budget``. Never empty when
+    there are candidates: the first in order goes even when it alone exceeds the budget."""
+    if policy == "deadline":
+        order = sorted(candidates, key=lambda c: (slack(c, now, cost), c.arrival))
+    elif policy == "fifo":
+        order = sorted(candidates, key=lambda c: c.arrival)
+    else:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    chosen: list[Candidate] = []
+    rows = frames = 0
+    for c in order:
+        r, f = rows + c.rows, max(frames, c.frames)
+        if chosen and (r > budget.max_rows or r * f > budget.max_row_frames):
+            continue
+        chosen.append(c)
+        rows, frames = r, f
+    return chosen
