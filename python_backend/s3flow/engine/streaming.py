@@ -237,7 +237,7 @@ class StreamingEngine:
         results = []
         try:
             for c, x in zip(chunks, solved):
-                results.append(self._commit(c, x))
+                results.append(self.commit(c, x))
         except BaseException:   # a bug while committing: the chunks not yet committed leave nothing in flight
             for c in chunks[len(results) + 1:]:
                 self.sequences.rollback(c.corr_id, c.replaced, started=c.started)
@@ -294,7 +294,7 @@ class StreamingEngine:
         self.solved_frames += steps * batch.frames * len(chunks)
         return [s.x.float().cpu().numpy() for s in solves]
 
-    def _commit(self, c: Chunk, x: np.ndarray) -> ChunkResult:
+    def commit(self, c: Chunk, x: np.ndarray) -> ChunkResult:
         """Apply a solved chunk to its sequence's state; the newly final frames."""
         s = c.state
         tp, e = c.prompt_frames, s.emitted  # generated frame f sits at tp + f - first_frame in the solve

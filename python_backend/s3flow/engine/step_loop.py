@@ -1,0 +1,154 @@
+"""Step-level serving's mechanism: admitted chunks join, one Euler step at a time, each answered exactly once.
+
+The decoupled solver hands every chunk the engine admitted (``StreamingEngine.admit``: its sequence's state in
+flight) to a :class:`StepLoop` with a callback, and a thread runs :meth:`StepLoop.run_once` in a loop. Each
+iteration:
+
+1. the chunks submitted since the last one get their encoder call (one batch) and a ``RowSolve`` each
+   (``StreamingEngine.prepare``); a failed call fails exactly those chunks;
+2. chunks whose request was cancelled leave (only their rows; rolled back, answered cancelled);
+3. the policy (``s3flow.engine.scheduler.pick``: least slack against each stream's playback deadline, or FIFO)
+   picks the rows of the next step within the step budget, and one estimator call steps them
+   (``s3flow.engine.stepping.StepBatch``); a failed call fails every chunk in it;
+4. a chunk whose last step is made is committed (``StreamingEngine.commit``: its state changes now, after
+   success) and answered with its result.
+
+The one outcome of a chunk (:class:`Done`) is its result, or its failure's cause with the chunk already rolled
+back (``SequenceTable.rollback``: a START's new state goes, a later chunk's state is as before it): the caller
+only maps causes to answers. The step cost the slack uses is measured online (seconds per row-frame, an
+exponential average over the steps made), the playback clock is the engine's (``s3flow.engine.playback``).
+
+Example (what a test or the solver's thread does)::
+
+    loop = StepLoop(engine, PlaybackBook(), policy="deadline", budget=StepBudget(32, 32 * 400))
+    loop.submit(engine.admit(7, request), on_done=answers.append)
+    while loop.busy:
+        loop.run_once()
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from s3flow.engine.playback import PlaybackBook
+from s3flow.engine.scheduler import Candidate, Policy, StepBudget, pick
+from s3flow.engine.stepping import RowSolve, StepBatch
+from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
+
+
+class StepCancelled(RuntimeError):
+    """The chunk's request was cancelled by its client before its last step."""
+
+
+@dataclass
+class Done:
+    """A chunk's one outcome: ``result`` (committed), or ``cause`` (failed; rolled back already)."""
+    chunk: Chunk
+    result: Optional[ChunkResult] = None
+    cause: Optional[BaseException] = None
+
+
+@dataclass
+class _InFlight:
+    chunk: Chunk
+    on_done: Callable[[Done], None]
+    is_cancelled: Callable[[], bool]
+    arrival: float
+    solve: Optional[RowSolve] = None
+
+
+class StepLoop:
+    def __init__(self, engine: StreamingEngine, playback: PlaybackBook, policy: Policy = "deadline",
+                 budget: StepBudget = StepBudget(), clock: Callable[[], float] = time.monotonic,
+                 seconds_per_row_frame: float = 1e-6, smoothing: float = 0.2):
+        self.engine, self.playback, self.policy, self.budget, self.clock = engine, playback, policy, budget, clock
+        self.seconds_per_row_frame, self.smoothing = seconds_per_row_frame, smoothing
+        self._new: list[_InFlight] = []
+        self._solving: list[_InFlight] = []
+        self.steps = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._new or self._solving)
+
+    def __len__(self) -> int:
+        return len(self._new) + len(self._solving)
+
+    def submit(self, chunk: Chunk, on_done: Callable[[Done], None],
+               is_cancelled: Callable[[], bool] = lambda: False) -> None:
+        """An admitted chunk joins at the next step (a START starts its stream's playback clock)."""
+        now = self.clock()
+        if chunk.started:
+            self.playback.arrived(chunk.corr_id, now)
+        self._new.append(_InFlight(chunk, on_done, is_cancelled, now))
+
+    def step_cost(self, rows: int, frames: int) -> float:
+        return self.seconds_per_row_frame * rows * frames
+
+    def run_once(self) -> int:
+        """One iteration (the module docstring); returns the chunks answered."""
+        answered = self._prepare_new()
+        for f in [f for f in self._solving if f.is_cancelled()]:
+            answered += self._fail([f], StepCancelled("cancelled by the client before its last Euler step"))
+        if not self._solving:
+            return answered
+        now = self.clock()
+        cands = [Candidate(f, f.arrival, self.playback.deadline(f.chunk.corr_id), f.solve.steps - f.solve.step,
+                           f.solve.rows, f.solve.frames) for f in self._solving]
+        chosen = [c.key for c in pick(cands, now, self.budget, self.step_cost, self.policy)]
+        batch = StepBatch([f.solve for f in chosen], self.engine.meanflow)
+        self.engine.observer.estimator_step(len(chosen), batch.rows, batch.frames)
+        t0 = self.clock()
+        try:
+            batch.step(self.engine.estimator)
+        except Exception as exc:
+            return answered + self._fail(chosen, exc)
+        elapsed = self.clock() - t0
+        self.steps += 1
+        self.engine.estimator_calls += 1
+        self.engine.solved_frames += batch.frames * len(chosen)
+        if elapsed > 0:
+            measured = elapsed / (batch.rows * batch.frames)
+            self.seconds_per_row_frame += self.smoothing * (measured - self.seconds_per_row_frame)
+        for f in [f for f in chosen if f.solve.done]:
+            self._solving.remove(f)
+            answered += self._commit(f)
+        return answered
+
+    def _prepare_new(self) -> int:
+        new, self._new = self._new, []
+        if not new:
+            return 0
+        try:
+            solves = self.engine.prepare([f.chunk for f in new])
+        except Exception as exc:
+            return self._fail(new, exc, solving=False)
+        for f, s in zip(new, solves):
+            f.solve = s
+        self._solving += new
+        return 0
+
+    def _commit(self, f: _InFlight) -> int:
+        try:
+            result = self.engine.commit(f.chunk, f.solve.x.float().cpu().numpy())
+        except Exception as exc:   # a bug while committing: the state cannot be trusted, the sequence ends
+            self.engine.sequences.end(f.chunk.corr_id, "error")
+            f.on_done(Done(f.chunk, cause=exc))
+            return 1
+        self.playback.delivered(f.chunk.corr_id, result.mel.shape[1], self.clock())
+        if f.chunk.finalize:
+            self.playback.forget(f.chunk.corr_id)
+        f.on_done(Done(f.chunk, result=result))
+        return 1
+
+    def _fail(self, flights: list[_InFlight], cause: BaseException, solving: bool = True) -> int:
+        for f in flights:
+            if solving and f in self._solving:
+                self._solving.remove(f)
+            c = f.chunk
+            self.engine.sequences.rollback(c.corr_id, c.replaced, started=c.started)
+            if c.started:
+                self.playback.forget(c.corr_id)
+            f.on_done(Done(c, cause=cause))
+        return len(flights)

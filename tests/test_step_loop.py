@@ -1,0 +1,155 @@
+"""Step-level serving's mechanism (``s3flow.engine.step_loop``) against the engine's own FIFO path.
+
+The small seeded flow, torch, in process: the same utterances streamed through ``StreamingEngine.run`` (one
+chunk batch at a time, every step) and through a ``StepLoop`` (rows picked step by step); exact when alone, within
+the batched tolerance when streams share steps; failures and cancellations answered once and rolled back.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import make_engine, small_flow, stream_in_process
+from s3flow.engine.playback import PlaybackBook, PlaybackSettings
+from s3flow.engine.scheduler import StepBudget
+from s3flow.engine.step_loop import StepCancelled, StepLoop
+from s3flow.engine.settings import SolverSettings
+from s3flow.protocol import RequestRules, parse_request
+from s3flow_client.demo import demo_utterance
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+SETTINGS = SolverSettings.of(default_steps=4)
+
+
+@pytest.fixture(scope="module")
+def flow():
+    return small_flow(seed=8)
+
+
+def utterance(seconds: float, seed: int, chunks: list[int]):
+    u = demo_utterance(seconds, seed=seed, noise_seed=seed)
+    assert sum(chunks) == len(u.speech_tokens), (sum(chunks), len(u.speech_tokens))
+    u.chunks = chunks
+    return u
+
+
+def admit(engine, u, k: int, corr_id: int):
+    lo = sum(u.chunks[:k])
+    req = parse_request(u.request(lo, lo + u.chunks[k], k == 0), start=k == 0, end=k == len(u.chunks) - 1,
+                        rules=RequestRules(), n_feats=engine.n_feats)
+    return engine.admit(corr_id, req)
+
+
+def through_loop(engine, loop, utts, ids) -> list[list]:
+    """Stream the utterances through the loop, each next chunk submitted when its previous one is answered."""
+    out = [[] for _ in utts]
+    nxt = [0] * len(utts)
+
+    def submit(i):
+        loop.submit(admit(engine, utts[i], nxt[i], ids[i]), on_done=lambda d, i=i: done(i, d))
+        nxt[i] += 1
+
+    def done(i, d):
+        assert d.cause is None, d.cause
+        out[i].append(d.result)
+        if nxt[i] < len(utts[i].chunks):
+            submit(i)
+
+    for i in range(len(utts)):
+        submit(i)
+    while loop.busy:
+        loop.run_once()
+    return out
+
+
+def mels(results) -> np.ndarray:
+    return np.concatenate([r.mel for r in results], axis=1)
+
+
+def test_a_stream_alone_through_the_loop_is_the_fifo_path_exactly(flow):
+    u = utterance(1.6, 3, [10, 12, 18])
+    want = stream_in_process(make_engine(flow, SETTINGS), [u], [u.chunks])[0]
+    engine = make_engine(flow, SETTINGS)
+    got = through_loop(engine, StepLoop(engine, PlaybackBook()), [u], [5])[0]
+    assert [r.frame_offset for r in got] == [r.frame_offset for r in want]
+    np.testing.assert_array_equal(mels(got), mels(want))
+    assert len(engine.sequences) == 0, "END ended the sequence"
+
+
+def test_streams_sharing_steps_under_a_tight_budget_each_equal_their_solo_stream(flow):
+    """Three streams of different lengths; a budget of 4 rows lets only two guided chunks into a step, so the
+    policy picks a different set from step to step and chunks finish at different steps."""
+    utts = [utterance(1.6, 11, [10, 30]), utterance(1.2, 12, [10, 20]), utterance(2.0, 13, [10, 20, 20])]
+    engine = make_engine(flow, SETTINGS)
+    loop = StepLoop(engine, PlaybackBook(), budget=StepBudget(max_rows=4, max_row_frames=10**6))
+    got = through_loop(engine, loop, utts, [21, 22, 23])
+    assert loop.steps > 4 * 3, "the rows were never split over steps"
+    for u, res in zip(utts, got):
+        [alone] = stream_in_process(make_engine(flow, SETTINGS), [u], [u.chunks])
+        assert np.abs(mels(res) - mels(alone)).max() < 2e-4
+
+
+@pytest.mark.parametrize("policy,first", [("deadline", "b"), ("fifo", "a")])
+def test_the_stream_closest_to_running_dry_is_stepped_first(flow, policy, first):
+    """Two STARTs, one guided chunk per step (budget 2 rows): a arrives first but its stream's deadline is later
+    (3.0 against b's 1.5), so the deadline policy finishes b first; FIFO finishes a first."""
+    engine = make_engine(flow, SETTINGS)
+    book = PlaybackBook(PlaybackSettings(first_audio_s=1.0))
+    now = [0.0]
+    loop = StepLoop(engine, book, policy=policy, budget=StepBudget(max_rows=2, max_row_frames=10**6),
+                    clock=lambda: now[0])
+    order = []
+    a, b = utterance(1.0, 31, [25]), utterance(1.0, 32, [25])
+    loop.submit(admit(engine, a, 0, 41), on_done=lambda d: order.append("a"))
+    now[0] = 0.5
+    loop.submit(admit(engine, b, 0, 42), on_done=lambda d: order.append("b"))
+    book.arrived(41, 2.0)             # a's deadline: 2.0 + 1.0; b's: 0.5 + 1.0
+    while loop.busy:
+        loop.run_once()
+    assert order[0] == first and sorted(order) == ["a", "b"]
+
+
+def test_a_failed_step_fails_its_chunks_once_rolled_back_and_a_resend_continues_exactly(flow):
+    u = utterance(1.6, 51, [10, 30])
+    want = stream_in_process(make_engine(flow, SETTINGS), [u], [u.chunks])[0]
+    engine = make_engine(flow, SETTINGS)
+    real, calls = engine.estimator, [0]
+
+    def flaky(inputs):
+        calls[0] += 1
+        if calls[0] == 6:              # the second chunk's second step
+            raise RuntimeError("estimator gone")
+        return real(inputs)
+
+    engine.estimator = flaky
+    loop = StepLoop(engine, PlaybackBook())
+    done = []
+    loop.submit(admit(engine, u, 0, 61), on_done=done.append)
+    while loop.busy:
+        loop.run_once()
+    loop.submit(admit(engine, u, 1, 61), on_done=done.append)
+    while loop.busy:
+        loop.run_once()
+    assert [d.cause is None for d in done] == [True, False] and "estimator gone" in str(done[1].cause)
+    assert 61 in engine.sequences, "a later chunk's failure leaves its sequence as it was"
+    loop.submit(admit(engine, u, 1, 61), on_done=done.append)   # sent again
+    while loop.busy:
+        loop.run_once()
+    np.testing.assert_array_equal(np.concatenate([done[0].result.mel, done[2].result.mel], axis=1), mels(want))
+
+
+def test_a_cancelled_request_leaves_alone_and_the_others_go_on(flow):
+    engine = make_engine(flow, SETTINGS)
+    loop = StepLoop(engine, PlaybackBook())
+    cancelled, done = [False], {}
+    a, b = utterance(1.0, 71, [25]), utterance(1.0, 72, [25])
+    loop.submit(admit(engine, a, 0, 81), on_done=lambda d: done.setdefault(81, d), is_cancelled=lambda: cancelled[0])
+    loop.submit(admit(engine, b, 0, 82), on_done=lambda d: done.setdefault(82, d))
+    loop.run_once()
+    cancelled[0] = True
+    while loop.busy:
+        loop.run_once()
+    assert isinstance(done[81].cause, StepCancelled) and done[82].cause is None
+    assert 81 not in engine.sequences and 82 not in engine.sequences, "a START rolled back; b ended at END"
+    [alone] = stream_in_process(make_engine(flow, SETTINGS), [b], [b.chunks])
+    np.testing.assert_allclose(done[82].result.mel, alone[0].mel, atol=2e-4)
