@@ -51,7 +51,7 @@ CASES = {
 TENSORS = {"token2mel": (contract.REQUEST, contract.MEL_RESPONSE),
            "token2wav": (contract.REQUEST, contract.AUDIO_RESPONSE + contract.MEL_RESPONSE),
            "admission": (contract.REQUEST, contract.ADMISSION_OUTPUTS),
-           "cfm_solver": (contract.SOLVER_INPUTS, contract.MEL_RESPONSE),
+           "cfm_solver": (contract.SOLVER_INPUTS, contract.SOLVER_OUTPUTS),
            "flow_encoder": (contract.ENCODER_INPUTS, contract.ENCODER_OUTPUTS),
            "vocoder": (contract.VOCODER_INPUTS, contract.VOCODER_OUTPUTS),
            "voice_encoder": (contract.VOICE_ENCODER_INPUTS, contract.VOICE_ENCODER_OUTPUTS)}

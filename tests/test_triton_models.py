@@ -92,7 +92,7 @@ def args_of(config: mc.ModelConfig, folder="/nonexistent") -> dict:
 
 def solver_config(**params) -> mc.ModelConfig:
     config = mc.ModelConfig(name="cfm_solver", backend="python", max_batch_size=4)
-    mc.add_tensors(config, contract.SOLVER_INPUTS, contract.MEL_RESPONSE, n_feats=80)
+    mc.add_tensors(config, contract.SOLVER_INPUTS, contract.SOLVER_OUTPUTS, n_feats=80)
     mc.add_sequence_controls(config, idle_us=10_000_000)
     return mc.set_parameters(config, {"n_feats": 80, "meanflow": False, "warmup": False, **params})
 

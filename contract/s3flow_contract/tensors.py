@@ -116,6 +116,10 @@ ADMISSION_OUTPUTS = (Tensor("admitted", "bool", (1,)),)
 SOLVER_INPUTS = REQUEST + (Tensor("admitted", "bool", (1,), optional=True),)
 
 MEL_RESPONSE = (Tensor("mel", "float32", (FEATS, -1)), Tensor("frame_offset", "int64", (1,)))
+#: the solver answers its utterance's noise seed too, for the vocoder's source: in token2wav every vocoder input
+#: must come from the solver (Triton refuses an ensemble step whose inputs come from a decoupled model and from
+#: elsewhere, and the solver is decoupled under ``scheduling: deadline``); token2mel does not map it
+SOLVER_OUTPUTS = MEL_RESPONSE + (Tensor("seed", "int64", (1,)),)
 AUDIO_RESPONSE = (Tensor("audio", "float32", (-1,)), Tensor("sample_offset", "int64", (1,)))
 
 # -- the stateless models the solver calls (BLS) ------------------------------------------------------------
@@ -161,7 +165,7 @@ VOCODER_INPUTS = (Tensor("mel", "float32", (FEATS, -1), ragged=True), Tensor("fr
 VOCODER_OUTPUTS = AUDIO_RESPONSE + MEL_RESPONSE
 #: Inside ``token2wav``: the solver's outputs, by the ensemble tensor names the vocoder reads them from (never an
 #: ensemble output, see above).
-SOLVER_TO_VOCODER = {"mel": "solver_mel", "frame_offset": "solver_frame_offset"}
+SOLVER_TO_VOCODER = {"mel": "solver_mel", "frame_offset": "solver_frame_offset", "seed": "solver_seed"}
 HIFT_F0 = ((Tensor("mel", "float32", (-1, FEATS, -1)),), (Tensor("f0", "float32", (-1, -1)),))
 HIFT_DECODER = ((Tensor("mel", "float32", (-1, FEATS, -1)), Tensor("harmonics", "float32", (-1, -1, -1))),
                 (Tensor("audio", "float32", (-1, -1)),))

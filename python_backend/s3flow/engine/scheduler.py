@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
+from s3flow.protocol import NumericSettings, check_numbers
+
 Policy = Literal["deadline", "fifo"]
 POLICIES = ("deadline", "fifo")
 #: seconds one step of ``rows`` estimator rows over ``frames`` padded frames takes (a cost model)
@@ -44,6 +46,22 @@ class StepBudget:
     def __post_init__(self):
         if self.max_rows < 1 or self.max_row_frames < 1:
             raise ValueError(f"a step budget needs max_rows >= 1 and max_row_frames >= 1, got {self}")
+
+
+@dataclass
+class StepScheduling(NumericSettings):
+    """The deadline scheduler's knobs (``cfm_solver`` parameters, with ``scheduling: deadline``): the step
+    budget, and the playback clock's start-up buffer and first-audio target (``s3flow.engine.playback``)."""
+    max_step_rows: int = 32
+    max_step_row_frames: int = 32 * 400
+    start_buffer_s: float = 0.3
+    first_audio_s: float = 0.5
+
+    def check(self) -> None:
+        check_numbers(self, "scheduling setting", lowest={"start_buffer_s": 0, "first_audio_s": 0})
+
+    def budget(self) -> StepBudget:
+        return StepBudget(self.max_step_rows, self.max_step_row_frames)
 
 
 @dataclass

@@ -9,7 +9,8 @@ call                   what it does to the sequence
 =====================  ==========================================================================
 ``begin(id, state)``   a START: the state is stored and *in flight*; a START on a live id restarts the
                        utterance (the old state is returned, to be put back if this chunk fails)
-``serve(id)``          a later chunk: the state, now in flight (``UnknownSequence`` if there is none)
+``serve(id)``          a later chunk: the state, now in flight (``UnknownSequence`` if there is none; a
+                       sequence already in flight is refused: its chunks are served in order)
 ``commit(id, end)``    the chunk was answered: its idle time counts from now; END ends the sequence
 ``rollback(id, old)``  the chunk failed: a START's new state goes (``old`` back in its place); a later
                        chunk's state stays as it was
@@ -119,6 +120,8 @@ class SequenceTable(Generic[State]):
             if state is None:
                 raise UnknownSequence(f"sequence {corr_id} is not active: it never started with a START request, "
                                    f"already ended, or was evicted after {self.capacity.idle_timeout_s} s idle")
+            if corr_id in self._in_flight:   # a caller that serves a sequence's chunks in order never gets here
+                raise RuntimeError(f"sequence {corr_id} already has a chunk in flight")
             self._states.move_to_end(corr_id)
             self._picked[corr_id] = self.wall()
             self._in_flight.add(corr_id)

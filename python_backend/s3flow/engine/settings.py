@@ -12,11 +12,14 @@ part                     fields                                     read by
                          slide_prompt, holdback_frames,
                          default_steps, default_guidance_rate,
                          max_utterance_frames
+``StepScheduling``       max_step_rows, max_step_row_frames,        ``s3flow.engine.step_loop.StepLoop`` (the
+(``engine.scheduler``)   start_buffer_s, first_audio_s              ``deadline`` scheduling only)
 =======================  =========================================  ===========================================
 
 Every field is a ``parameters`` entry of the cfm_solver config, by its own name (the names are distinct
 across the parts), and a ``scripts/build_repository.py`` flag. :class:`SolverSettings` holds the three and
-moves them to and from that flat form.
+moves them to and from that flat form. Which path serves the chunks (``scheduling: fifo | deadline``) is the
+repository's choice (``RepositorySettings.scheduling``: it makes the solver decoupled).
 
 Example::
 
@@ -30,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from s3flow.engine.scheduler import StepScheduling
 from s3flow.engine.sequences import Capacity
 from s3flow.protocol import NumericSettings, RequestRules, check_numbers
 
@@ -65,15 +69,16 @@ class ChunkSolving(NumericSettings):
                              "in prefix mode there is no window for the emitted frames to slide through")
 
 
-_PARTS = {"rules": RequestRules, "capacity": Capacity, "solving": ChunkSolving}
+_PARTS = {"rules": RequestRules, "capacity": Capacity, "solving": ChunkSolving, "scheduling": StepScheduling}
 
 
 @dataclass(frozen=True)
 class SolverSettings:
-    """The solver's three kinds of settings (module docstring)."""
+    """The solver's four kinds of settings (module docstring)."""
     rules: RequestRules = field(default_factory=RequestRules)
     capacity: Capacity = field(default_factory=Capacity)
     solving: ChunkSolving = field(default_factory=ChunkSolving)
+    scheduling: StepScheduling = field(default_factory=StepScheduling)
 
     def __post_init__(self):
         self.check()

@@ -27,6 +27,7 @@ Example (what a test or the solver's thread does)::
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -64,24 +65,27 @@ class StepLoop:
                  seconds_per_row_frame: float = 1e-6, smoothing: float = 0.2):
         self.engine, self.playback, self.policy, self.budget, self.clock = engine, playback, policy, budget, clock
         self.seconds_per_row_frame, self.smoothing = seconds_per_row_frame, smoothing
-        self._new: list[_InFlight] = []
-        self._solving: list[_InFlight] = []
+        self._new: list[_InFlight] = []        # submitted (any thread), not yet prepared
+        self._solving: list[_InFlight] = []    # the loop's own (one thread runs run_once)
+        self._lock = threading.Lock()
         self.steps = 0
 
     @property
     def busy(self) -> bool:
-        return bool(self._new or self._solving)
+        with self._lock:
+            return bool(self._new or self._solving)
 
     def __len__(self) -> int:
         return len(self._new) + len(self._solving)
 
     def submit(self, chunk: Chunk, on_done: Callable[[Done], None],
                is_cancelled: Callable[[], bool] = lambda: False) -> None:
-        """An admitted chunk joins at the next step (a START starts its stream's playback clock)."""
+        """An admitted chunk joins at the next step (a START starts its stream's playback clock). Any thread."""
         now = self.clock()
-        if chunk.started:
-            self.playback.arrived(chunk.corr_id, now)
-        self._new.append(_InFlight(chunk, on_done, is_cancelled, now))
+        with self._lock:
+            if chunk.started:
+                self.playback.arrived(chunk.corr_id, now)
+            self._new.append(_InFlight(chunk, on_done, is_cancelled, now))
 
     def step_cost(self, rows: int, frames: int) -> float:
         return self.seconds_per_row_frame * rows * frames
@@ -112,12 +116,14 @@ class StepLoop:
             measured = elapsed / (batch.rows * batch.frames)
             self.seconds_per_row_frame += self.smoothing * (measured - self.seconds_per_row_frame)
         for f in [f for f in chosen if f.solve.done]:
-            self._solving.remove(f)
+            with self._lock:
+                self._solving.remove(f)
             answered += self._commit(f)
         return answered
 
     def _prepare_new(self) -> int:
-        new, self._new = self._new, []
+        with self._lock:
+            new, self._new = self._new, []
         if not new:
             return 0
         try:
@@ -126,7 +132,8 @@ class StepLoop:
             return self._fail(new, exc, solving=False)
         for f, s in zip(new, solves):
             f.solve = s
-        self._solving += new
+        with self._lock:
+            self._solving += new
         return 0
 
     def _commit(self, f: _InFlight) -> int:
@@ -144,8 +151,10 @@ class StepLoop:
 
     def _fail(self, flights: list[_InFlight], cause: BaseException, solving: bool = True) -> int:
         for f in flights:
-            if solving and f in self._solving:
-                self._solving.remove(f)
+            if solving:
+                with self._lock:
+                    if f in self._solving:
+                        self._solving.remove(f)
             c = f.chunk
             self.engine.sequences.rollback(c.corr_id, c.replaced, started=c.started)
             if c.started:

@@ -124,9 +124,11 @@ class Chunk:
 
 @dataclass
 class ChunkResult:
-    """mel: (n_feats, F) the newly final frames; frame_offset: index of the first of them."""
+    """mel: (n_feats, F) the newly final frames; frame_offset: index of the first of them; seed: the
+    utterance's noise seed (the vocoder's source is seeded by it too)."""
     mel: np.ndarray
     frame_offset: int
+    seed: int = 0
 
 
 class StreamingEngine:
@@ -318,7 +320,7 @@ class StreamingEngine:
             self.observer.sequence_dropped(c.corr_id, "replaced by a new START")
         self.sequences.commit(c.corr_id, end=c.finalize)  # idle time counts from the answer, not the request
         self.observer.chunk_answered(c.corr_id, c.started, c.nfe, int(mel.shape[1]))
-        return ChunkResult(mel=mel, frame_offset=e)
+        return ChunkResult(mel=mel, frame_offset=e, seed=s.noise.seed)
 
 
 def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,

@@ -38,7 +38,7 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES
 from s3flow.engine.vocoder_stream import SERVED_FIRST_LOOKAHEAD_FRAMES, StreamSettings
 from s3flow.repository.generator import write_repository
-from s3flow.repository.settings import Batching, RepositorySettings, TRITON_IDLE_GRACE_S, VoiceSettings
+from s3flow.repository.settings import SCHEDULING, Batching, RepositorySettings, TRITON_IDLE_GRACE_S, VoiceSettings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
                    help="the ensembles' admission step ahead of the solver: a refused START takes no sequence "
                         "slot (s3flow.serving.admission) (default: on)")
+    b.add_argument("--scheduling", choices=SCHEDULING, default="fifo",
+                   help="fifo: Triton batches whole chunks; deadline: a decoupled solver steps the chunks of many "
+                        "streams one Euler step at a time, the closest to running dry first (default: %(default)s)")
     b.add_argument("--solver-instances", type=int, default=d.solver_instances)
     b.add_argument("--estimator-instances", type=int, default=d.estimator_instances)
     b.add_argument("--ort-threads", type=int, default=0,
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
                         max_candidate_sequences=args.max_candidate_sequences,
                         solver_instances=args.solver_instances, estimator_instances=args.estimator_instances)
     settings = RepositorySettings(target=args.target, solver=solver, batching=batching, ort_threads=args.ort_threads,
-                                  gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype,
+                                  gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype, scheduling=args.scheduling,
                                   vocoder_backend=args.vocoder_backend, triton_idle_grace_s=args.triton_idle_grace_s,
                                   voices=VoiceSettings(args.voice_dir, args.max_voices, args.max_voice_bytes),
                                   admission=args.admission)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from s3flow_contract.tensors import (ADMISSION_OUTPUTS, ENCODER_MODEL, ESTIMATOR_MODEL, MEL_RESPONSE, REQUEST,
-                                     SOLVER_INPUTS, SOLVER_TO_VOCODER, VOCODER_INPUTS, VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS,
+                                     SOLVER_INPUTS, SOLVER_OUTPUTS, SOLVER_TO_VOCODER, VOCODER_INPUTS, VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS,
                                      VOICE_ENCODER_OUTPUTS, stateless_tensors)
 from s3flow.repository.model_config import (ModelConfig, add_ensemble_step, add_instances, add_sequence_controls,
                                          add_tensors, set_parameters, set_strategy)
@@ -42,10 +42,13 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> ModelC
     config = _python("cfm_solver", b.max_batch_size)
     seq = add_sequence_controls(config, s.triton_idle_us(s.solver.capacity.idle_timeout_s))
     set_strategy(seq, b.strategy, b.max_queue_delay_us, b.max_candidate_sequences, b.preferred_batch_sizes)
-    add_tensors(config, SOLVER_INPUTS, MEL_RESPONSE, n_feats=n_feats)
+    add_tensors(config, SOLVER_INPUTS, SOLVER_OUTPUTS, n_feats=n_feats)
     # on GPU hosts the solver runs on the device its BLS tensors live on
     add_instances(config, b.solver_instances, gpu=s.target == "gpu")
+    if s.scheduling == "deadline":   # execute() hands chunks to the step loop; answers go through senders
+        config.model_transaction_policy.decoupled = True
     set_parameters(config, {"n_feats": n_feats, "meanflow": meanflow, "encoder_model": ENCODER_MODEL,
+                            "scheduling": s.scheduling,
                             "estimator_model": ESTIMATOR_MODEL, "torch_threads": s.torch_threads,
                             "length_bucket_ratio": b.length_bucket_ratio, "warmup": s.warmup, **s.solver.parameters(),
                             "voices": v.enabled, "voice_dir": v.voice_dir, "max_voices": v.max_voices,
@@ -74,14 +77,14 @@ def ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     return config
 
 
-def _solver_steps(config: ModelConfig, s: RepositorySettings, write_to=None) -> None:
-    """admission (unless ``s.admission`` is off), then cfm_solver waiting for its answer; ``write_to``: the
-    solver's outputs written to internal tensors of these names (``add_ensemble_step``)."""
+def _solver_steps(config: ModelConfig, s: RepositorySettings, outputs=MEL_RESPONSE, write_to=None) -> None:
+    """admission (unless ``s.admission`` is off), then cfm_solver waiting for its answer; ``outputs``: the
+    solver outputs the ensemble maps, ``write_to``: to internal tensors of these names (``add_ensemble_step``)."""
     if s.admission:
         add_ensemble_step(config, "admission", REQUEST, ADMISSION_OUTPUTS)
-        add_ensemble_step(config, "cfm_solver", SOLVER_INPUTS, MEL_RESPONSE, write_to=write_to)
+        add_ensemble_step(config, "cfm_solver", SOLVER_INPUTS, outputs, write_to=write_to)
     else:
-        add_ensemble_step(config, "cfm_solver", REQUEST, MEL_RESPONSE, write_to=write_to)
+        add_ensemble_step(config, "cfm_solver", REQUEST, outputs, write_to=write_to)
 
 
 def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
@@ -91,7 +94,7 @@ def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     steps that make no output it was asked for)."""
     config = ModelConfig(name="token2wav", platform="ensemble", max_batch_size=s.batching.max_batch_size)
     add_tensors(config, REQUEST, VOCODER_OUTPUTS, n_feats=n_feats)
-    _solver_steps(config, s, write_to=SOLVER_TO_VOCODER)
+    _solver_steps(config, s, SOLVER_OUTPUTS, write_to=SOLVER_TO_VOCODER)
     add_ensemble_step(config, "vocoder", VOCODER_INPUTS, VOCODER_OUTPUTS, read_from=SOLVER_TO_VOCODER)
     return config
 

@@ -24,6 +24,7 @@ Target = Literal["cpu", "gpu"]
 #: sequence with a 5 s grace).
 TRITON_IDLE_GRACE_S = {"cpu": 30.0, "gpu": 5.0}
 GPU_BACKENDS = ("tensorrt", "torch")
+SCHEDULING = ("fifo", "deadline")
 
 
 @dataclass
@@ -90,6 +91,10 @@ class RepositorySettings:
     voices: VoiceSettings = field(default_factory=VoiceSettings)
     #: seconds Triton keeps an idle sequence after the models' idle timeout (None: TRITON_IDLE_GRACE_S[target])
     triton_idle_grace_s: Optional[float] = None
+    #: how cfm_solver serves chunks: "fifo" (Triton's oldest batcher hands it batches of chunks, each solved whole
+    #: in one execute) or "deadline" (decoupled: its own loop runs one Euler step at a time over the chunks of
+    #: many streams, most urgent first; s3flow.engine.step_loop, s3flow.serving.step_service)
+    scheduling: Literal["fifo", "deadline"] = "fifo"
 
     @property
     def idle_grace_s(self) -> float:
@@ -120,3 +125,5 @@ class RepositorySettings:
             raise ValueError(f"torch_dtype must be one of {sorted(DTYPES)}, got {self.torch_dtype!r}")
         if not self.idle_grace_s > 0:
             raise ValueError(f"triton_idle_grace_s must be > 0, got {self.idle_grace_s}")
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")

@@ -138,8 +138,12 @@ class SolverBook(Observer):
     def end(self, started: float) -> int:
         """Call when ``execute``'s responses are ready: publish each answered chunk's latency (its batch's
         time in ``execute``), NFE and frames. Returns the number of chunks observed."""
+        return self.flush(self.clock() - started)
+
+    def flush(self, seconds: float) -> int:
+        """Publish the chunks answered since the last call with latency ``seconds`` (the decoupled solver: each
+        chunk's time from its arrival in ``execute`` to its answer, one at a time)."""
         now = self.clock()
-        seconds = now - started
         for corr_id, new, n, frames in self._pending:
             self.publish(CHUNK_SECONDS, seconds, {})
             if new:

@@ -48,6 +48,7 @@ from s3flow_contract.answers import Answer, Disposition
 from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence, parse_request
 from s3flow_contract.tensors import VOICE_ID
 from s3flow.serving.voice_registry import UnknownVoice
+from s3flow.engine.step_loop import Done, StepCancelled
 from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
 from s3flow.serving.responses import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE
 
@@ -86,7 +87,7 @@ class Outcome:
     answer: Optional[Answer] = None
 
 
-def _failed(corr_id, message: str, code: str, disposition: Disposition, **extra) -> Outcome:
+def failed_outcome(corr_id, message: str, code: str, disposition: Disposition, **extra) -> Outcome:
     return Outcome(error=message, code=code, answer=Answer(disposition, sequence=int(corr_id), **extra))
 
 
@@ -146,7 +147,64 @@ class SolverSession:
         else:
             self._drop(chunk.corr_id, reason)
 
+    def admit(self, req: Incoming) -> tuple[Optional[Chunk], Optional[Outcome]]:
+        """Validate one request and admit its chunk (its sequence's state now in flight): (chunk, None), or
+        (None, the refusal with its code and disposition)."""
+        try:
+            parsed = parse_request(with_voice(req.inputs, req.start, self.voices, req.tenant), start=req.start,
+                                   end=req.end, rules=self.rules, n_feats=self.engine.n_feats)
+            if req.start and self.draining():
+                raise Draining("the server is draining (shutting down) and takes no new sequences; "
+                               "send the START to another server")
+            return self.engine.admit(req.corr_id, parsed), None
+        except Draining as exc:
+            return None, failed_outcome(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
+                                 Disposition.RESUME)
+        except ServerBusy as exc:
+            return None, failed_outcome(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
+                                 Disposition.BUSY, retry_after_s=exc.retry_after_s)
+        except RequestError as exc:
+            if req.end:
+                self._drop(req.corr_id, "invalid END request")
+            msg = str(exc) if str(exc).startswith("sequence ") else f"sequence {req.corr_id}: {exc}"
+            if isinstance(exc, UnknownSequence):
+                return None, failed_outcome(req.corr_id, msg, INVALID_ARG, Disposition.RESUME)
+            if isinstance(exc, UnknownVoice):
+                return None, failed_outcome(req.corr_id, msg, INVALID_ARG, Disposition.RETRY, resend="prompt")
+            return None, failed_outcome(req.corr_id, msg, INVALID_ARG, Disposition.FAIL)
+
+    def failed(self, c: Chunk, exc: BaseException) -> Outcome:
+        """The answer to a chunk whose solve failed with ``exc`` (the engine rolled it back already), the
+        sequence's end reported or made where the failure ends it: the one mapping of causes to answers."""
+        if isinstance(exc, (Cancelled, StepCancelled)):
+            self._gone(c, "cancelled")
+            return failed_outcome(c.corr_id, f"{self.name}: sequence {c.corr_id}: {exc}", CANCELLED, Disposition.FAIL)
+        if isinstance(exc, ModelCallError):
+            disposition = Disposition.RETRY
+            if c.started:  # the engine rolled back: the state it made went (any it replaced is back)
+                self._gone(c, "failed START")
+                then = "send the START again"
+            elif c.finalize:
+                self._drop(c.corr_id, "failed END")
+                then, disposition = "the END request ends the sequence: restart the utterance", Disposition.RESUME
+            else:
+                then = "the sequence is as before this chunk: send it again"
+            return failed_outcome(c.corr_id, f"{self.name}: sequence {c.corr_id}: {exc}; {then}", UNAVAILABLE, disposition)
+        # a bug, not a passing outage: retrying would fail the same way
+        self._gone(c, "error")
+        return failed_outcome(c.corr_id, f"{self.name}: sequence {c.corr_id}: {type(exc).__name__}: {exc}; "
+                                  f"the sequence is ended", INTERNAL, Disposition.FAIL)
+
+    def done(self, d: Done, is_cancelled: Callable[[], bool] = lambda: False) -> Outcome:
+        """The answer to a chunk the step loop finished (``s3flow.engine.step_loop.Done``)."""
+        if d.cause is not None:
+            return self.failed(d.chunk, d.cause)
+        if not d.chunk.finalize and is_cancelled():
+            self._drop(d.chunk.corr_id, "cancelled")
+        return Outcome(result=d.result)
+
     def handle(self, requests: list[Incoming]) -> list[Outcome]:
+        """One batch (the FIFO path): admit every request, solve the admitted chunks together, answer each."""
         self.evict_idle()
         out = [Outcome() for _ in requests]
         chunks: list[Chunk] = []
@@ -155,30 +213,12 @@ class SolverSession:
             for i, req in enumerate(requests):
                 if not req.ready:
                     continue
-                try:
-                    parsed = parse_request(with_voice(req.inputs, req.start, self.voices, req.tenant), start=req.start,
-                                           end=req.end, rules=self.rules, n_feats=self.engine.n_feats)
-                    if req.start and self.draining():
-                        raise Draining("the server is draining (shutting down) and takes no new sequences; "
-                                       "send the START to another server")
-                    chunks.append(self.engine.admit(req.corr_id, parsed))
-                    where.append(i)
-                except Draining as exc:
-                    out[i] = _failed(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
-                                     Disposition.RESUME)
-                except ServerBusy as exc:
-                    out[i] = _failed(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
-                                     Disposition.BUSY, retry_after_s=exc.retry_after_s)
-                except RequestError as exc:
-                    if req.end:
-                        self._drop(req.corr_id, "invalid END request")
-                    msg = str(exc) if str(exc).startswith("sequence ") else f"sequence {req.corr_id}: {exc}"
-                    if isinstance(exc, UnknownSequence):
-                        out[i] = _failed(req.corr_id, msg, INVALID_ARG, Disposition.RESUME)
-                    elif isinstance(exc, UnknownVoice):
-                        out[i] = _failed(req.corr_id, msg, INVALID_ARG, Disposition.RETRY, resend="prompt")
-                    else:
-                        out[i] = _failed(req.corr_id, msg, INVALID_ARG, Disposition.FAIL)
+                chunk, refusal = self.admit(req)
+                if refusal is not None:
+                    out[i] = refusal
+                    continue
+                chunks.append(chunk)
+                where.append(i)
         except BaseException:  # a bug while admitting: no admitted chunk may stay in flight
             for c in chunks:
                 self.engine.sequences.rollback(c.corr_id, c.replaced, started=c.started)
@@ -195,30 +235,9 @@ class SolverSession:
 
         try:
             results = self.engine.run(chunks, on_step=check_cancelled)
-        except Cancelled as exc:
+        except Exception as exc:   # the engine rolled every chunk back
             for c, i in zip(chunks, where):
-                self._gone(c, "cancelled")
-                out[i] = _failed(c.corr_id, f"{self.name}: sequence {c.corr_id}: {exc}", CANCELLED, Disposition.FAIL)
-            return out
-        except ModelCallError as exc:
-            for c, i in zip(chunks, where):
-                disposition = Disposition.RETRY
-                if c.started:  # the engine rolled back: the state it made went (any it replaced is back)
-                    self._gone(c, "failed START")
-                    then = "send the START again"
-                elif c.finalize:
-                    self._drop(c.corr_id, "failed END")
-                    then, disposition = "the END request ends the sequence: restart the utterance", Disposition.RESUME
-                else:
-                    then = "the sequence is as before this chunk: send it again"
-                out[i] = _failed(c.corr_id, f"{self.name}: sequence {c.corr_id}: {exc}; {then}", UNAVAILABLE,
-                                 disposition)
-            return out
-        except Exception as exc:  # a bug, not a passing outage: retrying would fail the same way
-            for c, i in zip(chunks, where):
-                self._gone(c, "error")
-                out[i] = _failed(c.corr_id, f"{self.name}: sequence {c.corr_id}: {type(exc).__name__}: {exc}; "
-                                            f"the sequence is ended", INTERNAL, Disposition.FAIL)
+                out[i] = self.failed(c, exc)
             return out
         for c, i, result in zip(chunks, where, results):
             if not c.finalize and requests[i].is_cancelled():

@@ -15,11 +15,13 @@ never evicts a sequence while one of its chunks is being served), and the solver
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from torch.utils import dlpack
 
-from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, MEL_RESPONSE, REQUEST,
+from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, REQUEST, SOLVER_OUTPUTS,
                                      SOLVER_INPUTS, by_name, estimator_inputs, names)
 from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.settings import SolverSettings
@@ -31,7 +33,10 @@ from s3flow.serving.draining import closing_probe, draining_probe
 from s3flow.serving.heap import trim_heap
 from s3flow.serving.metrics import LIVE, SOLVER_FAMILIES, SolverBook
 from s3flow.serving.reaper import IdleReaper
+from s3flow.engine.playback import PlaybackBook, PlaybackSettings
+from s3flow.engine.step_loop import StepLoop
 from s3flow.serving.session import Incoming, ModelCallError, Outcome, SolverSession
+from s3flow.serving.step_service import SteppedSolver
 from s3flow.serving.triton_models.metric_api import TritonMetrics
 from s3flow.serving.triton_models.slots import SlotRelease, releases_slot
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
@@ -40,7 +45,7 @@ from s3flow.serving.warmup import warm_up_solver
 
 #: After a batch that made this many frames, give the freed heap back (s3flow.serving.heap).
 _TRIM_AFTER_FRAMES = 500
-_MEL, _FRAME_OFFSET = (by_name(MEL_RESPONSE)[n] for n in ("mel", "frame_offset"))
+_MEL, _FRAME_OFFSET, _SEED = (by_name(SOLVER_OUTPUTS)[n] for n in ("mel", "frame_offset", "seed"))
 #: How far out of order requests may reach the batcher after admission marked them (s3flow.serving.arrivals.OnTheWay;
 #: the batcher's own queue delay comes on top)
 ARRIVAL_SLACK_S = 1.0
@@ -108,7 +113,7 @@ class TritonPythonModel(TritonModel):
         p = self.params
         self.settings = SolverSettings.from_parameters(p.raw)
         self.n_feats, self.meanflow = p.int("n_feats"), p.bool("meanflow")
-        self.check_contract(SOLVER_INPUTS, MEL_RESPONSE, self.n_feats)  # the solver declares its inputs optional
+        self.check_contract(SOLVER_INPUTS, SOLVER_OUTPUTS, self.n_feats)  # the solver declares its inputs optional
         torch.set_num_threads(p.int("torch_threads", 1))
         device_id = None  # KIND_GPU (gpu target): BLS outputs on this GPU, the solve stays there
         if self.instance_kind == "GPU":
@@ -128,7 +133,8 @@ class TritonPythonModel(TritonModel):
         # from going idle
         self.on_the_way = OnTheWay(ArrivalMarks(ArrivalMarks.default_folder("seen")),
                                    slack_s=ARRIVAL_SLACK_S + self.queue_delay_s)
-        table = SequenceTable(self.settings.capacity, self.metrics.book, pending=self.on_the_way.pending)
+        self.stepped = None   # scheduling "deadline": the decoupled path (s3flow.serving.step_service)
+        table = SequenceTable(self.settings.capacity, self.metrics.book, pending=self._pending)
         engine = StreamingEngine(self.encoder, self.estimator, n_feats=self.n_feats, meanflow=self.meanflow,
                                  solving=self.settings.solving, capacity=self.settings.capacity,
                                  observer=self.metrics.book, bucket_ratio=p.float("length_bucket_ratio", 0.0),
@@ -142,6 +148,16 @@ class TritonPythonModel(TritonModel):
                                    p.int("max_voice_bytes"), secret_from_env()).get
         self.session = SolverSession(engine, self.settings.rules, name=self.name, draining=draining_probe(),
                                      voices=voices)
+        self.scheduling = p.str("scheduling", "fifo")
+        if self.scheduling not in ("fifo", "deadline"):
+            raise ValueError(f"scheduling must be 'fifo' or 'deadline', got {self.scheduling!r}")
+        if self.scheduling == "deadline":
+            if not pb_utils.using_decoupled_model_transaction_policy(self.config):
+                raise ValueError("scheduling 'deadline' needs model_transaction_policy { decoupled: true }")
+            sched = self.settings.scheduling
+            loop = StepLoop(engine, PlaybackBook(PlaybackSettings(sched.start_buffer_s, sched.first_audio_s)),
+                            policy="deadline", budget=sched.budget())
+            self.stepped = SteppedSolver(self.session, loop, self.name, log=self.logger.log_error)
         # admission (the ensembles' first step) refuses STARTs when the instances are full: it reads these
         self.live_counts = LiveCounts(LiveCounts.default_folder())
         self.instance = args.get("model_instance_name", self.name)
@@ -162,7 +178,14 @@ class TritonPythonModel(TritonModel):
         return Incoming(corr_id=c.corr_id, start=c.start, end=c.end, inputs=input_arrays(request, REQUEST),
                         ready=c.ready, is_cancelled=request.is_cancelled, tenant=tenant)
 
+    def _pending(self, corr_id, picked_at: float) -> bool:
+        """A chunk of the sequence is on its way (in Triton's queue) or queued in the decoupled path."""
+        return self.on_the_way.pending(corr_id, picked_at) or (self.stepped is not None
+                                                                and self.stepped.has_queued(corr_id))
+
     def execute(self, requests):
+        if self.stepped is not None:
+            return self._execute_decoupled(requests)
         started = self.metrics.book.begin()
         incoming = [self._incoming(r) for r in requests]
         self.on_the_way.picking_up([i.corr_id for i in incoming if i.ready])
@@ -179,18 +202,42 @@ class TritonPythonModel(TritonModel):
             self._publish_live()
         if sum(o.result.mel.shape[1] for o in outcomes if o.result is not None) >= _TRIM_AFTER_FRAMES:
             trim_heap()
-        responses = []
-        for o in outcomes:
-            if o.error is not None:
-                responses.append(self.error(o.error, o.code, o.answer))
-            elif o.result is None:  # an empty slot of the direct strategy
-                responses.append(empty_response())
-            else:
-                responses.append(ok_response({
-                    _MEL.name: o.result.mel[None].astype(_MEL.np_dtype, copy=False),
-                    _FRAME_OFFSET.name: np.array([[o.result.frame_offset]], dtype=_FRAME_OFFSET.np_dtype)}))
+        responses = [self._response(o) for o in outcomes]
         self.metrics.book.end(started)  # s3flow_chunk_seconds etc. of the chunks answered
         return responses
+
+    def _response(self, o: Outcome):
+        if o.error is not None:
+            return self.error(o.error, o.code, o.answer)
+        if o.result is None:  # an empty slot of the direct strategy; our own END (slots.py)
+            return empty_response()
+        return ok_response({
+            _MEL.name: o.result.mel[None].astype(_MEL.np_dtype, copy=False),
+            _FRAME_OFFSET.name: np.array([[o.result.frame_offset]], dtype=_FRAME_OFFSET.np_dtype),
+            _SEED.name: np.array([[o.result.seed]], dtype=_SEED.np_dtype)})
+
+    def _execute_decoupled(self, requests):
+        """scheduling "deadline": each request goes to its sequence's queue (step_service) and execute returns;
+        its one answer goes through its response sender, COMPLETE_FINAL, from the step loop's thread."""
+        incoming = [self._incoming(r) for r in requests]
+        self.on_the_way.picking_up([i.corr_id for i in incoming if i.ready])
+        for request, i in zip(requests, incoming):
+            sender, arrived = request.get_response_sender(), time.perf_counter()
+            if not i.ready or self.slots.is_release(i.corr_id, i.end):
+                sender.send(empty_response(), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            if i.start:   # the id is in use again
+                self.slots.started(i.corr_id)
+                self.gone.take(i.corr_id)
+            self.stepped.submit(i, reply=lambda o, sender=sender, arrived=arrived: self._answer(sender, o, arrived))
+        self.on_the_way.free()
+        self._publish_live()
+        return None
+
+    def _answer(self, sender, o: Outcome, arrived: float) -> None:
+        sender.send(self._response(o), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.metrics.book.flush(time.perf_counter() - arrived)   # s3flow_chunk_seconds: arrival to answer
+        self._publish_live()
 
     def _free_slots(self) -> None:
         """The reaper's second job: when the server closes, drop every sequence held; free the dropped ones'
@@ -225,6 +272,8 @@ class TritonPythonModel(TritonModel):
         self.logger.log_info(f"{self.name}: {what}; {live} live")
 
     def finalize(self):
+        if self.stepped is not None:
+            self.stepped.close()
         self.reaper.stop()
         self.session = None
         self.metrics.close()
