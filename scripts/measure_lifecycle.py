@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import queue
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,19 +37,10 @@ from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
 from s3flow_client.wire import infer_inputs
+from s3flow_tools.bench.killed_client import kill_mid_stream
 from s3flow_tools.bench.report import machine
 
 ROOT = Path(__file__).resolve().parents[1]
-KILLED_CLIENT = """
-import sys
-from s3flow_client import StreamingClient
-from s3flow_client.demo import demo_utterance
-u = demo_utterance(3.0, seed=int(sys.argv[2]))
-u.chunks, u.n_timesteps = [10] * 7 + [len(u.speech_tokens) - 70], 4
-StreamingClient(sys.argv[1], "token2wav", timeout_s=60).synthesize([u], progress=lambda _: print("chunk", flush=True))
-"""
-
-
 def utterance(seed: int, chunks: int = 5):
     u = demo_utterance(2.0, seed=seed)
     u.chunks, u.n_timesteps = [10] * (chunks - 1) + [len(u.speech_tokens) - 10 * (chunks - 1)], 4
@@ -91,14 +81,7 @@ def one_run(server, k: int, limit_s: float) -> dict:
     abandon(url, "token2mel", 9000 + 10 * k, utterance(10 * k + 1))
     abandon(url, "token2wav", 9001 + 10 * k, utterance(10 * k + 2))
     abandoned = wait_free(server, time.monotonic(), limit_s)
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, url, str(10 * k + 3)], stdout=subprocess.PIPE,
-                            text=True)
-    for _ in range(2):
-        if proc.stdout.readline().strip() != "chunk":
-            raise RuntimeError("the killed client died on its own")
-    proc.kill()
-    proc.wait(10)
-    killed = time.monotonic()
+    killed = kill_mid_stream(url, "token2wav", seed=10 * k + 3, seconds=3.0)
     [r] = StreamingClient(url, "token2wav", timeout_s=60).synthesize([utterance(10 * k + 4)])
     if r.error is not None:
         raise RuntimeError(f"the utterance after the kill failed: {r.error}")
@@ -134,13 +117,13 @@ def main(argv=None) -> int:
         "# Sequence lifecycle: a killed client's sequence is freed, and the server stops on SIGTERM",
         "",
         f"Made by `scripts/measure_lifecycle.py` (issue 31) on {', '.join(f'{k} {v}' for k, v in machine().items())}. "
-        f"A small token2wav repository on seeded "
+        "A small token2wav repository on seeded "
         f"random weights, the cpu target's defaults (idle timeout {idle:.0f} s, Triton's grace 30 s), one server.",
         "",
-        f"Each run: two clients close their streams after 2 of 5 chunks (token2mel, token2wav) and are evicted; a "
-        f"client process is SIGKILLed with its 3rd chunk on the way (token2wav) and another streams an utterance "
-        f"right after. Seconds until the solver and the vocoder hold nothing (`s3flow_live_sequences`, "
-        f"`s3flow_vocoder_live_sequences`):",
+        "Each run: two clients close their streams after 2 of 5 chunks (token2mel, token2wav) and are evicted; a "
+        "client process is SIGKILLed with its 3rd chunk on the way (token2wav) and another streams an utterance "
+        "right after. Seconds until the solver and the vocoder hold nothing (`s3flow_live_sequences`, "
+        "`s3flow_vocoder_live_sequences`):",
         "",
         "| run | abandoned streams freed (s after the 2nd closed) | killed client freed (s after the kill) |",
         "| ---: | ---: | ---: |",

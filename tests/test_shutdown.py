@@ -31,6 +31,7 @@ from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
 from s3flow_client.wire import infer_inputs
+from s3flow_tools.bench.killed_client import kill_mid_stream
 
 ROOT = Path(__file__).resolve().parents[1]
 #: a stop is quick when nothing holds it: the reaper's period to drop and free (idle / 4), Triton's unload
@@ -69,29 +70,13 @@ def abandon(url: str, model: str, seq_id: int, u, outputs=None, chunks: int = 2)
     client.close()
 
 
-KILLED_CLIENT = """
-import sys
-from s3flow_client import StreamingClient
-from s3flow_client.demo import demo_utterance
-u = demo_utterance(2.0, seed=9)
-u.chunks, u.n_timesteps = [10] * 5, 2
-StreamingClient(sys.argv[1], "token2wav", timeout_s=60).synthesize([u], progress=lambda _: print("chunk", flush=True))
-"""
-
-
 def misuse(url: str) -> None:
     """What a server met before SIGTERM hung: abandoned streams through both entry points, one naming only the
     audio, and a client SIGKILLed with its third chunk on the way."""
     abandon(url, "token2mel", 501, utterance(1))
     abandon(url, "token2wav", 502, utterance(2))
     abandon(url, "token2wav", 503, utterance(3), outputs=["audio"])
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, url], stdout=subprocess.PIPE, text=True)
-    try:
-        for _ in range(2):
-            assert proc.stdout.readline().strip() == "chunk", "the client died on its own"
-    finally:
-        proc.kill()
-        proc.wait(10)
+    kill_mid_stream(url, "token2wav", seed=9, seconds=2.0)
 
 
 def ours() -> set[str]:

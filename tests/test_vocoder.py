@@ -728,25 +728,13 @@ def test_a_request_naming_any_subset_of_the_outputs_gets_exactly_those_on_every_
 def test_a_killed_token2wav_client_frees_the_solver_and_the_vocoder(served):
     """Issue 31's invariant for the vocoder: its state of a stream whose client was SIGKILLed goes too (a reaper
     thread, no request needed), after the solver's (a stream the solver still holds is never idle there)."""
-    import subprocess
-    import sys
     import time
 
     from s3flow.server.metrics_reader import metric_sum, read_metrics
+    from s3flow_tools.bench.killed_client import kill_mid_stream
 
     server = served[0]
-    script = ("import sys\nfrom s3flow_client import StreamingClient\nfrom s3flow_client.demo import demo_utterance\n"
-              "u = demo_utterance(2.8, seed=90)\nu.chunks, u.n_timesteps = [10] * 7, 4\n"
-              "StreamingClient(sys.argv[1], 'token2wav', timeout_s=60).synthesize([u], progress=lambda _: "
-              "print('chunk', flush=True))\n")
-    proc = subprocess.Popen([sys.executable, "-c", script, server.grpc_url], stdout=subprocess.PIPE, text=True)
-    try:
-        for _ in range(2):
-            assert proc.stdout.readline().strip() == "chunk", "the client died on its own"
-    finally:
-        proc.kill()
-        proc.wait(10)
-    killed = time.monotonic()
+    killed = kill_mid_stream(server.grpc_url, "token2wav", seed=90, seconds=2.8)
 
     def live():
         m = read_metrics(f"127.0.0.1:{server.metrics_port}")

@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""Streams under load, FIFO vs the step-level deadline scheduler, side by side in one run (issue 33).
+
+Example::
+
+    .venv/bin/python scripts/measure_qos.py                        # -> results/qos.md (about 6 minutes)
+    .venv/bin/python scripts/measure_qos.py --loads 0.5,0.8 --runs 1 --out /tmp/qos.md
+
+Two repositories of the trained small model (``checkpoints/trained``: teacher, 10 guided steps, and its
+vocoder), the repository defaults but for ``--scheduling fifo`` / ``deadline``, served one after the other on
+this host (``token2mel`` by default). On each server:
+
+1. **C**, the saturation throughput: ``--at-once`` streams of held-out sentences started together, seconds of
+   audio per second of wall time;
+2. **loads** of k C (C being FIFO's, measured in this run), round(k C) streams of held-out sentences (3-6 s,
+   their own prompts), started evenly over 2 s or all at once, each a plain ``StreamingClient`` of its own with
+   the client's chunk schedule; per stream its first audio and whether a real-time player, started at its first
+   audio with no buffer or with 0.3 s, runs dry (``StreamResult.playback_stalls``), and the server's
+   ``s3flow_stream_underruns_total``.
+
+Beside them the simulator (``s3flow_tools.schedule_sim``, the same policy code) on a cost model scaled so that
+its FIFO C is the server's: how far the model is from the server. Exits non-zero when a stream fails.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+from s3flow.repository import cli as build_repository
+from s3flow.server.metrics_reader import metric_sum, read_metrics
+from s3flow.server.triton_server import TritonServer
+from s3flow_client import StreamingClient, Utterance
+from s3flow_tools.bench.report import machine
+from s3flow_tools.schedule_sim import SMALL_ON_2_CORES, CostModel, Load, saturation, simulate
+from s3flow_training.package import load_heldout
+
+TRAINED = ROOT / "checkpoints" / "trained"
+BUFFER_S = 0.3
+
+
+def utterances(n: int, offset: int = 0) -> list[Utterance]:
+    held = [u for u in load_heldout(TRAINED / "heldout.npz") if 3.0 <= len(u.speech_tokens) / 25 <= 6.0]
+    return [Utterance(u.speech_tokens, u.prompt_tokens, np.ascontiguousarray(u.prompt_mel.T), u.xvector, seed=k)
+            for k, u in ((k, held[(offset + k) % len(held)]) for k in range(n))]
+
+
+def streams(url: str, model: str, utts: list[Utterance], spread_s: float) -> tuple[list, float]:
+    """Start one client per utterance, evenly over ``spread_s``; their results and the wall time of all."""
+    results = [None] * len(utts)
+    t0 = time.monotonic()
+
+    def one(k):
+        time.sleep(max(0.0, t0 + (spread_s * k / max(1, len(utts) - 1) if len(utts) > 1 else 0) - time.monotonic()))
+        [results[k]] = StreamingClient(url, model, timeout_s=300).synthesize([utts[k]])
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(utts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.monotonic() - t0
+
+
+def underruns(server) -> float:
+    return metric_sum(read_metrics(f"127.0.0.1:{server.metrics_port}"), "s3flow_stream_underruns_total")
+
+
+def row(label: str, mode: str, results: list, dry: float) -> dict:
+    bad = [r.error for r in results if r.error is not None]
+    if bad:
+        raise SystemExit(f"{label} {mode}: {len(bad)} streams failed: {bad[0]}")
+    first = [r.first_audio_s for r in results]
+    stalls = [r.playback_stalls(BUFFER_S) for r in results]
+    return {"label": label, "mode": mode, "n": len(results), "first": first,
+            "dry0": sum(r.playback_stalls(0.0)[0] > 0 for r in results), "dry": sum(s[0] > 0 for s in stalls),
+            "stall_p95": float(np.percentile([s[1] for s in stalls], 95)), "underruns": dry}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="token2mel", choices=("token2mel", "token2wav"))
+    p.add_argument("--loads", default="0.5,0.8,1.0", help="offered loads in units of FIFO's C (%(default)s)")
+    p.add_argument("--at-once", type=int, default=16, help="streams that measure C (%(default)s)")
+    p.add_argument("--runs", type=int, default=1, help="runs of each load (%(default)s)")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "qos.md", help="(default: %(default)s)")
+    args = p.parse_args(argv)
+    loads = [float(x) for x in args.loads.split(",")]
+    rows, cs = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("fifo", "deadline"):
+            repo = Path(tmp) / mode
+            if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--vocoder-checkpoint",
+                                      str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice",
+                                      "--scheduling", mode]) != 0:
+                raise SystemExit("building the repository failed")
+            with TritonServer(repo, log_file=Path(tmp) / f"{mode}.log") as server:
+                streams(server.grpc_url, args.model, utterances(2), 0.0)   # warm the client path
+                results, wall = streams(server.grpc_url, args.model, utterances(args.at_once), 0.0)
+                cs[mode] = sum(r.mel.shape[1] for r in results) / 50.0 / wall
+                print(f"{mode}: C = {cs[mode]:.2f} s of audio per second", flush=True)
+                c = cs["fifo"]
+                plan = [("1 stream", 1, 0.0)] + [(f"{k:g} C {'over 2 s' if spread else 'at once'}",
+                                                  max(1, round(k * c)), spread) for k in loads for spread in (2.0, 0.0)]
+                for label, n, spread in plan:
+                    for run in range(args.runs):
+                        before = underruns(server)
+                        results, _ = streams(server.grpc_url, args.model, utterances(n, offset=7 * run), spread)
+                        rows.append(row(label, mode, results, underruns(server) - before))
+                        r = rows[-1]
+                        print(f"  {label} run {run + 1}: {n} streams, first audio p95 "
+                              f"{1000 * np.percentile(r['first'], 95):.0f} ms, dry {r['dry0']}/{r['dry']} of {n}",
+                              flush=True)
+    # the simulator on a cost model scaled to this run's FIFO C
+    base = Load(streams=1)
+    scale = saturation(SMALL_ON_2_CORES, base) / cs["fifo"]
+    cost = CostModel(SMALL_ON_2_CORES.call_s * scale, SMALL_ON_2_CORES.row_frame_s * scale,
+                     SMALL_ON_2_CORES.encoder_s * scale, SMALL_ON_2_CORES.encoder_token_s * scale)
+    sim = {}
+    for r in rows:
+        if (r["label"], r["mode"]) in sim:
+            continue
+        spread = 0.0 if "at once" in r["label"] else 2.0
+        s = simulate(replace(base, streams=r["n"], spread_s=spread), cost, r["mode"])
+        sim[(r["label"], r["mode"])] = (np.percentile(s.first_audio, 95), sum(x > 0 for x in s.stalls[BUFFER_S]))
+    lines = [
+        "# Streams under load: FIFO vs the step-level deadline scheduler",
+        "",
+        f"Made by `scripts/measure_qos.py` on {', '.join(f'{k} {v}' for k, v in machine().items())}: the trained "
+        f"small teacher (10 guided steps), `{args.model}`, held-out sentences of 3-6 s with their own prompts, the "
+        f"client's chunk schedule, each stream its own `StreamingClient`; the two servers one after the other, "
+        f"{args.runs} run(s) of each load, every run reported.",
+        "",
+        f"Saturation throughput C ({args.at_once} streams at once): **FIFO {cs['fifo']:.2f}**, deadline "
+        f"{cs['deadline']:.2f} s of audio per second ({cs['deadline'] / cs['fifo']:.2f}x). A load of k C is "
+        f"round(k x {cs['fifo']:.2f}) streams.",
+        "",
+        f"| load | scheduling | streams | first audio p50 / p95 (ms) | ran dry, no buffer | ran dry, {BUFFER_S} s "
+        f"buffer | stall s p95 ({BUFFER_S} s) | server underruns | simulator: first audio p95, ran dry ({BUFFER_S} s) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        f95, sdry = sim[(r["label"], r["mode"])]
+        lines.append(f"| {r['label']} | {r['mode']} | {r['n']} | {1000 * np.percentile(r['first'], 50):.0f} / "
+                     f"{1000 * np.percentile(r['first'], 95):.0f} | {r['dry0']} / {r['n']} | {r['dry']} / {r['n']} | "
+                     f"{r['stall_p95']:.2f} | {r['underruns']:.0f} | {1000 * f95:.0f} ms, {sdry} / {r['n']} |")
+    lines += ["", "The simulator's cost model is the stated small-CPU one scaled by "
+                  f"{scale:.1f} so that its FIFO C equals this run's (the server's overheads: BLS hops, python, "
+                  "the ensemble).", ""]
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
