@@ -26,6 +26,7 @@ Example::
 """
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional
@@ -56,7 +57,7 @@ class LiveCounts:
 
     def write(self, instance: str, live_ids: Iterable[int], cap: int) -> None:
         path = self.folder / instance
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".tmp{threading.get_ident()}")   # the solver writes from several threads
         tmp.write_text(" ".join([str(int(cap))] + [str(int(i)) for i in live_ids]) + "\n")
         tmp.replace(path)
 
@@ -68,7 +69,7 @@ class LiveCounts:
         """(live correlation ids, cap) over the instances that wrote."""
         ids, cap = set(), 0
         for path in self.folder.iterdir():
-            if path.suffix == ".tmp":
+            if path.suffix.startswith(".tmp"):
                 continue
             try:
                 fields = [int(x) for x in path.read_text().split()]

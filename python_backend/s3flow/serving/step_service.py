@@ -89,11 +89,20 @@ class SteppedSolver:
         del self._queues[corr_id]
 
     def _done(self, corr_id, p: _Pending, d: Done) -> None:
-        p.reply(self.session.done(d, p.incoming.is_cancelled))
+        outcome = self.session.done(d, p.incoming.is_cancelled)
+        p.reply(outcome)
         with self._cond:
             q = self._queues.get(corr_id)
             if q and q[0] is p:
                 q.popleft()
+                if outcome.answer is not None and outcome.answer.disposition == Disposition.RETRY:
+                    # the sequence is as before the failed chunk: the chunks sent after it must not overtake it
+                    while q:
+                        later = q.popleft()
+                        later.reply(failed_outcome(
+                            corr_id, f"{self.name}: sequence {corr_id}: an earlier chunk of this sequence failed "
+                                     f"and must be sent again first; then send this one again", UNAVAILABLE,
+                            Disposition.RETRY))
                 if q and not self._closing:
                     self._admit_head(corr_id)
                 elif not q:

@@ -1,7 +1,10 @@
 """The ``cfm_solver`` python-backend model: the Triton side of the streaming solver.
 
 Sequence batching (strategy ``oldest``) routes every chunk of an utterance (one correlation id) here; the
-control inputs START / END / READY / CORRID arrive as tensors. The encoder (``flow_encoder``) and the
+control inputs START / END / READY / CORRID arrive as tensors. Two ways to serve them (the ``scheduling``
+parameter): ``fifo``, each ``execute`` solving its batch of chunks whole (``SolverSession.handle``), or
+``deadline``, decoupled: ``execute`` queues each request (``s3flow.serving.step_service``) and returns, and the
+engine's step loop answers it through its response sender (docs/scheduling.md). The encoder (``flow_encoder``) and the
 estimator (``estimator``) are separate Triton models reached by BLS, so the same repository runs ONNX
 Runtime models on CPU hosts and TensorRT plans on GPU hosts. Tensors cross BLS by DLPack (no copy).
 
