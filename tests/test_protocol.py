@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from s3flow.engine.scheduler import StepScheduling
 from s3flow.engine.sequences import Capacity
 from s3flow.engine.settings import ChunkSolving, SolverSettings
 from s3flow.protocol import INPUT_DTYPES, START_ONLY, ChunkRequest, RequestError, RequestRules, parse_request
@@ -244,7 +245,7 @@ def test_settings_round_trip_through_config_strings():
 def test_settings_flat_names_are_distinct_across_the_parts():
     """Every field is a config parameter by its own name: no two parts share one."""
     names = SolverSettings.names()
-    parts = [RequestRules(), Capacity(), ChunkSolving()]
+    parts = [RequestRules(), Capacity(), ChunkSolving(), StepScheduling()]
     assert sorted(names) == sorted(k for part in parts for k in vars(part))
     assert names == {k: v for part in parts for k, v in vars(part).items()}, "the defaults"
     assert SolverSettings().parameters() == names

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Callable, Generic, Optional, TypeVar
 
 from s3flow.engine.observer import NO_OBSERVER, Observer
-from s3flow.protocol import NumericSettings, ServerBusy, UnknownSequence, check_numbers
+from s3flow.protocol import NumericSettings, RequestError, ServerBusy, UnknownSequence, check_numbers
 
 State = TypeVar("State")
 
@@ -121,7 +121,7 @@ class SequenceTable(Generic[State]):
                 raise UnknownSequence(f"sequence {corr_id} is not active: it never started with a START request, "
                                    f"already ended, or was evicted after {self.capacity.idle_timeout_s} s idle")
             if corr_id in self._in_flight:   # a caller that serves a sequence's chunks in order never gets here
-                raise RuntimeError(f"sequence {corr_id} already has a chunk in flight")
+                raise RequestError(f"sequence {corr_id} already has a chunk in flight: send its chunks one at a time")
             self._states.move_to_end(corr_id)
             self._picked[corr_id] = self.wall()
             self._in_flight.add(corr_id)

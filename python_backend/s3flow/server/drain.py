@@ -132,11 +132,12 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
     if child.poll() is None:
         if os.path.exists(drain_file):  # a Kubernetes preStop hook drained already: stop now
             print("[s3flow drain] drained before the signal: stopping the server", flush=True)
+            drained = True
         else:
-            drain(drain_file, metrics_url, deadline_s, log=lambda msg: print(msg, flush=True),
-                  give_up=lambda: len(signals) > 1)
-        if len(signals) < 2:
-            close(drain_file, metrics_url, log=lambda msg: print(msg, flush=True))
+            drained = drain(drain_file, metrics_url, deadline_s, log=lambda msg: print(msg, flush=True),
+                            give_up=lambda: len(signals) > 1)["drained"]
+        if len(signals) < 2:   # past the deadline the open utterances are cut now (they resume elsewhere)
+            close(drain_file, metrics_url, timeout_s=10.0 if drained else 1.0, log=lambda msg: print(msg, flush=True))
         child.send_signal(signal.SIGTERM)
         try:
             child.wait(kill_after_s)
