@@ -83,6 +83,9 @@ def markdown(load: Optional[LoadReport], memory: Optional[MemoryReport], command
             f"{100 * load.stalled('stall_s'):.0f} % / {100 * load.stalled('stall_s_buffered'):.0f} % |",
             f"| stall seconds per utterance p50 / p95 (no buffer) | {load.percentile_ms('stall_s', 50) / 1000:.2f} / "
             f"{load.percentile_ms('stall_s', 95) / 1000:.2f} s |",
+            f"| admission: utterances refused (busy) before they were admitted, busy answers, time to admission "
+            f"p50 / max | {load.refused} of {n}, {load.busy_answers}, {load.percentile_ms('admission_s', 50) / 1000:.2f} / "
+            f"{max(load.admission_s, default=0.0):.2f} s |",
             f"| wall time | {load.wall_s:.1f} s |",
             f"| throughput | {n / load.wall_s:.2f} utterances/s, {load.chunks / load.wall_s:.1f} chunks/s, "
             f"{load.audio_s / load.wall_s:.2f} s of audio per s |",

@@ -68,3 +68,49 @@ def test_live_counts_sum_the_instances_and_forget_one_that_unloads(tmp_path):
     assert live.read() == ({1, 2, 7}, 8)
     live.remove("cfm_solver_1")
     assert live.read() == ({1, 2}, 4)
+
+
+def _solver_load(folder, live_ids, per_stream: float):
+    """A solver instance's load report whose streams (no answer yet: priced by the plan) each need ``per_stream``
+    of the device: costs scaled to make it so."""
+    from s3flow.engine.capacity import CapacityModel
+    from s3flow.engine.settings import SolverSettings
+    from s3flow.serving.calibration import planned_start
+    from s3flow.serving.load import InstanceLoad, LoadFiles
+
+    plan, steps, rows = planned_start(SolverSettings(), 80, False)
+    model = CapacityModel(max_batch=1)
+    work = plan.expected()
+    model.estimator_timed(1, 1000, 1000 * per_stream * work.audio_s / work.row_frames)   # per unit only
+    files = LoadFiles(folder)
+    InstanceLoad(files, "cfm_solver_0", "solver", model, plan, steps, rows).publish(live_ids)
+    return files
+
+
+def test_a_start_over_the_utilization_target_is_refused_busy_with_a_retry_after(tmp_path):
+    from s3flow.engine.sequences import Capacity
+
+    live = LiveCounts(tmp_path / "live")
+    live.write("cfm_solver_0", [1, 2], cap=64)
+    files = _solver_load(tmp_path / "load", [1, 2], per_stream=0.3)
+    a = Admission(RequestRules(), 80, live=live, load=files, capacity=Capacity(utilization_target=0.97))
+    assert a.check(1, True, False, START) is None, "a restart on a live id replaces its stream"
+    assert a.check(3, True, False, START) is None                     # 0.6 + 0.3 fits
+    o = a.check(4, True, False, START)                                # 3 admitted, not yet held: counted
+    assert o.code == "UNAVAILABLE" and o.answer.disposition is Disposition.BUSY and o.answer.sequence == 4
+    assert 0.2 <= o.answer.retry_after_s <= 5.0
+    assert "at capacity: utilization 0.90 + 0.30 for this stream is above the target 0.97" in o.error
+    cheap = dict(START, n_timesteps=np.array([[2]], np.int32))        # 2 of the default 10 steps: 0.06 fits
+    assert a.check(5, True, False, cheap) is None
+    off = Admission(RequestRules(), 80, live=live, load=files, capacity=Capacity(utilization_target=0.0))
+    assert all(off.check(10 + k, True, False, START) is None for k in range(5)), "target 0: no capacity check"
+
+
+def test_before_the_solver_priced_anything_only_the_live_cap_applies(tmp_path):
+    from s3flow.engine.sequences import Capacity
+    from s3flow.serving.load import LoadFiles
+
+    live = LiveCounts(tmp_path / "live")
+    live.write("cfm_solver_0", [], cap=64)
+    a = Admission(RequestRules(), 80, live=live, load=LoadFiles(tmp_path / "load"), capacity=Capacity())
+    assert all(a.check(k, True, False, START) is None for k in range(1, 10))

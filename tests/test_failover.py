@@ -14,6 +14,7 @@ import pytest
 
 from s3flow.model.checkpoint import load_flow, write_random_checkpoint
 from s3flow.server.drain import live_sequences, ready
+from s3flow.serving.draining import closing_probe
 from s3flow.model.flow import FlowConfig
 from s3flow.engine.settings import SolverSettings
 from s3flow.repository.generator import write_repository
@@ -125,8 +126,15 @@ def test_a_drain_deadline_too_short_moves_the_utterances_still_open(repo, server
     ready' (Triton 2.51 keeps the stream, its models refuse), and the client resumes them on B."""
     a = TritonServer(repo, log_file=tmp_path / "a.log", drain_s=0.2)
     with a:
+        def stop_past_deadline():   # the client holds its next chunks until A's drain is over (else a fast host
+            os.kill(a.pid, signal.SIGTERM)   # may finish all eight utterances inside the 0.2 s)
+            t0, closing = time.monotonic(), closing_probe(str(a.drain_file))
+            while not closing():
+                assert time.monotonic() - t0 < 30, "A's drain did not reach its closing phase"
+                time.sleep(0.01)
+
         client = StreamingClient([a.grpc_url, server_b.grpc_url], timeout_s=120)
-        results = client.synthesize(utterances(), progress=after_chunks(12, lambda: os.kill(a.pid, signal.SIGTERM)))
+        results = client.synthesize(utterances(), progress=after_chunks(12, stop_past_deadline))
     check_complete(results, undisturbed)
     moved = [r for r in results if r.resumes]
     assert moved and all(server_b.grpc_url in r.resumes[0] for r in moved)

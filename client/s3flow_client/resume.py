@@ -264,6 +264,8 @@ class Run:
             self.fail(s, str(exc))
             return
         if fresh:
+            if i == 0:   # the START that was admitted went out this long after the utterance began
+                s.admitted_after = s.sent_at - s.t0
             s.latencies.append(now - s.sent_at)
             s.answered = i + 1
             if self.progress:

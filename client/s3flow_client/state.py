@@ -52,6 +52,7 @@ class UtteranceState:
         self.frames = self.samples = 0                 # delivered
         self.latencies: list[float] = []
         self.sent_at = self.t0 = 0.0
+        self.admitted_after = 0.0                      # from the start to sending the START that was admitted
         self.first_audio_at = float("nan")
         self.error: Optional[str] = None
         self.done = False

@@ -104,6 +104,9 @@ class StreamResult:
     #: (``s3flow_contract.tensors.SILENT_START_SAMPLES``): when a listener first hears something
     first_audio_s: float = float("nan")
     retries: list = field(default_factory=list)  # the server errors after which a chunk was sent again
+    #: seconds from the start to sending the START the server admitted (0 unless refusals came first: busy, a
+    #: full server's retry_after)
+    admitted_after_s: float = 0.0
     resumes: list = field(default_factory=list)  # each time the utterance was replayed on a (new) server
     replayed_frames: int = 0          # frames computed again by resumes (the extra work), checked, not re-delivered
     replay_max_diff: float = 0.0      # largest difference between a delivered frame and its replayed copy
@@ -213,7 +216,7 @@ class StreamingClient:
                             wall_s=s.wall if s.wall is not None else time.perf_counter() - s.t0,
                             error=s.error, frames_expected=expected, audio=audio,
                             chunk_samples=[p.size for p in s.audio_parts], first_audio_s=s.first_audio_at,
-                            retries=s.retries, resumes=s.resumes, replayed_frames=s.replayed_frames,
+                            retries=s.retries, admitted_after_s=s.admitted_after, resumes=s.resumes, replayed_frames=s.replayed_frames,
                             replay_max_diff=s.replay_max_diff)
 
 

@@ -6,6 +6,9 @@ method has a default that does nothing, so an observer implements only what it n
 * ``estimator_step(sequences, rows, frames)``: one estimator call ran: ``sequences`` utterances solved
   together, ``rows`` batch rows (twice the sequences with classifier-free guidance), ``frames`` the padded
   length;
+* ``estimator_timed(rows, frames, seconds)``, ``encoder_timed(tokens, seconds)``: after each estimator (encoder)
+  call, how long it took for its size (``s3flow.engine.capacity`` fits the costs from them);
+* ``chunk_work(corr_id, work)``: what an answered chunk cost (``s3flow.engine.capacity.Work``);
 * ``chunk_answered(corr_id, start, nfe, frames)``: a chunk's solve succeeded and its newly final ``frames``
   go out; ``nfe`` its network evaluations (steps, x2 with guidance); ``start`` whether it was a START;
 * ``sequence_dropped(corr_id, reason)``: a sequence's state went before its END
@@ -29,6 +32,15 @@ class Observer:
     def estimator_step(self, sequences: int, rows: int, frames: int) -> None:
         pass
 
+    def estimator_timed(self, rows: int, frames: int, seconds: float) -> None:
+        pass
+
+    def encoder_timed(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def chunk_work(self, corr_id, work) -> None:
+        pass
+
     def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
         pass
 
@@ -45,6 +57,18 @@ class Observers(Observer):
     def estimator_step(self, sequences: int, rows: int, frames: int) -> None:
         for o in self.observers:
             o.estimator_step(sequences, rows, frames)
+
+    def estimator_timed(self, rows: int, frames: int, seconds: float) -> None:
+        for o in self.observers:
+            o.estimator_timed(rows, frames, seconds)
+
+    def encoder_timed(self, tokens: int, seconds: float) -> None:
+        for o in self.observers:
+            o.encoder_timed(tokens, seconds)
+
+    def chunk_work(self, corr_id, work) -> None:
+        for o in self.observers:
+            o.chunk_work(corr_id, work)
 
     def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
         for o in self.observers:

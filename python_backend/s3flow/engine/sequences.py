@@ -55,12 +55,17 @@ class Capacity(NumericSettings):
     """What a stateful model holds: at most ``max_live_sequences`` states per instance (at most the batcher's
     ``max_candidate_sequences``); a state whose client has been quiet for ``idle_timeout_s`` seconds (counted
     from its last answer, never while one of its chunks is being served; Triton's own grace comes on top) is
-    reclaimed. Each is a ``parameters`` entry of the model's config."""
+    reclaimed. Admission refuses a START that would take the server's utilization (its live streams' demand
+    of the device, ``s3flow.engine.capacity``) above ``utilization_target`` (0: no such check), and tells it to
+    come back when enough streams of ``expected_utterance_s`` of audio have ended (``s3flow.serving.load``).
+    Each is a ``parameters`` entry of the model's config."""
     max_live_sequences: int = 64
     idle_timeout_s: float = 5.0
+    utilization_target: float = 0.9
+    expected_utterance_s: float = 5.0      # a sentence: what a START is planned at, and how long streams last
 
     def check(self) -> None:
-        check_numbers(self, "capacity", lowest={})
+        check_numbers(self, "capacity", lowest={"utilization_target": 0})
 
 
 class SequenceTable(Generic[State]):

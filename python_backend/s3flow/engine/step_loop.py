@@ -109,6 +109,7 @@ class StepLoop:
         except Exception as exc:
             return answered + self._fail(chosen, exc)
         elapsed = self.clock() - t0
+        self.engine.observer.estimator_timed(batch.rows, batch.frames, elapsed)
         self.steps += 1
         self.engine.estimator_calls += 1
         self.engine.solved_frames += batch.frames * len(chosen)

@@ -41,6 +41,7 @@ The engine calls two functions it is given, so it runs in process (tests, benchm
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -48,6 +49,7 @@ import numpy as np
 import torch
 
 from s3flow_contract.tensors import TOKEN_MEL_RATIO
+from s3flow.engine.capacity import Work
 from s3flow.engine.observer import NO_OBSERVER, Observer
 from s3flow.engine.sequences import Capacity, SequenceTable
 from s3flow.engine.settings import ChunkSolving
@@ -268,7 +270,9 @@ class StreamingEngine:
         for i, c in enumerate(chunks):
             tokens[i, :c.encoder_tokens.size] = torch.from_numpy(c.encoder_tokens)
         emb = torch.from_numpy(np.stack([c.state.speaker_embedding for c in chunks]))
+        t0 = time.perf_counter()
         mu, _, spks = self.encode(tokens, token_len, emb)
+        self.observer.encoder_timed(tokens.numel(), time.perf_counter() - t0)
         lengths = torch.tensor([c.frames for c in chunks], dtype=torch.int64)
         cond = condition(mu.float(), spks.float(), lengths, [torch.from_numpy(c.prefix_mel) for c in chunks])
         dev = mu.device  # GPU hosts: the encoder's output is on the GPU; the solve stays there
@@ -291,7 +295,9 @@ class StreamingEngine:
             if on_step is not None:
                 on_step(i)           # cancellation checks raise from here, before the step runs
             self.observer.estimator_step(len(chunks), batch.rows, batch.frames)
+            t0 = time.perf_counter()
             batch.step(self.estimator)
+            self.observer.estimator_timed(batch.rows, batch.frames, time.perf_counter() - t0)
         self.estimator_calls += steps
         self.solved_frames += steps * batch.frames * len(chunks)
         return [s.x.float().cpu().numpy() for s in solves]
@@ -319,6 +325,8 @@ class StreamingEngine:
         if c.replaced is not None:  # a START on a live id restarted that utterance: the old state went
             self.observer.sequence_dropped(c.corr_id, "replaced by a new START")
         self.sequences.commit(c.corr_id, end=c.finalize)  # idle time counts from the answer, not the request
+        self.observer.chunk_work(c.corr_id, Work(row_frames=float(c.nfe * c.frames), steps=c.state.n_steps, chunks=1,
+                                                 encoder_tokens=int(c.encoder_tokens.size), frames=int(mel.shape[1])))
         self.observer.chunk_answered(c.corr_id, c.started, c.nfe, int(mel.shape[1]))
         return ChunkResult(mel=mel, frame_offset=e, seed=s.noise.seed)
 

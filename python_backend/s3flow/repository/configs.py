@@ -58,12 +58,13 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> ModelC
 
 def admission_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     """``admission``: the ensembles' first step (``s3flow.serving.admission``): stateless, the request in,
-    ``admitted`` out; the request rules, the voice registry and the capacity check as parameters."""
+    ``admitted`` out; the request rules, the voice registry and the capacity settings as parameters."""
     v = s.voices
     config = _python("admission", s.batching.max_batch_size)
     add_tensors(config, REQUEST, ADMISSION_OUTPUTS, n_feats=n_feats)
     add_instances(config, s.batching.admission_instances, gpu=False)
-    set_parameters(config, {"n_feats": n_feats, **dataclasses.asdict(s.solver.rules), "voices": v.enabled,
+    set_parameters(config, {"n_feats": n_feats, **dataclasses.asdict(s.solver.rules),
+                            **dataclasses.asdict(s.solver.capacity), "voices": v.enabled,
                             "voice_dir": v.voice_dir, "max_voices": v.max_voices,
                             "max_voice_bytes": v.max_voice_bytes})
     return config

@@ -93,8 +93,8 @@ def kill(pid: int, kill_group: bool) -> None:
         pass
 
 
-def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of ``pid`` and all its descendants, from /proc (0 for processes already gone)."""
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its descendants, from /proc."""
     children: dict[int, list[int]] = {}
     for entry in pathlib.Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -103,10 +103,18 @@ def tree_rss_bytes(pid: int) -> int:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(entry.name))
-    total, todo = 0, [pid]
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        out.append(p)
         todo += children.get(p, [])
+    return out
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and all its descendants, from /proc (0 for processes already gone)."""
+    total = 0
+    for p in tree_pids(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)

@@ -12,7 +12,12 @@ solver would give (``s3flow_contract.answers``):
 * while the server drains: ``resume``;
 * when the solver instances hold as many live sequences as they may (their live ids, written by each instance
   after every execute into ``LiveCounts``, plus the STARTs admitted in the last ``grace_s`` that they do not
-  list yet): ``busy`` with a retry time.
+  list yet): ``busy`` with a retry time;
+* when the stream would take the server's utilization above ``utilization_target`` (``Capacity``: the live
+  streams' summed demand of the device, each priced by the costs the solver measured, plus what this START needs
+  by the default plan at its own steps; ``s3flow.serving.load``): ``busy``, with ``retry_after`` the time until
+  enough streams of ``expected_utterance_s`` have ended, clamped to [0.2, 5] s. Before the solver has priced
+  anything (its calibration at load) only the live-sequence cap applies.
 
 Chunks after the START pass unchecked (their sequence holds its slot legitimately; the solver validates them),
 except those of a sequence the solver dropped (``gone``: answered ``resume`` with the solver's reason);
@@ -34,11 +39,17 @@ from typing import Callable, Iterable, Mapping, Optional
 import numpy as np
 
 from s3flow_contract.answers import Answer, Disposition
+from s3flow.engine.sequences import Capacity
 from s3flow.protocol import RequestError, RequestRules, parse_request
 from s3flow.serving.arrivals import server_folder
+from s3flow.serving.load import LoadFiles
 from s3flow.serving.responses import INVALID_ARG, UNAVAILABLE
 from s3flow.serving.session import Outcome, with_voice
 from s3flow.serving.voice_registry import UnknownVoice
+
+
+#: the bounds of a capacity refusal's retry_after (seconds)
+MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
 
 
 class LiveCounts:
@@ -87,12 +98,15 @@ class Admission:
     def __init__(self, rules: RequestRules, n_feats: int, live: Optional[LiveCounts] = None,
                  voices: Optional[Callable[[str, str], dict]] = None, draining: Callable[[], bool] = lambda: False,
                  name: str = "admission", grace_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 starts=None, seen=None, gone=None):
+                 starts=None, seen=None, gone=None, load: Optional[LoadFiles] = None,
+                 capacity: Capacity = Capacity()):
         """``starts``, ``seen``: ``s3flow.serving.arrivals.ArrivalMarks`` for each admitted START (first audio)
         and for every request (a chunk waiting in the queue keeps its sequence from going idle); ``gone``: the
         solver's marks of the sequences it dropped (a later chunk of one is answered here: Triton freed its
-        slot, so it would never reach the solver)."""
+        slot, so it would never reach the solver); ``load``: the instances' load reports (admission by capacity,
+        with ``capacity``'s target and expected utterance length)."""
         self.rules, self.n_feats, self.live, self.voices, self.draining = rules, n_feats, live, voices, draining
+        self.load, self.capacity = load, capacity
         self.starts, self.seen, self.gone = starts, seen, gone
         self.name, self.grace_s, self.clock = name, grace_s, clock
         self._admitted: dict[int, float] = {}       # STARTs admitted and perhaps not yet counted: id -> time
@@ -113,8 +127,8 @@ class Admission:
         if self.gone is not None:
             self.gone.take(corr_id)   # the id starts a new sequence
         try:
-            parse_request(with_voice(inputs, start, self.voices, tenant), start=True, end=end, rules=self.rules,
-                          n_feats=self.n_feats)
+            req = parse_request(with_voice(inputs, start, self.voices, tenant), start=True, end=end, rules=self.rules,
+                                n_feats=self.n_feats)
         except UnknownVoice as exc:
             return Outcome(error=seq + str(exc), code=INVALID_ARG,
                            answer=Answer(Disposition.RETRY, corr_id, resend="prompt"))
@@ -134,9 +148,32 @@ class Admission:
                 return Outcome(error=seq + f"too many live sequences ({held}, max_live_sequences {cap}); retry in "
                                            f"{wait:.1f} s", code=UNAVAILABLE,
                                answer=Answer(Disposition.BUSY, corr_id, retry_after_s=wait))
+            if self.load is not None and self.capacity.utilization_target > 0:
+                refusal = self._over_capacity(seq, corr_id, req, live)
+                if refusal is not None:
+                    return refusal
             self._admitted[corr_id] = now
         if self.starts is not None:
             self.starts.mark(corr_id)
         if self.seen is not None:
             self.seen.mark(corr_id)
         return None
+
+    def _over_capacity(self, seq: str, corr_id: int, req, live: set) -> Optional[Outcome]:
+        """The capacity check (module docstring): None when the stream fits under the target."""
+        load = self.load.read()
+        if not load.known:
+            return None
+        held = load.solver_ids
+        pending = sum(1 for c in self._admitted if c not in held and c != corr_id)   # admitted, not yet held
+        now = load.utilization(pending)
+        mine = load.start_demand(req.n_timesteps, req.guidance_rate, pending)
+        target = self.capacity.utilization_target
+        if now + mine <= target or (corr_id in held and now <= target):   # a restart on a live id replaces it
+            return None
+        wait = load.wait_until(target, mine, self.capacity.expected_utterance_s, pending)
+        wait = min(max(wait, MIN_RETRY_S), MAX_RETRY_S)
+        return Outcome(error=seq + f"the server is at capacity: utilization {now:.2f} + {mine:.2f} for this stream "
+                                   f"is above the target {target:.2f} (capacity {load.capacity:.1f} audio s per s); "
+                                   f"retry in {wait:.1f} s or on another server", code=UNAVAILABLE,
+                       answer=Answer(Disposition.BUSY, corr_id, retry_after_s=wait))

@@ -41,8 +41,9 @@ SWEEP_EVERY = 256
 KINDS = ("starts", "seen", "gone")
 
 
-#: every per-server folder: the marks' kinds, and "live" (``s3flow.serving.admission.LiveCounts``)
-SERVER_FOLDERS = ("live",) + KINDS
+#: every per-server folder: the marks' kinds, "live" (``s3flow.serving.admission.LiveCounts``) and "load"
+#: (``s3flow.serving.load.LoadFiles``)
+SERVER_FOLDERS = ("live", "load") + KINDS
 
 
 def server_folder(name: str, server_pid: Optional[int] = None) -> Path:

@@ -28,6 +28,12 @@ metric (labels ``model``, ``instance``)       kind       what
                                                          beyond the silent 40 ms start (what a listener
                                                          waits for; ``s3flow.serving.arrivals``)
 ``s3flow_vocoder_live_sequences``             gauge      streams whose state the vocoder instance holds
+``s3flow_utilization``                        gauge      the share of the device's time the instance's
+                                                         live streams need (solver and vocoder; summed
+                                                         per server: what admission compares with its
+                                                         target; ``s3flow.engine.capacity``)
+``s3flow_capacity_audio_seconds_per_second``  gauge      the solver's estimate of the audio seconds per
+                                                         second the server makes at full batches
 ============================================  =========  ===============================================
 
 Example::
@@ -91,10 +97,16 @@ FIRST_AUDIO_SECONDS = Family("s3flow_first_audio_seconds", "histogram",
 
 VOCODER_LIVE = Family("s3flow_vocoder_live_sequences", "gauge", "streams whose state the vocoder instance holds")
 
+UTILIZATION = Family("s3flow_utilization", "gauge",
+                     "share of the device's time the instance's live streams need to keep up with real time "
+                     "(sum over a server's instances: its utilization)")
+CAPACITY = Family("s3flow_capacity_audio_seconds_per_second", "gauge",
+                  "audio seconds per second the server makes for default streams at full batches (estimate)")
+
 SOLVER_FAMILIES = (LIVE, DROPPED, CHUNK_SECONDS, FIRST_CHUNK_SECONDS, CHUNK_NFE, CHUNK_FRAMES, STEP_BATCH,
-                   STREAM_LEAD, UNDERRUNS)
-VOCODER_FAMILIES = (FIRST_AUDIO_SECONDS, VOCODER_LIVE)
-FAMILIES = SOLVER_FAMILIES + VOCODER_FAMILIES
+                   STREAM_LEAD, UNDERRUNS, UTILIZATION, CAPACITY)
+VOCODER_FAMILIES = (FIRST_AUDIO_SECONDS, VOCODER_LIVE, UTILIZATION)
+FAMILIES = SOLVER_FAMILIES + tuple(f for f in VOCODER_FAMILIES if f not in SOLVER_FAMILIES)
 #: the solver's histograms (every token2mel and token2wav load shows them; the load test checks their counts)
 HISTOGRAMS = tuple(f for f in SOLVER_FAMILIES if f.kind == "histogram")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -67,7 +68,7 @@ def warm_up_solver(engine, rules=None, prompt_tokens: int = WARMUP_PROMPT_TOKENS
 
     from s3flow.engine.streaming import StreamingEngine
     from s3flow.protocol import RequestRules
-    from s3flow.serving.session import Incoming, SolverSession
+    from s3flow.serving.session import SolverSession
 
     rules = rules or RequestRules()
 
@@ -85,21 +86,72 @@ def warm_up_solver(engine, rules=None, prompt_tokens: int = WARMUP_PROMPT_TOKENS
     shadow = StreamingEngine(encode, estimate, n_feats=engine.n_feats, meanflow=engine.meanflow,
                              solving=engine.solving, capacity=engine.sequences.capacity,
                              bucket_ratio=engine.bucket_ratio)
-    session = SolverSession(shadow, rules, name="warm-up")
-    rng = np.random.default_rng(0)
     t0 = time.perf_counter()
+    _utterances(SolverSession(shadow, rules, name="warm-up"), engine.n_feats, prompt_tokens, chunks, streams=1)
+    return WarmupReport("cfm_solver", len(chunks), calls[0], time.perf_counter() - t0)
+
+
+def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), steps: int = 2, rounds: int = 3,
+                     prompt_tokens: int = WARMUP_PROMPT_TOKENS, chunks: tuple = (WARMUP_TOKENS - 10, 10)) -> WarmupReport:
+    """The warm-up's utterance at ``steps`` Euler steps through the served engine's real networks, ``streams`` of
+    them at once (one batch each), ``rounds`` times; each call shape's fastest time is reported to ``observer``
+    (``s3flow.engine.capacity.CapacityModel``: its cost fits start from these timed calls at a few batch sizes; the
+    fastest, because at load the other models are still setting themselves up beside it, and a shape's first call
+    sets up its buffers). Throw-away engines: the served one's sequences are not touched."""
+    from s3flow.engine.observer import Observer
+    from s3flow.engine.streaming import StreamingEngine
+    from s3flow.protocol import RequestRules
+    from s3flow.serving.session import SolverSession
+
+    class Fastest(Observer):
+        def __init__(self):
+            self.estimator: dict = {}
+            self.encoder: dict = {}
+
+        def estimator_timed(self, rows, frames, seconds):
+            key = (rows, frames)
+            self.estimator[key] = min(seconds, self.estimator.get(key, seconds))
+
+        def encoder_timed(self, tokens, seconds):
+            self.encoder[tokens] = min(seconds, self.encoder.get(tokens, seconds))
+
+    fastest, t0, calls = Fastest(), time.perf_counter(), 0
+    for _ in range(rounds):
+        shadow = StreamingEngine(engine.encode, engine.estimator, n_feats=engine.n_feats, meanflow=engine.meanflow,
+                                 solving=engine.solving, capacity=engine.sequences.capacity, observer=fastest)
+        session = SolverSession(shadow, rules or RequestRules(), name="calibration")
+        for n in streams:
+            _utterances(session, engine.n_feats, prompt_tokens, chunks, n, steps)
+        calls += shadow.estimator_calls
+    for (rows, frames), seconds in fastest.estimator.items():
+        observer.estimator_timed(rows, frames, seconds)
+    for tokens, seconds in fastest.encoder.items():
+        observer.encoder_timed(tokens, seconds)
+    return WarmupReport("cfm_solver calibration", rounds * len(chunks) * sum(streams), calls, time.perf_counter() - t0)
+
+
+def _utterances(session, n_feats: int, prompt_tokens: int, chunks: tuple, streams: int,
+                steps: Optional[int] = None) -> None:
+    """``streams`` copies of one short utterance (``chunks`` token counts; ``steps``: the START's n_timesteps,
+    None: the default) through ``session``, chunk k of all of them in one call."""
+    from s3flow.serving.session import Incoming
+
+    rng = np.random.default_rng(0)
     for k, size in enumerate(chunks):
         speech = rng.integers(0, VOCAB_SIZE, size)
         prompt = {} if k else dict(prompt_tokens=rng.integers(0, VOCAB_SIZE, prompt_tokens),
-                                   prompt_mel=np.zeros((2 * prompt_tokens, engine.n_feats)),
+                                   prompt_mel=np.zeros((2 * prompt_tokens, n_feats)),
                                    speaker_embedding=np.ones(XVECTOR_DIM))
+        if not k and steps is not None:
+            prompt["n_timesteps"] = steps
         inputs = request_arrays(speech, start=k == 0, **prompt)
-        [outcome] = session.handle([Incoming(corr_id=0, start=k == 0, end=k == len(chunks) - 1, inputs=inputs)])
-        if outcome.error is not None:
-            raise RuntimeError(f"the solver's warm-up request was refused: {outcome.error}")
-    if len(shadow.sequences):
+        outcomes = session.handle([Incoming(corr_id=i, start=k == 0, end=k == len(chunks) - 1, inputs=inputs)
+                                   for i in range(streams)])
+        for outcome in outcomes:
+            if outcome.error is not None:
+                raise RuntimeError(f"the solver's warm-up request was refused: {outcome.error}")
+    if len(session.engine.sequences):
         raise RuntimeError("the solver's warm-up left a sequence behind")
-    return WarmupReport("cfm_solver", len(chunks), calls[0], time.perf_counter() - t0)
 
 
 def warm_up_vocoder(stream, frames: tuple = VOCODER_WARMUP_FRAMES) -> WarmupReport:

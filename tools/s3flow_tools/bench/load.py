@@ -129,6 +129,11 @@ class LoadReport:
     stall_s_buffered: list = field(default_factory=list)
     chunks: int = 0
     audio_s: float = 0.0
+    #: admission by capacity: utterances refused (busy) at least once before the server took them, all the busy
+    #: answers, and per such utterance the seconds until its START was admitted
+    refused: int = 0
+    busy_answers: int = 0
+    admission_s: list = field(default_factory=list)
     rss_before_mb: Optional[float] = None
     rss_after_mb: Optional[float] = None
     live_after: Optional[float] = None
@@ -187,6 +192,11 @@ def run_load(url: str, streams: int, utterances: int, steps: int = 2, time_limit
                 report.chunk_latencies.extend(r.chunk_latencies_s[1:])
                 report.stall_s.append(r.playback_stalls(0.0)[1])
                 report.stall_s_buffered.append(r.playback_stalls(0.3)[1])
+                busy = sum("disposition=busy" in m for m in r.retries + r.resumes)
+                if busy:
+                    report.refused += 1
+                    report.busy_answers += busy
+                    report.admission_s.append(r.admitted_after_s)
                 if bad:
                     report.frame_errors.append(f"utterance {index}: {bad}")
 
@@ -199,7 +209,9 @@ def run_load(url: str, streams: int, utterances: int, steps: int = 2, time_limit
     if any(t.is_alive() for t in threads):
         report.errors.append(f"client threads still running {report.wall_s:.0f} s after the start")
     log(f"load: {report.done} utterances, {report.chunks} chunks in {report.wall_s:.1f} s; "
-        f"{len(report.errors)} errors, {len(report.frame_errors)} frame-accounting errors")
+        f"{len(report.errors)} errors, {len(report.frame_errors)} frame-accounting errors; {report.refused} "
+        f"refused first ({report.busy_answers} busy answers), admitted after "
+        f"{max(report.admission_s, default=0.0):.1f} s at most")
     if before is not None:
         report.errors += server_histograms(report, before, read_metrics(metrics_url))
 

@@ -10,9 +10,11 @@ import numpy as np
 
 from s3flow_contract.answers import Answer, Disposition
 from s3flow_contract.tensors import ADMISSION_OUTPUTS, REQUEST
+from s3flow.engine.sequences import Capacity
 from s3flow.protocol import RequestError, RequestRules, tenant_of
 from s3flow.serving.admission import Admission, LiveCounts
 from s3flow.serving.draining import draining_probe
+from s3flow.serving.load import LoadFiles
 from s3flow.serving.responses import INVALID_ARG
 from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response, pb_utils
@@ -35,7 +37,8 @@ class TritonPythonModel(TritonModel):
         self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, live, voices, draining_probe(),
                                    name=self.name, starts=ArrivalMarks(ArrivalMarks.default_folder("starts")),
                                    seen=ArrivalMarks(ArrivalMarks.default_folder("seen")),
-                                   gone=ArrivalMarks(ArrivalMarks.default_folder("gone")))
+                                   gone=ArrivalMarks(ArrivalMarks.default_folder("gone")),
+                                   load=LoadFiles(LoadFiles.default_folder()), capacity=Capacity.from_parameters(p.raw))
 
     def respond(self, request):
         flags = request.flags()

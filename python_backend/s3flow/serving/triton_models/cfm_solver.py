@@ -26,6 +26,8 @@ from torch.utils import dlpack
 
 from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, REQUEST, SOLVER_OUTPUTS,
                                      SOLVER_INPUTS, by_name, estimator_inputs, names)
+from s3flow.engine.capacity import CapacityModel, padding_factor
+from s3flow.engine.observer import Observers
 from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
@@ -34,7 +36,8 @@ from s3flow.serving.admission import LiveCounts
 from s3flow.serving.arrivals import ArrivalMarks, OnTheWay
 from s3flow.serving.draining import closing_probe, draining_probe
 from s3flow.serving.heap import trim_heap
-from s3flow.serving.metrics import LIVE, SOLVER_FAMILIES, SolverBook
+from s3flow.serving.load import InstanceLoad, LoadFiles
+from s3flow.serving.metrics import CAPACITY, LIVE, SOLVER_FAMILIES, UTILIZATION, SolverBook
 from s3flow.serving.reaper import IdleReaper
 from s3flow.engine.playback import PlaybackBook, PlaybackSettings
 from s3flow.engine.step_loop import StepLoop
@@ -44,6 +47,7 @@ from s3flow.serving.triton_models.metric_api import TritonMetrics
 from s3flow.serving.triton_models.slots import SlotRelease, releases_slot
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
                                                read_controls)
+from s3flow.serving.calibration import Calibration, planned_start
 from s3flow.serving.warmup import warm_up_solver
 
 #: After a batch that made this many frames, give the freed heap back (s3flow.serving.heap).
@@ -138,12 +142,23 @@ class TritonPythonModel(TritonModel):
                                    slack_s=ARRIVAL_SLACK_S + self.queue_delay_s)
         self.stepped = None   # scheduling "deadline": the decoupled path (s3flow.serving.step_service)
         table = SequenceTable(self.settings.capacity, self.metrics.book, pending=self._pending)
+        # what the server can carry (s3flow.engine.capacity): every call timed, each stream's work, for admission
+        sched = self.settings.scheduling
+        rows_per_stream = 1 if self.meanflow or not self.settings.solving.default_guidance_rate else 2
+        max_batch = (max(1, sched.max_step_rows // rows_per_stream) if p.str("scheduling", "fifo") == "deadline"
+                     else int(self.config.get("max_batch_size", 1)))
+        plan = planned_start(self.settings, self.n_feats, self.meanflow)
+        self.capacity = CapacityModel(max_batch, prior_correction=padding_factor(plan[0], max_batch))
         engine = StreamingEngine(self.encoder, self.estimator, n_feats=self.n_feats, meanflow=self.meanflow,
                                  solving=self.settings.solving, capacity=self.settings.capacity,
-                                 observer=self.metrics.book, bucket_ratio=p.float("length_bucket_ratio", 0.0),
-                                 table=table)
+                                 observer=Observers(self.metrics.book, self.capacity),
+                                 bucket_ratio=p.float("length_bucket_ratio", 0.0), table=table)
         if p.bool("warmup", True):  # s3flow.serving.warmup: no first-run cost on a real chunk
             self.logger.log_info(warm_up_solver(engine, self.settings.rules).describe())
+        self.instance = args.get("model_instance_name", self.name)
+        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), self.instance, "solver", self.capacity, *plan)
+        if p.bool("calibrate", True):   # the cost fits start from real calls (a thread: BLS answers once loaded)
+            Calibration(engine, self.capacity, self.settings.rules, self.name, log=self.logger.log_info).start()
         voices = None
         if p.bool("voices", False):  # START may name a voice the voice_encoder stored
             from s3flow.serving.voice_registry import VoiceRegistry, default_dir, secret_from_env
@@ -163,7 +178,6 @@ class TritonPythonModel(TritonModel):
             self.stepped = SteppedSolver(self.session, loop, self.name, log=self.logger.log_error)
         # admission (the ensembles' first step) refuses STARTs when the instances are full: it reads these
         self.live_counts = LiveCounts(LiveCounts.default_folder())
-        self.instance = args.get("model_instance_name", self.name)
         self._publish_live()
         self.closing = closing_probe()
         self.reaper = IdleReaper(self.session.evict_idle, self.settings.capacity.idle_timeout_s, self.name,
@@ -201,6 +215,7 @@ class TritonPythonModel(TritonModel):
             handled = iter(self.session.handle([i for i, mine in zip(incoming, own) if not mine]))
             outcomes = [Outcome() if mine else next(handled) for mine in own]
         finally:
+            self.capacity.executed(self.metrics.book.clock() - started)   # the cost model's correction
             self.on_the_way.free()
             self._publish_live()
         if sum(o.result.mel.shape[1] for o in outcomes if o.result is not None) >= _TRIM_AFTER_FRAMES:
@@ -247,8 +262,8 @@ class TritonPythonModel(TritonModel):
         Triton slots (slots.py), then say how many are left."""
         if self.closing():
             self.session.engine.sequences.end_all("server stopping")
-        if self.slots.send() or self.closing():
-            self._publish_live()
+        self.slots.send()
+        self._publish_live()   # every period: the load's costs and the streams' ages move between executes too
 
     def _publish_live(self) -> None:
         """The live count to the metrics and to admission (``LiveCounts``)."""
@@ -257,6 +272,8 @@ class TritonPythonModel(TritonModel):
             return
         ids = session.engine.sequences.ids()
         self.metrics.live(len(ids))
+        load = self.load.publish(ids)
+        self.metrics.load(load.utilization, load.costs.capacity(load.planned.expected()))
         try:
             self.live_counts.write(self.instance, ids, self.settings.capacity.max_live_sequences)
         except OSError as exc:   # admission then counts this instance as it last wrote (or not at all)
@@ -281,6 +298,7 @@ class TritonPythonModel(TritonModel):
         self.session = None
         self.metrics.close()
         self.live_counts.remove(self.instance)
+        self.load.remove()
 
 
 class _SolverMetrics:
@@ -294,6 +312,10 @@ class _SolverMetrics:
 
     def live(self, n: int) -> None:
         self.api.publish(LIVE, n, {})
+
+    def load(self, utilization: float, capacity: float) -> None:
+        self.api.publish(UTILIZATION, utilization, {})
+        self.api.publish(CAPACITY, capacity, {})
 
     def close(self) -> None:
         self.api.close()

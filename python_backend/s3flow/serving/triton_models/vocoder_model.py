@@ -19,6 +19,7 @@ import numpy as np
 
 from s3flow_contract.answers import Disposition
 from s3flow_contract.tensors import SILENT_START_SAMPLES, VOCODER_INPUTS, VOCODER_OUTPUTS, by_name
+from s3flow.engine.capacity import CapacityModel, Work
 from s3flow.engine.observer import Observer
 from s3flow.engine.sequences import Capacity, SequenceTable
 from s3flow.engine.vocoder_stream import StreamError, StreamSettings, VocoderStream
@@ -27,7 +28,8 @@ from s3flow.protocol import RequestError, numbers_from_parameters
 from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
 from s3flow.serving.config_params import Params
 from s3flow.serving.draining import closing_probe
-from s3flow.serving.metrics import FIRST_AUDIO_SECONDS, VOCODER_FAMILIES, VOCODER_LIVE
+from s3flow.serving.load import InstanceLoad, LoadFiles
+from s3flow.serving.metrics import FIRST_AUDIO_SECONDS, UTILIZATION, VOCODER_FAMILIES, VOCODER_LIVE
 from s3flow.serving.admission import LiveCounts
 from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.reaper import IdleReaper
@@ -70,6 +72,9 @@ class TritonPythonModel(TritonModel):
         self.starts = ArrivalMarks(ArrivalMarks.default_folder("starts"))
         self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
         self.metrics = TritonMetrics(VOCODER_FAMILIES, self.name, args.get("model_instance_name", self.name))
+        # its share of the device for admission by capacity (s3flow.serving.load): every push timed, one call each
+        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), args.get("model_instance_name", self.name),
+                                 "vocoder", CapacityModel(max_batch=1))
         self.logger.log_info(f"{self.name}: HiFT in {runner_settings.backend} on {runner_settings.device}")
         if p.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no store entry
             self.logger.log_info(warm_up_vocoder(self.stream).describe())
@@ -91,11 +96,12 @@ class TritonPythonModel(TritonModel):
         """As the solver's: drop everything when the server closes; free the dropped streams' Triton slots."""
         if self.closing():
             self.sequences.end_all("server stopping")
-        if self.slots.send() or self.closing():
-            self._publish_live()
+        self.slots.send()
+        self._publish_live()   # every period: the streams' demand ages too
 
     def _publish_live(self) -> None:
         self.metrics.publish(VOCODER_LIVE, len(self.sequences), {})
+        self.metrics.publish(UTILIZATION, self.load.publish(self.sequences.ids()).utilization, {})
 
     def _empty_end(self) -> list:
         """The inputs of the END that frees a dropped stream's slot (``SlotRelease``)."""
@@ -109,11 +115,15 @@ class TritonPythonModel(TritonModel):
         if c.start:
             self.slots.started(c.corr_id)
         inputs = input_arrays(request, VOCODER_INPUTS)
+        t0 = time.perf_counter()
         try:
             chunk = self._push(c, inputs)
         except Exception:  # a bad request or a failed network call: this sequence is lost, the others go on
             self.sequences.end(c.corr_id, "broken stream")  # a broken stream cannot continue seamlessly
             raise
+        frames = int(inputs[_MEL].shape[2])
+        self.load.model.estimator_timed(1, frames, time.perf_counter() - t0)
+        self.load.model.chunk_work(c.corr_id, Work(row_frames=frames, steps=1, frames=frames))
         self.sequences.commit(c.corr_id, end=c.end)
         self._first_audio(c, chunk.sample_offset + chunk.audio.size)
         return ok_response({   # the mel and its offset passed on (contract.VOCODER_OUTPUTS says why)
@@ -153,6 +163,7 @@ class TritonPythonModel(TritonModel):
     def finalize(self):
         self.reaper.stop()
         self.metrics.close()
+        self.load.remove()
         self.stream = self.sequences = None
 
 

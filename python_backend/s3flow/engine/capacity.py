@@ -1,0 +1,309 @@
+"""What a server can carry: the cost of its work measured online, each stream's demand, the server's capacity.
+
+Units. A stream's *demand* is device seconds per second: the share of the device's time the stream needs to
+keep up with a real-time player (its work per second of audio, priced at the costs measured now). The sum over
+the live streams is the server's *utilization* (1.0: the device is busy all the time); the *capacity* is how many
+seconds of audio per second the device makes at full batches, for the default stream (the default chunk plan at
+the default steps and guidance, a prompt of the planned length; :func:`plan_work`).
+
+Costs. Every estimator call and every encoder call is timed (the engine reports it to its ``Observer``) and fitted
+online as ``seconds = fixed + per_unit * units`` (:class:`CostFit`: weighted least squares forgetting old calls;
+units: estimator rows x padded frames, encoder tokens). A call's fixed part is shared by the streams batched in it,
+at most ``max_batch`` of them (Triton's batch, or a step's rows): with ``n`` streams live, each pays
+``fixed / min(n, max_batch)`` per call. What the fits miss (a batch is padded to its longest chunk; the python
+between the calls) is one factor, the *correction*: each FIFO execute's measured time over what its chunks are
+priced at (:meth:`CapacityModel.executed`), averaged; before the first execute, the padding a full batch of the
+plan's chunks would have (:func:`padding_factor`).
+
+Work. A stream's chunks report what they cost (:class:`Work`: estimator row-frames over all steps, steps,
+chunks, encoder tokens, frames made final); its demand is its work so far priced now, per second of audio. The
+server knows neither an utterance's length nor a live client's next chunks: a stream's demand follows the chunks it
+actually sent, and a START's is the default plan's (scaled by its own steps and guidance).
+
+Example::
+
+    model = CapacityModel(max_batch=8)          # an engine Observer: the engine feeds it
+    engine = StreamingEngine(..., observer=model)
+    costs = model.costs()
+    costs.demand(work, share=costs.share(live_streams))   # device s per s of a stream that did ``work``
+    costs.capacity(plan_work(...))                        # audio s per s of default streams at full batches
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Iterable
+
+from s3flow.engine.observer import Observer
+
+FRAMES_PER_SECOND = 50.0
+
+
+class CostFit:
+    """``seconds = fixed + per_unit * units`` fitted online over the calls seen, each weighted down by half
+    every ``halflife`` calls, so the fit follows the host as its load changes. Both parts stay >= 0 (a fit that
+    would make one negative falls back to the other alone)."""
+
+    def __init__(self, halflife: float = 200.0):
+        self.decay = 0.5 ** (1.0 / halflife)
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.fixed = self.per_unit = 0.0
+        self.calls = 0
+
+    def observe(self, units: float, seconds: float) -> None:
+        if units <= 0 or not seconds >= 0 or not math.isfinite(seconds):
+            return
+        d = self.decay
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + units, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + units * units, d * self._xy + units * seconds
+        self.calls += 1
+        self._solve()
+
+    def _solve(self) -> None:
+        w, x, y, xx, xy = self._w, self._x, self._y, self._xx, self._xy
+        var = xx * w - x * x
+        if var > 1e-9 * max(xx * w, 1e-30):   # units vary enough to separate the two parts
+            b = (xy * w - x * y) / var
+            a = (y - b * x) / w
+            if a >= 0 and b >= 0:
+                self.fixed, self.per_unit = a, b
+                return
+            if b < 0:    # time does not grow with size (noise): a fixed cost alone
+                self.fixed, self.per_unit = y / w, 0.0
+                return
+        self.fixed, self.per_unit = 0.0, (xy / xx if xx > 0 else 0.0)   # through the origin
+
+    @property
+    def known(self) -> bool:
+        return self.calls > 0
+
+    def seconds(self, units: float, share: float = 1.0) -> float:
+        """A call's seconds with its fixed part shared by ``share`` streams."""
+        return self.fixed / max(share, 1.0) + self.per_unit * units
+
+
+@dataclass
+class Work:
+    """What chunks cost, in the units the fits price: estimator rows x padded frames summed over every step,
+    estimator steps, encoder calls (one per chunk) and tokens, and the mel frames made final (the audio)."""
+    row_frames: float = 0.0
+    steps: int = 0
+    chunks: int = 0
+    encoder_tokens: int = 0
+    frames: int = 0
+
+    def add(self, other: "Work") -> None:
+        self.row_frames += other.row_frames
+        self.steps += other.steps
+        self.chunks += other.chunks
+        self.encoder_tokens += other.encoder_tokens
+        self.frames += other.frames
+
+    @property
+    def audio_s(self) -> float:
+        return self.frames / FRAMES_PER_SECOND
+
+    def scaled(self, nfe_ratio: float, step_ratio: float) -> "Work":
+        """The same plan at other steps or guidance: estimator work x ``nfe_ratio``, steps x ``step_ratio``."""
+        return Work(self.row_frames * nfe_ratio, round(self.steps * step_ratio), self.chunks, self.encoder_tokens,
+                    self.frames)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """A snapshot of the fits: seconds per estimator call (``est_fixed`` + ``est_per_unit`` per row-frame) and per
+    encoder call (``enc_fixed`` + ``enc_per_unit`` per token); a call's fixed part is shared by the streams
+    batched in it, at most ``max_batch``."""
+    est_fixed: float = 0.0
+    est_per_unit: float = 0.0
+    enc_fixed: float = 0.0
+    enc_per_unit: float = 0.0
+    max_batch: int = 1
+
+    @property
+    def known(self) -> bool:
+        return self.est_fixed > 0 or self.est_per_unit > 0
+
+    def share(self, streams: int) -> float:
+        return float(min(max(streams, 1), self.max_batch))
+
+    def seconds(self, work: Work, share: float) -> float:
+        """Device seconds ``work`` takes, each call's fixed part shared by ``share`` streams."""
+        share = max(share, 1.0)
+        return (work.row_frames * self.est_per_unit + work.steps * self.est_fixed / share
+                + work.encoder_tokens * self.enc_per_unit + work.chunks * self.enc_fixed / share)
+
+    def demand(self, work: Work, share: float) -> float:
+        """Device seconds per second of audio (0 for work that made no audio yet)."""
+        return self.seconds(work, share) / work.audio_s if work.frames else 0.0
+
+    def capacity(self, planned: Work) -> float:
+        """Audio seconds per second the device makes for streams like ``planned`` when it is busy all the time:
+        N streams such that N x demand(N) = 1 (their calls' fixed parts shared by min(N, max_batch))."""
+        if not planned.frames or not self.known:
+            return 0.0
+        per_s = 1.0 / planned.audio_s
+        variable = self.seconds(Work(planned.row_frames, 0, 0, planned.encoder_tokens, planned.frames), 1) * per_s
+        fixed = self.seconds(Work(0.0, planned.steps, planned.chunks, 0, planned.frames), 1) * per_s
+        full = variable + fixed / self.max_batch
+        if full <= 0:
+            return 0.0
+        if 1.0 / full >= self.max_batch:
+            return 1.0 / full
+        return max(0.0, (1.0 - fixed) / variable) if variable > 0 else float(self.max_batch)  # below a full batch
+
+
+class CapacityModel(Observer):
+    """The instance's cost fits (every estimator and encoder call the engine reports) and its live streams' work
+    (module docstring). Thread-safe (the decoupled path reports from its step thread)."""
+
+    def __init__(self, max_batch: int = 8, halflife: float = 200.0, prior_correction: float = 1.0,
+                 smoothing: float = 0.1):
+        self.max_batch = max(1, int(max_batch))
+        self.estimator, self.encoder = CostFit(halflife), CostFit(halflife)
+        #: measured execute time over what the fits price its chunks at (padding to the longest row, the python
+        #: between the calls): ``prior_correction`` until the first execute is timed
+        self.correction, self.prior_correction, self.smoothing = None, prior_correction, smoothing
+        self._streams: dict = {}
+        self._batch: list = []     # the work of the chunks answered since the last ``executed``
+        self._lock = threading.Lock()
+
+    # -- the engine's reports ----------------------------------------------------------------------------
+    def estimator_timed(self, rows: int, frames: int, seconds: float) -> None:
+        with self._lock:
+            self.estimator.observe(rows * frames, seconds)
+
+    def encoder_timed(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self.encoder.observe(tokens, seconds)
+
+    def chunk_work(self, corr_id, work: Work) -> None:
+        with self._lock:
+            self._streams.setdefault(corr_id, Work()).add(work)
+            self._batch.append(work)
+
+    def executed(self, seconds: float) -> None:
+        """One batch of chunks (those answered since the last call) took ``seconds`` in all: the correction
+        follows measured over priced (an exponential average over batches)."""
+        with self._lock:
+            batch, self._batch = self._batch, []
+            if not batch or not self.estimator.known or not seconds > 0:
+                return
+            costs = self._costs(1.0)
+            priced = sum(costs.seconds(w, len(batch)) for w in batch)
+            if priced <= 0:
+                return
+            k = seconds / priced
+            self.correction = k if self.correction is None else self.correction + self.smoothing * (
+                k - self.correction)
+
+    def sequence_dropped(self, corr_id, reason: str) -> None:
+        with self._lock:
+            self._streams.pop(corr_id, None)
+
+    def keep_only(self, live: Iterable) -> dict:
+        """Forget the streams not in ``live`` (ended, or gone); corr_id -> a copy of the work of those followed."""
+        live = set(live)
+        with self._lock:
+            for c in [c for c in self._streams if c not in live]:
+                del self._streams[c]
+            return {c: Work(w.row_frames, w.steps, w.chunks, w.encoder_tokens, w.frames)
+                    for c, w in self._streams.items()}
+
+    def costs(self) -> Costs:
+        """The fits times the correction: what the work costs in the solver's execute."""
+        with self._lock:
+            return self._costs(self.prior_correction if self.correction is None else self.correction)
+
+    def _costs(self, k: float) -> Costs:
+        e, n = self.estimator, self.encoder
+        return Costs(k * e.fixed, k * e.per_unit, k * n.fixed, k * n.per_unit, self.max_batch)
+
+
+@dataclass
+class Plan:
+    """The work of a default utterance chunk by chunk (``chunks``: each chunk's ``Work``), and the length it is
+    expected to have (``expected_frames``). A stream is priced against it: its work so far over the plan's for as
+    much audio (:meth:`prefix`) says how much heavier than the default it is (more steps, a longer prompt), and its
+    demand is the plan's over the expected length times that ratio; so a stream's early chunks (the costliest per
+    second of audio: the first is small and carries the whole prompt) do not count as its rate for good."""
+    chunks: list
+    expected_frames: int
+
+    def prefix(self, frames: float) -> Work:
+        """The plan's work for its first ``frames`` generated frames (within a chunk: in proportion; beyond the
+        plan: more of its last chunk)."""
+        out, made = Work(), 0
+        for w in self.chunks:
+            if made + w.frames <= frames:
+                out.add(w)
+                made += w.frames
+                continue
+            out.add(_part(w, (frames - made) / w.frames))
+            return out
+        last = self.chunks[-1]
+        while frames - made >= last.frames:   # past the plan: its last chunk size again and again
+            out.add(last)
+            made += last.frames
+        if frames > made:
+            out.add(_part(last, (frames - made) / last.frames))
+        return out
+
+    def expected(self) -> Work:
+        return self.prefix(self.expected_frames)
+
+    def demand(self, costs: "Costs", work: Work, share: float) -> float:
+        """A stream's demand (device s per s) that did ``work`` so far: the plan's, scaled by how much more its
+        work cost than the plan's for as much audio; the plan's own before it made any."""
+        planned = costs.demand(self.expected(), share)
+        if not work.frames:
+            return planned
+        base = costs.seconds(self.prefix(work.frames), share)
+        return planned * costs.seconds(work, share) / base if base > 0 else planned
+
+
+def padding_factor(plan: Plan, batch: int) -> float:
+    """How much longer than its own a chunk's solve is when ``batch`` chunks of the plan share a padded call: the
+    expected longest of ``batch`` chunks drawn as the plan's calls go over the mean (the prior of
+    ``CapacityModel.correction``)."""
+    frames = sorted(w.row_frames / w.steps for w in plan.chunks if w.steps)
+    if not frames or batch <= 1:
+        return 1.0
+    n = len(frames)   # E[max of b draws] over the empirical distribution of per-call sizes
+    longest = sum(f * (((i + 1) / n) ** batch - (i / n) ** batch) for i, f in enumerate(frames))
+    return longest / (sum(frames) / n)
+
+
+def _part(w: Work, f: float) -> Work:
+    return Work(w.row_frames * f, round(w.steps * f), round(w.chunks * f), round(w.encoder_tokens * f),
+                round(w.frames * f))
+
+
+def plan_work(n_feats: int, meanflow: bool, steps: int, guided: bool, chunks: list[int], prompt_tokens: int,
+              context_frames: int, prompt_frames: int = -1, slide_prompt: int = 0) -> list[Work]:
+    """The work of each chunk of one utterance streamed in ``chunks`` (token counts), planned by the real engine
+    over stand-in networks (``s3flow.engine.streaming.planned_calls``): what a START is priced at before it sent
+    anything."""
+    from s3flow.engine.streaming import planned_calls   # the engine imports this module
+    calls = planned_calls(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow or not guided,
+                          prompt_frames, slide_prompt)
+    out = []
+    for k, tokens in enumerate(chunks):   # every chunk is ``steps`` estimator calls, one encoder call
+        mine = calls[k * steps:(k + 1) * steps]
+        out.append(Work(row_frames=float(sum(r * f for r, f in mine)), steps=len(mine), chunks=1,
+                        encoder_tokens=mine[0][1] // 2 if mine else 0, frames=2 * tokens))
+    return out
+
+
+def default_plan(expected_s: float, first: int = 10, growth: float = 2.0, largest: int = 100) -> list[int]:
+    """The chunk sizes a client sends by default for an utterance of ``expected_s`` seconds (25 tokens a second):
+    the client's ``chunk_schedule`` (small first chunk, then doubling up to ``largest``; the last one may be
+    shorter)."""
+    sizes, size, left = [], float(first), max(1, round(25 * expected_s))
+    while left > 0:
+        take = min(int(size), left)
+        sizes.append(take)
+        left -= take
+        size = min(size * growth, largest)
+    return sizes

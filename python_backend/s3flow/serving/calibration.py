@@ -1,0 +1,77 @@
+"""The solver's capacity at load: the default START's planned work, and real timed calls to price it.
+
+Admission by capacity (``s3flow.serving.admission``) needs the solver's cost fits (``s3flow.engine.capacity``)
+before the first stream comes, or the first burst would all be admitted unpriced. The warm-up in ``initialize``
+runs stand-in networks (the encoder and estimator may still be loading then), so a :class:`Calibration` thread
+runs the warm-up's utterance through the real networks over BLS as soon as they answer (one stream, then four
+at once, 2 Euler steps: a few calls at two batch sizes) and feeds the timings to the fits; from then on every
+served call refines them.
+
+Example::
+
+    plan, steps, rows = planned_start(settings, n_feats=80, meanflow=False)
+    Calibration(engine, capacity_model, settings.rules, "cfm_solver", log=print).start()
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from s3flow.engine.capacity import FRAMES_PER_SECOND, CapacityModel, Plan, default_plan, plan_work
+from s3flow.engine.settings import SolverSettings
+from s3flow.model.solver import default_steps
+from s3flow.serving.warmup import calibrate_solver
+
+#: the speaker prompt a planned START brings (tokens; 6 s), before the solver's own cap on the prompt
+PLANNED_PROMPT_TOKENS = 150
+#: how far past the expected length the plan goes chunk by chunk (longer streams: its last chunk again and again)
+PLAN_BEYOND_S = 12.0
+
+
+def planned_start(settings: SolverSettings, n_feats: int, meanflow: bool) -> tuple[Plan, int, int]:
+    """(plan, steps, rows per step) of a default utterance: the client's default chunk plan, at the default steps
+    and guidance, with a 6 s prompt, in the served chunk settings, expected to last ``expected_utterance_s``."""
+    solving, expected_s = settings.solving, settings.capacity.expected_utterance_s
+    steps = solving.default_steps or default_steps(meanflow)
+    guided = not meanflow and solving.default_guidance_rate > 0
+    sizes = default_plan(expected_s + PLAN_BEYOND_S)
+    if len(sizes) > 1 and sizes[-1] < sizes[-2]:
+        sizes = sizes[:-1]   # the plan ends on a whole chunk: a longer stream goes on in chunks of that size
+    chunks = plan_work(n_feats, meanflow, steps, guided, sizes, PLANNED_PROMPT_TOKENS, solving.context_frames,
+                       solving.prompt_frames, solving.slide_prompt)
+    return Plan(chunks, round(FRAMES_PER_SECOND * expected_s)), steps, 2 if guided else 1
+
+
+class Calibration:
+    """A daemon thread that calibrates ``model`` once through ``engine``'s real networks (module docstring),
+    retrying while they do not answer yet (for at most ``give_up_s``)."""
+
+    def __init__(self, engine, model: CapacityModel, rules, name: str, log: Callable[[str], None] = print,
+                 give_up_s: float = 300.0, retry_s: float = 0.5):
+        self.engine, self.model, self.rules, self.name, self.log = engine, model, rules, name, log
+        self.give_up_s, self.retry_s = give_up_s, retry_s
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-calibration", daemon=True)
+
+    def start(self) -> "Calibration":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        t0, last = time.monotonic(), None
+        while time.monotonic() - t0 < self.give_up_s:
+            try:
+                report = calibrate_solver(self.engine, self.model, self.rules)
+            except Exception as exc:   # the networks are not loaded yet (BLS refuses): try again soon
+                last = exc
+                time.sleep(self.retry_s)
+                continue
+            e = self.model.estimator
+            self.log(f"{self.name}: {report.describe()}: estimator {e.fixed * 1e3:.2f} ms + "
+                     f"{e.per_unit * 1e6:.3f} us per row-frame")
+            self.done.set()
+            return
+        self.log(f"{self.name}: calibration gave up after {self.give_up_s:.0f} s ({last}); the costs come from "
+                 f"served calls only")
+        self.done.set()

@@ -1,0 +1,232 @@
+"""The server's load as its models see it: each instance's demand, summed where admission reads it.
+
+The solver and the vocoder instances are separate stub processes, and admission is another: each stateful
+instance writes a small :class:`LoadReport` (JSON, in the server's ``load`` folder under ``/dev/shm``) after every
+execute and every reaper period (its cost fits and each stream's work so far), and admission reads them all
+(:class:`LoadFiles`) into one :class:`ServerLoad`, which prices the work (``s3flow.engine.capacity.Costs``), each
+solver call's fixed part shared by all the solver's streams (those held, the STARTs admitted but not yet held, and
+the one asking):
+
+* ``utilization(pending)``: the summed demand of every stream held (device seconds per second), the solver's and
+  the vocoder's, on the one device they share;
+* ``capacity``: audio seconds per second of default streams at full batches (the solver's estimate);
+* ``start_demand(steps, guidance_rate)``: what a new START adds (the default plan at its own steps and
+  guidance; plus the vocoder's per-stream demand as often as the live streams go through the vocoder);
+* ``wait_until(target, need, expected_s)``: the time until enough streams end for ``need`` more to fit under
+  ``target``, each stream assumed to last ``expected_s`` of audio (no stream says how long it will be).
+
+Example::
+
+    files = LoadFiles(LoadFiles.default_folder())
+    InstanceLoad(files, "cfm_solver_0", "solver", capacity_model, *planned_start(settings, 80, False)).publish(ids)
+    load = files.read()
+    load.utilization(), load.capacity, load.start_demand()
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from s3flow.engine.capacity import CapacityModel, Costs, Plan, Work
+from s3flow.serving.arrivals import server_folder
+
+
+def _work(w: Work) -> list:
+    return [w.row_frames, w.steps, w.chunks, w.encoder_tokens, w.frames]
+
+
+@dataclass
+class LoadReport:
+    """One instance's: its ``costs`` (``s3flow.engine.capacity.Costs``), the ``streams`` it follows (corr_id ->
+    their ``Work`` so far) and those it holds with nothing answered yet (``waiting``); a solver's ``planned``
+    default utterance (``s3flow.engine.capacity.Plan``, at ``planned_steps`` Euler steps of ``planned_rows``
+    estimator rows: 2 guided), which its streams are priced against. A vocoder has no plan: its streams are
+    priced by their own work."""
+    kind: str                              # "solver" | "vocoder"
+    costs: Costs = field(default_factory=Costs)
+    streams: dict = field(default_factory=dict)
+    waiting: list = field(default_factory=list)
+    planned: Optional[Plan] = None
+    planned_steps: int = 0
+    planned_rows: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, "costs": dataclasses.asdict(self.costs),
+                           "streams": {str(k): _work(w) for k, w in self.streams.items()},
+                           "waiting": [int(c) for c in self.waiting],
+                           "planned": None if self.planned is None else {
+                               "chunks": [_work(w) for w in self.planned.chunks],
+                               "expected_frames": self.planned.expected_frames},
+                           "planned_steps": self.planned_steps, "planned_rows": self.planned_rows})
+
+    @classmethod
+    def from_json(cls, text: str) -> "LoadReport":
+        d = json.loads(text)
+        return cls(kind=d["kind"], costs=Costs(**d["costs"]),
+                   streams={int(k): Work(*v) for k, v in d["streams"].items()},
+                   waiting=[int(c) for c in d["waiting"]],
+                   planned=None if d["planned"] is None else Plan([Work(*w) for w in d["planned"]["chunks"]],
+                                                                  int(d["planned"]["expected_frames"])),
+                   planned_steps=int(d["planned_steps"]), planned_rows=int(d["planned_rows"]))
+
+    def planned_demand(self, share: float, steps: Optional[int] = None, guidance_rate: Optional[float] = None) -> float:
+        """A START's demand by the plan, at its own ``steps`` and ``guidance_rate`` (None: the defaults)."""
+        if self.planned is None or not self.costs.known:
+            return 0.0
+        rows = self.planned_rows if guidance_rate is None or self.planned_rows == 1 else (2 if guidance_rate else 1)
+        ratio = (steps or self.planned_steps) * rows / max(self.planned_steps * self.planned_rows, 1)
+        expected = self.planned.expected()
+        return self.costs.demand(expected.scaled(ratio, (steps or self.planned_steps) / max(self.planned_steps, 1)),
+                                 share)
+
+    def stream_demand(self, work: Work, share: float) -> float:
+        """A stream's demand by its work so far: against the plan (``Plan.demand``), or (no plan: the vocoder)
+        its own work's."""
+        if self.planned is None:
+            return self.costs.demand(work, share)
+        return self.planned.demand(self.costs, work, share) if self.costs.known else 0.0
+
+    def demand(self, extra: int = 0) -> dict:
+        """corr_id -> device s per s of every stream it holds (one with no audio yet: by the plan), each call's
+        fixed part shared by the streams held plus ``extra`` more."""
+        share = self.costs.share(len(self.streams) + len(self.waiting) + extra)
+        out = {c: self.stream_demand(w, share) for c, w in self.streams.items()}
+        out.update({c: self.planned_demand(share) for c in self.waiting if c not in out})
+        return out
+
+    @property
+    def utilization(self) -> float:
+        return sum(self.demand().values())
+
+
+@dataclass
+class ServerLoad:
+    """The reports of a server's instances, summed (module docstring)."""
+    reports: list
+
+    @property
+    def _solvers(self) -> list:
+        return [r for r in self.reports if r.kind == "solver"]
+
+    @property
+    def solver_ids(self) -> set:
+        return {c for r in self._solvers for c in list(r.streams) + r.waiting}
+
+    @property
+    def known(self) -> bool:
+        """Whether a solver has priced its work yet (before its first timed call admission cannot judge)."""
+        return any(r.costs.known and r.planned is not None for r in self._solvers)
+
+    @property
+    def capacity(self) -> float:
+        return max((r.costs.capacity(r.planned.expected()) for r in self._solvers if r.planned is not None),
+                   default=0.0)
+
+    def utilization(self, pending: int = 0) -> float:
+        """The summed demand of every stream held, and of ``pending`` more by the default plan (admitted, not yet
+        held), each solver call's fixed part shared by them all."""
+        total = 0.0
+        for r in self.reports:
+            extra = pending if r.kind == "solver" else 0
+            total += sum(r.demand(extra).values())
+        solvers = [r for r in self._solvers if r.planned is not None and r.costs.known]
+        if pending and solvers:
+            r = solvers[0]
+            total += pending * r.planned_demand(r.costs.share(len(r.streams) + len(r.waiting) + pending))
+        return total
+
+    def start_demand(self, steps: Optional[int] = None, guidance_rate: Optional[float] = None,
+                     pending: int = 0) -> float:
+        """What a new START adds: the default plan at its own ``steps`` and ``guidance_rate``, sharing calls with
+        the streams held and ``pending`` more, plus the vocoder's per-stream demand times the fraction of the
+        solver's streams that go through the vocoder (``token2wav``)."""
+        solvers = [r for r in self._solvers if r.planned is not None and r.costs.known]
+        if not solvers:
+            return 0.0
+        r = solvers[0]
+        solver = r.planned_demand(r.costs.share(len(r.streams) + len(r.waiting) + pending + 1), steps, guidance_rate)
+        vocoder = {c: d for v in self.reports if v.kind == "vocoder" for c, d in v.demand().items() if d > 0}
+        live = self.solver_ids
+        if not vocoder or not live:
+            return solver
+        return solver + sum(vocoder.values()) / len(vocoder) * min(1.0, len(vocoder) / len(live))
+
+    def wait_until(self, target: float, need: float, expected_s: float, pending: int = 0) -> float:
+        """Seconds until the streams held (each lasting ``expected_s`` of audio at real time; one older than that
+        is taken to end within the next second) leave room for ``need`` under ``target``; 0 if there is room now;
+        ``expected_s`` if even their ending is not enough."""
+        load = self.utilization(pending)
+        if load + need <= target:
+            return 0.0
+        ends = []   # (seconds left, demand) of every stream, its solver and vocoder parts together
+        vocoder = {c: d for v in self.reports if v.kind == "vocoder" for c, d in v.demand().items()}
+        for r in self._solvers:
+            for c, d in r.demand(pending).items():
+                made = r.streams[c].audio_s if c in r.streams else 0.0
+                ends.append((max(expected_s - made, 1.0), d + vocoder.get(c, 0.0)))
+        for left, d in sorted(ends):
+            load -= d
+            if load + need <= target:
+                return left
+        return expected_s
+
+
+class LoadFiles:
+    """The instances' reports as files in one folder (one per instance, replaced whole on every write)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def default_folder(server_pid: Optional[int] = None) -> Path:
+        return server_folder("load", server_pid)
+
+    def write(self, instance: str, report: LoadReport) -> None:
+        path = self.folder / instance
+        tmp = path.with_name(f"{path.name}.tmp{threading.get_ident()}")
+        tmp.write_text(report.to_json())
+        tmp.replace(path)
+
+    def remove(self, instance: str) -> None:
+        (self.folder / instance).unlink(missing_ok=True)
+
+    def read(self) -> ServerLoad:
+        reports = []
+        for path in self.folder.iterdir():
+            if ".tmp" in path.name:
+                continue
+            try:
+                reports.append(LoadReport.from_json(path.read_text()))
+            except (OSError, ValueError, KeyError, TypeError):   # being replaced, or an older server's
+                continue
+        return ServerLoad(reports)
+
+
+class InstanceLoad:
+    """A stateful instance's side: its ``CapacityModel`` (fed by the engine, or by the vocoder's pushes) and, for
+    a solver, the default START's planned work; :meth:`publish` writes its report for admission."""
+
+    def __init__(self, files: LoadFiles, instance: str, kind: str, model: CapacityModel,
+                 planned: Optional[Plan] = None, planned_steps: int = 0, planned_rows: int = 0):
+        self.files, self.instance, self.kind, self.model = files, instance, kind, model
+        self.planned, self.planned_steps, self.planned_rows = planned, planned_steps, planned_rows
+
+    def publish(self, live_ids) -> LoadReport:
+        """The report of the streams held now (``live_ids``), written out; returned."""
+        live = list(live_ids)
+        streams = self.model.keep_only(live)
+        report = LoadReport(self.kind, self.model.costs(), streams, [c for c in live if c not in streams],
+                            self.planned, self.planned_steps, self.planned_rows)
+        try:
+            self.files.write(self.instance, report)
+        except OSError:   # admission counts this instance as it last wrote
+            pass
+        return report
+
+    def remove(self) -> None:
+        self.files.remove(self.instance)

@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""Admission by capacity under overload, measured (issue 34): who is admitted, how fast the others hear "busy".
+
+Example::
+
+    .venv/bin/python scripts/measure_admission.py                 # -> its section of results/qos.md (~8 min)
+    .venv/bin/python scripts/measure_admission.py --model token2mel --loads 3 --no-pair --out /tmp/adm.md
+
+The trained small teacher (``checkpoints/trained``), two repositories alike but for ``utilization_target``:
+``0`` (no admission by capacity: the server takes every START it has a slot for) and the default ``0.9``.
+
+1. **C**: on the server without the check, ``--at-once`` held-out sentences (3-6 s, their own prompts) started
+   together: seconds of audio per second of wall time.
+2. **Loads** k C at once (k in ``--loads``): round(k C) plain ``StreamingClient`` s, one utterance each, no retry
+   (a refusal comes back to the caller): admitted and refused, the admitted streams' stalls behind a real-time
+   player with a 0.3 s start-up buffer and first audio, each refusal's answer time at the client and its
+   ``retry_after``, accepted utterances lost; the server's own capacity estimate
+   (``s3flow_capacity_audio_seconds_per_second``); tritonserver's and its stubs' summed RSS before and 30 s after.
+3. **Two servers** (``--pair``), each pinned to one core (``taskset``): C of one pinned server alone, then 2 C
+   offered in all to the client's URL list [A, B] (one retry and one resume, so a busy A sends a START on to B):
+   refusals that reached the caller, and of those, how many the other server had not refused too.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from measure_qos import TRAINED, utterances   # noqa: E402  the same held-out sentences as the scheduler's table
+
+from s3flow.repository import cli as build_repository   # noqa: E402
+from s3flow.server.metrics_reader import metric_sum, read_metrics   # noqa: E402
+from s3flow.server.processes import tree_pids   # noqa: E402
+from s3flow.server.triton_server import TritonServer   # noqa: E402
+from s3flow_client import StreamingClient   # noqa: E402
+from s3flow_client.stream import StreamError   # noqa: E402
+from s3flow_contract.answers import answer_of   # noqa: E402
+from s3flow_tools.bench.report import machine   # noqa: E402
+
+BUFFER_S = 0.3
+BEGIN, END = "<!-- measure_admission -->", "<!-- /measure_admission -->"
+
+
+def build(repo: Path, target: float) -> None:
+    if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--vocoder-checkpoint",
+                              str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice",
+                              "--utilization-target", str(target)]) != 0:
+        raise SystemExit("building the repository failed")
+
+
+def burst(urls: list[str], model: str, n: int, retries: int = 0, offset: int = 0) -> tuple[list, float]:
+    """n clients at once, one utterance each; per client (result or None, error message or None)."""
+    utts = utterances(n, offset)
+    out: list = [None] * n
+    t0 = time.monotonic()
+
+    def one(k):
+        client = StreamingClient(urls, model, timeout_s=300, max_retries=retries, max_resumes=retries)
+        try:
+            [r] = client.synthesize([utts[k]])
+            out[k] = (r, None)
+        except StreamError as exc:
+            out[k] = (exc.results[0], str(exc))
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, time.monotonic() - t0
+
+
+def throughput(urls: list[str], model: str, n: int) -> float:
+    out, wall = burst(urls, model, n)
+    bad = [e for _, e in out if e]
+    if bad:
+        raise SystemExit(f"measuring C: {len(bad)} streams failed: {bad[0][:300]}")
+    return sum(r.mel.shape[1] for r, _ in out) / 50.0 / wall
+
+
+def settle(server: TritonServer, timeout_s: float = 30.0) -> None:
+    """Until the server holds no sequence (the last ENDs answered, the idle ones reaped)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if metric_sum(read_metrics(f"127.0.0.1:{server.metrics_port}"), "s3flow_live_sequences") == 0:
+            return
+        time.sleep(0.5)
+
+
+def capacity_estimate(server: TritonServer) -> float:
+    return metric_sum(read_metrics(f"127.0.0.1:{server.metrics_port}"), "s3flow_capacity_audio_seconds_per_second")
+
+
+def calibrated(server: TritonServer, timeout_s: float = 60.0) -> TritonServer:
+    """Once the solver's calibration at load is over (its capacity estimate shows): it must not share the cores
+    with what is measured."""
+    t0 = time.monotonic()
+    while capacity_estimate(server) <= 0 and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.5)
+    return server
+
+
+def load_row(label: str, out: list, model: str) -> dict:
+    admitted = [r for r, e in out if e is None]
+    refused = [(r, e) for r, e in out if e is not None and "disposition=busy" in e]
+    lost = [e for _, e in out if e is not None and "disposition=busy" not in e]
+    first = [r.first_audio_s if model == "token2wav" else r.first_chunk_s for r in admitted]
+    stalls = [r.playback_stalls(BUFFER_S) for r in admitted]
+    answer_ms = [1000 * r.wall_s for r, _ in refused]
+    retry_after = [answer_of(e).retry_after_s for _, e in refused]
+    return {"label": label, "n": len(out), "admitted": len(admitted), "refused": len(refused), "lost": lost,
+            "stalled": sum(s[0] > 0 for s in stalls), "stall_p95": float(np.percentile([s[1] for s in stalls], 95))
+            if stalls else 0.0, "first_p95": 1000 * float(np.percentile(first, 95)) if first else float("nan"),
+            "answer_p99": float(np.percentile(answer_ms, 99)) if answer_ms else float("nan"),
+            "answer_max": max(answer_ms, default=float("nan")),
+            "retry_after": (min(retry_after), max(retry_after)) if retry_after else None}
+
+
+def pin(server: TritonServer, core: int) -> None:
+    """Every thread of the server and its stubs on one core."""
+    for pid in tree_pids(server.pid):
+        subprocess.run(["taskset", "-a", "-p", "-c", str(core), str(pid)], check=False, capture_output=True)
+
+
+def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp: Path, pair: bool) -> list[str]:
+    lines = [f"### `{model}`", ""]
+    with TritonServer(repos["off"], log_file=tmp / f"{model}-off.log") as server:
+        calibrated(server)
+        burst([server.grpc_url], model, 2)   # warm the client path
+        c = throughput([server.grpc_url], model, at_once)
+    print(f"{model}: C = {c:.2f} s of audio per second", flush=True)
+    rows = []
+    with TritonServer(repos["on"], log_file=tmp / f"{model}-on.log") as server:
+        calibrated(server)
+        burst([server.grpc_url], model, 1)
+        settle(server)
+        estimate = capacity_estimate(server)
+        rss_before = server.rss_bytes()
+        for k in loads:
+            n = max(1, round(k * c))
+            out, _ = burst([server.grpc_url], model, n, offset=11)
+            rows.append(load_row(f"{k:g} C at once", out, model))
+            r = rows[-1]
+            print(f"  {k:g} C: {n} streams, {r['admitted']} admitted, {r['refused']} refused (answer max "
+                  f"{r['answer_max']:.0f} ms), {len(r['lost'])} lost, {r['stalled']} stalled", flush=True)
+            settle(server)
+        time.sleep(30.0)
+        rss_after = server.rss_bytes()
+        healthy = server.client().is_server_ready()
+    lines += [f"C (without the check, {at_once} at once): **{c:.2f}** s of audio per second; the server's own estimate "
+              f"(`s3flow_capacity_audio_seconds_per_second`, after its calibration): {estimate:.2f} "
+              f"({estimate / c:.2f}x). Target utilization 0.9.", "",
+              f"| load | streams | admitted | refused | admitted that stalled ({BUFFER_S} s buffer) | stall s p95 | "
+              f"first {'audio' if model == 'token2wav' else 'mel'} p95 (ms) | refusal answer p99 / max (ms) | "
+              f"retry_after (s) | accepted lost |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        ra = "-" if r["retry_after"] is None else f"{r['retry_after'][0]:.1f}-{r['retry_after'][1]:.1f}"
+        lines.append(f"| {r['label']} | {r['n']} | {r['admitted']} | {r['refused']} | {r['stalled']} / {r['admitted']} | "
+                     f"{r['stall_p95']:.2f} | {r['first_p95']:.0f} | {r['answer_p99']:.0f} / {r['answer_max']:.0f} | "
+                     f"{ra} | {len(r['lost'])} |")
+    lines += ["", f"Memory (tritonserver and its stubs): {rss_before / 2**20:.0f} MiB before the loads, "
+                  f"{rss_after / 2**20:.0f} MiB 30 s after ({100 * (rss_after / rss_before - 1):+.1f} %); the server "
+                  f"{'answered ready' if healthy else 'was NOT ready'} after them.", ""]
+    for r in rows:
+        for e in r["lost"][:3]:
+            lines.append(f"- lost at {r['label']}: {e[:300]}")
+    if pair:
+        lines += measure_pair(model, repos["on"], tmp)
+    return lines
+
+
+def measure_pair(model: str, repo: Path, tmp: Path) -> list[str]:
+    with TritonServer(repo, log_file=tmp / f"{model}-a.log") as a, \
+            TritonServer(repo, log_file=tmp / f"{model}-b.log") as b:
+        pin(a, 0)
+        pin(b, 1)
+        calibrated(a)
+        calibrated(b)
+        burst([a.grpc_url], model, 1)
+        burst([b.grpc_url], model, 1)
+        settle(a)
+        c = throughput([a.grpc_url], model, 8)   # one pinned server, alone (8 at once: above its C)
+        settle(a)
+        n = max(2, round(2 * c))
+        out, _ = burst([a.grpc_url, b.grpc_url], model, n, retries=1, offset=23)
+    admitted = [r for r, e in out if e is None]
+    refused = [(r, e) for r, e in out if e is not None and "disposition=busy" in e]
+    lost = [e for _, e in out if e is not None and "disposition=busy" not in e]
+    # a refusal reached the caller while the other server had room when that server never refused it
+    one_sided = [e for r, e in refused if not (a.grpc_url in " ".join(r.retries + r.resumes + [e])
+                                                 and b.grpc_url in " ".join(r.retries + r.resumes + [e]))]
+    on_b = sum(any(b.grpc_url in m for m in r.resumes) for r in admitted)
+    print(f"  pair: C one pinned server {c:.2f}; {n} offered, {len(admitted)} admitted ({on_b} on B), "
+          f"{len(refused)} refused, {len(one_sided)} of them by one server only", flush=True)
+    return ["", f"Two servers, each pinned to one core (`taskset`); C of one of them alone (8 at once): {c:.2f} s of "
+                f"audio per second; {n} streams (2 C) offered at once to the URL list [A, B]: **{len(admitted)} "
+                f"admitted** ({on_b} sent on to B by A's busy answer), {len(refused)} refusals reached the caller, "
+                f"**{len(one_sided)} of them while the other server had not refused** (had room), {len(lost)} "
+                f"accepted lost.", ""]
+
+
+def write_section(out: Path, lines: list[str]) -> None:
+    text = out.read_text() if out.exists() else ""
+    section = "\n".join([BEGIN] + lines + [END])
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    out.write_text(text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="both", choices=("token2mel", "token2wav", "both"))
+    p.add_argument("--loads", default="1.5,3,10", help="streams at once in units of C (%(default)s)")
+    p.add_argument("--at-once", type=int, default=16, help="streams that measure C (%(default)s)")
+    p.add_argument("--pair", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the two pinned servers (%(default)s)")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "qos.md",
+                   help="the file whose admission section is (re)written (default: %(default)s)")
+    args = p.parse_args(argv)
+    loads = [float(x) for x in args.loads.split(",")]
+    models = ("token2mel", "token2wav") if args.model == "both" else (args.model,)
+    lines = ["## Admission by capacity (issue 34)", "",
+             f"Made by `scripts/measure_admission.py` on {', '.join(f'{k} {v}' for k, v in machine().items())}: the "
+             f"trained small teacher (10 guided steps), held-out sentences of 3-6 s with their own prompts, `fifo`, "
+             f"each stream a plain `StreamingClient` with no retry (a refusal reaches the caller); loads in units of "
+             f"the C measured in the same run on the same repository without the check.", ""]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        repos = {"off": tmp / "off", "on": tmp / "on"}
+        build(repos["off"], 0.0)
+        build(repos["on"], 0.9)
+        for model in models:
+            lines += measure_model(model, loads, args.at_once, repos, tmp, args.pair)
+    write_section(args.out, lines)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The capacity model (s3flow.engine.capacity), its load reports (s3flow.serving.load) and the calibration's plan,
+without a server: the fits recover known costs, a stream is priced against the plan, the capacity is where N
+streams fill the device, the correction follows measured executes, and the reports sum across instances."""
+import numpy as np
+import pytest
+import torch
+
+from s3flow.engine.capacity import CapacityModel, Costs, CostFit, Plan, Work, default_plan, padding_factor
+from s3flow.engine.settings import SolverSettings
+from s3flow.engine.streaming import StreamingEngine
+from s3flow.protocol import RequestRules, parse_request
+from s3flow.serving.calibration import planned_start
+from s3flow.serving.load import InstanceLoad, LoadFiles, LoadReport
+
+PLAN, STEPS, ROWS = planned_start(SolverSettings(), n_feats=80, meanflow=False)
+
+
+def test_the_fit_recovers_a_fixed_and_a_per_unit_cost_and_follows_a_change():
+    fit, rng = CostFit(halflife=20), np.random.default_rng(0)
+    for _ in range(200):
+        units = rng.integers(100, 5000)
+        fit.observe(units, 0.004 + 2e-6 * units)
+    assert fit.fixed == pytest.approx(0.004, rel=1e-6) and fit.per_unit == pytest.approx(2e-6, rel=1e-6)
+    for _ in range(200):                       # the host got twice as slow: old calls are forgotten
+        units = rng.integers(100, 5000)
+        fit.observe(units, 2 * (0.004 + 2e-6 * units))
+    assert fit.fixed == pytest.approx(0.008, rel=1e-3) and fit.per_unit == pytest.approx(4e-6, rel=1e-3)
+    flat = CostFit()
+    for units in (100, 200, 300):              # time that does not grow with size: a fixed cost alone
+        flat.observe(units, 0.01 - 1e-6 * units)
+    assert flat.per_unit == 0 and flat.fixed > 0
+
+
+def test_the_default_plan_is_the_clients_schedule_and_the_plan_ends_on_whole_chunks():
+    from s3flow_client.chunking import chunk_schedule
+    assert default_plan(8.0) == chunk_schedule(200)
+    sizes = [w.frames // 2 for w in PLAN.chunks]
+    assert sizes[:5] == [10, 20, 40, 80, 100] and set(sizes[4:]) == {100}
+    assert STEPS == 10 and ROWS == 2 and PLAN.expected_frames == 250
+    assert all(w.steps == STEPS and w.chunks == 1 for w in PLAN.chunks)
+
+
+def test_a_plan_counts_the_estimator_calls_the_engine_really_makes():
+    """plan_work over stand-in networks against a StreamingEngine run that records its calls."""
+    calls = []
+
+    def encode(tokens, token_len, embedding):
+        return torch.zeros(tokens.shape[0], 80, 2 * tokens.shape[1]), None, torch.zeros(tokens.shape[0], 80)
+
+    def estimate(inputs):
+        calls.append(inputs.x.shape[0] * inputs.x.shape[2])
+        return torch.zeros_like(inputs.x)
+
+    engine = StreamingEngine(encode, estimate, n_feats=80, meanflow=False)
+    rng = np.random.default_rng(1)
+    sizes = [w.frames // 2 for w in PLAN.chunks]
+    for k, n in enumerate(sizes):
+        inputs = {"speech_tokens": rng.integers(0, 6561, (1, n), dtype=np.int64)}
+        if k == 0:
+            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, 150), dtype=np.int64),
+                          prompt_mel=np.zeros((1, 300, 80), np.float32), speaker_embedding=np.ones((1, 192), np.float32))
+        engine.run([engine.admit(1, parse_request(inputs, start=k == 0, end=k == len(sizes) - 1,
+                                                  rules=RequestRules(max_chunk_tokens=200), n_feats=80))])
+    assert sum(calls) == sum(w.row_frames for w in PLAN.chunks) and len(calls) == sum(w.steps for w in PLAN.chunks)
+
+
+def test_a_stream_is_priced_against_the_plan_by_how_much_heavier_it_is():
+    costs = Costs(0.005, 5e-5, 0.002, 5e-5, max_batch=8)
+    planned = costs.demand(PLAN.expected(), 4)
+    assert PLAN.demand(costs, Work(), 4) == planned                      # nothing answered yet: the plan's
+    early = PLAN.prefix(60)                                              # its first chunk and half the second
+    assert early.frames == 60 and PLAN.demand(costs, early, 4) == pytest.approx(planned)
+    assert costs.demand(early, 4) > 1.3 * planned, "early chunks are the costliest per second of audio"
+    heavy = Work(2 * early.row_frames, 2 * early.steps, early.chunks, early.encoder_tokens, early.frames)
+    assert 1.5 * planned < PLAN.demand(costs, heavy, 4) < 2 * planned   # twice the estimator work
+    long = PLAN.prefix(5000)                                            # far past the plan: its last chunk again
+    assert long.frames == 5000 and PLAN.demand(costs, long, 4) == pytest.approx(planned)
+
+
+def test_capacity_is_where_n_streams_fill_the_device():
+    planned = PLAN.expected()
+    for costs in (Costs(0.005, 5e-5, 0.002, 5e-5, 8), Costs(0.05, 1e-6, 0.0, 0.0, 4), Costs(0.0, 2e-4, 0.0, 0.0, 8)):
+        c = costs.capacity(planned)
+        n = c   # streams of real-time playback: one second of audio per second each
+        assert n * costs.demand(planned, costs.share(round(n))) == pytest.approx(1.0, rel=0.15), costs
+    assert Costs().capacity(planned) == 0.0, "nothing measured, nothing claimed"
+
+
+def test_the_correction_follows_measured_executes_and_starts_at_the_padding_prior():
+    model = CapacityModel(max_batch=8, prior_correction=padding_factor(PLAN, 8))
+    assert 1.2 < model.prior_correction < 2.0
+    model.estimator_timed(2, 100, 0.001 + 200 * 1e-5)
+    model.estimator_timed(8, 100, 0.001 + 800 * 1e-5)
+    assert model.costs().est_per_unit == pytest.approx(1e-5 * model.prior_correction)
+    work = Work(row_frames=1000, steps=5, chunks=1, encoder_tokens=0, frames=20)
+    for _ in range(100):   # every execute took 3x what its two chunks are priced at
+        model.chunk_work(1, work)
+        model.chunk_work(2, work)
+        priced = 2 * model._costs(1.0).seconds(work, 2)
+        model.executed(3 * priced)
+    assert model.correction == pytest.approx(3.0) and model.costs().est_fixed == pytest.approx(3 * 0.001)
+    assert padding_factor(PLAN, 1) == 1.0
+
+
+def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tmp_path):
+    files = LoadFiles(tmp_path)
+    model = CapacityModel(max_batch=8, prior_correction=1.0)
+    model.estimator_timed(2, 200, 0.002 + 400 * 2e-5)
+    model.estimator_timed(8, 200, 0.002 + 1600 * 2e-5)
+    model.encoder_timed(100, 0.001)
+    for c in (1, 2):
+        model.chunk_work(c, PLAN.prefix(100))
+    InstanceLoad(files, "cfm_solver_0", "solver", model, PLAN, STEPS, ROWS).publish([1, 2, 3])   # 3: no answer yet
+    vocoder = CapacityModel(max_batch=1)
+    vocoder.estimator_timed(1, 100, 0.01)
+    vocoder.chunk_work(1, Work(row_frames=100, steps=1, frames=100))
+    InstanceLoad(files, "vocoder_0", "vocoder", vocoder).publish([1])
+    (tmp_path / "vocoder_1.tmp123").write_text("half written")
+    load = files.read()
+    assert load.known and load.solver_ids == {1, 2, 3} and len(load.reports) == 2
+    costs = model.costs()
+    one = costs.demand(PLAN.expected(), 3)
+    assert load.utilization() == pytest.approx(3 * one + 0.01 / 2, rel=1e-6)   # 3 by the plan; vocoder 0.01 s per 2 s
+    assert load.utilization(pending=2) > load.utilization()
+    solver_part = costs.demand(PLAN.expected(), 4)
+    assert load.start_demand() == pytest.approx(solver_part + 0.005 / 3, rel=1e-6), "a third of streams vocode"
+    unguided = load.start_demand(steps=10, guidance_rate=0.0) - 0.005 / 3
+    assert unguided < 0.6 * solver_part and load.start_demand(steps=20) > 1.8 * solver_part
+    assert load.capacity == pytest.approx(costs.capacity(PLAN.expected()))
+    assert LoadReport.from_json(load.reports[0].to_json()) == load.reports[0]
+
+
+def test_the_wait_is_until_enough_streams_of_the_expected_length_end(tmp_path):
+    files = LoadFiles(tmp_path)
+    model = CapacityModel(max_batch=1)
+    model.estimator_timed(1, 100, 0.01)
+    InstanceLoad(files, "s", "solver", model, PLAN, STEPS, ROWS).publish([])
+    one = files.read().start_demand()
+    model.chunk_work(1, PLAN.prefix(300))     # 6 s made of 8 expected: ends in about 2 s
+    model.chunk_work(2, PLAN.prefix(50))      # 1 s made: ends in about 7 s
+    InstanceLoad(files, "s", "solver", model, PLAN, STEPS, ROWS).publish([1, 2])
+    load = files.read()
+    assert load.utilization() == pytest.approx(2 * one)           # both exactly as the plan (max_batch 1)
+    assert load.wait_until(target=3 * one, need=one, expected_s=8.0) == 0.0
+    assert load.wait_until(target=2 * one, need=one, expected_s=8.0) == pytest.approx(2.0)
+    assert load.wait_until(target=one, need=one, expected_s=8.0) == pytest.approx(7.0)
+    assert load.wait_until(target=0.5 * one, need=one, expected_s=8.0) == 8.0, "never enough: the longest wait"

@@ -1,0 +1,111 @@
+"""Admission by capacity against a real tritonserver: the solver calibrates at load and exports its capacity and
+utilization; a START the server cannot carry is refused at admission with busy and a retry_after, to a plain
+tritonclient and to our client alike.
+
+The repository's target is tiny (1e-3), so that after the calibration every START through ``token2mel`` is over
+it; a sequence started directly at ``cfm_solver`` (past admission) is what the utilization counts.
+"""
+from __future__ import annotations
+
+import queue
+import time
+
+import numpy as np
+import pytest
+
+from s3flow_contract.answers import Disposition, answer_of
+from s3flow_contract.tensors import request_arrays
+from s3flow.engine.settings import SolverSettings
+from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.flow import FlowConfig
+from s3flow.repository.generator import write_repository
+from s3flow.repository.settings import RepositorySettings
+from s3flow.server.metrics_reader import metric_sum, read_metrics
+from s3flow.server.triton_server import TritonServer
+from s3flow_client import StreamingClient
+from s3flow_client.demo import demo_utterance
+from s3flow_client.stream import StreamError
+from s3flow_client.wire import infer_inputs
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("capacity")
+    flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=8))
+    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, utilization_target=1e-3, idle_timeout_s=5.0),
+                                  ort_threads=1)
+    write_repository(root / "repo", flow, settings)
+    with TritonServer(root / "repo", log_file=root / "server.log") as srv:
+        t0 = time.monotonic()
+        while gauge(srv, "s3flow_capacity_audio_seconds_per_second") <= 0:   # the calibration at load
+            assert time.monotonic() - t0 < 60, "the solver never published a capacity: " + srv.log_tail()
+            time.sleep(0.25)
+        yield srv
+
+
+def gauge(server, name: str) -> float:
+    return metric_sum(read_metrics(f"127.0.0.1:{server.metrics_port}"), name)
+
+
+def start_tensors(seed: int):
+    u = demo_utterance(1.0, seed=seed)
+    return request_arrays(u.speech_tokens[:10], start=True, prompt_tokens=u.prompt_tokens, prompt_mel=u.prompt_mel,
+                          speaker_embedding=u.speaker_embedding, n_timesteps=2)
+
+
+def test_an_idle_server_exports_its_capacity_and_no_utilization(server):
+    assert gauge(server, "s3flow_capacity_audio_seconds_per_second") > 0
+    assert gauge(server, "s3flow_utilization") == 0
+
+
+def test_a_start_over_capacity_is_refused_busy_at_admission_to_a_plain_client(server):
+    events = queue.Queue()
+    client = server.client()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        for k in range(8):   # never ended: a refusal holds nothing
+            client.async_stream_infer("token2mel", infer_inputs(start_tensors(k)), sequence_id=5_000 + k,
+                                      sequence_start=True)
+        answers = [events.get(timeout=30) for _ in range(8)]
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    for result, error in answers:
+        assert result is None and error is not None
+        answer = answer_of(str(error))
+        assert answer.disposition is Disposition.BUSY and 0.2 <= answer.retry_after_s <= 5.0, str(error)
+        assert "admission" in str(error) and "at capacity: utilization" in str(error)
+
+
+def test_our_client_retries_after_the_retry_after_and_reports_the_busy_answers(server):
+    u = demo_utterance(1.0, seed=20)
+    u.n_timesteps = 2
+    t0 = time.monotonic()
+    with pytest.raises(StreamError) as caught:
+        StreamingClient(server.grpc_url, timeout_s=60, max_retries=1, max_resumes=0).synthesize([u])
+    took = time.monotonic() - t0
+    [r] = caught.value.results
+    busy = [answer_of(m) for m in r.retries]
+    assert len(busy) == 1 and busy[0].disposition is Disposition.BUSY
+    assert took >= busy[0].retry_after_s, "the retry waited for the retry_after"
+    assert "disposition=busy" in r.error
+
+
+def test_the_utilization_counts_a_sequence_the_solver_holds(server):
+    client = server.client()
+    try:
+        client.infer("cfm_solver", infer_inputs(start_tensors(30)), sequence_id=7_000, sequence_start=True)
+        t0 = time.monotonic()
+        while gauge(server, "s3flow_utilization") <= 0:
+            assert time.monotonic() - t0 < 10, "a held sequence shows no utilization"
+            time.sleep(0.2)
+        client.infer("cfm_solver", infer_inputs(request_arrays(np.zeros(0, np.int64))), sequence_id=7_000,
+                     sequence_end=True)
+        t0 = time.monotonic()
+        while gauge(server, "s3flow_utilization") > 0:
+            assert time.monotonic() - t0 < 10, "an ended sequence still counts"
+            time.sleep(0.2)
+    finally:
+        client.close()
