@@ -175,13 +175,18 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
         for e in r["lost"][:3]:
             lines.append(f"- lost at {r['label']}: {e[:300]}")
     if pair:
-        lines += measure_pair(model, repos["on"], tmp)
+        lines += measure_pair(model, repos, tmp)
     return lines
 
 
-def measure_pair(model: str, repo: Path, tmp: Path) -> list[str]:
-    with TritonServer(repo, log_file=tmp / f"{model}-a.log") as a, \
-            TritonServer(repo, log_file=tmp / f"{model}-b.log") as b:
+def measure_pair(model: str, repos: dict, tmp: Path) -> list[str]:
+    with TritonServer(repos["off"], log_file=tmp / f"{model}-c.log") as alone:   # C of one pinned server
+        pin(alone, 0)
+        calibrated(alone)
+        burst([alone.grpc_url], model, 1)
+        c = throughput([alone.grpc_url], model, 8)
+    with TritonServer(repos["on"], log_file=tmp / f"{model}-a.log") as a, \
+            TritonServer(repos["on"], log_file=tmp / f"{model}-b.log") as b:
         pin(a, 0)
         pin(b, 1)
         calibrated(a)
@@ -189,8 +194,7 @@ def measure_pair(model: str, repo: Path, tmp: Path) -> list[str]:
         burst([a.grpc_url], model, 1)
         burst([b.grpc_url], model, 1)
         settle(a)
-        c = throughput([a.grpc_url], model, 8)   # one pinned server, alone (8 at once: above its C)
-        settle(a)
+        settle(b)
         n = max(2, round(2 * c))
         out, _ = burst([a.grpc_url, b.grpc_url], model, n, retries=1, offset=23)
     admitted = [r for r, e in out if e is None]
@@ -243,7 +247,7 @@ def main(argv=None) -> int:
         build(repos["on"], 0.9)
         for model in models:
             lines += measure_model(model, loads, args.at_once, repos, tmp, args.pair)
-    write_section(args.out, lines)
+            write_section(args.out, lines)   # what is measured so far
     print("\n".join(lines))
     return 0
 

@@ -80,7 +80,7 @@ def _solver_load(folder, live_ids, per_stream: float):
 
     plan, steps, rows = planned_start(SolverSettings(), 80, False)
     model = CapacityModel(max_batch=1)
-    work = plan.expected()
+    work = plan.window(0)   # a stream with nothing answered yet: the plan's first seconds
     model.estimator_timed(1, 1000, 1000 * per_stream * work.audio_s / work.row_frames)   # per unit only
     files = LoadFiles(folder)
     InstanceLoad(files, "cfm_solver_0", "solver", model, plan, steps, rows).publish(live_ids)

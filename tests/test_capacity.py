@@ -66,15 +66,17 @@ def test_a_plan_counts_the_estimator_calls_the_engine_really_makes():
 
 def test_a_stream_is_priced_against_the_plan_by_how_much_heavier_it_is():
     costs = Costs(0.005, 5e-5, 0.002, 5e-5, max_batch=8)
-    planned = costs.demand(PLAN.expected(), 4)
-    assert PLAN.demand(costs, Work(), 4) == planned                      # nothing answered yet: the plan's
+    planned = costs.demand(PLAN.window(0), 4)                          # a START: the plan's first 2 s
+    assert PLAN.window(0).frames == 100 and PLAN.demand(costs, Work(), 4) == planned
+    assert planned > 1.15 * costs.demand(PLAN.expected(), 4), "a young stream needs more than the average"
     early = PLAN.prefix(60)                                              # its first chunk and half the second
-    assert early.frames == 60 and PLAN.demand(costs, early, 4) == pytest.approx(planned)
-    assert costs.demand(early, 4) > 1.3 * planned, "early chunks are the costliest per second of audio"
+    assert early.frames == 60 and PLAN.demand(costs, early, 4) == pytest.approx(costs.demand(PLAN.window(60), 4))
     heavy = Work(2 * early.row_frames, 2 * early.steps, early.chunks, early.encoder_tokens, early.frames)
-    assert 1.5 * planned < PLAN.demand(costs, heavy, 4) < 2 * planned   # twice the estimator work
+    ratio = PLAN.demand(costs, heavy, 4) / PLAN.demand(costs, early, 4)
+    assert 1.5 < ratio < 2, "twice the estimator work"
     long = PLAN.prefix(5000)                                            # far past the plan: its last chunk again
-    assert long.frames == 5000 and PLAN.demand(costs, long, 4) == pytest.approx(planned)
+    assert long.frames == 5000 and PLAN.demand(costs, long, 4) == pytest.approx(costs.demand(PLAN.window(5000), 4))
+    assert PLAN.demand(costs, long, 4) < 0.8 * planned, "an old stream in steady chunks is cheaper than a young one"
 
 
 def test_capacity_is_where_n_streams_fill_the_device():
@@ -119,10 +121,10 @@ def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tm
     load = files.read()
     assert load.known and load.solver_ids == {1, 2, 3} and len(load.reports) == 2
     costs = model.costs()
-    one = costs.demand(PLAN.expected(), 3)
-    assert load.utilization() == pytest.approx(3 * one + 0.01 / 2, rel=1e-6)   # 3 by the plan; vocoder 0.01 s per 2 s
+    streams = 2 * costs.demand(PLAN.window(100), 3) + costs.demand(PLAN.window(0), 3)   # 3: by the plan's start
+    assert load.utilization() == pytest.approx(streams + 0.01 / 2, rel=1e-6)   # + the vocoder: 0.01 s per 2 s
     assert load.utilization(pending=2) > load.utilization()
-    solver_part = costs.demand(PLAN.expected(), 4)
+    solver_part = costs.demand(PLAN.window(0), 4)
     assert load.start_demand() == pytest.approx(solver_part + 0.005 / 3, rel=1e-6), "a third of streams vocode"
     unguided = load.start_demand(steps=10, guidance_rate=0.0) - 0.005 / 3
     assert unguided < 0.6 * solver_part and load.start_demand(steps=20) > 1.8 * solver_part
@@ -134,14 +136,14 @@ def test_the_wait_is_until_enough_streams_of_the_expected_length_end(tmp_path):
     files = LoadFiles(tmp_path)
     model = CapacityModel(max_batch=1)
     model.estimator_timed(1, 100, 0.01)
-    InstanceLoad(files, "s", "solver", model, PLAN, STEPS, ROWS).publish([])
-    one = files.read().start_demand()
     model.chunk_work(1, PLAN.prefix(300))     # 6 s made of 8 expected: ends in about 2 s
     model.chunk_work(2, PLAN.prefix(50))      # 1 s made: ends in about 7 s
     InstanceLoad(files, "s", "solver", model, PLAN, STEPS, ROWS).publish([1, 2])
     load = files.read()
-    assert load.utilization() == pytest.approx(2 * one)           # both exactly as the plan (max_batch 1)
-    assert load.wait_until(target=3 * one, need=one, expected_s=8.0) == 0.0
-    assert load.wait_until(target=2 * one, need=one, expected_s=8.0) == pytest.approx(2.0)
+    d = load.reports[0].demand()
+    one = load.start_demand()
+    assert load.utilization() == pytest.approx(d[1] + d[2])
+    assert load.wait_until(target=d[1] + d[2] + one, need=one, expected_s=8.0) == 0.0
+    assert load.wait_until(target=d[2] + one, need=one, expected_s=8.0) == pytest.approx(2.0)
     assert load.wait_until(target=one, need=one, expected_s=8.0) == pytest.approx(7.0)
     assert load.wait_until(target=0.5 * one, need=one, expected_s=8.0) == 8.0, "never enough: the longest wait"

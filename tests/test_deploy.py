@@ -71,7 +71,9 @@ ENTRYPOINT = DOCKER / "entrypoint.sh"
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 #: kinds that have no schema in kubernetes-validate, and why they are skipped there
 NO_SCHEMA = {"ServiceMonitor": "Prometheus Operator CRD (monitoring.coreos.com): kubernetes-validate ships "
-                               "only the built-in API schemas; checked structurally instead"}
+                               "only the built-in API schemas; checked structurally instead",
+             "PrometheusRule": "Prometheus Operator CRD (monitoring.coreos.com): its expressions checked against "
+                               "the metrics the fleet exports instead"}
 #: what the Triton container serves (tritonserver flags in the entrypoint)
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 #: Triton's HTTP endpoints the deploy files may probe (KServe v2 health; Prometheus metrics on the
@@ -1356,6 +1358,51 @@ def test_probe_modules_import_no_heavy_modules(rendered, compose):
                        f"(python -X importtime -c 'import MODULE' shows through which import)")
 
 
+# ---------------------------------------------------------------------------- scaling on load (issue 34)
+def test_the_hpa_owns_the_replicas_and_scales_on_utilization_below_the_admission_target(rendered):
+    from s3flow.engine.sequences import Capacity
+    from s3flow.serving.metrics import UTILIZATION
+
+    [hpa] = by_kind(rendered, "HorizontalPodAutoscaler")
+    c = triton_container(rendered)
+    deployment = next(d for d in by_kind(rendered, "Deployment") if c in d["spec"]["template"]["spec"]["containers"])
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": deployment["metadata"]["name"]}
+    assert "replicas" not in deployment["spec"], "the HPA owns the replicas: a fixed count would fight it"
+    [metric] = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == UTILIZATION.name
+    target = metric["pods"]["target"]["averageValue"]
+    value = int(target[:-1]) / 1000 if target.endswith("m") else float(target)
+    assert 0 < value < Capacity().utilization_target, "the fleet must grow before its pods refuse"
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    down = hpa["spec"]["behavior"]["scaleDown"]
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert all(pol["type"] == "Pods" and pol["value"] == 1 and pol["periodSeconds"] >= grace for pol in down["policies"]), \
+        "one drain at a time"
+
+
+def test_the_adapter_rule_serves_the_utilization_the_hpa_reads_summed_per_pod(rendered):
+    [cm] = [d for d in by_kind(rendered, "ConfigMap") if d["metadata"]["name"] == "s3flow-adapter-rules"]
+    [rule] = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
+    [hpa] = by_kind(rendered, "HorizontalPodAutoscaler")
+    name = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
+    assert rule["seriesQuery"].startswith(name + "{") and rule["name"]["as"] == name
+    assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+    assert rule["metricsQuery"].startswith("sum(") and "by (<<.GroupBy>>)" in rule["metricsQuery"]
+
+
+def test_alert_rules_read_only_metrics_the_fleet_exports():
+    from s3flow.serving.metrics import FAMILIES
+
+    [doc] = load_yaml_docs(K8S / "prometheusrule.yaml")
+    exprs = [r["expr"] for g in doc["spec"]["groups"] for r in g["rules"]]
+    used = set(re.findall(r"\b(s3flow_[a-z0-9_]+)", " ".join(exprs)))
+    assert used and used <= {f.name for f in FAMILIES}, sorted(used - {f.name for f in FAMILIES})
+    assert {"s3flow_utilization", "s3flow_stream_underruns_total"} <= used, "above target, and what a listener hears"
+    assert all(r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"]
+               for g in doc["spec"]["groups"] for r in g["rules"])
+
+
 # ------------------------------------------------------------------------------------------ Grafana
 #: Triton's own metrics the dashboard reads (Triton's metrics docs: inference and GPU families)
 TRITON_METRICS = {"nv_inference_queue_duration_us", "nv_inference_request_success", "nv_gpu_utilization"}
@@ -1379,6 +1426,7 @@ def test_grafana_dashboard_reads_only_metrics_the_fleet_exports():
     used = dashboard_metrics(dashboard)
     assert used and used <= ours | TRITON_METRICS, sorted(used - ours - TRITON_METRICS)
     assert {"s3flow_first_audio_seconds_bucket", "s3flow_stream_underruns_total"} <= used, "what a listener feels"
+    assert {"s3flow_utilization", "s3flow_admission_refusals_total"} <= used, "how full, and who was turned away"
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids)) and all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])
     broken = json.loads(json.dumps(dashboard).replace("s3flow_stream_underruns_total", "s3flow_stream_underrun_total"))

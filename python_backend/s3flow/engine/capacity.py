@@ -16,9 +16,10 @@ priced at (:meth:`CapacityModel.executed`), averaged; before the first execute, 
 plan's chunks would have (:func:`padding_factor`).
 
 Work. A stream's chunks report what they cost (:class:`Work`: estimator row-frames over all steps, steps,
-chunks, encoder tokens, frames made final); its demand is its work so far priced now, per second of audio. The
-server knows neither an utterance's length nor a live client's next chunks: a stream's demand follows the chunks it
-actually sent, and a START's is the default plan's (scaled by its own steps and guidance).
+chunks, encoder tokens, frames made final). The server knows neither an utterance's length nor a live client's
+next chunks: a stream's demand is the default plan's (:class:`Plan`) over the next ``HORIZON_S`` of its audio,
+scaled by how much heavier than the plan its chunks so far have been; a START's is the plan's first
+``HORIZON_S`` (at its own steps and guidance).
 
 Example::
 
@@ -38,6 +39,9 @@ from typing import Iterable
 from s3flow.engine.observer import Observer
 
 FRAMES_PER_SECOND = 50.0
+#: how far ahead a stream's demand looks: the next seconds of its audio by the plan
+HORIZON_S = 2.0
+HORIZON_FRAMES = FRAMES_PER_SECOND * HORIZON_S
 
 
 class CostFit:
@@ -253,10 +257,18 @@ class Plan:
     def expected(self) -> Work:
         return self.prefix(self.expected_frames)
 
+    def window(self, start: float, frames: float = HORIZON_FRAMES) -> Work:
+        """The plan's work for its generated frames [start, start + frames)."""
+        w, before = self.prefix(start + frames), self.prefix(start)
+        return Work(w.row_frames - before.row_frames, w.steps - before.steps, w.chunks - before.chunks,
+                    w.encoder_tokens - before.encoder_tokens, w.frames - before.frames)
+
     def demand(self, costs: "Costs", work: Work, share: float) -> float:
-        """A stream's demand (device s per s) that did ``work`` so far: the plan's, scaled by how much more its
-        work cost than the plan's for as much audio; the plan's own before it made any."""
-        planned = costs.demand(self.expected(), share)
+        """A stream's demand (device s per s) that did ``work`` so far: the plan's over the next ``HORIZON_S`` of
+        its audio (a young stream's chunks are the costliest per second of audio, and a real-time player needs
+        each of them in time, not on average), scaled by how much more its work cost than the plan's for as much
+        audio; a START's: the plan's first ``HORIZON_S``."""
+        planned = costs.demand(self.window(work.frames), share)
         if not work.frames:
             return planned
         base = costs.seconds(self.prefix(work.frames), share)

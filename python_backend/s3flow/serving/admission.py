@@ -120,7 +120,7 @@ class Admission:
             gone = self.gone.note(corr_id) if self.gone is not None else None
             if gone is not None:   # the solver dropped it and gave Triton its slot back
                 return Outcome(error=f"{self.name}: sequence {corr_id} is not active: {gone}", code=INVALID_ARG,
-                               answer=Answer(Disposition.RESUME, corr_id))
+                               answer=Answer(Disposition.RESUME, corr_id), reason="gone")
             if self.seen is not None:
                 self.seen.mark(corr_id)
             return None
@@ -131,13 +131,14 @@ class Admission:
                                 n_feats=self.n_feats)
         except UnknownVoice as exc:
             return Outcome(error=seq + str(exc), code=INVALID_ARG,
-                           answer=Answer(Disposition.RETRY, corr_id, resend="prompt"))
+                           answer=Answer(Disposition.RETRY, corr_id, resend="prompt"), reason="voice")
         except RequestError as exc:
-            return Outcome(error=seq + str(exc), code=INVALID_ARG, answer=Answer(Disposition.FAIL, corr_id))
+            return Outcome(error=seq + str(exc), code=INVALID_ARG, answer=Answer(Disposition.FAIL, corr_id),
+                           reason="invalid")
         if self.draining():
             return Outcome(error=seq + "the server is draining (shutting down) and takes no new sequences; send "
                                        "the START to another server", code=UNAVAILABLE,
-                           answer=Answer(Disposition.RESUME, corr_id))
+                           answer=Answer(Disposition.RESUME, corr_id), reason="draining")
         if self.live is not None:
             now = self.clock()
             live, cap = self.live.read()
@@ -147,7 +148,7 @@ class Admission:
                 wait = self.grace_s
                 return Outcome(error=seq + f"too many live sequences ({held}, max_live_sequences {cap}); retry in "
                                            f"{wait:.1f} s", code=UNAVAILABLE,
-                               answer=Answer(Disposition.BUSY, corr_id, retry_after_s=wait))
+                               answer=Answer(Disposition.BUSY, corr_id, retry_after_s=wait), reason="live")
             if self.load is not None and self.capacity.utilization_target > 0:
                 refusal = self._over_capacity(seq, corr_id, req, live)
                 if refusal is not None:
@@ -176,4 +177,4 @@ class Admission:
         return Outcome(error=seq + f"the server is at capacity: utilization {now:.2f} + {mine:.2f} for this stream "
                                    f"is above the target {target:.2f} (capacity {load.capacity:.1f} audio s per s); "
                                    f"retry in {wait:.1f} s or on another server", code=UNAVAILABLE,
-                       answer=Answer(Disposition.BUSY, corr_id, retry_after_s=wait))
+                       answer=Answer(Disposition.BUSY, corr_id, retry_after_s=wait), reason="capacity")

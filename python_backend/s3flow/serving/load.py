@@ -79,8 +79,8 @@ class LoadReport:
             return 0.0
         rows = self.planned_rows if guidance_rate is None or self.planned_rows == 1 else (2 if guidance_rate else 1)
         ratio = (steps or self.planned_steps) * rows / max(self.planned_steps * self.planned_rows, 1)
-        expected = self.planned.expected()
-        return self.costs.demand(expected.scaled(ratio, (steps or self.planned_steps) / max(self.planned_steps, 1)),
+        first = self.planned.window(0)
+        return self.costs.demand(first.scaled(ratio, (steps or self.planned_steps) / max(self.planned_steps, 1)),
                                  share)
 
     def stream_demand(self, work: Work, share: float) -> float:

@@ -34,6 +34,8 @@ metric (labels ``model``, ``instance``)       kind       what
                                                          target; ``s3flow.engine.capacity``)
 ``s3flow_capacity_audio_seconds_per_second``  gauge      the solver's estimate of the audio seconds per
                                                          second the server makes at full batches
+``s3flow_admission_refusals_total{reason}``   counter    admission: STARTs refused, by reason
+``s3flow_admission_retry_after_seconds``      histogram  admission: the retry_after of each busy refusal
 ============================================  =========  ===============================================
 
 Example::
@@ -103,10 +105,17 @@ UTILIZATION = Family("s3flow_utilization", "gauge",
 CAPACITY = Family("s3flow_capacity_audio_seconds_per_second", "gauge",
                   "audio seconds per second the server makes for default streams at full batches (estimate)")
 
+ADMISSION_REFUSALS = Family("s3flow_admission_refusals_total", "counter",
+                            "STARTs refused by admission before the sequence batcher, by reason (capacity, live, "
+                            "draining, voice, invalid)")
+ADMISSION_RETRY_AFTER = Family("s3flow_admission_retry_after_seconds", "histogram",
+                               "the retry_after given with each busy refusal", SECONDS_BUCKETS)
+ADMISSION_FAMILIES = (ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER)
+
 SOLVER_FAMILIES = (LIVE, DROPPED, CHUNK_SECONDS, FIRST_CHUNK_SECONDS, CHUNK_NFE, CHUNK_FRAMES, STEP_BATCH,
                    STREAM_LEAD, UNDERRUNS, UTILIZATION, CAPACITY)
 VOCODER_FAMILIES = (FIRST_AUDIO_SECONDS, VOCODER_LIVE, UTILIZATION)
-FAMILIES = SOLVER_FAMILIES + tuple(f for f in VOCODER_FAMILIES if f not in SOLVER_FAMILIES)
+FAMILIES = SOLVER_FAMILIES + tuple(f for f in VOCODER_FAMILIES if f not in SOLVER_FAMILIES) + ADMISSION_FAMILIES
 #: the solver's histograms (every token2mel and token2wav load shows them; the load test checks their counts)
 HISTOGRAMS = tuple(f for f in SOLVER_FAMILIES if f.kind == "histogram")
 

@@ -85,6 +85,7 @@ class Outcome:
     error: Optional[str] = None
     code: Optional[str] = None
     answer: Optional[Answer] = None
+    reason: Optional[str] = None    # a refusal's kind (admission's metric label: s3flow.serving.admission)
 
 
 def failed_outcome(corr_id, message: str, code: str, disposition: Disposition, **extra) -> Outcome:

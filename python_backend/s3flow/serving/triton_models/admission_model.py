@@ -15,6 +15,8 @@ from s3flow.protocol import RequestError, RequestRules, tenant_of
 from s3flow.serving.admission import Admission, LiveCounts
 from s3flow.serving.draining import draining_probe
 from s3flow.serving.load import LoadFiles
+from s3flow.serving.metrics import ADMISSION_FAMILIES, ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER
+from s3flow.serving.triton_models.metric_api import TritonMetrics
 from s3flow.serving.responses import INVALID_ARG
 from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response, pb_utils
@@ -33,6 +35,7 @@ class TritonPythonModel(TritonModel):
             from s3flow.serving.voice_registry import VoiceRegistry, default_dir, secret_from_env
             voices = VoiceRegistry(p.str("voice_dir", "") or default_dir(), p.int("max_voices"),
                                    p.int("max_voice_bytes"), secret_from_env()).get
+        self.metrics = TritonMetrics(ADMISSION_FAMILIES, self.name, args.get("model_instance_name", self.name))
         live = LiveCounts(LiveCounts.default_folder())
         self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, live, voices, draining_probe(),
                                    name=self.name, starts=ArrivalMarks(ArrivalMarks.default_folder("starts")),
@@ -51,5 +54,12 @@ class TritonPythonModel(TritonModel):
                               Answer(Disposition.FAIL, request.correlation_id()))
         refusal = self.admission.check(request.correlation_id(), start, end, input_arrays(request, REQUEST), tenant)
         if refusal is not None:
+            if refusal.reason != "gone":   # a late chunk of a dropped sequence is no START refused
+                self.metrics.publish(ADMISSION_REFUSALS, 1, {"reason": refusal.reason or "other"})
+            if refusal.answer.retry_after_s is not None:
+                self.metrics.publish(ADMISSION_RETRY_AFTER, refusal.answer.retry_after_s, {})
             return self.error(refusal.error, refusal.code, refusal.answer)
         return ok_response({_ADMITTED.name: np.ones((1, 1), dtype=_ADMITTED.np_dtype)})
+
+    def finalize(self):
+        self.metrics.close()
