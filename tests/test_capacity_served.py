@@ -3,7 +3,8 @@ utilization; a START the server cannot carry is refused at admission with busy a
 tritonclient and to our client alike.
 
 The repository's target is tiny (1e-3), so that after the calibration every START through ``token2mel`` is over
-it; a sequence started directly at ``cfm_solver`` (past admission) is what the utilization counts.
+it while the server holds a stream: one started directly at ``cfm_solver`` (past admission), which the utilization
+counts. An idle server takes a stream whatever its estimate.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.server
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("capacity")
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=8))
-    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, utilization_target=1e-3, idle_timeout_s=5.0),
+    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, utilization_target=1e-3, idle_timeout_s=120.0),
                                   ort_threads=1)
     write_repository(root / "repo", flow, settings)
     with TritonServer(root / "repo", log_file=root / "server.log") as srv:
@@ -42,8 +43,13 @@ def server(tmp_path_factory):
         while gauge(srv, "s3flow_capacity_audio_seconds_per_second") <= 0:   # the calibration at load
             assert time.monotonic() - t0 < 60, "the solver never published a capacity: " + srv.log_tail()
             time.sleep(0.25)
+        held = srv.client()
+        held.infer("cfm_solver", infer_inputs(start_tensors(30)), sequence_id=HELD, sequence_start=True)
+        held.close()
         yield srv
 
+
+HELD = 7_000
 
 def gauge(server, name: str) -> float:
     return metric_sum(read_metrics(f"127.0.0.1:{server.metrics_port}"), name)
@@ -55,9 +61,12 @@ def start_tensors(seed: int):
                           speaker_embedding=u.speaker_embedding, n_timesteps=2)
 
 
-def test_an_idle_server_exports_its_capacity_and_no_utilization(server):
+def test_the_server_exports_its_capacity_and_the_held_streams_utilization(server):
     assert gauge(server, "s3flow_capacity_audio_seconds_per_second") > 0
-    assert gauge(server, "s3flow_utilization") == 0
+    t0 = time.monotonic()
+    while gauge(server, "s3flow_utilization") <= 0:
+        assert time.monotonic() - t0 < 10, "a held sequence shows no utilization"
+        time.sleep(0.2)
 
 
 def test_a_start_over_capacity_is_refused_busy_at_admission_to_a_plain_client(server):
@@ -96,19 +105,18 @@ def test_our_client_retries_after_the_retry_after_and_reports_the_busy_answers(s
     assert "disposition=busy" in r.error
 
 
-def test_the_utilization_counts_a_sequence_the_solver_holds(server):
+def test_once_the_held_stream_ends_the_idle_server_takes_a_stream_and_its_utilization_is_back_to_0(server):
     client = server.client()
     try:
-        client.infer("cfm_solver", infer_inputs(start_tensors(30)), sequence_id=7_000, sequence_start=True)
-        t0 = time.monotonic()
-        while gauge(server, "s3flow_utilization") <= 0:
-            assert time.monotonic() - t0 < 10, "a held sequence shows no utilization"
-            time.sleep(0.2)
-        client.infer("cfm_solver", infer_inputs(request_arrays(np.zeros(0, np.int64))), sequence_id=7_000,
+        client.infer("cfm_solver", infer_inputs(request_arrays(np.zeros(0, np.int64))), sequence_id=HELD,
                      sequence_end=True)
-        t0 = time.monotonic()
-        while gauge(server, "s3flow_utilization") > 0:
-            assert time.monotonic() - t0 < 10, "an ended sequence still counts"
-            time.sleep(0.2)
     finally:
         client.close()
+    t0 = time.monotonic()
+    while gauge(server, "s3flow_utilization") > 0:
+        assert time.monotonic() - t0 < 10, "an ended sequence still counts"
+        time.sleep(0.2)
+    u = demo_utterance(1.0, seed=21)
+    u.n_timesteps = 2
+    [r] = StreamingClient(server.grpc_url, timeout_s=60, max_retries=0, max_resumes=0).synthesize([u])
+    assert r.error is None and r.mel.shape == (80, 50) and r.retries == []

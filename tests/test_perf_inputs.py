@@ -193,7 +193,8 @@ def served(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("perf_inputs")
     flow = load_flow(ROOT / "checkpoints" / "trained" / "teacher.safetensors")
-    settings = RepositorySettings(solver=SolverSettings.of(max_live_sequences=8),
+    # a replay as fast as it is answered, not real-time streams: admission by capacity off, as for perf_analyzer
+    settings = RepositorySettings(solver=SolverSettings.of(max_live_sequences=8, utilization_target=0.0),
                                   batching=Batching(max_queue_delay_us=20_000, max_candidate_sequences=16),
                                   ort_threads=1)
     write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=0))

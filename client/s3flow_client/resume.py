@@ -249,6 +249,9 @@ class Run:
             return  # an answer for an attempt given up
         fresh = i >= s.answered  # a chunk never answered before, not a replayed one
         s.in_flight = False
+        if result.as_numpy("mel") is None or result.as_numpy("frame_offset") is None:
+            self.resume(s, f"the server answered chunk {i} without its mel")   # its state there is in doubt
+            return
         try:
             frame_at, sample_at = s.frames, s.samples
             mel = s.accept(result.as_numpy("mel")[0], int(result.as_numpy("frame_offset").reshape(-1)[0]), fresh)

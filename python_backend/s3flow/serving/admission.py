@@ -17,7 +17,8 @@ solver would give (``s3flow_contract.answers``):
   streams' summed demand of the device, each priced by the costs the solver measured, plus what this START needs
   by the default plan at its own steps; ``s3flow.serving.load``): ``busy``, with ``retry_after`` the time until
   enough streams of ``expected_utterance_s`` have ended, clamped to [0.2, 5] s. Before the solver has priced
-  anything (its calibration at load) only the live-sequence cap applies.
+  anything (its calibration at load) only the live-sequence cap applies, and a server that holds no stream takes
+  one whatever its estimate.
 
 Chunks after the START pass unchecked (their sequence holds its slot legitimately; the solver validates them),
 except those of a sequence the solver dropped (``gone``: answered ``resume`` with the solver's reason);
@@ -167,6 +168,8 @@ class Admission:
             return None
         held = load.solver_ids
         pending = sum(1 for c in self._admitted if c not in held and c != corr_id)   # admitted, not yet held
+        if not held and not pending:   # an idle server takes a stream whatever its estimate: none is better served
+            return None
         now = load.utilization(pending)
         mine = load.start_demand(req.n_timesteps, req.guidance_rate, pending)
         target = self.capacity.utilization_target

@@ -206,7 +206,8 @@ class TritonPythonModel(TritonModel):
         started = self.metrics.book.begin()
         incoming = [self._incoming(r) for r in requests]
         self.on_the_way.picking_up([i.corr_id for i in incoming if i.ready])
-        own = [i.ready and self.slots.is_release(i.corr_id, i.end) for i in incoming]   # our own END: answer empty
+        own = [i.ready and self.slots.is_release(i.corr_id, i.end, r.parameters())   # our own END: answer empty
+               for i, r in zip(incoming, requests)]
         for i in incoming:
             if i.ready and i.start:   # the id is in use again
                 self.slots.started(i.corr_id)
@@ -241,7 +242,7 @@ class TritonPythonModel(TritonModel):
         self.on_the_way.picking_up([i.corr_id for i in incoming if i.ready])
         for request, i in zip(requests, incoming):
             sender, arrived = request.get_response_sender(), time.perf_counter()
-            if not i.ready or self.slots.is_release(i.corr_id, i.end):
+            if not i.ready or self.slots.is_release(i.corr_id, i.end, request.parameters()):
                 sender.send(empty_response(), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             if i.start:   # the id is in use again

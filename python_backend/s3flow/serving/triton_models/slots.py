@@ -7,7 +7,9 @@ kept its slot that much longer, and an open slot is an inference in flight to Tr
 stream made SIGTERM wait its whole exit timeout and end in SIGKILL (issue 31). So a stateful model hands every
 dropped sequence to a :class:`SlotRelease`, whose :meth:`send` (from the model's reaper thread, never from
 ``execute``: the request runs on this same instance) sends the sequence an empty END request by BLS. Triton frees
-the slot at that END; the model recognises its own END (:meth:`is_release`) and answers it empty.
+the slot at that END; the model recognises its own END (:meth:`is_release`: its id was released and the request
+carries the ``s3flow_slot_release`` parameter, so the client's own END racing it is never taken for it) and answers
+it empty.
 
 A START that arrives for a dropped id before its END was sent cancels the release (the id is in use again).
 A chunk the client sends after the release never reaches the model (Triton would say "must specify the START
@@ -17,15 +19,19 @@ Example (a model's ``setup``, ``execute`` and reaper)::
 
     self.slots = SlotRelease(self.name, lambda: [pb_utils.Tensor("speech_tokens", np.zeros((1, 0), np.int64))])
     observer: sequence_dropped(corr_id, reason) -> self.slots.dropped(corr_id)
-    execute:  if self.slots.is_release(c.corr_id, c.end): answer empty
+    execute:  if self.slots.is_release(c.corr_id, c.end, request.parameters()): answer empty
     reaper:   self.slots.send()
 """
 from __future__ import annotations
 
+import json
 import threading
 from typing import Callable
 
 from s3flow.serving.responses import pb_utils
+
+#: the request parameter that marks a release END (a client's END of the same id lacks it)
+RELEASE_PARAMETER = "s3flow_slot_release"
 
 
 #: Drops whose request ended the sequence in Triton as well (an END), or that keep it in use (a new START on a
@@ -58,9 +64,15 @@ class SlotRelease:
             if corr_id in self._to_send:
                 self._to_send.remove(corr_id)
 
-    def is_release(self, corr_id: int, end: bool) -> bool:
-        """Whether a request is the END this object sent (then answer it empty, touching no state)."""
-        if not end:
+    def is_release(self, corr_id: int, end: bool, parameters: str = "{}") -> bool:
+        """Whether a request is the END this object sent (then answer it empty, touching no state): an END of a
+        released id with the release parameter (``parameters``: the request's, as JSON)."""
+        if not end or RELEASE_PARAMETER not in parameters:
+            return False
+        try:
+            if not json.loads(parameters).get(RELEASE_PARAMETER):
+                return False
+        except (ValueError, AttributeError):
             return False
         with self._lock:
             if corr_id in self._sent:
@@ -80,7 +92,8 @@ class SlotRelease:
         freed = 0
         for corr_id in ids:
             request = pb_utils.InferenceRequest(model_name=self.model_name, inputs=self.end_inputs(),
-                                                requested_output_names=[], correlation_id=corr_id)
+                                                requested_output_names=[], correlation_id=corr_id,
+                                                parameters={RELEASE_PARAMETER: True})
             request.set_flags(pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
             response = request.exec()
             if response.has_error():   # Triton had freed the slot already (an END came, or its own timeout)

@@ -110,7 +110,7 @@ class TritonPythonModel(TritonModel):
 
     def respond(self, request):
         c = read_controls(request)
-        if not c.ready or self.slots.is_release(c.corr_id, c.end):  # an empty slot of the direct strategy; our END
+        if not c.ready or self.slots.is_release(c.corr_id, c.end, request.parameters()):  # an empty slot of the direct strategy; our END
             return empty_response()
         if c.start:
             self.slots.started(c.corr_id)
