@@ -114,3 +114,11 @@ def test_before_the_solver_priced_anything_only_the_live_cap_applies(tmp_path):
     live.write("cfm_solver_0", [], cap=64)
     a = Admission(RequestRules(), 80, live=live, load=LoadFiles(tmp_path / "load"), capacity=Capacity())
     assert all(a.check(k, True, False, START) is None for k in range(1, 10))
+
+
+def test_live_counts_list_the_recently_ended_for_the_vocoder_but_admission_counts_only_the_live(tmp_path):
+    live = LiveCounts(tmp_path)
+    live.write("cfm_solver_0", [1, 2], cap=4, recent=[9])
+    live.write("cfm_solver_1", [7], cap=4)
+    assert live.read() == ({1, 2, 7}, 8)
+    assert live.read_recent() == {1, 2, 7, 9}

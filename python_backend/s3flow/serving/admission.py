@@ -56,7 +56,8 @@ MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
 class LiveCounts:
     """Each solver instance's live sequences (their correlation ids) and cap, as small files in one folder
     (``/dev/shm`` by default: the instances are separate processes): written by the solver after every
-    execute, read by admission."""
+    execute, read by admission. A second line lists the sequences the solver ended in the last moments: their last
+    mel may still be on its way to the vocoder, which must not take them for idle (:meth:`read_recent`)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -67,30 +68,52 @@ class LiveCounts:
         """The per-run folder of a server (``s3flow.serving.arrivals.server_folder``)."""
         return server_folder("live", server_pid)
 
-    def write(self, instance: str, live_ids: Iterable[int], cap: int) -> None:
+    def write(self, instance: str, live_ids: Iterable[int], cap: int, recent: Iterable[int] = ()) -> None:
         path = self.folder / instance
         tmp = path.with_suffix(f".tmp{threading.get_ident()}")   # the solver writes from several threads
-        tmp.write_text(" ".join([str(int(cap))] + [str(int(i)) for i in live_ids]) + "\n")
+        tmp.write_text(" ".join([str(int(cap))] + [str(int(i)) for i in live_ids]) + "\n"
+                       + " ".join(str(int(i)) for i in recent) + "\n")
         tmp.replace(path)
 
     def remove(self, instance: str) -> None:
         """An instance that unloads stops counting."""
         (self.folder / instance).unlink(missing_ok=True)
 
-    def read(self) -> tuple[set, int]:
-        """(live correlation ids, cap) over the instances that wrote."""
-        ids, cap = set(), 0
+    def _lines(self) -> list[list[str]]:
+        out = []
         for path in self.folder.iterdir():
             if path.suffix.startswith(".tmp"):
                 continue
             try:
-                fields = [int(x) for x in path.read_text().split()]
-            except (OSError, ValueError):
+                out.append(path.read_text().split("\n"))
+            except OSError:
+                continue
+        return out
+
+    def read(self) -> tuple[set, int]:
+        """(live correlation ids, cap) over the instances that wrote."""
+        ids, cap = set(), 0
+        for lines in self._lines():
+            try:
+                fields = [int(x) for x in lines[0].split()]
+            except ValueError:
                 continue
             if fields:
                 cap += fields[0]
                 ids.update(fields[1:])
         return ids, cap
+
+    def read_recent(self) -> set:
+        """The ids live, and those ended in the last moments, over the instances that wrote."""
+        ids = set()
+        for lines in self._lines():
+            try:
+                live = [int(x) for x in lines[0].split()][1:]   # (after the cap)
+                ended = [int(x) for x in lines[1].split()] if len(lines) > 1 else []
+            except ValueError:
+                continue
+            ids.update(live, ended)
+        return ids
 
 
 class Admission:

@@ -18,6 +18,7 @@ never evicts a sequence while one of its chunks is being served), and the solver
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -56,6 +57,8 @@ _MEL, _FRAME_OFFSET, _SEED = (by_name(SOLVER_OUTPUTS)[n] for n in ("mel", "frame
 #: How far out of order requests may reach the batcher after admission marked them (s3flow.serving.arrivals.OnTheWay;
 #: the batcher's own queue delay comes on top)
 ARRIVAL_SLACK_S = 1.0
+#: How long a sequence the solver ended is still listed for the vocoder (its last mel on the way, behind a queue)
+ENDED_GRACE_S = 30.0
 
 
 def _to_triton(name: str, t: torch.Tensor):
@@ -130,6 +133,8 @@ class TritonPythonModel(TritonModel):
                                   names(ENCODER_OUTPUTS), device_id)
         self.estimator = BlsEstimator(p.str("estimator_model", "estimator"), names(estimator_inputs(self.meanflow)),
                                       names(ESTIMATOR_OUTPUTS), device_id)
+        # the ids the last live count listed, those ended since (ENDED_GRACE_S), those dropped (not "ended")
+        self._last_ids, self._ended, self._dropped_ids, self._ended_lock = set(), {}, set(), threading.Lock()
         self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name), self._dropped)
         # a dropped sequence's Triton slot is freed at once (slots.py); admission answers its late chunks
         self.gone = ArrivalMarks(ArrivalMarks.default_folder("gone"))
@@ -275,14 +280,24 @@ class TritonPythonModel(TritonModel):
         self.metrics.live(len(ids))
         load = self.load.publish(ids)
         self.metrics.load(load.utilization, load.costs.capacity(load.planned.expected()))
+        now = time.monotonic()
+        with self._ended_lock:   # ids gone since the last write: their last mel may still be going to the vocoder
+            for c in self._last_ids - set(ids) - self._dropped_ids:   # ended by their END, not dropped
+                self._ended[c] = now
+            self._dropped_ids.clear()
+            self._last_ids = set(ids)
+            self._ended = {c: t for c, t in self._ended.items() if now - t < ENDED_GRACE_S and c not in self._last_ids}
+            recent = list(self._ended)
         try:
-            self.live_counts.write(self.instance, ids, self.settings.capacity.max_live_sequences)
+            self.live_counts.write(self.instance, ids, self.settings.capacity.max_live_sequences, recent)
         except OSError as exc:   # admission then counts this instance as it last wrote (or not at all)
             self.logger.log_warn(f"{self.name}: cannot write the live count: {exc}")
 
     def _dropped(self, corr_id, reason: str) -> None:
         """A sequence's state went before its END (counted by the metrics as ``s3flow_sequences_dropped_total``):
         logged, and unless its request ended it in Triton too, marked gone and its Triton slot freed."""
+        with self._ended_lock:   # the vocoder may drop its side as idle as soon as it likes
+            self._dropped_ids.add(corr_id)
         idle = self.settings.capacity.idle_timeout_s
         what = f"evicted sequence {corr_id} after {idle} s idle" if reason == "idle" \
             else f"dropped sequence {corr_id} ({reason})"

@@ -63,11 +63,12 @@ class TritonPythonModel(TritonModel):
         runner_settings = VocoderRunnerSettings.from_args(p.raw, self.instance_kind, self.device_id)
         runner = open_vocoder_runner(self.version_dir, runner_settings)
         self.stream = VocoderStream(runner.f0, runner.decode, self.source, self.settings, n_feats=self.n_feats)
-        # a stream the solver still holds may get more mel (its chunk may wait in the solver's queue): not idle
+        # a stream the solver still holds, or ended moments ago, may get more mel (its chunk may wait in the solver's
+        # queue, its last mel in the vocoder's): not idle
         solver_live = LiveCounts(LiveCounts.default_folder())
         capacity = Capacity.from_parameters(p.raw)
         self.sequences = SequenceTable(capacity, _LogDrops(self),
-                                       pending=lambda corr_id, _picked_at: corr_id in solver_live.read()[0])
+                                       pending=lambda corr_id, _picked_at: corr_id in solver_live.read_recent())
         # first audio (s3flow_first_audio_seconds): admission marked each START's arrival
         self.starts = ArrivalMarks(ArrivalMarks.default_folder("starts"))
         self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
