@@ -147,3 +147,35 @@ def test_the_wait_is_until_enough_streams_of_the_expected_length_end(tmp_path):
     assert load.wait_until(target=d[2] + one, need=one, expected_s=8.0) == pytest.approx(2.0)
     assert load.wait_until(target=one, need=one, expected_s=8.0) == pytest.approx(7.0)
     assert load.wait_until(target=0.5 * one, need=one, expected_s=8.0) == 8.0, "never enough: the longest wait"
+
+
+def test_streams_that_run_dry_raise_the_costs_and_executes_without_bring_them_back():
+    from s3flow.engine.capacity import DRY_STEP, MAX_PRESSURE
+
+    model = CapacityModel(max_batch=8, prior_correction=1.0)
+    model.estimator_timed(2, 100, 0.002)
+    base = model.costs().est_per_unit
+    model.ran_dry()
+    model.ran_dry()
+    assert model.costs().est_per_unit == pytest.approx(base * DRY_STEP ** 2)
+    for _ in range(100):
+        model.ran_dry()
+    assert model.costs().est_per_unit == pytest.approx(base * MAX_PRESSURE), "bounded"
+    for _ in range(5000):
+        model.executed(0.0)    # executes with nothing answered: only the pressure moves
+    assert model.costs().est_per_unit == pytest.approx(base)
+
+
+def test_the_solvers_metrics_tell_the_capacity_model_of_each_stream_that_ran_dry():
+    from s3flow.serving.metrics import SolverBook
+
+    now = [0.0]
+    book = SolverBook(lambda family, value, labels: None, clock=lambda: now[0])
+    model = CapacityModel()
+    book.on_underrun = model.ran_dry
+    book.chunk_answered(1, True, 20, 20)     # 0.4 s of audio at t = 0
+    book.flush(0.1)
+    now[0] = 1.0                              # the next answer 1 s later: the player ran dry 0.6 s ago
+    book.chunk_answered(1, False, 20, 20)
+    book.flush(0.1)
+    assert model.pressure > 1.0

@@ -13,7 +13,9 @@ at most ``max_batch`` of them (Triton's batch, or a step's rows): with ``n`` str
 ``fixed / min(n, max_batch)`` per call. What the fits miss (a batch is padded to its longest chunk; the python
 between the calls) is one factor, the *correction*: each FIFO execute's measured time over what its chunks are
 priced at (:meth:`CapacityModel.executed`), averaged; before the first execute, the padding a full batch of the
-plan's chunks would have (:func:`padding_factor`).
+plan's chunks would have (:func:`padding_factor`). What no timing shows (the host's cores shared with other
+processes, batches that do not fill) shows as streams running dry: each one that does raises the costs by 15 %
+(:meth:`CapacityModel.ran_dry`, at most 4x), and they come back toward the measured ones as executes go by without.
 
 Work. A stream's chunks report what they cost (:class:`Work`: estimator row-frames over all steps, steps,
 chunks, encoder tokens, frames made final). The server knows neither an utterance's length nor a live client's
@@ -39,6 +41,8 @@ from typing import Iterable
 from s3flow.engine.observer import Observer
 
 FRAMES_PER_SECOND = 50.0
+#: the costs' rise for each stream that ran dry, its ceiling, and its decay per execute without one
+DRY_STEP, MAX_PRESSURE, PRESSURE_DECAY = 1.15, 4.0, 0.998
 #: how far ahead a stream's demand looks: the next seconds of its audio by the plan
 HORIZON_S = 2.0
 HORIZON_FRAMES = FRAMES_PER_SECOND * HORIZON_S
@@ -169,6 +173,9 @@ class CapacityModel(Observer):
         #: measured execute time over what the fits price its chunks at (padding to the longest row, the python
         #: between the calls): ``prior_correction`` until the first execute is timed
         self.correction, self.prior_correction, self.smoothing = None, prior_correction, smoothing
+        #: streams that ran dry say the model is optimistic: each multiplies the costs by ``DRY_STEP`` (at most
+        #: ``MAX_PRESSURE``); every execute without one lets it back toward 1 by ``PRESSURE_DECAY``
+        self.pressure = 1.0
         self._streams: dict = {}
         self._batch: list = []     # the work of the chunks answered since the last ``executed``
         self._lock = threading.Lock()
@@ -187,10 +194,16 @@ class CapacityModel(Observer):
             self._streams.setdefault(corr_id, Work()).add(work)
             self._batch.append(work)
 
+    def ran_dry(self) -> None:
+        """A stream fell behind its real-time player (the solver's metrics saw its lead go negative)."""
+        with self._lock:
+            self.pressure = min(MAX_PRESSURE, self.pressure * DRY_STEP)
+
     def executed(self, seconds: float) -> None:
         """One batch of chunks (those answered since the last call) took ``seconds`` in all: the correction
         follows measured over priced (an exponential average over batches)."""
         with self._lock:
+            self.pressure = max(1.0, self.pressure * PRESSURE_DECAY)
             batch, self._batch = self._batch, []
             if not batch or not self.estimator.known or not seconds > 0:
                 return
@@ -218,7 +231,7 @@ class CapacityModel(Observer):
     def costs(self) -> Costs:
         """The fits times the correction: what the work costs in the solver's execute."""
         with self._lock:
-            return self._costs(self.prior_correction if self.correction is None else self.correction)
+            return self._costs(self.pressure * (self.prior_correction if self.correction is None else self.correction))
 
     def _costs(self, k: float) -> Costs:
         e, n = self.estimator, self.encoder

@@ -134,6 +134,8 @@ class SolverBook(Observer):
     def __init__(self, publish: Publish, clock: Callable[[], float] = time.perf_counter,
                  on_drop: Callable[[object, str], None] = lambda corr_id, reason: None):
         self.publish, self.clock, self.on_drop = publish, clock, on_drop
+        #: hears of each stream's first underrun (the capacity model: s3flow.engine.capacity.CapacityModel.ran_dry)
+        self.on_underrun: Callable[[], None] = lambda: None
         self._pending: list[tuple[object, bool, int, int]] = []   # (corr_id, START, nfe, frames) answered
         #: corr_id -> [first answer's time, frames delivered, went dry] of the streams followed
         self._streams: OrderedDict = OrderedDict()
@@ -191,4 +193,5 @@ class SolverBook(Observer):
         if lead < 0 and not st[2]:
             st[2] = True
             self.publish(UNDERRUNS, 1, {})
+            self.on_underrun()
         st[1] += frames

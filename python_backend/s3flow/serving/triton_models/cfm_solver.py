@@ -154,6 +154,7 @@ class TritonPythonModel(TritonModel):
                      else int(self.config.get("max_batch_size", 1)))
         plan = planned_start(self.settings, self.n_feats, self.meanflow)
         self.capacity = CapacityModel(max_batch, prior_correction=padding_factor(plan[0], max_batch))
+        self.metrics.book.on_underrun = self.capacity.ran_dry   # a stream behind playback: the model is optimistic
         engine = StreamingEngine(self.encoder, self.estimator, n_feats=self.n_feats, meanflow=self.meanflow,
                                  solving=self.settings.solving, capacity=self.settings.capacity,
                                  observer=Observers(self.metrics.book, self.capacity),
