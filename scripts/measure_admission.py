@@ -79,12 +79,11 @@ def burst(urls: list[str], model: str, n: int, retries: int = 0, offset: int = 0
     return out, time.monotonic() - t0
 
 
-def throughput(urls: list[str], model: str, n: int) -> float:
+def throughput(urls: list[str], model: str, n: int) -> tuple[float, list]:
+    """C: audio seconds per wall second of n streams at once; and the errors of those that failed (reported:
+    without the check, an overloaded server may lose some)."""
     out, wall = burst(urls, model, n)
-    bad = [e for _, e in out if e]
-    if bad:
-        raise SystemExit(f"measuring C: {len(bad)} streams failed: {bad[0][:300]}")
-    return sum(r.mel.shape[1] for r, _ in out) / 50.0 / wall
+    return sum(r.mel.shape[1] for r, e in out if e is None) / 50.0 / wall, [e for _, e in out if e]
 
 
 def settle(server: TritonServer, timeout_s: float = 30.0) -> None:
@@ -136,8 +135,8 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
     with TritonServer(repos["off"], log_file=tmp / f"{model}-off.log") as server:
         calibrated(server)
         burst([server.grpc_url], model, 2)   # warm the client path
-        c = throughput([server.grpc_url], model, at_once)
-    print(f"{model}: C = {c:.2f} s of audio per second", flush=True)
+        c, c_lost = throughput([server.grpc_url], model, at_once)
+    print(f"{model}: C = {c:.2f} s of audio per second ({len(c_lost)} of {at_once} lost)", flush=True)
     rows = []
     with TritonServer(repos["on"], log_file=tmp / f"{model}-on.log") as server:
         calibrated(server)
@@ -158,7 +157,9 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
         healthy = server.client().is_server_ready()
     lines += [f"C (without the check, {at_once} at once): **{c:.2f}** s of audio per second; the server's own estimate "
               f"(`s3flow_capacity_audio_seconds_per_second`, after its calibration): {estimate:.2f} "
-              f"({estimate / c:.2f}x). Target utilization 0.9.", "",
+              f"({estimate / c:.2f}x). Target utilization 0.9." + (
+                  f" **Without the check, {len(c_lost)} of the {at_once} streams were lost** (first: "
+                  f"`{c_lost[0][:200]}`)." if c_lost else ""), "",
               f"| load | streams | admitted | refused | admitted that stalled ({BUFFER_S} s buffer) | stall s p95 | "
               f"first {'audio' if model == 'token2wav' else 'mel'} p95 (ms) | refusal answer p99 / max (ms) | "
               f"retry_after (s) | accepted lost |",
@@ -184,7 +185,7 @@ def measure_pair(model: str, repos: dict, tmp: Path) -> list[str]:
         pin(alone, 0)
         calibrated(alone)
         burst([alone.grpc_url], model, 1)
-        c = throughput([alone.grpc_url], model, 8)
+        c, _ = throughput([alone.grpc_url], model, 8)
     with TritonServer(repos["on"], log_file=tmp / f"{model}-a.log") as a, \
             TritonServer(repos["on"], log_file=tmp / f"{model}-b.log") as b:
         pin(a, 0)
