@@ -282,10 +282,19 @@ def test_every_model_warmed_up_before_the_first_request(served):
     from s3flow.serving.warmup import VOCODER_WARMUP_FRAMES
     from s3flow_tools.bench.served import model_stats
 
-    stats = model_stats(served.client())
-    assert stats["flow_encoder"][0] == WARMUP_ITERATIONS and stats["estimator"][0] == WARMUP_ITERATIONS, stats
-    assert stats["cfm_solver"][0] == stats["vocoder"][0] == 0, "no request reached the stateful models"
+    import re
+    import time
+
+    t0 = time.monotonic()   # the solver's calibration (s3flow.serving.calibration) calls them too, once, at load
+    while "cfm_solver calibration: warm-up" not in served.log_path.read_text():
+        assert time.monotonic() - t0 < 60, "the solver never calibrated"
+        time.sleep(0.2)
     log = served.log_path.read_text()
+    [calibration] = re.findall(r"cfm_solver calibration: warm-up: \d+ chunks, (\d+) network calls", log)
+    stats = model_stats(served.client())
+    assert stats["estimator"][0] == WARMUP_ITERATIONS + int(calibration), stats
+    assert stats["flow_encoder"][0] > WARMUP_ITERATIONS, stats
+    assert stats["cfm_solver"][0] == stats["vocoder"][0] == 0, "no request reached the stateful models"
     assert log.count("cfm_solver: warm-up: 2 chunks") == 1, "the solver warmed up once, in initialize"
     assert log.count(f"vocoder: warm-up: {len(VOCODER_WARMUP_FRAMES)} chunks") == 1
     metrics = mr.read_metrics(f"127.0.0.1:{served.metrics_port}")
