@@ -321,14 +321,8 @@ def plan_work(n_feats: int, meanflow: bool, steps: int, guided: bool, chunks: li
     return out
 
 
-def default_plan(expected_s: float, first: int = 10, growth: float = 2.0, largest: int = 100) -> list[int]:
+def default_plan(expected_s: float) -> list[int]:
     """The chunk sizes a client sends by default for an utterance of ``expected_s`` seconds (25 tokens a second):
-    the client's ``chunk_schedule`` (small first chunk, then doubling up to ``largest``; the last one may be
-    shorter)."""
-    sizes, size, left = [], float(first), max(1, round(25 * expected_s))
-    while left > 0:
-        take = min(int(size), left)
-        sizes.append(take)
-        left -= take
-        size = min(size * growth, largest)
-    return sizes
+    the client's own ``chunk_schedule`` (a package the server depends on)."""
+    from s3flow_client.chunking import TOKENS_PER_SECOND, chunk_schedule
+    return chunk_schedule(max(1, round(TOKENS_PER_SECOND * expected_s)))
