@@ -4,8 +4,8 @@ Admission by capacity (``s3flow.serving.admission``) needs the solver's cost fit
 before the first stream comes, or the first burst would all be admitted unpriced. The warm-up in ``initialize``
 runs stand-in networks (the encoder and estimator may still be loading then), so a :class:`Calibration` thread
 runs the warm-up's utterance through the real networks over BLS as soon as they answer (one stream, then four
-at once, 2 Euler steps: a few calls at two batch sizes) and feeds the timings to the fits; from then on every
-served call refines them.
+at once, 2 Euler steps: a few calls at two batch sizes; each batch only while no served stream is live) and feeds
+the timings to the fits; from then on every served call refines them.
 
 Example::
 
@@ -58,11 +58,16 @@ class Calibration:
         self._thread.start()
         return self
 
+    def _wait_idle(self) -> None:
+        """Until the served engine holds no sequence (served streams go first; the calibration waits its turn)."""
+        while len(self.engine.sequences):
+            time.sleep(0.2)
+
     def _run(self) -> None:
         t0, last = time.monotonic(), None
         while time.monotonic() - t0 < self.give_up_s:
             try:
-                report = calibrate_solver(self.engine, self.model, self.rules)
+                report = calibrate_solver(self.engine, self.model, self.rules, wait_idle=self._wait_idle)
             except Exception as exc:   # the networks are not loaded yet (BLS refuses): try again soon
                 last = exc
                 time.sleep(self.retry_s)

@@ -92,12 +92,15 @@ def warm_up_solver(engine, rules=None, prompt_tokens: int = WARMUP_PROMPT_TOKENS
 
 
 def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), steps: int = 2, rounds: int = 3,
-                     prompt_tokens: int = WARMUP_PROMPT_TOKENS, chunks: tuple = (WARMUP_TOKENS - 10, 10)) -> WarmupReport:
+                     prompt_tokens: int = WARMUP_PROMPT_TOKENS, chunks: tuple = (WARMUP_TOKENS - 10, 10),
+                     wait_idle=lambda: None) -> WarmupReport:
     """The warm-up's utterance at ``steps`` Euler steps through the served engine's real networks, ``streams`` of
     them at once (one batch each), ``rounds`` times; each call shape's fastest time is reported to ``observer``
     (``s3flow.engine.capacity.CapacityModel``: its cost fits start from these timed calls at a few batch sizes; the
     fastest, because at load the other models are still setting themselves up beside it, and a shape's first call
-    sets up its buffers). Throw-away engines: the served one's sequences are not touched."""
+    sets up its buffers). ``wait_idle()`` is called before each batch (it returns when the served engine holds no
+    stream: a real stream never shares the cores with the calibration). Throw-away engines: the served one's
+    sequences are not touched."""
     from s3flow.engine.observer import Observer
     from s3flow.engine.streaming import StreamingEngine
     from s3flow.protocol import RequestRules
@@ -121,6 +124,7 @@ def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), step
                                  solving=engine.solving, capacity=engine.sequences.capacity, observer=fastest)
         session = SolverSession(shadow, rules or RequestRules(), name="calibration")
         for n in streams:
+            wait_idle()
             _utterances(session, engine.n_feats, prompt_tokens, chunks, n, steps)
         calls += shadow.estimator_calls
     for (rows, frames), seconds in fastest.estimator.items():
