@@ -179,3 +179,37 @@ def test_the_solvers_metrics_tell_the_capacity_model_of_each_stream_that_ran_dry
     book.chunk_answered(1, False, 20, 20)
     book.flush(0.1)
     assert model.pressure > 1.0
+
+
+def test_the_calibration_calls_no_network_before_the_models_are_ready():
+    """No BLS call before ``ready()`` holds (a BLS request in the window after the stub's initialize crashed
+    tritonserver at load): the networks are first called after ``ready`` said yes, and the fits then start."""
+    from s3flow.engine.settings import SolverSettings
+    from s3flow.serving.calibration import Calibration
+
+    events, answers = [], iter([False, False, False])
+
+    def ready():
+        ok = next(answers, True)
+        events.append(("ready", ok))
+        return ok
+
+    def encode(tokens, token_len, embedding):
+        events.append(("call", None))
+        b, t = tokens.shape[0], 2 * tokens.shape[1]
+        return torch.zeros(b, 80, t), torch.ones(b, 1, t), torch.zeros(b, 80)
+
+    def estimate(inputs):
+        events.append(("call", None))
+        return torch.zeros_like(inputs.x)
+
+    settings = SolverSettings()
+    engine = StreamingEngine(encode, estimate, n_feats=80, meanflow=False, solving=settings.solving,
+                             capacity=settings.capacity)
+    model = CapacityModel(4)
+    calibration = Calibration(engine, model, settings.rules, "solver", ready=ready, log=lambda _: None,
+                              retry_s=0.01).start()
+    assert calibration.done.wait(60)
+    first_call = events.index(("call", None))
+    assert events[:first_call] == [("ready", False)] * 3 + [("ready", True)]
+    assert model.estimator.calls > 0

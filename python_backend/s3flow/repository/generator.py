@@ -86,7 +86,11 @@ def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings) -> list[tup
     out = [(ensemble_config(n_feats, s), {})]
     if s.admission:
         out.append((admission_config(n_feats, s), {"1/model.py": MODEL_PY["admission"]}))
-    out.append((solver_config(n_feats, meanflow, s), {"1/model.py": MODEL_PY["cfm_solver"]}))
+    solver = solver_config(n_feats, meanflow, s)
+    solver_files: Files = {"1/model.py": MODEL_PY["cfm_solver"]}
+    if s.warmup:  # one request that tells the solver its instance is set up (without it: the first real request)
+        solver_files.update(add_model_warmup(solver, n_feats, meanflow))
+    out.append((solver, solver_files))
     for name, instances in ((ENCODER_MODEL, b.encoder_instances), (ESTIMATOR_MODEL, b.estimator_instances)):
         config = stateless_config(name, n_feats, meanflow, s, instances)
         files: Files = {}

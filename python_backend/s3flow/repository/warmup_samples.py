@@ -1,6 +1,7 @@
-"""Triton's ``model_warmup`` samples of the stateless models (``flow_encoder``, ``estimator``), as ``ModelWarmup``
-messages over the contract's tensors (the in-process warm-up of the sequence-batched models, and why the two
-differ: ``s3flow.serving.warmup``)."""
+"""Triton's ``model_warmup`` samples, as ``ModelWarmup`` messages over the contract's tensors: those of the stateless
+models (``flow_encoder``, ``estimator``), which warm them up (the in-process warm-up of the sequence-batched
+models, and why the two differ: ``s3flow.serving.warmup``), and the solver's, which only tells it that Triton has
+set its instance up (``solver_set_up``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from s3flow_contract.tensors import ENCODER_INPUTS, by_name, estimator_inputs
+from s3flow_contract.tensors import ENCODER_INPUTS, REQUEST, by_name, estimator_inputs
 from s3flow.repository.model_config import read_config, write_config
 from s3flow.serving.warmup import WARMUP_TOKENS
 
@@ -64,17 +65,29 @@ def estimator_warmup(n_feats: int, meanflow: bool, frames: int = 2 * WARMUP_TOKE
                    {_MASK: np.ones(1)})
 
 
+def solver_set_up() -> tuple[mc.ModelWarmup, dict[str, bytes]]:
+    """The ``model_warmup`` sample of ``cfm_solver``: one request of one token and no sequence controls (READY
+    reads 0, so the solver answers it empty and no state is made). Triton sends it once the instance is set up,
+    before the model is ready; its ``execute`` tells the solver that BLS calls from its own threads are safe
+    from now on (``s3flow.serving.calibration``)."""
+    speech = by_name(REQUEST)["speech_tokens"]
+    return _sample("set_up", (speech,), 0, 1, 1, 1, {speech.name: "zero"})
+
+
 def add_model_warmup(config: mc.ModelConfig, n_feats: int, meanflow: bool) -> dict[str, bytes]:
-    """Add the warm-up sample of ``config``'s model (``flow_encoder`` or ``estimator``) to it; return the
-    data files the sample reads ({path in the model folder: bytes})."""
+    """Add the warm-up sample of ``config``'s model (``flow_encoder``, ``estimator`` or ``cfm_solver``) to it;
+    return the data files the sample reads ({path in the model folder: bytes})."""
     if config.model_warmup:
         raise ValueError(f"{config.name}'s config has a model_warmup already")
     if config.name == "flow_encoder":
         sample, files = encoder_warmup()
     elif config.name == "estimator":
         sample, files = estimator_warmup(n_feats, meanflow)
+    elif config.name == "cfm_solver":
+        sample, files = solver_set_up()
     else:
-        raise ValueError(f"no model_warmup sample for {config.name!r} (flow_encoder and estimator have one)")
+        raise ValueError(f"no model_warmup sample for {config.name!r} (flow_encoder, estimator and cfm_solver "
+                         f"have one)")
     config.model_warmup.append(sample)
     return files
 

@@ -3,14 +3,24 @@
 Admission by capacity (``s3flow.serving.admission``) needs the solver's cost fits (``s3flow.engine.capacity``)
 before the first stream comes, or the first burst would all be admitted unpriced. The warm-up in ``initialize``
 runs stand-in networks (the encoder and estimator may still be loading then), so a :class:`Calibration` thread
-runs the warm-up's utterance through the real networks over BLS as soon as they answer (one stream, then four
+runs the warm-up's utterance through the real networks over BLS once they are up (one stream, then four
 at once, 2 Euler steps: a few calls at two batch sizes; each batch only while no served stream is live) and feeds
 the timings to the fits; from then on every served call refines them.
+
+The thread makes no BLS call before ``ready()`` holds. In the python backend (r24.10, ``python_be.cc``
+``LaunchStubProcess``) the server reads a stub's messages from before the stub's ``initialize`` on, but creates the
+pool that runs its BLS requests only after it: a BLS request sent from a thread in that window makes tritonserver
+dereference the missing pool (SIGSEGV at load, seen once in CI). Asking Triton whether a model is ready from the
+thread (``pb_utils.is_model_ready``) is no way out: on this build it rarely returned and the server aborted at its
+stop (``boost::interprocess::lock_exception``, 13 of 15 starts). The solver passes a ``ready`` that holds once
+Triton has called its ``execute`` (the first call proves the instance is set up): its own ``model_warmup``
+request (``s3flow.repository.warmup_samples.solver_set_up``), which Triton sends right after the instance is set
+up, or else its first real request.
 
 Example::
 
     plan, steps, rows = planned_start(settings, n_feats=80, meanflow=False)
-    Calibration(engine, capacity_model, settings.rules, "cfm_solver", log=print).start()
+    Calibration(engine, capacity_model, settings.rules, "cfm_solver", log=print, ready=lambda: True).start()
 """
 from __future__ import annotations
 
@@ -44,13 +54,13 @@ def planned_start(settings: SolverSettings, n_feats: int, meanflow: bool) -> tup
 
 
 class Calibration:
-    """A daemon thread that calibrates ``model`` once through ``engine``'s real networks (module docstring),
-    retrying while they do not answer yet (for at most ``give_up_s``)."""
+    """A daemon thread that calibrates ``model`` once through ``engine``'s real networks (module docstring), once
+    ``ready()`` holds, retrying while they do not answer yet (for at most ``give_up_s`` in all)."""
 
-    def __init__(self, engine, model: CapacityModel, rules, name: str, log: Callable[[str], None] = print,
-                 give_up_s: float = 300.0, retry_s: float = 0.5):
+    def __init__(self, engine, model: CapacityModel, rules, name: str, ready: Callable[[], bool],
+                 log: Callable[[str], None] = print, give_up_s: float = 300.0, retry_s: float = 0.5):
         self.engine, self.model, self.rules, self.name, self.log = engine, model, rules, name, log
-        self.give_up_s, self.retry_s = give_up_s, retry_s
+        self.ready, self.give_up_s, self.retry_s = ready, give_up_s, retry_s
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-calibration", daemon=True)
 
@@ -67,6 +77,10 @@ class Calibration:
         t0, last = time.monotonic(), None
         while time.monotonic() - t0 < self.give_up_s:
             try:
+                if not self.ready():   # no BLS call before the server can run it (module docstring)
+                    last = "the models are not ready"
+                    time.sleep(self.retry_s)
+                    continue
                 report = calibrate_solver(self.engine, self.model, self.rules, wait_idle=self._wait_idle)
             except Exception as exc:   # the networks are not loaded yet (BLS refuses): try again soon
                 last = exc

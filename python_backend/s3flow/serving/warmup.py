@@ -10,7 +10,9 @@ allocator's growth and torch's lazy kernel set-up. Two mechanisms, by the kind o
   lengths come from ``warmup/`` data files, so the encoder sees a valid request.
 * **sequence-batched** ``cfm_solver`` and ``vocoder``: a Triton warm-up request would reach them without a
   sequence slot, and the solver's would call the encoder and estimator over BLS while they may still be
-  loading. They warm up inside ``initialize`` instead, through their own code path:
+  loading. They warm up inside ``initialize`` instead, through their own code path (the solver's one
+  ``model_warmup`` request carries no sequence controls and is answered empty: it only tells the solver that
+  its instance is set up, ``s3flow.serving.calibration``):
 
   - the solver (:func:`warm_up_solver`) runs one short utterance (a START chunk, then the END chunk)
     through a throw-away ``SolverSession`` over a ``StreamingEngine`` with the served engine's settings

@@ -163,8 +163,11 @@ class TritonPythonModel(TritonModel):
             self.logger.log_info(warm_up_solver(engine, self.settings.rules).describe())
         self.instance = args.get("model_instance_name", self.name)
         self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), self.instance, "solver", self.capacity, *plan)
-        if p.bool("calibrate", True):   # the cost fits start from real calls (a thread: BLS answers once loaded)
-            Calibration(engine, self.capacity, self.settings.rules, self.name, log=self.logger.log_info).start()
+        # Triton has called execute (its model_warmup request, or a client's): the instance is set up, BLS works
+        self.set_up = threading.Event()
+        if p.bool("calibrate", True):   # the cost fits start from real calls (a thread, once BLS works)
+            Calibration(engine, self.capacity, self.settings.rules, self.name, log=self.logger.log_info,
+                        ready=self.set_up.is_set).start()
         voices = None
         if p.bool("voices", False):  # START may name a voice the voice_encoder stored
             from s3flow.serving.voice_registry import VoiceRegistry, default_dir, secret_from_env
@@ -207,6 +210,7 @@ class TritonPythonModel(TritonModel):
                                                                 and self.stepped.has_queued(corr_id))
 
     def execute(self, requests):
+        self.set_up.set()
         if self.stepped is not None:
             return self._execute_decoupled(requests)
         started = self.metrics.book.begin()
