@@ -1,6 +1,8 @@
 """The capacity model (s3flow.engine.capacity), its load reports (s3flow.serving.load) and the calibration's plan,
 without a server: the fits recover known costs, a stream is priced against the plan, the capacity is where N
 streams fill the device, the correction follows measured executes, and the reports sum across instances."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -213,3 +215,34 @@ def test_the_calibration_calls_no_network_before_the_models_are_ready():
     first_call = events.index(("call", None))
     assert events[:first_call] == [("ready", False)] * 3 + [("ready", True)]
     assert model.estimator.calls > 0
+
+
+def test_a_stopped_calibration_makes_no_call_and_its_thread_ends():
+    """finalize stops the calibration while it waits for a served stream to end: no network call follows (one
+    while Triton tears the instance down crashed tritonserver at its stop), and stop() returns once it ended."""
+    from s3flow.engine.settings import SolverSettings
+    from s3flow.serving.calibration import Calibration
+
+    calls = []
+
+    def encode(tokens, token_len, embedding):
+        calls.append("encode")
+        b, t = tokens.shape[0], 2 * tokens.shape[1]
+        return torch.zeros(b, 80, t), torch.ones(b, 1, t), torch.zeros(b, 80)
+
+    def estimate(inputs):
+        calls.append("estimate")
+        return torch.zeros_like(inputs.x)
+
+    settings = SolverSettings()
+    engine = StreamingEngine(encode, estimate, n_feats=80, meanflow=False, solving=settings.solving,
+                             capacity=settings.capacity)
+    engine.sequences.begin(1, object())       # a served stream: the calibration waits for it
+    calibration = Calibration(engine, CapacityModel(4), settings.rules, "solver", ready=lambda: True,
+                              log=lambda _: None, retry_s=0.01).start()
+    time.sleep(0.3)
+    calibration.stop(timeout_s=5.0)
+    assert not calibration._thread.is_alive() and calibration.done.is_set()
+    engine.sequences.end(1, "cancelled")      # the stream ends after the stop: still no call
+    time.sleep(0.3)
+    assert calls == []

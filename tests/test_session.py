@@ -275,6 +275,11 @@ def _row(name):
         s.draining = lambda: True
         return s.handle([chunk(U, 1, 0, 10, start=True)])[0], "resume", None
     s.handle([chunk(U, 1, 0, 10, start=True)])
+    if name == "closing":
+        s.closing = lambda: True
+        outcome = s.handle([chunk(U, 1, 10, 20)])[0]
+        assert s.live == 0, "a chunk refused while closing drops its sequence"
+        return outcome, "resume", None
     if name.startswith("model call failed"):
         models.fail = True
         if name.endswith("START"):
@@ -290,7 +295,7 @@ def _row(name):
 
 
 @pytest.mark.parametrize("name", ["invalid request", "sequence not held", "unknown voice", "full", "draining",
-                                  "model call failed, middle chunk", "model call failed, START",
+                                  "closing", "model call failed, middle chunk", "model call failed, START",
                                   "model call failed, END", "bug", "cancelled"])
 def test_every_error_states_its_disposition_and_sequence(name):
     """Each row of the failure table carries the disposition the table gives it (s3flow_contract.answers),

@@ -20,7 +20,10 @@ up, or else its first real request.
 Example::
 
     plan, steps, rows = planned_start(settings, n_feats=80, meanflow=False)
-    Calibration(engine, capacity_model, settings.rules, "cfm_solver", log=print, ready=lambda: True).start()
+    calibration = Calibration(engine, capacity_model, settings.rules, "cfm_solver", log=print,
+                              ready=lambda: True).start()
+    ...
+    calibration.stop()            # finalize(): no call may be in flight while Triton tears the instance down
 """
 from __future__ import annotations
 
@@ -61,36 +64,52 @@ class Calibration:
                  log: Callable[[str], None] = print, give_up_s: float = 300.0, retry_s: float = 0.5):
         self.engine, self.model, self.rules, self.name, self.log = engine, model, rules, name, log
         self.ready, self.give_up_s, self.retry_s = ready, give_up_s, retry_s
-        self.done = threading.Event()
+        self.done, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-calibration", daemon=True)
 
     def start(self) -> "Calibration":
         self._thread.start()
         return self
 
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """No more calls: the calibration stops before its next batch; returns once its thread has (``finalize``:
+        a BLS call from a thread while Triton tears the instance down crashed tritonserver at its stop)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
     def _wait_idle(self) -> None:
-        """Until the served engine holds no sequence (served streams go first; the calibration waits its turn)."""
-        while len(self.engine.sequences):
+        """Until the served engine holds no sequence (served streams go first; the calibration waits its turn);
+        raises ``_Stopped`` once ``stop`` was called."""
+        while len(self.engine.sequences) and not self._stop.is_set():
             time.sleep(0.2)
+        if self._stop.is_set():
+            raise _Stopped
 
     def _run(self) -> None:
         t0, last = time.monotonic(), None
-        while time.monotonic() - t0 < self.give_up_s:
+        while time.monotonic() - t0 < self.give_up_s and not self._stop.is_set():
             try:
                 if not self.ready():   # no BLS call before the server can run it (module docstring)
                     last = "the models are not ready"
-                    time.sleep(self.retry_s)
+                    self._stop.wait(self.retry_s)
                     continue
                 report = calibrate_solver(self.engine, self.model, self.rules, wait_idle=self._wait_idle)
+            except _Stopped:
+                break
             except Exception as exc:   # the networks are not loaded yet (BLS refuses): try again soon
                 last = exc
-                time.sleep(self.retry_s)
+                self._stop.wait(self.retry_s)
                 continue
             e = self.model.estimator
             self.log(f"{self.name}: {report.describe()}: estimator {e.fixed * 1e3:.2f} ms + "
                      f"{e.per_unit * 1e6:.3f} us per row-frame")
             self.done.set()
             return
-        self.log(f"{self.name}: calibration gave up after {self.give_up_s:.0f} s ({last}); the costs come from "
-                 f"served calls only")
+        why = "stopped" if self._stop.is_set() else f"gave up after {self.give_up_s:.0f} s ({last})"
+        self.log(f"{self.name}: calibration {why}; the costs come from served calls only")
         self.done.set()
+
+
+class _Stopped(Exception):
+    """The calibration was stopped (the model is being unloaded)."""

@@ -15,6 +15,7 @@ a START naming a voice not held      INVALID_ARG  retry,       none made: START 
                                                   prompt
 a START while full                   UNAVAILABLE  busy         none made; ``retry_after_s`` says when
 a START while draining               UNAVAILABLE  resume       none made: START on another server
+any chunk while the server closes    UNAVAILABLE  resume       dropped: resume on another server
 the encoder or estimator call        UNAVAILABLE  retry        as before the chunk: send it again
 failed                                            (resume at   (the END request: dropped, Triton ends the
                                                   END)         sequence at END whatever the answer)
@@ -63,6 +64,10 @@ class ModelCallError(RuntimeError):
 
 class Draining(ServerBusy):
     """A START while the server drains: it belongs on another server (disposition ``resume``)."""
+
+
+class Closing(ServerBusy):
+    """Any chunk once the server closes (its drain is over, or it stops): the utterance goes on elsewhere."""
 
 
 @dataclass
@@ -116,14 +121,16 @@ def with_voice(inputs: Mapping[str, np.ndarray], start: bool,
 class SolverSession:
     """Runs batches of requests through a ``StreamingEngine``, validating them by ``rules``.
 
-    ``draining()`` True refuses new sequences (START) while the ones in flight go on (``s3flow.server.drain``).
+    ``draining()`` True refuses new sequences (START) while the ones in flight go on (``s3flow.server.drain``);
+    ``closing()`` True refuses every chunk and drops its sequence (the idle reaper drops the rest).
     ``voices(voice_id, tenant)`` gives a registered voice's prompt tensors for a START that names one
     (``s3flow.serving.voice_registry.VoiceRegistry.get``), or raises RequestError.
     """
 
     def __init__(self, engine: StreamingEngine, rules: RequestRules = RequestRules(), name: str = "cfm_solver",
-                 draining: Callable[[], bool] = lambda: False, voices: Optional[Callable[[str, str], dict]] = None):
-        self.engine, self.rules, self.name, self.draining = engine, rules, name, draining
+                 draining: Callable[[], bool] = lambda: False, voices: Optional[Callable[[str, str], dict]] = None,
+                 closing: Callable[[], bool] = lambda: False):
+        self.engine, self.rules, self.name, self.draining, self.closing = engine, rules, name, draining, closing
         self.voices = voices
 
     @property
@@ -154,10 +161,16 @@ class SolverSession:
         try:
             parsed = parse_request(with_voice(req.inputs, req.start, self.voices, req.tenant), start=req.start,
                                    end=req.end, rules=self.rules, n_feats=self.engine.n_feats)
+            if self.closing():
+                raise Closing("the server is stopping; resume the utterance on another server")
             if req.start and self.draining():
                 raise Draining("the server is draining (shutting down) and takes no new sequences; "
                                "send the START to another server")
             return self.engine.admit(req.corr_id, parsed), None
+        except Closing as exc:
+            self._drop(req.corr_id, "server stopping")
+            return None, failed_outcome(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
+                                        Disposition.RESUME)
         except Draining as exc:
             return None, failed_outcome(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
                                  Disposition.RESUME)

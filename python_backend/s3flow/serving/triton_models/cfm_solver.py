@@ -165,16 +165,18 @@ class TritonPythonModel(TritonModel):
         self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), self.instance, "solver", self.capacity, *plan)
         # Triton has called execute (its model_warmup request, or a client's): the instance is set up, BLS works
         self.set_up = threading.Event()
+        self.calibration = None
         if p.bool("calibrate", True):   # the cost fits start from real calls (a thread, once BLS works)
-            Calibration(engine, self.capacity, self.settings.rules, self.name, log=self.logger.log_info,
-                        ready=self.set_up.is_set).start()
+            self.calibration = Calibration(engine, self.capacity, self.settings.rules, self.name,
+                                           log=self.logger.log_info, ready=self.set_up.is_set).start()
         voices = None
         if p.bool("voices", False):  # START may name a voice the voice_encoder stored
             from s3flow.serving.voice_registry import VoiceRegistry, default_dir, secret_from_env
             voices = VoiceRegistry(p.str("voice_dir", "") or default_dir(), p.int("max_voices"),
                                    p.int("max_voice_bytes"), secret_from_env()).get
+        self.closing = closing_probe()
         self.session = SolverSession(engine, self.settings.rules, name=self.name, draining=draining_probe(),
-                                     voices=voices)
+                                     voices=voices, closing=self.closing)
         self.scheduling = p.str("scheduling", "fifo")
         if self.scheduling not in ("fifo", "deadline"):
             raise ValueError(f"scheduling must be 'fifo' or 'deadline', got {self.scheduling!r}")
@@ -188,7 +190,6 @@ class TritonPythonModel(TritonModel):
         # admission (the ensembles' first step) refuses STARTs when the instances are full: it reads these
         self.live_counts = LiveCounts(LiveCounts.default_folder())
         self._publish_live()
-        self.closing = closing_probe()
         self.reaper = IdleReaper(self.session.evict_idle, self.settings.capacity.idle_timeout_s, self.name,
                                  on_evicted=self._publish_live, then=self._free_slots, log=self.logger.log_error)
 
@@ -313,6 +314,10 @@ class TritonPythonModel(TritonModel):
         self.logger.log_info(f"{self.name}: {what}; {live} live")
 
     def finalize(self):
+        # first, every thread of ours that calls Triton stops (a call in flight while the instance is torn down
+        # crashes tritonserver: the python backend waited for its BLS pool before calling this)
+        if self.calibration is not None:
+            self.calibration.stop()
         if self.stepped is not None:
             self.stepped.close()
         self.reaper.stop()
