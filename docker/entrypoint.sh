@@ -23,6 +23,9 @@
 #                               after authenticating the client (docs/security.md) [0]
 #   S3FLOW_VOICE_KEY_FILE       a file holding the fleet's voice-id key (a mounted Secret): ids are keyed
 #                               digests, the same on every server with the key []
+#   S3FLOW_SNAPSHOT_KEY_FILE    a file holding the fleet's snapshot key: answers carry the stream's sealed state,
+#                               and a resume on any server with the key costs one chunk (s3flow.serving.keys);
+#                               unset: the voice key stands in; neither: resumes replay the utterance []
 # Arguments are appended to the tritonserver command line.
 set -euo pipefail
 cd "${S3FLOW_HOME:-/opt/s3flow}"
@@ -87,9 +90,13 @@ if [ "${S3FLOW_TENANTS:-0}" = 1 ]; then  # s3flow.server.access.tenant_flags
     ACCESS_ARGS+=(--grpc-header-forward-pattern=s3flow-tenant --http-header-forward-pattern=s3flow-tenant)
     log "voices are per tenant (header s3flow-tenant)"
 fi
-if [ -n "${S3FLOW_VOICE_KEY_FILE:-}" ]; then  # read by the python models (s3flow.serving.voice_registry)
+if [ -n "${S3FLOW_VOICE_KEY_FILE:-}" ]; then  # read by the python models (s3flow.serving.keys)
     [ -s "$S3FLOW_VOICE_KEY_FILE" ] || { log "S3FLOW_VOICE_KEY_FILE=$S3FLOW_VOICE_KEY_FILE is empty"; exit 1; }
     export S3FLOW_VOICE_KEY_FILE
+fi
+if [ -n "${S3FLOW_SNAPSHOT_KEY_FILE:-}" ]; then
+    [ -s "$S3FLOW_SNAPSHOT_KEY_FILE" ] || { log "S3FLOW_SNAPSHOT_KEY_FILE=$S3FLOW_SNAPSHOT_KEY_FILE is empty"; exit 1; }
+    export S3FLOW_SNAPSHOT_KEY_FILE
 fi
 log "starting tritonserver on $GPUS GPU(s) under the drain supervisor"
 # SIGTERM (docker stop, Kubernetes) goes to the supervisor: it drains (new sequences refused, those in flight

@@ -165,7 +165,7 @@ def token2wav_section(rep: Report, fm: FlowModes, plan: Plan, clock_cpu: Clock, 
         end = k == len(sizes) - 1
         inputs = request(u, plan.steps, speech=u.speech[at:at + n], start=k == 0)
         [res] = answers(session, [Incoming(7000, start=k == 0, end=end, inputs=inputs)])
-        chunk = stream.push(state, res.mel, res.frame_offset, end=end)
+        state, chunk = stream.push(state, res.mel, res.frame_offset, end=end)
         if chunk.sample_offset != sum(a.size for a in audio):
             raise AssertionError(f"sample offset {chunk.sample_offset} does not continue {sum(a.size for a in audio)}")
         mels.append(res.mel)

@@ -77,7 +77,7 @@ def vocode_stream(runner: TorchVocoder, params, settings: StreamSettings, mel_ch
     stream = VocoderStream(runner.f0, runner.decode, params, settings)
     state, offset, sizes, parts = stream.start(seed=0), 0, [], []
     for k, m in enumerate(mel_chunks):
-        chunk = stream.push(state, m, offset, end=k == len(mel_chunks) - 1)
+        state, chunk = stream.push(state, m, offset, end=k == len(mel_chunks) - 1)
         offset += m.shape[1]
         sizes.append(chunk.audio.size)
         parts.append(chunk.audio)

@@ -48,8 +48,8 @@ CASES = {
                   False, True, True),
 }
 #: every model's tensors, as the contract declares them
-TENSORS = {"token2mel": (contract.REQUEST, contract.MEL_RESPONSE),
-           "token2wav": (contract.REQUEST, contract.AUDIO_RESPONSE + contract.MEL_RESPONSE),
+TENSORS = {"token2mel": (contract.REQUEST, contract.STREAM_RESPONSE),
+           "token2wav": (contract.REQUEST, contract.AUDIO_RESPONSE + contract.STREAM_RESPONSE),
            "admission": (contract.REQUEST, contract.ADMISSION_OUTPUTS),
            "cfm_solver": (contract.SOLVER_INPUTS, contract.SOLVER_OUTPUTS),
            "flow_encoder": (contract.ENCODER_INPUTS, contract.ENCODER_OUTPUTS),
@@ -357,8 +357,8 @@ def test_check_ensemble_names_an_unconnected_tensor():
         check_ensemble(config)
     config = wav_ensemble_config(80, RepositorySettings())
     del config.ensemble_scheduling.step[2]
-    with pytest.raises(ValueError, match=r"token2wav: outputs \['audio', 'frame_offset', 'mel', 'sample_offset'\] "
-                                         r"are made by no step"):
+    with pytest.raises(ValueError, match=r"token2wav: outputs \['audio', 'frame_offset', 'mel', 'sample_offset', "
+                                         r"'snapshot'\] are made by no step"):
         check_ensemble(config)
 
 

@@ -103,22 +103,28 @@ def test_speech_tokens_are_required():
     rejects({"seed": np.array([[1]], np.int64)}, "speech_tokens is required", start=False)
 
 
-WRONG_DTYPE = {np.dtype(np.int64): np.int32, np.dtype(np.int32): np.int64, np.dtype(np.float32): np.float64}
+WRONG_DTYPE = {np.dtype(np.int64): np.int32, np.dtype(np.int32): np.int64, np.dtype(np.float32): np.float64,
+               np.dtype(object): np.float32}
+
+
+def every_input() -> dict:
+    """A START carrying every request tensor (the resume snapshot empty: none)."""
+    return {**start_inputs(), "n_timesteps": np.array([[3]], np.int32), "guidance_rate": np.array([[0.5]], np.float32),
+            "seed": np.array([[1]], np.int64), "token_offset": np.array([[0]], np.int64),
+            "resume": np.array([[b""]], dtype=object)}
 
 
 @pytest.mark.parametrize("name", list(INPUT_DTYPES))
 def test_wrong_dtype_names_tensor_and_dtype(name):
-    inputs = {**start_inputs(), "n_timesteps": np.array([[3]], np.int32),
-              "guidance_rate": np.array([[0.5]], np.float32), "seed": np.array([[1]], np.int64)}
+    inputs = every_input()
     bad = WRONG_DTYPE[inputs[name].dtype]
-    inputs[name] = inputs[name].astype(bad)
+    inputs[name] = np.zeros(inputs[name].shape, bad)
     rejects(inputs, name, f"must be {np.dtype(INPUT_DTYPES[name]).name}", f"got {np.dtype(bad).name}")
 
 
 @pytest.mark.parametrize("name", list(INPUT_DTYPES))
 def test_wrong_rank_names_tensor_and_shape(name):
-    inputs = {**start_inputs(), "n_timesteps": np.array([[3]], np.int32),
-              "guidance_rate": np.array([[0.5]], np.float32), "seed": np.array([[1]], np.int64)}
+    inputs = every_input()
     inputs[name] = inputs[name][None]
     rejects(inputs, name, "dimensions", str(list(inputs[name].shape)))
 
@@ -145,8 +151,7 @@ def test_chunk_above_max_chunk_tokens():
 
 @pytest.mark.parametrize("name", START_ONLY)
 def test_start_only_tensor_on_a_later_chunk(name):
-    inputs = {**start_inputs(), "n_timesteps": np.array([[3]], np.int32),
-              "guidance_rate": np.array([[0.5]], np.float32), "seed": np.array([[1]], np.int64)}
+    inputs = every_input()
     rejects({"speech_tokens": inputs["speech_tokens"], name: inputs[name]}, f"['{name}']",
             "only be sent with the sequence's START", start=False)
 
@@ -400,3 +405,22 @@ def test_random_tensors_give_a_request_or_a_request_error(case, corr_id):
     event("admitted")
     assert isinstance(chunk.state, SequenceState) and corr_id in engine.sequences
     assert 2 * (chunk.state.received_tokens + chunk.tokens.size) <= SETTINGS.solving.max_utterance_frames
+
+
+def test_token_offset_and_resume_are_checked():
+    """token_offset: >= 0, and 0 on a START without a snapshot; resume: one BYTES element, on START only, bounded."""
+    from s3flow.protocol import MAX_RESUME_BYTES
+    rejects({**start_inputs(), "token_offset": np.array([[-1]], np.int64)}, "token_offset must be >= 0, got -1")
+    rejects({**start_inputs(), "token_offset": np.array([[5]], np.int64)}, "token_offset of a START must be 0",
+            "got 5")
+    rejects({"speech_tokens": np.array([[1, 2]], np.int64), "resume": np.array([[b"x"]], dtype=object)},
+            "['resume'] may only be sent with the sequence's START", start=False)
+    rejects({**start_inputs(), "resume": np.array([[b"x", b"y"]], dtype=object)}, "resume must hold one BYTES")
+    rejects({**start_inputs(), "resume": np.array([[b"x" * (MAX_RESUME_BYTES + 1)]], dtype=object)},
+            f"resume holds {MAX_RESUME_BYTES + 1} bytes, above {MAX_RESUME_BYTES}")
+    req = parse({**start_inputs(), "token_offset": np.array([[7]], np.int64),
+                 "resume": np.array([[b"S3FS1..."]], dtype=object)}, start=True)
+    assert req.token_offset == 7 and req.resume == b"S3FS1..."
+    later = parse({"speech_tokens": np.array([[1, 2]], np.int64), "token_offset": np.array([[40]], np.int64)},
+                  start=False)
+    assert later.token_offset == 40 and later.resume is None

@@ -1,7 +1,7 @@
 """Repository generation without a server: the configs are the contract the models check at load time."""
 import pytest
 
-from s3flow_contract.tensors import MEL_RESPONSE, REQUEST, SOLVER_INPUTS, names
+from s3flow_contract.tensors import REQUEST, SOLVER_INPUTS, STREAM_RESPONSE, names
 from s3flow.engine.settings import SolverSettings
 from s3flow.serving.config_params import Params
 from s3flow.repository.model_config import to_text
@@ -49,7 +49,7 @@ def test_ensemble_has_no_sequence_batching_and_maps_every_tensor():
         assert step.input_map[name] == name
     for name in ("mel", "frame_offset"):
         assert step.output_map[name] == name
-    assert set(step.input_map) == set(names(SOLVER_INPUTS)) and set(step.output_map) == set(names(MEL_RESPONSE))
+    assert set(step.input_map) == set(names(SOLVER_INPUTS)) and set(step.output_map) == set(names(STREAM_RESPONSE))
 
 
 def test_live_sequences_above_the_batchers_candidates_is_refused(tmp_path):

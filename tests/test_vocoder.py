@@ -78,7 +78,7 @@ def stream_in_process(runner, hift, mel, sizes, seed=0, **settings):
     vs = VocoderStream(runner.f0, runner.decode, hift.source_params, StreamSettings(**settings))
     state, parts, offsets, at = vs.start(seed), [], [], 0
     for i, n in enumerate(sizes):
-        chunk = vs.push(state, mel[:, at:at + n], at, end=i == len(sizes) - 1)
+        state, chunk = vs.push(state, mel[:, at:at + n], at, end=i == len(sizes) - 1)
         assert chunk.sample_offset == sum(p.size for p in parts), "sample offsets must continue"
         parts.append(chunk.audio)
         offsets.append(chunk.sample_offset)
@@ -420,7 +420,7 @@ def test_stream_rejects_broken_input():
     runner = small_runner()
     vs = VocoderStream(runner.f0, runner.decode, hift.source_params, StreamSettings(max_utterance_frames=50))
     state = vs.start(0)
-    vs.push(state, stand_in_mel(10), 0, end=False)
+    state, _ = vs.push(state, stand_in_mel(10), 0, end=False)
     with pytest.raises(StreamError, match="frame offset 12 does not continue the 10 frames"):
         vs.push(state, stand_in_mel(5), 12, end=False)
     with pytest.raises(StreamError, match=r"mel must have shape \(n_feats=80, frames\), got \[79, 5\]"):
@@ -481,7 +481,9 @@ def served(tmp_path_factory):
     # exact streaming from the first response (the served default's first lookahead is its own test)
     write_repository(root / "repo", flow, settings, vocoder=hift, vocoder_settings=StreamSettings())
     onnx = OnnxVocoder(root / "repo" / "vocoder" / "1", threads=1)  # the served graphs, as served
-    with TritonServer(root / "repo", log_file=root / "server.log") as server:
+    (root / "snapshot.key").write_text("served-wav-test-snapshot-key")  # every answer but END carries a snapshot
+    with TritonServer(root / "repo", log_file=root / "server.log",
+                      env={"S3FLOW_SNAPSHOT_KEY_FILE": str(root / "snapshot.key")}) as server:
         yield server, flow, hift, onnx
 
 
@@ -617,15 +619,20 @@ def vocoder_request(server, seq_id, start, end, mel, offset):
 
 
 @pytest.mark.server
-def test_vocoder_model_rejects_a_frame_gap_and_drops_the_sequence(served):
+def test_vocoder_model_rejects_a_frame_gap_and_the_stream_goes_on(served):
+    """A chunk leaving a gap is refused (``fail``) and changes nothing: the right chunk after it continues the
+    stream exactly (s3flow.serving.vocoder_session); after its END the stream is gone."""
     server, _, hift, onnx = served
     mel = stand_in_mel(40, seed=3)[None]
     out = vocoder_request(server, 555_001, True, False, mel[:, :, :30], 0)
     assert out.as_numpy("audio").shape == (1, (30 - 20) * HOP_SAMPLES), "20 frames of lookahead held back"
     with pytest.raises(InferenceServerException, match="frame offset 31 does not continue the 30 frames"):
         vocoder_request(server, 555_001, False, False, mel[:, :, 30:], 31)
-    with pytest.raises(InferenceServerException, match="sequence 555001 is not active"):
-        vocoder_request(server, 555_001, False, True, mel[:, :, 30:], 30)
+    rest = vocoder_request(server, 555_001, False, True, mel[:, :, 30:], 30).as_numpy("audio")
+    np.testing.assert_allclose(np.concatenate([out.as_numpy("audio")[0], rest[0]]), onnx_vocode(onnx, hift, mel[0], 0),
+                               atol=SERVED_TOL, rtol=0)
+    with pytest.raises(InferenceServerException, match="must specify the START flag"):   # ended: Triton says so
+        vocoder_request(server, 555_001, False, True, mel[:, :, 30:], 40)
     # a sequence streamed straight to the vocoder equals offline vocoding (seed 0 when none is sent)
     first = vocoder_request(server, 555_002, True, False, mel[:, :, :25], 0).as_numpy("audio")
     rest = vocoder_request(server, 555_002, False, True, mel[:, :, 25:], 25).as_numpy("audio")
@@ -699,20 +706,23 @@ def test_a_request_naming_any_subset_of_the_outputs_gets_exactly_those_on_every_
     """Every non-empty subset of token2mel's and token2wav's outputs, named on every request of a 3-chunk
     utterance (START, a middle chunk, END): each response carries exactly the named outputs, equal to those of
     the same utterance streamed naming none (issue 31: with the solver's mel both an output of token2wav and the
-    vocoder's input, naming only 'audio' deadlocked the ensemble)."""
+    vocoder's input, naming only 'audio' deadlocked the ensemble). The snapshot is among them (issue 35): the
+    same bytes for the same utterance, the vocoder's section after the solver's in token2wav."""
     import itertools
 
     from s3flow_client.demo import demo_utterance
-    from s3flow_contract.tensors import MEL_RESPONSE, VOCODER_OUTPUTS, names
+    from s3flow_contract.tensors import STREAM_RESPONSE, VOCODER_OUTPUTS, names
 
     server = served[0]
     u = demo_utterance(0.8, seed=31, noise_seed=1)
     u.chunks = [8, 6, len(u.speech_tokens) - 14]
     seq = iter(range(3100, 3200))
     tried = 0
-    for model, outs in (("token2mel", names(MEL_RESPONSE)), ("token2wav", names(VOCODER_OUTPUTS))):
+    snapshots = {}
+    for model, outs in (("token2mel", names(STREAM_RESPONSE)), ("token2wav", names(VOCODER_OUTPUTS))):
         everything = stream_naming(server, model, next(seq), u, None)
         assert all(set(a) == set(outs) for a in everything)
+        snapshots[model] = [a["snapshot"].reshape(-1)[0] for a in everything]
         for size in range(1, len(outs) + 1):
             for subset in itertools.combinations(outs, size):
                 got = stream_naming(server, model, next(seq), u, subset)
@@ -721,7 +731,10 @@ def test_a_request_naming_any_subset_of_the_outputs_gets_exactly_those_on_every_
                     for name in subset:
                         np.testing.assert_array_equal(answer[name], full[name], err_msg=f"{model} {subset} {name}")
                 tried += 1
-    assert tried == 3 + 15
+    assert tried == 7 + 31
+    for mel_snapshot, wav_snapshot in zip(snapshots["token2mel"][:-1], snapshots["token2wav"][:-1]):
+        assert mel_snapshot and wav_snapshot.startswith(mel_snapshot) and len(wav_snapshot) > len(mel_snapshot)
+    assert snapshots["token2mel"][-1] == snapshots["token2wav"][-1] == b"", "none after END"
 
 
 @pytest.mark.server

@@ -1,11 +1,15 @@
 """The client's event loop: utterances over gRPC streams to one or more servers, retried and resumed.
 
 An utterance's output is a function of its tokens, prompt, seed, chunk boundaries and frame index only, so
-when its server goes away it can be **resumed** on another one (or the same one after a restart): START
-again with the same prompt, seed and options, send the chunks already answered again (same boundaries),
-then carry on. Frames that were delivered already are compared with their replayed copies (they must agree
-within ``replay_tolerance``; a mismatch fails the utterance rather than splicing two different syntheses) and
-not delivered twice.
+when its server goes away it can be **resumed** on another one (or the same one after a restart). Every answer
+of a bounded-context server carries the stream's snapshot (``s3flow.engine.snapshot`` on the server); the client
+keeps the latest, and a resume STARTs again with the same prompt, seed and options *and that snapshot*, with the
+chunk after it: one chunk of work whatever the stream's age. Without a snapshot (prefix mode, a server without
+the fleet's key, ``snapshots=False``, or a server that refused it: ``resend=replay``) the resume sends the chunks
+already answered again (same boundaries), then carries on. Frames that were delivered already are compared with
+their replayed copies (they must agree within ``replay_tolerance``; a mismatch fails the utterance rather than
+splicing two different syntheses) and not delivered twice. Every chunk carries its ``token_offset``, so a chunk
+sent again after a retry is never applied twice.
 
 What an error answer leads to is its disposition (``s3flow_contract.answers.answer_of``: the tag every s3flow
 error carries, or the table of Triton's own errors; nothing here reads the wording):
@@ -14,7 +18,8 @@ error carries, or the table of Triton's own errors; nothing here reads the wordi
 disposition    the client
 =============  ==================================================================================
 ``retry``      sends the same chunk to the same server (with ``resend=prompt``: START again with the
-               speaker prompt instead of the voice id, which this server does not hold)
+               speaker prompt instead of the voice id, which this server does not hold; with
+               ``resend=replay``: START again without the snapshot, replaying the answered chunks)
 ``busy``       START again on the next address, or here after ``retry_after_s``
 ``resume``     resumes the utterance on the next address
 ``fail``       fails that utterance only, and ENDs its sequence
@@ -36,7 +41,7 @@ import numpy as np
 from tritonclient.utils import InferenceServerException
 
 from s3flow_contract.answers import Answer, answer_of
-from s3flow_contract.tensors import AUDIO_RESPONSE, MEL_RESPONSE, request_arrays
+from s3flow_contract.tensors import AUDIO_RESPONSE, STREAM_RESPONSE, request_arrays
 
 from .channel import ServerStream
 from .chunking import Situation
@@ -67,7 +72,7 @@ class Run:
         self.suspect: set[str] = set()                 # addresses whose stream broke
         self.events: queue.Queue = queue.Queue()
         self.due: list[tuple[float, UtteranceState]] = []  # sends scheduled for later (back-off)
-        self.outputs = MEL_RESPONSE + (AUDIO_RESPONSE if client.audio else ())
+        self.outputs = STREAM_RESPONSE + (AUDIO_RESPONSE if client.audio else ())
         self._ids = itertools.count()
 
     # -- connections ---------------------------------------------------------------------------------
@@ -123,7 +128,8 @@ class Run:
         if end:
             s.end_chunk = i
         try:
-            conn.send(self.c.model, s.tensors(), f"{s.corr_id}:{i}", s.corr_id, i == 0, end, self.outputs)
+            conn.send(self.c.model, s.tensors(), f"{s.corr_id}:{i}", s.corr_id, i == s.first_chunk, end,
+                      self.outputs)
         except InferenceServerException as exc:  # the stream is gone; its cause comes through the callback
             self.broken(conn, self.cause(conn) or str(exc))
 
@@ -177,7 +183,8 @@ class Run:
         self.end_sequence(s)
 
     def resume(self, s: UtteranceState, why: str, delay: Optional[float] = None) -> None:
-        """Start the utterance again as a new sequence on the next address and replay what was answered."""
+        """Start the utterance again as a new sequence on the next address: from its last snapshot, or replaying
+        what was answered."""
         now = time.perf_counter()
         if len(s.resumes) >= self.c.max_resumes or now >= self.deadline:
             self.fail(s, f"{s.where()}: {why} (gave up after {len(s.resumes)} resumes)")
@@ -189,18 +196,21 @@ class Run:
         url = self.c.urls[s.url_i]
         if delay is None:  # another server: at once; the same one: back off
             delay = 0.0 if url != old_url else self.c.retry_backoff_s * 2 ** len(s.resumes)
+        how = (f"from the snapshot after chunk {s.first_chunk}" if s.first_chunk else
+               f"replaying {s.answered} chunks")
         note = (f"sequence {old_id} on {old_url} at frame {s.frames}: {why} -> sequence {s.corr_id} on {url}"
-                f" in {delay:.2f} s, replaying {s.answered} chunks")
+                f" in {delay:.2f} s, {how}")
         s.resumes.append(note)
         log.warning("utterance %d: %s", s.index, note)
         self.due.append((now + delay, s))
 
     def new_attempt(self, s: UtteranceState, url_i: int) -> None:
-        """The utterance starts over as a new sequence at address ``url_i`` (its answered chunks replayed)."""
+        """The utterance goes on as a new sequence at address ``url_i``: from its last snapshot, or from the start
+        (its answered chunks replayed)."""
         s.url_i, s.corr_id = url_i, new_corr_id()
         self.by_id[s.corr_id] = s
-        s.next_chunk, s.server_frames, s.server_samples, s.conn, s.in_flight = 0, 0, 0, None, False
-        s.end_chunk = None
+        s.start_attempt(from_snapshot=self.c.snapshots and s.use_snapshots)
+        s.conn, s.in_flight, s.end_chunk = None, False, None
 
     def on_error(self, conn: ServerStream, error) -> None:
         message = str(error)
@@ -215,6 +225,14 @@ class Run:
             return
         kind = answer.disposition.value
         s.in_flight = False
+        if answer.resend == "replay" and s.first_chunk:
+            s.use_snapshots = False   # this server cannot go on from the snapshot: START again and replay
+            s.retries.append(message)
+            log.warning("utterance %d: %s: replaying instead", s.index, message)
+            self.end_sequence(s)
+            self.new_attempt(s, s.url_i)
+            self.due.append((time.perf_counter(), s))
+            return
         if answer.resend == "prompt" and s.by_voice_id and s.utt.prompt_tokens is not None:
             s.by_voice_id = False   # this server does not hold the voice: START again with the prompt itself
             s.retries.append(message)
@@ -266,6 +284,7 @@ class Run:
         except ValueError as exc:
             self.fail(s, str(exc))
             return
+        s.keep_snapshot(result.as_numpy("snapshot"), i)
         if fresh:
             if i == 0:   # the START that was admitted went out this long after the utterance began
                 s.admitted_after = s.sent_at - s.t0

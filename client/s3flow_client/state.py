@@ -1,8 +1,9 @@
 """The client's book-keeping of one utterance: what was delivered, and where its current attempt stands.
 
-An attempt is one Triton sequence (correlation id) on one server; a resume starts a new attempt that replays
-the chunks answered before. Frames (and samples) are delivered once: those a replay computes again are
-compared with the delivered ones (``replay_tolerance``) and dropped (see ``s3flow_client.resume``).
+An attempt is one Triton sequence (correlation id) on one server; a resume starts a new attempt, from the last
+snapshot the server gave (its START carries it and the chunk after it) or replaying the chunks answered before.
+Frames (and samples) are delivered once: those a replay computes again are compared with the delivered ones
+(``replay_tolerance``) and dropped (see ``s3flow_client.resume``).
 """
 from __future__ import annotations
 
@@ -46,6 +47,11 @@ class UtteranceState:
         self.sink = None                               # live: receives each delivery (see s3flow_client.live)
         self.corr_id, self.url_i, self.conn = new_corr_id(), 0, None
         self.next_chunk, self.answered = 0, 0          # chunk to send in this attempt; chunks ever answered
+        self.first_chunk = 0                           # this attempt's START chunk (after its snapshot's)
+        #: the last snapshot an answer carried: (bytes, chunks it covers, frames and samples the server had sent)
+        self.snapshot: Optional[tuple[bytes, int, int, int]] = None
+        self.use_snapshots = True                      # False once a server refused one: replay instead
+        self.replayed_chunks = 0
         self.server_frames = self.server_samples = 0   # what this attempt's responses covered
         self.parts: list[np.ndarray] = []              # delivered mel, in order
         self.audio_parts: list[np.ndarray] = []
@@ -103,10 +109,30 @@ class UtteranceState:
         return self.ended and sum(self.sizes[:i + 1]) == len(self.utt.speech_tokens)
 
     def tensors(self) -> dict:
-        """The tensors of this attempt's next chunk (a START carries the voice id or the prompt, and the options)."""
+        """The tensors of this attempt's next chunk (a START carries the voice id or the prompt, the options, and
+        for a resume from a snapshot the snapshot)."""
         i = self.next_chunk
         lo = sum(self.sizes[:i])
-        return self.utt.request(lo, lo + self.sizes[i], start=i == 0, by_voice_id=self.by_voice_id)
+        start = i == self.first_chunk
+        resume = self.snapshot[0] if start and self.first_chunk else None
+        return self.utt.request(lo, lo + self.sizes[i], start=start, by_voice_id=self.by_voice_id, resume=resume)
+
+    def keep_snapshot(self, snapshot: Optional[np.ndarray], chunk: int) -> None:
+        """The snapshot answered with chunk ``chunk`` (if any): a resume goes on from it."""
+        blob = b"" if snapshot is None else snapshot.reshape(-1)[0]
+        if isinstance(blob, bytes) and blob:
+            self.snapshot = (blob, chunk + 1, self.server_frames, self.server_samples)
+
+    def start_attempt(self, from_snapshot: bool) -> None:
+        """A new attempt (a new correlation id, set by the caller) begins: from the snapshot (the chunk after it
+        is its START) or from the first chunk (every answered chunk replayed)."""
+        if from_snapshot and self.snapshot is not None:
+            _, covered, self.server_frames, self.server_samples = self.snapshot
+            self.first_chunk = self.next_chunk = covered
+        else:
+            self.first_chunk = self.next_chunk = 0
+            self.server_frames = self.server_samples = 0
+        self.replayed_chunks += max(self.answered - self.first_chunk, 0)
 
     def where(self) -> str:
         total = FRAMES_PER_TOKEN * len(self.utt.speech_tokens)

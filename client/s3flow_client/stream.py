@@ -10,7 +10,8 @@ only; the others on the stream go on. When the server says a chunk may be sent a
 on a middle chunk or a START leaves the sequence as it was, or the server is full), the client sends it
 again, up to ``max_retries`` times with back-off; ``StreamResult.retries`` lists them. When the server lost
 the utterance, went away or is draining, the client resumes it on the next address (``s3flow_client.resume``:
-replay, frames checked against those delivered, none delivered twice); ``StreamResult.resumes`` lists them::
+from the last snapshot the server gave, or by replay, frames checked against those delivered, none delivered
+twice); ``StreamResult.resumes`` lists them::
 
     client = StreamingClient(["10.0.0.5:8001", "10.0.0.6:8001"])   # or "10.0.0.5:8001,10.0.0.6:8001"
 
@@ -77,17 +78,19 @@ class Utterance:
     #: prompt above is sent instead where a server does not hold that voice
     voice_id: Optional[str] = None
 
-    def request(self, lo: int, hi: int, start: bool, by_voice_id: bool = False) -> dict[str, np.ndarray]:
-        """The tensors of the chunk ``speech_tokens[lo:hi]`` (``s3flow_contract.tensors.request_arrays``): a START
-        carries the prompt (or, ``by_voice_id``, the voice id instead), the seed and the options."""
+    def request(self, lo: int, hi: int, start: bool, by_voice_id: bool = False,
+                resume: Optional[bytes] = None) -> dict[str, np.ndarray]:
+        """The tensors of the chunk ``speech_tokens[lo:hi]`` (``s3flow_contract.tensors.request_arrays``), with
+        its ``token_offset`` (so the server never applies it twice): a START carries the prompt (or,
+        ``by_voice_id``, the voice id instead), the seed and the options, and for a resume the snapshot."""
         tokens = self.speech_tokens[lo:hi]
         if not start:
-            return request_arrays(tokens)
+            return request_arrays(tokens, token_offset=lo)
         prompt = (dict(voice_id=self.voice_id) if by_voice_id else
                   dict(prompt_tokens=self.prompt_tokens, prompt_mel=self.prompt_mel,
                        speaker_embedding=self.speaker_embedding))
         return request_arrays(tokens, start=True, seed=self.seed, n_timesteps=self.n_timesteps,
-                              guidance_rate=self.guidance_rate, **prompt)
+                              guidance_rate=self.guidance_rate, token_offset=lo, resume=resume, **prompt)
 
 
 @dataclass
@@ -109,6 +112,7 @@ class StreamResult:
     admitted_after_s: float = 0.0
     resumes: list = field(default_factory=list)  # each time the utterance was replayed on a (new) server
     replayed_frames: int = 0          # frames computed again by resumes (the extra work), checked, not re-delivered
+    replayed_chunks: int = 0          # chunks answered before and sent again by resumes (0 for a snapshot resume)
     replay_max_diff: float = 0.0      # largest difference between a delivered frame and its replayed copy
     #: live utterances (s3flow_client.live): times a real-time player starting ``start_buffer_s`` after the first
     #: audio would have run dry, and for how long in all
@@ -157,8 +161,10 @@ class StreamingClient:
         max_retries: how often one utterance may send a chunk again that the server said it may retry
             (or a START that a full server refused).
         retry_backoff_s: the wait before the first retry; it doubles with each retry of the utterance.
-        max_resumes: how often one utterance may be resumed (replayed as a new sequence) after its
-            server lost it, went away or started draining.
+        max_resumes: how often one utterance may be resumed (as a new sequence) after its server lost it, went
+            away or started draining.
+        snapshots: resume from the last snapshot the server gave (the next chunk is all the work; the server
+            must hold the fleet's snapshot key); False, or none given: replay every answered chunk.
         replay_tolerance: largest difference allowed between delivered frames (and samples) and their
             replayed copies after a resume.
         channel: TLS and the metadata every call carries (``s3flow_client.channel``; default: plain gRPC).
@@ -167,14 +173,15 @@ class StreamingClient:
     def __init__(self, url: Union[str, Sequence[str]] = "127.0.0.1:8001", model: str = "token2mel",
                  timeout_s: Optional[float] = None, response_timeout_s: Optional[float] = 120.0,
                  audio: Optional[bool] = None, max_retries: int = 3, retry_backoff_s: float = 0.25,
-                 max_resumes: int = 3, replay_tolerance: float = 1e-3, channel: Optional[Channel] = None):
+                 max_resumes: int = 3, replay_tolerance: float = 1e-3, channel: Optional[Channel] = None,
+                 snapshots: bool = True):
         self.urls = [u.strip() for u in (url.split(",") if isinstance(url, str) else url) if u.strip()]
         if not self.urls:
             raise ValueError(f"no server address in {url!r}")
         self.url = self.urls[0]
         self.model, self.timeout_s = model, timeout_s
         self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
-        self.max_resumes, self.replay_tolerance = max_resumes, replay_tolerance
+        self.max_resumes, self.replay_tolerance, self.snapshots = max_resumes, replay_tolerance, snapshots
         self.audio = model.startswith("token2wav") if audio is None else audio  # ask for audio + sample_offset
         self.response_timeout_s = response_timeout_s
         self.channel = channel or Channel()
@@ -216,7 +223,8 @@ class StreamingClient:
                             wall_s=s.wall if s.wall is not None else time.perf_counter() - s.t0,
                             error=s.error, frames_expected=expected, audio=audio,
                             chunk_samples=[p.size for p in s.audio_parts], first_audio_s=s.first_audio_at,
-                            retries=s.retries, admitted_after_s=s.admitted_after, resumes=s.resumes, replayed_frames=s.replayed_frames,
+                            retries=s.retries, admitted_after_s=s.admitted_after, resumes=s.resumes,
+                            replayed_frames=s.replayed_frames, replayed_chunks=s.replayed_chunks,
                             replay_max_diff=s.replay_max_diff)
 
 

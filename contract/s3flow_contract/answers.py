@@ -8,7 +8,9 @@ Every error the s3flow models answer carries one **tag** with a fixed grammar, a
 The last tag in a message counts: the model that answers appends its own after the message, which may quote a
 member model's answer with that one's tag inside. ``disposition`` is one of :class:`Disposition`; ``sequence`` the correlation id the error concerns (when the
 server knows it); ``retry_after_s`` when to send again (``busy`` only); ``resend=prompt`` on a ``retry`` of a
-START that named a voice this server does not hold: send the START again with the speaker prompt itself. Keys are ``[a-z_]+``, values have no
+START that named a voice this server does not hold: send the START again with the speaker prompt itself;
+``resend=replay`` on a ``retry`` of a START whose resume snapshot this server cannot use: START again without
+it and replay the answered chunks. Keys are ``[a-z_]+``, values have no
 spaces or brackets; unknown keys are ignored, so the grammar can grow. Errors that Triton itself makes (a
 sequence it dropped, a server that is not ready, a member model that is unavailable) carry no tag: they are
 mapped to dispositions by one table, :data:`TRITON_ERRORS`. :func:`answer_of` reads either and is all a
@@ -56,7 +58,7 @@ class Answer:
     disposition: Disposition
     sequence: Optional[int] = None
     retry_after_s: Optional[float] = None
-    resend: Optional[str] = None          # "prompt": START again with the prompt instead of the voice id
+    resend: Optional[str] = None          # "prompt": START with the prompt, not the voice id; "replay": no snapshot
 
     def tag(self) -> str:
         """The tag that goes into the message (module docstring)."""

@@ -87,11 +87,20 @@ def by_name(tensors: Iterable[Tensor]) -> dict[str, Tensor]:
 # guidance_rate      FP32     [1, 1]      START only, optional: classifier-free guidance w
 # seed               INT64    [1, 1]      START only, optional: noise seed (default 0)
 # voice_id           BYTES    [1, 1]      START only, optional: a registered voice instead of the prompt
+# token_offset       INT64    [1, 1]      optional: the index of this chunk's first token in the utterance's
+#                                         speech tokens. With it a chunk sent again is never applied twice
+#                                         (the chunk taken last is answered again, an older one or a gap is
+#                                         refused); without it the chunk is appended
+# resume             BYTES    [1, 1]      START only, optional: the last ``snapshot`` an answer carried; the
+#                                         stream goes on from there (this chunk's token_offset is then the
+#                                         tokens the snapshot covers), with the START's own prompt and options
 # =================  =======  ==========  ==========================================================
 #
 # Response tensors: ``mel`` FP32 [1, 80, F] the frames that became final with this request, and
 # ``frame_offset`` INT64 [1, 1] the index of the first of them among the utterance's generated frames
 # (the prompt region excluded). Offsets continue without gap; after END the total is 2 per speech token.
+# ``snapshot`` BYTES [1, 1]: the stream's state after this chunk, sealed (``s3flow.engine.snapshot``), empty when
+# the server gives none (prefix mode, no snapshot key, the END): what a ``resume`` START sends back.
 REQUEST = (
     Tensor("speech_tokens", "int64", (-1,), ragged=True),
     Tensor("prompt_tokens", "int64", (-1,), optional=True, ragged=True, start_only=True),
@@ -102,6 +111,9 @@ REQUEST = (
     Tensor("seed", "int64", (1,), optional=True, ragged=True, start_only=True),
     #: a registered voice (s3flow.serving.voice_registry) instead of the three prompt tensors
     Tensor("voice_id", "bytes", (1,), optional=True, start_only=True),
+    Tensor("token_offset", "int64", (1,), optional=True, ragged=True),
+    #: a stream's snapshot (an earlier answer's ``snapshot``): the START of a resume goes on from it
+    Tensor("resume", "bytes", (1,), optional=True, start_only=True),
 )
 VOICE_ID = "voice_id"
 _REQUEST_BY_NAME = by_name(REQUEST)
@@ -116,11 +128,16 @@ ADMISSION_OUTPUTS = (Tensor("admitted", "bool", (1,)),)
 SOLVER_INPUTS = REQUEST + (Tensor("admitted", "bool", (1,), optional=True),)
 
 MEL_RESPONSE = (Tensor("mel", "float32", (FEATS, -1)), Tensor("frame_offset", "int64", (1,)))
-#: the solver answers its utterance's noise seed too, for the vocoder's source: in token2wav every vocoder input
-#: must come from the solver (Triton refuses an ensemble step whose inputs come from a decoupled model and from
-#: elsewhere, and the solver is decoupled under ``scheduling: deadline``); token2mel does not map it
-SOLVER_OUTPUTS = MEL_RESPONSE + (Tensor("seed", "int64", (1,)),)
 AUDIO_RESPONSE = (Tensor("audio", "float32", (-1,)), Tensor("sample_offset", "int64", (1,)))
+#: the stream's state after the chunk, for a resume elsewhere (b"" when none is given)
+SNAPSHOT = Tensor("snapshot", "bytes", (1,))
+#: what ``token2mel`` answers
+STREAM_RESPONSE = MEL_RESPONSE + (SNAPSHOT,)
+#: the solver answers its utterance's noise seed too, for the vocoder's source, and passes a resume START's
+#: snapshot on (the vocoder's part is in it): in token2wav every vocoder input must come from the solver (Triton
+#: refuses an ensemble step whose inputs come from a decoupled model and from elsewhere, and the solver is
+#: decoupled under ``scheduling: deadline``); token2mel maps neither
+SOLVER_OUTPUTS = STREAM_RESPONSE + (Tensor("seed", "int64", (1,)), Tensor("resume", "bytes", (1,)))
 
 # -- the stateless models the solver calls (BLS) ------------------------------------------------------------
 ENCODER_INPUTS = (Tensor("tokens", "int64", (-1, -1)), Tensor("token_len", "int64", (-1,)),
@@ -157,15 +174,17 @@ def stateless_tensors(model: str, meanflow: bool = False) -> tuple[tuple[Tensor,
 
 # -- the vocoder (token2wav's second step) and its two ONNX graphs --------------------------------------
 VOCODER_INPUTS = (Tensor("mel", "float32", (FEATS, -1), ragged=True), Tensor("frame_offset", "int64", (1,)),
-                  Tensor("seed", "int64", (1,), optional=True))
+                  Tensor("seed", "int64", (1,), optional=True), Tensor("snapshot", "bytes", (1,), optional=True),
+                  Tensor("resume", "bytes", (1,), optional=True))
 #: The vocoder passes the mel it was given and its offset on, so that every output of ``token2wav`` is made by
 #: its last step: an ensemble prunes the steps whose outputs a request did not name, and an ensemble output that
 #: was also the vocoder's input would take the vocoder (and with it the audio) away from a client that names
 #: only the mel, or the solver's mel away from one that names only the audio.
-VOCODER_OUTPUTS = AUDIO_RESPONSE + MEL_RESPONSE
+VOCODER_OUTPUTS = AUDIO_RESPONSE + STREAM_RESPONSE
 #: Inside ``token2wav``: the solver's outputs, by the ensemble tensor names the vocoder reads them from (never an
-#: ensemble output, see above).
-SOLVER_TO_VOCODER = {"mel": "solver_mel", "frame_offset": "solver_frame_offset", "seed": "solver_seed"}
+#: ensemble output, see above). The vocoder answers the solver's snapshot with its own section after it.
+SOLVER_TO_VOCODER = {"mel": "solver_mel", "frame_offset": "solver_frame_offset", "seed": "solver_seed",
+                     "snapshot": "solver_snapshot", "resume": "solver_resume"}
 HIFT_F0 = ((Tensor("mel", "float32", (-1, FEATS, -1)),), (Tensor("f0", "float32", (-1, -1)),))
 HIFT_DECODER = ((Tensor("mel", "float32", (-1, FEATS, -1)), Tensor("harmonics", "float32", (-1, -1, -1))),
                 (Tensor("audio", "float32", (-1, -1)),))
@@ -185,19 +204,23 @@ VOICE_ENCODER_OUTPUTS = (
 def request_arrays(speech_tokens, *, start: bool = False, prompt_tokens=None, prompt_mel=None,
                    speaker_embedding=None, n_timesteps: Optional[int] = None,
                    guidance_rate: Optional[float] = None, seed: Optional[int] = None,
-                   voice_id: Optional[str] = None) -> dict[str, np.ndarray]:
+                   voice_id: Optional[str] = None, token_offset: Optional[int] = None,
+                   resume: Optional[bytes] = None) -> dict[str, np.ndarray]:
     """One request's tensors, batch dimension 1, dtypes as declared. ``None`` values are left out; the
     START-only ones are refused unless ``start`` (prompt_mel is frames-major: (2 Np, FEATS))."""
     given = {"prompt_tokens": prompt_tokens, "prompt_mel": prompt_mel, "speaker_embedding": speaker_embedding,
-             "n_timesteps": n_timesteps, "guidance_rate": guidance_rate, "seed": seed, "voice_id": voice_id}
+             "n_timesteps": n_timesteps, "guidance_rate": guidance_rate, "seed": seed, "voice_id": voice_id,
+             "resume": resume}
     given = {k: v for k, v in given.items() if v is not None}
     if given and not start:
         raise ValueError(f"{sorted(given)} may only be sent with a sequence's START request")
+    if token_offset is not None:
+        given["token_offset"] = token_offset
     spec = _REQUEST_BY_NAME
     out = {"speech_tokens": np.asarray(speech_tokens, dtype=spec["speech_tokens"].np_dtype).reshape(1, -1)}
     for name, value in given.items():
         t = spec[name]
-        if name == VOICE_ID:
+        if t.dtype == "bytes":
             out[name] = np.array([[value.encode() if isinstance(value, str) else value]], dtype=object)
         elif t.dims == (1,):
             out[name] = np.array([[value]], dtype=t.np_dtype)

@@ -4,7 +4,7 @@ One Triton sequence (correlation id) per utterance. Every request carries the ne
 tokens; the START request also carries the speaker prompt and options; the END request finalises.
 
 Request tensors: ``s3flow_contract.tensors.REQUEST`` (names, dtypes, dims and what each means); response
-tensors: ``s3flow_contract.tensors.MEL_RESPONSE`` (``AUDIO_RESPONSE`` from token2wav).
+tensors: ``s3flow_contract.tensors.STREAM_RESPONSE`` (``AUDIO_RESPONSE`` too from token2wav).
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from s3flow_contract.tensors import REQUEST, VOCAB_SIZE, VOICE_ID, XVECTOR_DIM
 #: The request tensors the solver validates here (voice_id is resolved to a prompt before parse_request).
 INPUT_DTYPES = {t.name: t.np_dtype.type for t in REQUEST if t.name != VOICE_ID}
 START_ONLY = tuple(t.name for t in REQUEST if t.start_only and t.name != VOICE_ID)
+#: the largest ``resume`` snapshot a request may carry (the solver's and the vocoder's state: tens of kB)
+MAX_RESUME_BYTES = 1 << 20
 
 
 class RequestError(ValueError):
@@ -134,6 +136,8 @@ class ChunkRequest:
     n_timesteps: Optional[int] = None
     guidance_rate: Optional[float] = None
     seed: int = 0
+    token_offset: Optional[int] = None              # the chunk's first token in the utterance (None: append)
+    resume: Optional[bytes] = None                  # START: the snapshot the stream goes on from
 
 
 def _array(inputs: Mapping[str, np.ndarray], name: str, ndim: int) -> Optional[np.ndarray]:
@@ -185,7 +189,10 @@ def parse_request(inputs: Mapping[str, np.ndarray], *, start: bool, end: bool, r
     if tokens.size > rules.max_chunk_tokens:
         raise RequestError(f"speech_tokens chunk has {tokens.size} tokens, above max_chunk_tokens "
                            f"{rules.max_chunk_tokens}")
-    req = ChunkRequest(speech_tokens=tokens, start=start, end=end)
+    offset = _scalar(inputs, "token_offset")
+    if offset is not None and offset < 0:
+        raise RequestError(f"token_offset must be >= 0, got {offset}")
+    req = ChunkRequest(speech_tokens=tokens, start=start, end=end, token_offset=None if offset is None else int(offset))
     if not start:
         given = [n for n in START_ONLY if n in inputs]
         if given:
@@ -226,4 +233,23 @@ def parse_request(inputs: Mapping[str, np.ndarray], *, start: bool, end: bool, r
         raise RequestError(f"seed must be >= 0, got {seed}")
     req.n_timesteps, req.guidance_rate = steps, rate
     req.seed = 0 if seed is None else int(seed)
+    req.resume = _resume(inputs)
+    if req.resume is None and req.token_offset:
+        raise RequestError(f"token_offset of a START must be 0 (it is the utterance's first chunk), got "
+                           f"{req.token_offset}; a resume START carries its snapshot in 'resume'")
     return req
+
+
+def _resume(inputs) -> Optional[bytes]:
+    """A START's ``resume`` snapshot (its seal and contents are the engine's to check), or None."""
+    value = _array(inputs, "resume", 2)
+    if value is None:
+        return None
+    if value.size != 1:
+        raise RequestError(f"resume must hold one BYTES element, got shape {[1] + list(value.shape)}")
+    blob = value.reshape(-1)[0]
+    if not isinstance(blob, bytes):
+        raise RequestError(f"resume must be BYTES, got {type(blob).__name__}")
+    if len(blob) > MAX_RESUME_BYTES:
+        raise RequestError(f"resume holds {len(blob)} bytes, above {MAX_RESUME_BYTES}")
+    return blob or None

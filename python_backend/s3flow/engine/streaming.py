@@ -23,7 +23,12 @@ everything), with fresh seeded noise for new frames. Only frames that became fin
 frame offset. Every solve is built by ``s3flow.model.chunks``, as offline synthesis builds its own.
 
 A chunk changes its sequence's state only once its solve has succeeded: a failed chunk leaves tokens,
-``noised_mels`` and the emitted count as they were, so the client may send it again. The sequences' lifetimes
+``noised_mels`` and the emitted count as they were, so the client may send it again. A chunk that says where it
+starts (``token_offset``) is never applied twice: the chunk a sequence took last, sent again (its answer was lost,
+or a later model failed on it), is answered again from the state's copy of that answer; an older one or one
+leaving a gap is refused. In bounded context each committed chunk's answer carries the stream's **snapshot**
+(``s3flow.engine.solver_snapshot``), and a START that brings one back goes on from it (a resume costs one
+chunk). The sequences' lifetimes
 (begin, serve, commit, roll back, end, idle eviction, the cap on live sequences) are the
 ``SequenceTable``'s (``s3flow.engine.sequences``); what the engine does is reported to an ``Observer``
 (``s3flow.engine.observer``: estimator steps with their batch, answered chunks, dropped sequences).
@@ -53,6 +58,7 @@ from s3flow.engine.capacity import Work
 from s3flow.engine.observer import NO_OBSERVER, Observer
 from s3flow.engine.sequences import Capacity, SequenceTable
 from s3flow.engine.settings import ChunkSolving
+from s3flow.engine.solver_snapshot import SolverSnapshots
 from s3flow.engine.stepping import RowSolve, StepBatch
 from s3flow.model.chunks import NoisedMels, condition, solve_frames, starting_point
 from s3flow.model.solver import FrameNoise, cfm_grid, default_steps
@@ -81,10 +87,25 @@ class SequenceState:
     emitted: int = 0                   # generated frames already returned
     #: the last emitted frames, (n_feats, F) covering [emitted - F, emitted): bounded-context conditioning
     mel_tail: Optional[np.ndarray] = None
+    tenant: str = ""                   # whose stream (a snapshot is sealed for it)
+    last: Optional["Answered"] = None  # the chunk taken last and its answer: sent again if the chunk comes again
 
     @property
     def prompt_frames(self) -> int:
         return self.prompt_mel.shape[1]
+
+
+@dataclass
+class Answered:
+    """The chunk a sequence took last (where it started, its tokens, END) and the answer it got."""
+    token_offset: int
+    tokens: np.ndarray
+    end: bool
+    result: "ChunkResult"
+
+    def is_again(self, req: ChunkRequest) -> bool:
+        return (req.token_offset == self.token_offset and req.end == self.end
+                and np.array_equal(req.speech_tokens, self.tokens))
 
 
 
@@ -127,10 +148,12 @@ class Chunk:
 @dataclass
 class ChunkResult:
     """mel: (n_feats, F) the newly final frames; frame_offset: index of the first of them; seed: the
-    utterance's noise seed (the vocoder's source is seeded by it too)."""
+    utterance's noise seed (the vocoder's source is seeded by it too); snapshot: the stream's state after the
+    chunk, sealed (b"" when there is none to give: prefix mode, no key, END)."""
     mel: np.ndarray
     frame_offset: int
     seed: int = 0
+    snapshot: bytes = b""
 
 
 class StreamingEngine:
@@ -139,7 +162,8 @@ class StreamingEngine:
     def __init__(self, encode: EncodeFn, estimator, *, n_feats: int, meanflow: bool,
                  solving: ChunkSolving = ChunkSolving(), capacity: Capacity = Capacity(),
                  observer: Observer = NO_OBSERVER, bucket_ratio: float = 0.0,
-                 table: Optional[SequenceTable] = None):
+                 table: Optional[SequenceTable] = None, snapshots: Optional[SolverSnapshots] = None):
+        """``snapshots``: makes and restores the streams' snapshots (default: none given or taken)."""
         if bucket_ratio and bucket_ratio < 1:
             raise ValueError(f"bucket_ratio must be 0 (off) or >= 1, got {bucket_ratio}")
         self.bucket_ratio = float(bucket_ratio)
@@ -152,25 +176,26 @@ class StreamingEngine:
         self.context_frames = None if solving.context_frames < 0 else int(solving.context_frames)
         self.estimator_calls = 0
         self.solved_frames = 0           # sum over solves of rows' frames x Euler steps (cost figures)
+        self.snapshots = snapshots or SolverSnapshots(None, solving, n_feats, meanflow)
 
     # -- admission -------------------------------------------------------------------------------
-    def admit(self, corr_id, req: ChunkRequest) -> Chunk:
-        """Begin (START) or serve the sequence and plan the chunk's solve. The state is not changed here:
-        ``run`` applies the chunk once its solve has succeeded (or rolls the admission back)."""
+    def admit(self, corr_id, req: ChunkRequest, tenant: str = "") -> Chunk | ChunkResult:
+        """Begin (START, from a snapshot when it brings one) or serve the sequence and plan the chunk's solve; or,
+        for the chunk the sequence took last sent again, its answer again (the sequence as it was). The state is
+        not changed here: ``run`` applies the chunk once its solve has succeeded (or rolls the admission back)."""
         if req.start:
-            steps = req.n_timesteps or self.solving.default_steps or default_steps(self.meanflow)
-            rate = self.solving.default_guidance_rate if req.guidance_rate is None else req.guidance_rate
-            noise = FrameNoise(req.seed, self.n_feats)
-            tp = req.prompt_mel.shape[1]
-            cut = tp - self._prompt_kept(tp)   # frames before the kept tail never condition anything
-            state = SequenceState(prompt_tokens=req.prompt_tokens[cut // TOKEN_MEL_RATIO:],
-                                  prompt_mel=req.prompt_mel[:, cut:],
-                                  speaker_embedding=req.speaker_embedding, n_steps=int(steps),
-                                  guidance_rate=0.0 if self.meanflow else float(rate), noise=noise,
-                                  prompt_noise=noise.prompt(tp)[:, cut:])
+            state = self._new_state(req, tenant)
             replaced = self.sequences.begin(corr_id, state)
         else:
             state, replaced = self.sequences.serve(corr_id), None
+            try:
+                again = self._taken_before(state, req)
+            except BaseException:
+                self.sequences.rollback(corr_id, None, started=False)
+                raise
+            if again is not None:
+                self.sequences.commit(corr_id, end=False)
+                return again
         frames = TOKEN_MEL_RATIO * (state.received_tokens + req.speech_tokens.size)
         if self.context_frames is None and frames > self.solving.max_utterance_frames:  # prefix mode only
             self.sequences.end(corr_id, "utterance too long")
@@ -182,6 +207,40 @@ class StreamingEngine:
         except BaseException:   # nothing admitted may stay in flight
             self.sequences.rollback(corr_id, replaced, started=req.start)
             raise
+
+    def _new_state(self, req: ChunkRequest, tenant: str) -> SequenceState:
+        """A START's state: from its prompt and options, then, for a resume, the snapshot's point."""
+        steps = req.n_timesteps or self.solving.default_steps or default_steps(self.meanflow)
+        rate = self.solving.default_guidance_rate if req.guidance_rate is None else req.guidance_rate
+        noise = FrameNoise(req.seed, self.n_feats)
+        tp = req.prompt_mel.shape[1]
+        cut = tp - self._prompt_kept(tp)   # frames before the kept tail never condition anything
+        state = SequenceState(prompt_tokens=req.prompt_tokens[cut // TOKEN_MEL_RATIO:],
+                              prompt_mel=req.prompt_mel[:, cut:],
+                              speaker_embedding=req.speaker_embedding, n_steps=int(steps),
+                              guidance_rate=0.0 if self.meanflow else float(rate), noise=noise,
+                              prompt_noise=noise.prompt(tp)[:, cut:], tenant=tenant)
+        if req.resume is not None:
+            self.snapshots.restore(state, req.resume)
+            if req.token_offset is not None and req.token_offset != state.received_tokens:
+                raise RequestError(f"token_offset {req.token_offset} of a resume START must be the "
+                                   f"{state.received_tokens} tokens its snapshot covers")
+        return state
+
+    @staticmethod
+    def _taken_before(state: SequenceState, req: ChunkRequest) -> Optional[ChunkResult]:
+        """The answer again if ``req`` is the chunk ``state`` took last; RequestError for an older chunk or a gap;
+        None for the next chunk (or one that does not say where it starts)."""
+        if req.token_offset is None or req.token_offset == state.received_tokens:
+            return None
+        if state.last is not None and state.last.is_again(req):
+            return state.last.result
+        if req.token_offset < state.received_tokens:
+            raise RequestError(f"the chunk at token_offset {req.token_offset} ({req.speech_tokens.size} tokens) was "
+                               f"applied already: the sequence has taken {state.received_tokens} tokens (only the "
+                               f"chunk taken last is answered again, sent as it was)")
+        raise RequestError(f"token_offset {req.token_offset} leaves a gap: the sequence has taken "
+                           f"{state.received_tokens} tokens")
 
     def _prompt_kept(self, prompt_frames: int) -> int:
         """Frames of a prompt of ``prompt_frames`` that the state keeps: all, or the capped tail (whole tokens)."""
@@ -322,13 +381,16 @@ class StreamingEngine:
         s.noised_mels = (NoisedMels(c.start[:, tp + keep_from - c.first_frame:], keep_from)
                          if c.valid_frames > keep_from else None)
         s.emitted = c.final_frames
+        result = ChunkResult(mel=mel, frame_offset=e, seed=s.noise.seed,
+                             snapshot=b"" if c.finalize else self.snapshots.make(s))
+        s.last = Answered(s.received_tokens - int(c.tokens.size), c.tokens, c.finalize, result)
         if c.replaced is not None:  # a START on a live id restarted that utterance: the old state went
             self.observer.sequence_dropped(c.corr_id, "replaced by a new START")
         self.sequences.commit(c.corr_id, end=c.finalize)  # idle time counts from the answer, not the request
         self.observer.chunk_work(c.corr_id, Work(row_frames=float(c.nfe * c.frames), steps=c.state.n_steps, chunks=1,
                                                  encoder_tokens=int(c.encoder_tokens.size), frames=int(mel.shape[1])))
         self.observer.chunk_answered(c.corr_id, c.started, c.nfe, int(mel.shape[1]))
-        return ChunkResult(mel=mel, frame_offset=e, seed=s.noise.seed)
+        return result
 
 
 def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,

@@ -13,7 +13,12 @@ audio samples. Per correlation id it keeps
 * the excitation of that tail and the harmonics' phase at its end (what upstream calls ``cache_source``),
   advanced only over frames whose F0 is final (``F0_LOOKAHEAD_FRAMES`` of mel after them are known);
 * ``lookahead_frames`` of audio withheld at the end until more mel (or END) arrives, and the first
-  ``crossfade_samples`` of that withheld audio, which the next chunk's fresh audio is cross-faded from.
+  ``crossfade_samples`` of that withheld audio, which the next chunk's fresh audio is cross-faded from;
+* the F0 of the tail's final frames and the phase at the tail's start, from which the tail's excitation can be
+  made again (``s3flow.engine.vocoder_snapshot``: what a resume elsewhere starts from).
+
+``push`` computes on a copy: the state it was given is left as it was, and the caller keeps the new one once
+the networks have answered (a failed call leaves the stream as before the chunk, so the chunk can be sent again).
 
 With ``context_frames`` and ``lookahead_frames`` at least the network's receptive field (the defaults),
 streamed audio equals offline vocoding of the whole mel up to float rounding; smaller lookaheads trade
@@ -25,21 +30,23 @@ Example::
     stream = VocoderStream(f0_fn, decode_fn, params)
     state = stream.start(seed=0)
     for k, mel in enumerate(chunks):                 # mel: (n_feats, F_k), frame offsets continuing
-        chunk = stream.push(state, mel, frame_offset, end=(k == len(chunks) - 1))
+        state, chunk = stream.push(state, mel, frame_offset, end=(k == len(chunks) - 1))
         chunk.audio, chunk.sample_offset             # newly final samples and the index of the first
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from s3flow.model.vocoder_source import (DecodeFn, Excitation, F0Fn, SourceParams, apply_trim_fade,
+from s3flow.model.vocoder_source import (DecodeFn, Excitation, F0Fn, SourceParams, advance_phase, apply_trim_fade,
                                          harmonic_source, trim_fade)
 from s3flow.protocol import NumericSettings, check_numbers
 
-__all__ = ["F0_LOOKAHEAD_FRAMES", "StreamSettings", "StreamError", "VocoderState", "AudioChunk", "VocoderStream"]
+__all__ = ["F0_LOOKAHEAD_FRAMES", "StreamSettings", "StreamError", "NetworkCallError", "VocoderState", "AudioChunk",
+           "VocoderStream"]
 
 #: Mel frames after a frame that the F0 predictor (five 3-tap convolutions) reads.
 F0_LOOKAHEAD_FRAMES = 5
@@ -86,6 +93,10 @@ class StreamError(ValueError):
     """A chunk breaks its stream (frame gap, wrong shape, NaN, too long); maps to INVALID_ARG."""
 
 
+class NetworkCallError(RuntimeError):
+    """The F0 predictor or the decoder failed on a chunk (the stream is as before it: the chunk may come again)."""
+
+
 @dataclass
 class VocoderState:
     """Everything kept for one utterance between its chunks. Frame indices count the utterance's mel."""
@@ -98,6 +109,8 @@ class VocoderState:
     phase: Optional[np.ndarray] = None   # (H + 1,) cycles at the start of frame src_done
     emitted: int = 0                     # samples returned
     pending: Optional[np.ndarray] = None  # the previous pass's audio right after `emitted` (cross-fade)
+    f0: Optional[np.ndarray] = None      # (src_done - ctx_start,) float64: F0 of the final frames of the tail
+    ctx_phase: Optional[np.ndarray] = None  # (H + 1,) cycles at the start of frame ctx_start
 
 
 @dataclass
@@ -123,10 +136,15 @@ class VocoderStream:
         p = self.params
         return VocoderState(excitation=Excitation(seed, p),
                             mel=np.zeros((self.n_feats, 0), np.float32),
-                            harmonics=np.zeros((p.rows, 0), np.float32), phase=np.zeros(p.rows))
+                            harmonics=np.zeros((p.rows, 0), np.float32), phase=np.zeros(p.rows),
+                            f0=np.zeros(0), ctx_phase=np.zeros(p.rows))
 
-    def push(self, state: VocoderState, mel: np.ndarray, frame_offset: int, end: bool) -> AudioChunk:
-        """Append the mel frames (n_feats, F) that start at ``frame_offset``; return newly final audio."""
+    def push(self, state: VocoderState, mel: np.ndarray, frame_offset: int, end: bool
+             ) -> tuple[VocoderState, AudioChunk]:
+        """The stream after the mel frames (n_feats, F) that start at ``frame_offset``, and its newly final audio;
+        ``state`` itself is left as it was. StreamError for a chunk that breaks the stream, NetworkCallError when
+        a network fails."""
+        state = dataclasses.replace(state)   # every field below is assigned anew, never changed in place
         s, hop = self.settings, self.params.hop_samples
         mel = np.asarray(mel, dtype=np.float32)
         if mel.ndim != 2 or mel.shape[0] != self.n_feats:
@@ -148,20 +166,23 @@ class VocoderStream:
             lookahead = s.first_lookahead_frames
         emit_frame = w1 if end else max(w1 - lookahead, 0)
         if emit_frame * hop <= state.emitted:
-            return AudioChunk(np.zeros(0, np.float32), state.emitted)
+            return state, AudioChunk(np.zeros(0, np.float32), state.emitted)
 
         # excitation: cached (final) up to src_done; continue the phase from there over the rest
-        f0 = np.asarray(self.f0_fn(state.mel[None]), dtype=np.float64)[0, state.src_done - w0:]
+        f0 = np.asarray(self._call(self.f0_fn, "F0 predictor", state.mel[None]),
+                        dtype=np.float64)[0, state.src_done - w0:]
         self.network_calls += 1
         f0_final = w1 if end else max(w1 - F0_LOOKAHEAD_FRAMES, state.src_done)
         split = f0_final - state.src_done
         fresh_final, phase = harmonic_source(f0[:split], state.src_done, state.phase, state.excitation)
         fresh_rest, _ = harmonic_source(f0[split:], f0_final, phase, state.excitation)
         state.harmonics = np.concatenate([state.harmonics, fresh_final], axis=1)
+        state.f0 = np.concatenate([state.f0, f0[:split]])
         state.src_done, state.phase = f0_final, phase
         harmonics = np.concatenate([state.harmonics, fresh_rest], axis=1)
 
-        audio = np.asarray(self.decode_fn(state.mel[None], harmonics[None]))[0].astype(np.float32)
+        audio = np.asarray(self._call(self.decode_fn, "decoder", state.mel[None],
+                                      harmonics[None]))[0].astype(np.float32)
         self.network_calls += 1
         lo, hi = state.emitted - w0 * hop, emit_frame * hop - w0 * hop
         out = audio[lo:hi].copy()
@@ -178,5 +199,14 @@ class VocoderStream:
         keep = max(min(emit_frame - s.context_frames, state.src_done - F0_LOOKAHEAD_FRAMES), w0, 0)
         state.mel = state.mel[:, keep - w0:]
         state.harmonics = state.harmonics[:, (keep - w0) * hop:]
+        state.ctx_phase = advance_phase(state.ctx_phase, state.f0[:keep - w0], self.params)
+        state.f0 = state.f0[keep - w0:]
         state.ctx_start = keep
-        return chunk
+        return state, chunk
+
+    @staticmethod
+    def _call(fn, what: str, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:   # ONNX Runtime, torch: the stream is as before the chunk
+            raise NetworkCallError(f"the vocoder's {what} failed: {type(exc).__name__}: {exc}") from exc

@@ -132,6 +132,16 @@ def harmonic_source(f0: np.ndarray, start_frame: int, phase: np.ndarray, excitat
     return out.astype(np.float32), cycles[:, -1, -1].copy()
 
 
+def advance_phase(phase: np.ndarray, f0: np.ndarray, params: SourceParams) -> np.ndarray:
+    """Each harmonic's phase (cycles, modulo 1) after the mel frames of ``f0`` (Hz), from ``phase`` before them:
+    where ``harmonic_source`` over those frames would leave it, without making their samples."""
+    f0 = np.asarray(f0, dtype=np.float64).reshape(-1)
+    if f0.size == 0:
+        return np.asarray(phase, np.float64) % 1.0
+    inc = np.arange(1, params.rows + 1, dtype=np.float64)[:, None] * f0[None, :] / params.sampling_rate
+    return (np.asarray(phase, np.float64) + np.cumsum(params.hop_samples * inc, axis=1)[:, -1]) % 1.0
+
+
 def offline_vocode(f0_fn: F0Fn, decode_fn: DecodeFn, mel: np.ndarray, params: SourceParams, seed: int = 0,
                    fade: bool = True) -> np.ndarray:
     """Vocode a whole utterance's mel (n_feats, T) in one pass -> (hop * T,) float32 audio."""

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from s3flow_contract.tensors import (ADMISSION_OUTPUTS, ENCODER_MODEL, ESTIMATOR_MODEL, MEL_RESPONSE, REQUEST,
-                                     SOLVER_INPUTS, SOLVER_OUTPUTS, SOLVER_TO_VOCODER, VOCODER_INPUTS, VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS,
-                                     VOICE_ENCODER_OUTPUTS, stateless_tensors)
+from s3flow_contract.tensors import (ADMISSION_OUTPUTS, ENCODER_MODEL, ESTIMATOR_MODEL, REQUEST, SOLVER_INPUTS,
+                                     SOLVER_OUTPUTS, SOLVER_TO_VOCODER, STREAM_RESPONSE, VOCODER_INPUTS,
+                                     VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS, stateless_tensors)
 from s3flow.repository.model_config import (ModelConfig, add_ensemble_step, add_instances, add_sequence_controls,
                                          add_tensors, set_parameters, set_strategy)
 from s3flow.repository.settings import RepositorySettings
@@ -71,14 +71,15 @@ def admission_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
 
 
 def ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
-    """``token2mel``: the public request to ``admission``, then (admitted) to ``cfm_solver``; its mel back."""
+    """``token2mel``: the public request to ``admission``, then (admitted) to ``cfm_solver``; its mel (and the
+    stream's snapshot) back."""
     config = ModelConfig(name="token2mel", platform="ensemble", max_batch_size=s.batching.max_batch_size)
-    add_tensors(config, REQUEST, MEL_RESPONSE, n_feats=n_feats)
+    add_tensors(config, REQUEST, STREAM_RESPONSE, n_feats=n_feats)
     _solver_steps(config, s)
     return config
 
 
-def _solver_steps(config: ModelConfig, s: RepositorySettings, outputs=MEL_RESPONSE, write_to=None) -> None:
+def _solver_steps(config: ModelConfig, s: RepositorySettings, outputs=STREAM_RESPONSE, write_to=None) -> None:
     """admission (unless ``s.admission`` is off), then cfm_solver waiting for its answer; ``outputs``: the
     solver outputs the ensemble maps, ``write_to``: to internal tensors of these names (``add_ensemble_step``)."""
     if s.admission:

@@ -61,9 +61,12 @@ class Calibration:
     ``ready()`` holds, retrying while they do not answer yet (for at most ``give_up_s`` in all)."""
 
     def __init__(self, engine, model: CapacityModel, rules, name: str, ready: Callable[[], bool],
-                 log: Callable[[str], None] = print, give_up_s: float = 300.0, retry_s: float = 0.5):
+                 log: Callable[[str], None] = print, give_up_s: float = 300.0, retry_s: float = 0.5,
+                 closing: Callable[[], bool] = lambda: False):
+        """``ready()``: BLS calls may be made (module docstring); ``closing()``: the server is stopping (its
+        models may no longer answer): the calibration stops before its next batch."""
         self.engine, self.model, self.rules, self.name, self.log = engine, model, rules, name, log
-        self.ready, self.give_up_s, self.retry_s = ready, give_up_s, retry_s
+        self.ready, self.give_up_s, self.retry_s, self.closing = ready, give_up_s, retry_s, closing
         self.done, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-calibration", daemon=True)
 
@@ -80,15 +83,18 @@ class Calibration:
 
     def _wait_idle(self) -> None:
         """Until the served engine holds no sequence (served streams go first; the calibration waits its turn);
-        raises ``_Stopped`` once ``stop`` was called."""
-        while len(self.engine.sequences) and not self._stop.is_set():
+        raises ``_Stopped`` once ``stop`` was called or the server closes."""
+        while len(self.engine.sequences) and not self._stopping():
             time.sleep(0.2)
-        if self._stop.is_set():
+        if self._stopping():
             raise _Stopped
+
+    def _stopping(self) -> bool:
+        return self._stop.is_set() or self.closing()
 
     def _run(self) -> None:
         t0, last = time.monotonic(), None
-        while time.monotonic() - t0 < self.give_up_s and not self._stop.is_set():
+        while time.monotonic() - t0 < self.give_up_s and not self._stopping():
             try:
                 if not self.ready():   # no BLS call before the server can run it (module docstring)
                     last = "the models are not ready"
@@ -106,7 +112,7 @@ class Calibration:
                      f"{e.per_unit * 1e6:.3f} us per row-frame")
             self.done.set()
             return
-        why = "stopped" if self._stop.is_set() else f"gave up after {self.give_up_s:.0f} s ({last})"
+        why = "stopped" if self._stopping() else f"gave up after {self.give_up_s:.0f} s ({last})"
         self.log(f"{self.name}: calibration {why}; the costs come from served calls only")
         self.done.set()
 

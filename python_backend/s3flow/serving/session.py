@@ -13,6 +13,11 @@ a chunk of a sequence not held here  INVALID_ARG  resume       none (never start
 a START naming a voice not held      INVALID_ARG  retry,       none made: START again with the speaker
                                                   resend=      prompt itself
                                                   prompt
+a resume START whose snapshot        INVALID_ARG  retry,       none made: START again without it and
+cannot be used here                               resend=      replay the answered chunks
+                                                  replay
+the chunk the sequence took last,    (its answer again)        unchanged
+sent again (same token_offset)
 a START while full                   UNAVAILABLE  busy         none made; ``retry_after_s`` says when
 a START while draining               UNAVAILABLE  resume       none made: START on another server
 any chunk while the server closes    UNAVAILABLE  resume       dropped: resume on another server
@@ -49,6 +54,7 @@ from s3flow_contract.answers import Answer, Disposition
 from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence, parse_request
 from s3flow_contract.tensors import VOICE_ID
 from s3flow.serving.voice_registry import UnknownVoice
+from s3flow.engine.snapshot import SnapshotError
 from s3flow.engine.step_loop import Done, StepCancelled
 from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
 from s3flow.serving.responses import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE
@@ -157,7 +163,8 @@ class SolverSession:
 
     def admit(self, req: Incoming) -> tuple[Optional[Chunk], Optional[Outcome]]:
         """Validate one request and admit its chunk (its sequence's state now in flight): (chunk, None), or
-        (None, the refusal with its code and disposition)."""
+        (None, its outcome already: the refusal with its code and disposition, or the answer again to a chunk
+        sent again)."""
         try:
             parsed = parse_request(with_voice(req.inputs, req.start, self.voices, req.tenant), start=req.start,
                                    end=req.end, rules=self.rules, n_feats=self.engine.n_feats)
@@ -166,7 +173,10 @@ class SolverSession:
             if req.start and self.draining():
                 raise Draining("the server is draining (shutting down) and takes no new sequences; "
                                "send the START to another server")
-            return self.engine.admit(req.corr_id, parsed), None
+            admitted = self.engine.admit(req.corr_id, parsed, tenant=req.tenant)
+            if isinstance(admitted, ChunkResult):   # the chunk taken last, sent again: its answer again
+                return None, Outcome(result=admitted)
+            return admitted, None
         except Closing as exc:
             self._drop(req.corr_id, "server stopping")
             return None, failed_outcome(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
@@ -185,6 +195,9 @@ class SolverSession:
                 return None, failed_outcome(req.corr_id, msg, INVALID_ARG, Disposition.RESUME)
             if isinstance(exc, UnknownVoice):
                 return None, failed_outcome(req.corr_id, msg, INVALID_ARG, Disposition.RETRY, resend="prompt")
+            if isinstance(exc, SnapshotError):
+                return None, failed_outcome(req.corr_id, f"{msg}; START again without it and replay the utterance",
+                                            INVALID_ARG, Disposition.RETRY, resend="replay")
             return None, failed_outcome(req.corr_id, msg, INVALID_ARG, Disposition.FAIL)
 
     def failed(self, c: Chunk, exc: BaseException) -> Outcome:
@@ -227,9 +240,9 @@ class SolverSession:
             for i, req in enumerate(requests):
                 if not req.ready:
                     continue
-                chunk, refusal = self.admit(req)
-                if refusal is not None:
-                    out[i] = refusal
+                chunk, answered = self.admit(req)
+                if answered is not None:   # refused, or a chunk sent again answered again
+                    out[i] = answered
                     continue
                 chunks.append(chunk)
                 where.append(i)

@@ -79,13 +79,13 @@ class SteppedSolver:
         q = self._queues[corr_id]
         while q:
             p = q[0]
-            chunk, refusal = self.session.admit(p.incoming)
+            chunk, answered = self.session.admit(p.incoming)
             if chunk is not None:
                 self.loop.submit(chunk, on_done=lambda d, corr_id=corr_id, p=p: self._done(corr_id, p, d),
                                  is_cancelled=p.incoming.is_cancelled)
                 return
             q.popleft()
-            p.reply(refusal)
+            p.reply(answered)   # refused, or a chunk sent again answered again
         del self._queues[corr_id]
 
     def _done(self, corr_id, p: _Pending, d: Done) -> None:

@@ -57,10 +57,6 @@ def default_dir(server_pid: Optional[int] = None) -> Path:
         f"s3flow-voices-{server_pid if server_pid is not None else os.getppid()}"
 
 
-#: the environment variable naming the file that holds the fleet's voice-id key (a mounted Secret)
-VOICE_KEY_ENV = "S3FLOW_VOICE_KEY_FILE"
-
-
 def voice_id_of(prompt_tokens: np.ndarray, prompt_mel: np.ndarray, speaker_embedding: np.ndarray,
                 tenant: str = "", secret: Optional[bytes] = None) -> str:
     digest = hashlib.sha256()
@@ -71,17 +67,6 @@ def voice_id_of(prompt_tokens: np.ndarray, prompt_mel: np.ndarray, speaker_embed
         return "v-" + digest.hexdigest()[:16]
     keyed = hmac.new(secret or b"", tenant.encode() + b"\0" + digest.digest(), hashlib.sha256)
     return "v-" + keyed.hexdigest()[:16]
-
-
-def secret_from_env() -> Optional[bytes]:
-    """The fleet's voice-id key from the file ``$S3FLOW_VOICE_KEY_FILE`` names (None when unset)."""
-    path = os.environ.get(VOICE_KEY_ENV)
-    if not path:
-        return None
-    key = Path(path).read_bytes().strip()
-    if len(key) < 16:
-        raise ValueError(f"{VOICE_KEY_ENV}={path}: the key must be at least 16 bytes, got {len(key)}")
-    return key
 
 
 @dataclass

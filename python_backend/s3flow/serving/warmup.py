@@ -167,6 +167,6 @@ def warm_up_vocoder(stream, frames: tuple = VOCODER_WARMUP_FRAMES) -> WarmupRepo
     t0, offset = time.perf_counter(), 0
     for k, n in enumerate(frames):
         mel = np.full((stream.n_feats, n), -6.0, np.float32)
-        stream.push(state, mel, offset, end=k == len(frames) - 1)
+        state, _ = stream.push(state, mel, offset, end=k == len(frames) - 1)
         offset += n
     return WarmupReport("vocoder", len(frames), 2 * len(frames), time.perf_counter() - t0)

@@ -49,11 +49,14 @@ from s3flow.serving.triton_models.slots import SlotRelease, releases_slot
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
                                                read_controls)
 from s3flow.serving.calibration import Calibration, planned_start
+from s3flow.serving.keys import snapshot_key
+from s3flow.engine.solver_snapshot import SolverSnapshots
 from s3flow.serving.warmup import warm_up_solver
 
 #: After a batch that made this many frames, give the freed heap back (s3flow.serving.heap).
 _TRIM_AFTER_FRAMES = 500
-_MEL, _FRAME_OFFSET, _SEED = (by_name(SOLVER_OUTPUTS)[n] for n in ("mel", "frame_offset", "seed"))
+_MEL, _FRAME_OFFSET, _SEED, _SNAPSHOT, _RESUME = (by_name(SOLVER_OUTPUTS)[n] for n in
+                                                   ("mel", "frame_offset", "seed", "snapshot", "resume"))
 #: How far out of order requests may reach the batcher after admission marked them (s3flow.serving.arrivals.OnTheWay;
 #: the batcher's own queue delay comes on top)
 ARRIVAL_SLACK_S = 1.0
@@ -155,26 +158,29 @@ class TritonPythonModel(TritonModel):
         plan = planned_start(self.settings, self.n_feats, self.meanflow)
         self.capacity = CapacityModel(max_batch, prior_correction=padding_factor(plan[0], max_batch))
         self.metrics.book.on_underrun = self.capacity.ran_dry   # a stream behind playback: the model is optimistic
+        snapshots = SolverSnapshots(snapshot_key(), self.settings.solving, self.n_feats, self.meanflow)
         engine = StreamingEngine(self.encoder, self.estimator, n_feats=self.n_feats, meanflow=self.meanflow,
                                  solving=self.settings.solving, capacity=self.settings.capacity,
                                  observer=Observers(self.metrics.book, self.capacity),
-                                 bucket_ratio=p.float("length_bucket_ratio", 0.0), table=table)
+                                 bucket_ratio=p.float("length_bucket_ratio", 0.0), table=table, snapshots=snapshots)
         if p.bool("warmup", True):  # s3flow.serving.warmup: no first-run cost on a real chunk
             self.logger.log_info(warm_up_solver(engine, self.settings.rules).describe())
         self.instance = args.get("model_instance_name", self.name)
         self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), self.instance, "solver", self.capacity, *plan)
         # Triton has called execute (its model_warmup request, or a client's): the instance is set up, BLS works
         self.set_up = threading.Event()
+        self.closing = closing_probe()
         self.calibration = None
         if p.bool("calibrate", True):   # the cost fits start from real calls (a thread, once BLS works)
             self.calibration = Calibration(engine, self.capacity, self.settings.rules, self.name,
-                                           log=self.logger.log_info, ready=self.set_up.is_set).start()
+                                           log=self.logger.log_info, ready=self.set_up.is_set,
+                                           closing=self.closing).start()
         voices = None
         if p.bool("voices", False):  # START may name a voice the voice_encoder stored
-            from s3flow.serving.voice_registry import VoiceRegistry, default_dir, secret_from_env
+            from s3flow.serving.keys import voice_key
+            from s3flow.serving.voice_registry import VoiceRegistry, default_dir
             voices = VoiceRegistry(p.str("voice_dir", "") or default_dir(), p.int("max_voices"),
-                                   p.int("max_voice_bytes"), secret_from_env()).get
-        self.closing = closing_probe()
+                                   p.int("max_voice_bytes"), voice_key()).get
         self.session = SolverSession(engine, self.settings.rules, name=self.name, draining=draining_probe(),
                                      voices=voices, closing=self.closing)
         self.scheduling = p.str("scheduling", "fifo")
@@ -205,6 +211,13 @@ class TritonPythonModel(TritonModel):
         return Incoming(corr_id=c.corr_id, start=c.start, end=c.end, inputs=input_arrays(request, REQUEST),
                         ready=c.ready, is_cancelled=request.is_cancelled, tenant=tenant)
 
+    @staticmethod
+    def _resume_of(incoming: Incoming) -> bytes:
+        """A resume START's snapshot, passed on to the vocoder (its section is in it): b"" for any other request."""
+        value = incoming.inputs.get(_RESUME.name) if incoming.start else None
+        item = None if value is None or np.asarray(value).size != 1 else np.asarray(value).reshape(-1)[0]
+        return item if isinstance(item, bytes) else b""
+
     def _pending(self, corr_id, picked_at: float) -> bool:
         """A chunk of the sequence is on its way (in Triton's queue) or queued in the decoupled path."""
         return self.on_the_way.pending(corr_id, picked_at) or (self.stepped is not None
@@ -232,11 +245,11 @@ class TritonPythonModel(TritonModel):
             self._publish_live()
         if sum(o.result.mel.shape[1] for o in outcomes if o.result is not None) >= _TRIM_AFTER_FRAMES:
             trim_heap()
-        responses = [self._response(o) for o in outcomes]
+        responses = [self._response(o, self._resume_of(i)) for o, i in zip(outcomes, incoming)]
         self.metrics.book.end(started)  # s3flow_chunk_seconds etc. of the chunks answered
         return responses
 
-    def _response(self, o: Outcome):
+    def _response(self, o: Outcome, resume: bytes = b""):
         if o.error is not None:
             return self.error(o.error, o.code, o.answer)
         if o.result is None:  # an empty slot of the direct strategy; our own END (slots.py)
@@ -244,7 +257,9 @@ class TritonPythonModel(TritonModel):
         return ok_response({
             _MEL.name: o.result.mel[None].astype(_MEL.np_dtype, copy=False),
             _FRAME_OFFSET.name: np.array([[o.result.frame_offset]], dtype=_FRAME_OFFSET.np_dtype),
-            _SEED.name: np.array([[o.result.seed]], dtype=_SEED.np_dtype)})
+            _SNAPSHOT.name: np.array([[o.result.snapshot]], dtype=object),
+            _SEED.name: np.array([[o.result.seed]], dtype=_SEED.np_dtype),
+            _RESUME.name: np.array([[resume]], dtype=object)})
 
     def _execute_decoupled(self, requests):
         """scheduling "deadline": each request goes to its sequence's queue (step_service) and execute returns;
@@ -259,13 +274,14 @@ class TritonPythonModel(TritonModel):
             if i.start:   # the id is in use again
                 self.slots.started(i.corr_id)
                 self.gone.take(i.corr_id)
-            self.stepped.submit(i, reply=lambda o, sender=sender, arrived=arrived: self._answer(sender, o, arrived))
+            self.stepped.submit(i, reply=lambda o, sender=sender, arrived=arrived, resume=self._resume_of(i):
+                                self._answer(sender, o, arrived, resume))
         self.on_the_way.free()
         self._publish_live()
         return None
 
-    def _answer(self, sender, o: Outcome, arrived: float) -> None:
-        sender.send(self._response(o), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    def _answer(self, sender, o: Outcome, arrived: float, resume: bytes) -> None:
+        sender.send(self._response(o, resume), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self.metrics.book.flush(time.perf_counter() - arrived)   # s3flow_chunk_seconds: arrival to answer
         self._publish_live()
 

@@ -4,12 +4,14 @@ Sequence batching routes every chunk of an utterance (one correlation id) here, 
 the ``token2wav`` ensemble; the control inputs START / END / READY / CORRID arrive as tensors. The two
 networks run in this process, as the ``vocoder_backend`` parameter says: ``onnx`` (``<version>/f0.onnx``,
 ``<version>/decoder.onnx`` in ONNX Runtime, KIND_CPU) or ``torch`` (``<version>/hift.safetensors``, on
-``cuda:<device id>`` for a KIND_GPU instance, else the CPU); the excitation, the state and the seams are
-``s3flow.engine.vocoder_stream``'s, the same for both. Tensors (``contract.VOCODER_INPUTS`` / ``_OUTPUTS``):
-``mel`` [1, n_feats, F] the newly final frames, ``frame_offset`` [1, 1], ``seed`` [1, 1] (START, optional:
-the source noise's seed) in; ``audio`` [1, S] the newly final samples and ``sample_offset`` [1, 1] the index
-of the first out, and the ``mel`` and ``frame_offset`` it was given passed on (so that every ``token2wav``
-output is the vocoder's: a request may name any subset of them).
+``cuda:<device id>`` for a KIND_GPU instance, else the CPU). Validation, the stream's state, a chunk sent again,
+snapshots and the mapping of failures to answers are ``s3flow.serving.vocoder_session``'s (over
+``s3flow.engine.vocoder_stream``), unit-tested without a server; this file holds what needs the stub. Tensors
+(``contract.VOCODER_INPUTS`` / ``_OUTPUTS``): ``mel`` [1, n_feats, F] the newly final frames, ``frame_offset``
+[1, 1], ``seed`` [1, 1] (START: the source noise's seed), the solver's ``snapshot`` and a resume START's
+``resume`` in; ``audio`` [1, S] the newly final samples and ``sample_offset`` [1, 1] the index of the first, the
+``mel`` and ``frame_offset`` it was given passed on (so that every ``token2wav`` output is the vocoder's: a
+request may name any subset of them), and the snapshot with the vocoder's section out.
 """
 from __future__ import annotations
 
@@ -17,17 +19,18 @@ import time
 
 import numpy as np
 
-from s3flow_contract.answers import Disposition
 from s3flow_contract.tensors import SILENT_START_SAMPLES, VOCODER_INPUTS, VOCODER_OUTPUTS, by_name
 from s3flow.engine.capacity import CapacityModel, Work
 from s3flow.engine.observer import Observer
 from s3flow.engine.sequences import Capacity, SequenceTable
-from s3flow.engine.vocoder_stream import StreamError, StreamSettings, VocoderStream
+from s3flow.engine.vocoder_snapshot import VocoderSnapshots
+from s3flow.engine.vocoder_stream import StreamSettings, VocoderStream
 from s3flow.model.vocoder_source import SourceParams
-from s3flow.protocol import RequestError, numbers_from_parameters
+from s3flow.protocol import numbers_from_parameters
 from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
 from s3flow.serving.config_params import Params
 from s3flow.serving.draining import closing_probe
+from s3flow.serving.keys import snapshot_key
 from s3flow.serving.load import InstanceLoad, LoadFiles
 from s3flow.serving.metrics import FIRST_AUDIO_SECONDS, UTILIZATION, VOCODER_FAMILIES, VOCODER_LIVE
 from s3flow.serving.admission import LiveCounts
@@ -37,11 +40,12 @@ from s3flow.serving.triton_models.base import (TritonModel, empty_response, inpu
                                                read_controls)
 from s3flow.serving.triton_models.metric_api import TritonMetrics
 from s3flow.serving.triton_models.slots import SlotRelease, releases_slot
+from s3flow.serving.vocoder_session import VocoderIncoming, VocoderSession
 from s3flow.serving.warmup import warm_up_vocoder
 
-_MEL, _FRAME_OFFSET, _SEED = (t.name for t in VOCODER_INPUTS)
-_AUDIO, _SAMPLE_OFFSET, _MEL_OUT, _FRAME_OFFSET_OUT = (by_name(VOCODER_OUTPUTS)[n] for n in
-                                                        ("audio", "sample_offset", "mel", "frame_offset"))
+_MEL, _FRAME_OFFSET = (t.name for t in VOCODER_INPUTS[:2])
+_AUDIO, _SAMPLE_OFFSET, _MEL_OUT, _FRAME_OFFSET_OUT, _SNAPSHOT = (
+    by_name(VOCODER_OUTPUTS)[n] for n in ("audio", "sample_offset", "mel", "frame_offset", "snapshot"))
 
 
 def source_params_from(params: Params) -> SourceParams:
@@ -51,8 +55,6 @@ def source_params_from(params: Params) -> SourceParams:
 
 class TritonPythonModel(TritonModel):
     sequence_batching = True
-    request_errors = (RequestError, StreamError)
-    failure_disposition = Disposition.RESUME   # the stream's state went with the failure: replay the utterance
 
     def setup(self, args):
         p = self.params
@@ -69,6 +71,8 @@ class TritonPythonModel(TritonModel):
         capacity = Capacity.from_parameters(p.raw)
         self.sequences = SequenceTable(capacity, _LogDrops(self),
                                        pending=lambda corr_id, _picked_at: corr_id in solver_live.read_recent())
+        self.session = VocoderSession(self.stream, self.sequences, VocoderSnapshots(snapshot_key(), self.stream),
+                                      self.name)
         # first audio (s3flow_first_audio_seconds): admission marked each START's arrival
         self.starts = ArrivalMarks(ArrivalMarks.default_folder("starts"))
         self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
@@ -113,44 +117,26 @@ class TritonPythonModel(TritonModel):
         c = read_controls(request)
         if not c.ready or self.slots.is_release(c.corr_id, c.end, request.parameters()):  # an empty slot of the direct strategy; our END
             return empty_response()
+        started = None
         if c.start:
             self.slots.started(c.corr_id)
+            started = self.starts.take(c.corr_id)   # admission marked the START's arrival (first audio)
         inputs = input_arrays(request, VOCODER_INPUTS)
         t0 = time.perf_counter()
-        try:
-            chunk = self._push(c, inputs)
-        except Exception:  # a bad request or a failed network call: this sequence is lost, the others go on
-            self.sequences.end(c.corr_id, "broken stream")  # a broken stream cannot continue seamlessly
-            raise
-        frames = int(inputs[_MEL].shape[2])
-        self.load.model.estimator_timed(1, frames, time.perf_counter() - t0)
-        self.load.model.chunk_work(c.corr_id, Work(row_frames=frames, steps=1, frames=frames))
-        self.sequences.commit(c.corr_id, end=c.end)
-        self._first_audio(c, chunk.sample_offset + chunk.audio.size)
+        o = self.session.handle(VocoderIncoming(c.corr_id, c.start, c.end, inputs))
+        if o.error is not None:
+            return self.error(o.error, o.code, o.answer)
+        if started is not None:
+            self.awaiting_audio[c.corr_id] = started
+        if o.pushed:   # its share of the device (an answer sent again ran no network)
+            self.load.model.estimator_timed(1, o.pushed, time.perf_counter() - t0)
+            self.load.model.chunk_work(c.corr_id, Work(row_frames=o.pushed, steps=1, frames=o.pushed))
+        self._first_audio(c, o.chunk.sample_offset + o.chunk.audio.size)
         return ok_response({   # the mel and its offset passed on (contract.VOCODER_OUTPUTS says why)
-            _AUDIO.name: chunk.audio[None].astype(_AUDIO.np_dtype, copy=False),
-            _SAMPLE_OFFSET.name: np.array([[chunk.sample_offset]], dtype=_SAMPLE_OFFSET.np_dtype),
-            _MEL_OUT.name: inputs[_MEL], _FRAME_OFFSET_OUT.name: inputs[_FRAME_OFFSET]})
-
-    def _push(self, c, inputs: dict):
-        mel, offset = inputs.get(_MEL), inputs.get(_FRAME_OFFSET)
-        if mel is None or offset is None:
-            raise RequestError(f"the vocoder needs '{_MEL}' and '{_FRAME_OFFSET}' in every request")
-        if mel.ndim != 3 or mel.shape[0] != 1 or mel.dtype != np.float32:
-            raise RequestError(f"mel must be float32 [1, {self.n_feats}, frames], got {mel.dtype} {list(mel.shape)}")
-        if c.start:
-            seed = inputs.get(_SEED)
-            seed = 0 if seed is None else int(seed.reshape(-1)[0])
-            if seed < 0:
-                raise RequestError(f"seed must be >= 0, got {seed}")
-            state = self.stream.start(seed)
-            self.sequences.begin(c.corr_id, state)
-            started = self.starts.take(c.corr_id)
-            if started is not None:
-                self.awaiting_audio[c.corr_id] = started
-        else:
-            state = self.sequences.serve(c.corr_id)
-        return self.stream.push(state, mel[0], int(offset.reshape(-1)[0]), end=c.end)
+            _AUDIO.name: o.chunk.audio[None].astype(_AUDIO.np_dtype, copy=False),
+            _SAMPLE_OFFSET.name: np.array([[o.chunk.sample_offset]], dtype=_SAMPLE_OFFSET.np_dtype),
+            _MEL_OUT.name: inputs[_MEL], _FRAME_OFFSET_OUT.name: inputs[_FRAME_OFFSET],
+            _SNAPSHOT.name: np.array([[o.snapshot]], dtype=object)})
 
     def _first_audio(self, c, samples_out: int) -> None:
         """Observe a START-to-first-sound time once per utterance (and forget it at END)."""

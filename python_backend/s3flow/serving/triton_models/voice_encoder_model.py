@@ -17,7 +17,8 @@ from s3flow_contract.tensors import VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS
 from s3flow.model.voice import VoiceFrontend
 from s3flow.protocol import RequestRules, tenant_of
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response
-from s3flow.serving.voice_registry import VoiceRegistry, default_dir, secret_from_env
+from s3flow.serving.keys import voice_key
+from s3flow.serving.voice_registry import VoiceRegistry, default_dir
 from s3flow.serving.voice_service import VoiceService
 
 
@@ -32,7 +33,7 @@ class TritonPythonModel(TritonModel):
         self.folder = p.str("voice_dir", "") or str(default_dir())
         self.owns_folder = not p.str("voice_dir", "")
         registry = VoiceRegistry(self.folder, p.int("max_voices", 1000), p.int("max_voice_bytes", 256 << 20),
-                                 secret_from_env())
+                                 voice_key())
         rules = RequestRules(max_prompt_tokens=p.int("max_prompt_tokens", 500))
         self.service = VoiceService(frontend, registry, rules, n_feats=n_feats)
 
