@@ -178,10 +178,8 @@ class TritonPythonModel(TritonModel):
                                            closing=self.closing).start()
         voices = None
         if p.bool("voices", False):  # START may name a voice the voice_encoder stored
-            from s3flow.serving.keys import voice_key
-            from s3flow.serving.voice_registry import VoiceRegistry, default_dir
-            voices = VoiceRegistry(p.str("voice_dir", "") or default_dir(), p.int("max_voices"),
-                                   p.int("max_voice_bytes"), voice_key()).get
+            from s3flow.serving.voice_registry import VoiceRegistry
+            voices = VoiceRegistry.from_params(p).get
         self.session = SolverSession(engine, self.settings.rules, name=self.name, draining=draining_probe(),
                                      voices=voices, closing=self.closing)
         self.scheduling = p.str("scheduling", "fifo")
