@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import numpy as np
 import torch
 
+from s3flow_contract.tensors import TOKENS_PER_SECOND
 from s3flow.engine.streaming import StreamingEngine, planned_calls
 from s3flow.model.checkpoint import load_flow, random_flow
 from s3flow.model.flops import chunk_calls, estimator_flops, solve_flops
@@ -201,7 +202,7 @@ def measure_mode(mode: str, flow, repo: Path, args, report: Report, batching_her
         for u, seconds in zip(utts, args.seconds):
             n = len(u.speech_tokens)
             frames = 2 * (len(u.prompt_tokens) + n)
-            case = CaseResult(mode=mode, seconds=seconds, audio_s=2 * n / 50.0, frames=frames)
+            case = CaseResult(mode=mode, seconds=seconds, audio_s=n / TOKENS_PER_SECOND, frames=frames)
             sched = chunk_schedule(n, *SCHEDULE)
             log(f"{mode} {seconds:g} s ({n} tokens, T = {frames}): eager / ONNX Runtime / served, "
                 f"best of {args.repeats}")

@@ -123,6 +123,7 @@ def text_input(text: str, speaker: int, path: Path) -> Path:
     corpus' front-end), a prompt from the first held-out utterance of that voice, the recording as reference."""
     import dataclasses
 
+    from s3flow_contract.tensors import TOKENS_PER_SECOND
     from s3flow_training.data import espeak_available
     from s3flow_training.intelligibility import RATE, to_16k
     from s3flow_training.package import Frontend, load_heldout, save_demo_input
@@ -137,7 +138,7 @@ def text_input(text: str, speaker: int, path: Path) -> Path:
         raise SystemExit(f"error: no held-out utterance of voice {speaker} to prompt from")
     utt = dataclasses.replace(anchor, speech_tokens=tokens, mel=mel, text=text, reference=to_16k(audio, 24000))
     print(f"== {text!r} in voice {speaker} ({frontend.voices[speaker].name}): {len(tokens)} tokens "
-          f"({len(tokens) / 25:.2f} s), recording at {RATE} Hz kept as the reference")
+          f"({len(tokens) / TOKENS_PER_SECOND:.2f} s), recording at {RATE} Hz kept as the reference")
     return save_demo_input(path, utt)
 
 

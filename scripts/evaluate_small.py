@@ -42,6 +42,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.model.checkpoint import load_flow
 from s3flow_client.audio import write_wav
 from s3flow.model.vocoder import load_vocoder, vocode
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
     outside = load_heldout(tr / "outside.npz")
     if args.max_utterances:
         heldout, outside = heldout[:args.max_utterances], outside[:max(2, args.max_utterances // 4)]
-    seconds = sum(u.frames for u in heldout) / 50
+    seconds = sum(u.frames for u in heldout) / FRAMES_PER_SECOND
     print(f"{len(heldout)} held-out utterances ({seconds:.0f} s), {len(outside)} outside the corpus", flush=True)
 
     served = {"heldout": {}, "outside": {}}

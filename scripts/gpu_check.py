@@ -52,6 +52,7 @@ for sub in ("python_backend", "contract", "tools"):  # no install: the GPU host 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from s3flow_contract.tensors import TOKENS_PER_SECOND  # noqa: E402
 from s3flow.engine.streaming import StreamingEngine  # noqa: E402
 from s3flow.model.flow import FlowConfig  # noqa: E402
 from s3flow.engine.sequences import Capacity  # noqa: E402
@@ -209,7 +210,7 @@ def throughput_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock, trt
     if "fp16" in trt_engines:
         modes["trt-fp16"] = tb.TrtEstimator(trt_engines["fp16"]["engine"])
     rows, data = [], {}
-    audio_s = 2 * plan.speech_tokens / 50.0
+    audio_s = plan.speech_tokens / TOKENS_PER_SECOND
     for b in plan.batches:
         row = [b]
         for mode, est in modes.items():

@@ -22,6 +22,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from s3flow_contract.tensors import TOKENS_PER_SECOND
 from s3flow_training.data import VOCAB_SIZE, DataSettings, Dataset, build_dataset, espeak_available
 
 DEFAULT_OUT = ROOT / "build" / "small_data" / "dataset.npz"
@@ -47,7 +48,7 @@ def make(settings: DataSettings, out: Path, log=print) -> Dataset:
     ds = build_dataset(settings, log=log)
     ds.save(out)
     train, held = ds.split(heldout=False), ds.split(heldout=True)
-    secs = lambda idx: sum(ds.utterances[i].n_tokens for i in idx) / 25  # noqa: E731
+    secs = lambda idx: sum(ds.utterances[i].n_tokens for i in idx) / TOKENS_PER_SECOND  # noqa: E731
     log(f"wrote {out}: {len(train)} training utterances ({secs(train):.0f} s), {len(held)} held-out "
         f"({secs(held):.0f} s, sentences never seen in training), {len(ds.xvectors)} voices, "
         f"in {time.perf_counter() - t0:.0f} s")

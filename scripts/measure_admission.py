@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from measure_qos import TRAINED, utterances   # noqa: E402  the same held-out sentences as the scheduler's table
 
+from s3flow_contract.tensors import FRAMES_PER_SECOND   # noqa: E402
 from s3flow.repository import cli as build_repository   # noqa: E402
 from s3flow.server.metrics_reader import metric_sum, read_metrics   # noqa: E402
 from s3flow.server.processes import tree_pids   # noqa: E402
@@ -83,7 +84,7 @@ def throughput(urls: list[str], model: str, n: int) -> tuple[float, list]:
     """C: audio seconds per wall second of n streams at once; and the errors of those that failed (reported:
     without the check, an overloaded server may lose some)."""
     out, wall = burst(urls, model, n)
-    return sum(r.mel.shape[1] for r, e in out if e is None) / 50.0 / wall, [e for _, e in out if e]
+    return sum(r.mel.shape[1] for r, e in out if e is None) / FRAMES_PER_SECOND / wall, [e for _, e in out if e]
 
 
 def settle(server: TritonServer, timeout_s: float = 30.0) -> None:

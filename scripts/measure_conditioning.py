@@ -46,6 +46,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.engine.settings import SolverSettings
 from s3flow.model.checkpoint import load_flow, write_random_checkpoint
 from s3flow.model.flow import FlowConfig
@@ -105,7 +106,7 @@ def quality_set(heldout: Sequence[HeldoutUtterance], voices: int, long_s: float)
     pool = by_voice[v]
     prompt_src, body = pool[:2], pool[2:]
     pt, pm, _ = joined(prompt_src, PROMPT_TOKENS)
-    tokens, mel, ref = joined(body, int(25 * long_s))
+    tokens, mel, ref = joined(body, int(TOKENS_PER_SECOND * long_s))
     out.append(HeldoutUtterance(tokens, pt, pm, pool[0].xvector, mel, f"{len(body)} sentences joined", v,
                                 pool[0].voice_mean, ref))
     return out
@@ -157,8 +158,8 @@ def served_cost(work: Path, extra: dict, prompts_s: Sequence[float], lengths_s: 
                 log_=log) -> dict:
     """{(prompt s, utterance s): (stream s, one request s, first chunk s)} on one server with ``extra``."""
     flow = load_flow(write_random_checkpoint(work / "ckpt.safetensors", FlowConfig.small(), seed=4))
-    solver = SolverSettings.of(context_frames=CONTEXT, max_utterance_frames=3 * 60 * 50, max_chunk_tokens=1500,
-                               **extra)
+    solver = SolverSettings.of(context_frames=CONTEXT, max_utterance_frames=3 * 60 * FRAMES_PER_SECOND,
+                               max_chunk_tokens=1500, **extra)
     repo = work / f"repo-{len(list(work.glob('repo-*')))}"
     write_repository(repo, flow, RepositorySettings(solver=solver, ort_threads=2))
     out = {}
@@ -198,12 +199,12 @@ def full_size_table(candidates: Sequence[str], prompts_s, lengths_s) -> str:
     header = ["utterance"] + [f"{name}: {p:g} s prompt" for name in names for p in prompts_s]
     body = []
     for secs in lengths_s:
-        n = int(round(25 * secs))
+        n = int(round(TOKENS_PER_SECOND * secs))
         chunks = chunk_schedule(n)
         row = [f"{secs:g} s"]
         for name in names:
             for p in prompts_s:
-                np_ = int(round(25 * p))
+                np_ = int(round(TOKENS_PER_SECOND * p))
                 offline = estimator_flops(full, 2, 2 * (np_ + n)).total * 10
                 calls = planned_calls(80, np_, chunks, CONTEXT, 10, **CANDIDATES[name])
                 row.append(f"{solve_flops(full, calls) / offline:.2f}x")
@@ -211,7 +212,7 @@ def full_size_table(candidates: Sequence[str], prompts_s, lengths_s) -> str:
     first = ["first chunk GFLOP"]
     for name in names:
         for p in prompts_s:
-            calls = planned_calls(80, int(round(25 * p)), [10, 20], CONTEXT, 10, **CANDIDATES[name])
+            calls = planned_calls(80, int(round(TOKENS_PER_SECOND * p)), [10, 20], CONTEXT, 10, **CANDIDATES[name])
             first.append(f"{solve_flops(full, calls[:10]) / 1e9:,.0f}")
     return markdown(header, body + [first])
 
@@ -272,7 +273,8 @@ def main(argv=None) -> int:
         hift = load_vocoder(args.trained / "vocoder.safetensors")
         utts = quality_set(load_heldout(args.trained / "heldout.npz"), args.voices, args.long_s)
         rows = measure_quality(teacher, hift, utts)
-        sections.append(("quality", quality_table(rows, len(utts) - 1, utts[-1].frames / 50), rows, utts))
+        table = quality_table(rows, len(utts) - 1, utts[-1].frames / FRAMES_PER_SECOND)
+        sections.append(("quality", table, rows, utts))
     work = Path(tempfile.mkdtemp(prefix="conditioning-"))
     costs = {"before": served_cost(work, CANDIDATES[BEFORE], prompts_s, lengths_s, args.repeats)}
     for name in args.candidates:
@@ -290,9 +292,9 @@ def write_report(args, sections, costs, prompts_s, lengths_s, wall_s: float) -> 
         n = len(utts) - 1
         L += ["## Quality (trained teacher, guided 10 steps, trained vocoder; in process)", "",
               f"{n} held-out sentences ({', '.join(f'voice {u.voice}' for u in utts[:n])}), each prompted with "
-              f"{PROMPT_TOKENS / 25:g} s joined from other held-out sentences of its voice, and one "
-              f"{utts[n].frames / 50:.0f} s utterance of voice {utts[n].voice} ({utts[n].text}). Means over the "
-              "short ones; the last three columns are the long one.", "", table, ""]
+              f"{PROMPT_TOKENS / TOKENS_PER_SECOND:g} s joined from other held-out sentences of its voice, and one "
+              f"{utts[n].frames / FRAMES_PER_SECOND:.0f} s utterance of voice {utts[n].voice} ({utts[n].text}). "
+              "Means over the short ones; the last three columns are the long one.", "", table, ""]
     L += ["## Cost (served: token2mel on a real tritonserver; small config, seeded weights, 10 guided steps)", "",
           "Stream wall time over the same utterance sent as one request with the whole prompt (the old default's "
           "server: what offline synthesis costs), the client's "

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from s3flow_contract.tensors import TOKENS_PER_SECOND
 from s3flow.engine.settings import SolverSettings
 from s3flow.model.checkpoint import load_flow
 from s3flow.model.vocoder import load_vocoder
@@ -45,7 +46,7 @@ from s3flow_training.package import load_heldout
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ROOT / "checkpoints" / "trained"
-RATES = (25.0, 50.0, 100.0)
+RATES = tuple(k * TOKENS_PER_SECOND for k in (1.0, 2.0, 4.0))   # tokens pushed a second: 1x, 2x, 4x
 
 
 def utterances(n: int, seconds: float) -> list[Utterance]:
@@ -53,7 +54,8 @@ def utterances(n: int, seconds: float) -> list[Utterance]:
     out = []
     for k in range(n):
         u = held[k % len(held)]
-        tokens = np.concatenate([held[(k + j) % len(held)].speech_tokens for j in range(4)])[:int(25 * seconds)]
+        tokens = np.concatenate([held[(k + j) % len(held)].speech_tokens for j in range(4)])
+        tokens = tokens[:int(TOKENS_PER_SECOND * seconds)]
         out.append(Utterance(tokens, u.prompt_tokens, np.ascontiguousarray(u.prompt_mel.T), u.xvector, seed=k))
     return out
 
@@ -144,7 +146,7 @@ def write_report(args, rows, ready: float, wall_s: float) -> None:
     body = []
     for r in rows:
         target = r["first_tokens_s"] + 1.2 * r["ready_first_audio_s"]
-        body.append([str(r["streams"]), f"{r['rate']:g} ({r['rate'] / 25:g}x)", r["mode"],
+        body.append([str(r["streams"]), f"{r['rate']:g} ({r['rate'] / TOKENS_PER_SECOND:g}x)", r["mode"],
                      f"{1000 * r['first_audio_s']:.0f} ms", f"<= {1000 * target:.0f} ms",
                      f"{r['stalls_0']} ({r['dry_0_s']:.2f})", f"{r['stalls_05']} ({r['dry_05_s']:.2f})",
                      str(r["chunks"])])

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from s3flow_contract.tensors import TOKENS_PER_SECOND
 from s3flow.engine.settings import SolverSettings
 from s3flow.model.checkpoint import load_flow, write_random_checkpoint
 from s3flow.model.flow import FlowConfig
@@ -83,8 +84,9 @@ def main(argv=None) -> int:
     lines = [f"# A {args.minutes:g}-minute stream through token2wav (bounded context)", "",
              f"Written by `scripts/measure_long_stream.py` ({time.strftime('%Y-%m-%d')}): the small config on seeded "
              f"random weights with a small HiFT, {args.steps} Euler step(s) per chunk, one utterance of {n} tokens "
-             f"({2 * n} frames, {n / 25 / 60:.1f} min of audio) in {len(u.chunks)} chunks (10, 40, then 100 tokens), "
-             f"one server on {info.get('cpu')} ({info.get('cores')} cores). Wall time {wall:.0f} s.", "",
+             f"({2 * n} frames, {n / TOKENS_PER_SECOND / 60:.1f} min of audio) in {len(u.chunks)} chunks "
+             f"(10, 40, then 100 tokens), one server on {info.get('cpu')} ({info.get('cores')} cores). "
+             f"Wall time {wall:.0f} s.", "",
              markdown(["check", "measured", "target"], [
                  ["offsets exact, 2 frames per token, 480 samples per frame (client-checked every response)",
                   "yes" if exact else f"NO: {r.error}", "yes"],

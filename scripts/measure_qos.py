@@ -35,6 +35,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.repository import cli as build_repository
 from s3flow.server.metrics_reader import metric_sum, read_metrics
 from s3flow.server.triton_server import TritonServer
@@ -48,7 +49,7 @@ BUFFER_S = 0.3
 
 
 def utterances(n: int, offset: int = 0) -> list[Utterance]:
-    held = [u for u in load_heldout(TRAINED / "heldout.npz") if 3.0 <= len(u.speech_tokens) / 25 <= 6.0]
+    held = [u for u in load_heldout(TRAINED / "heldout.npz") if 3.0 <= len(u.speech_tokens) / TOKENS_PER_SECOND <= 6.0]
     return [Utterance(u.speech_tokens, u.prompt_tokens, np.ascontiguousarray(u.prompt_mel.T), u.xvector, seed=k)
             for k, u in ((k, held[(offset + k) % len(held)]) for k in range(n))]
 
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
             with TritonServer(repo, log_file=Path(tmp) / f"{mode}.log") as server:
                 streams(server.grpc_url, args.model, utterances(2), 0.0)   # warm the client path
                 results, wall = streams(server.grpc_url, args.model, utterances(args.at_once), 0.0)
-                cs[mode] = sum(r.mel.shape[1] for r in results) / 50.0 / wall
+                cs[mode] = sum(r.mel.shape[1] for r in results) / FRAMES_PER_SECOND / wall
                 print(f"{mode}: C = {cs[mode]:.2f} s of audio per second", flush=True)
                 c = cs["fifo"]
                 plan = [("1 stream", 1, 0.0)] + [(f"{k:g} C {'over 2 s' if spread else 'at once'}",

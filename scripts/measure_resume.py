@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient, Utterance
 from s3flow_client.demo import load_utterance
@@ -47,7 +48,7 @@ def long_utterance(seconds: float) -> Utterance:
     u = load_utterance(TRAINED / "demo_utt.npz", noise_seed=11)
     with np.load(TRAINED / "heldout.npz") as d:
         sentences = [d["speech_tokens"][i, :n] for i, n in enumerate(d["speech_token_len"])]
-    need = round(25 * seconds)
+    need = round(TOKENS_PER_SECOND * seconds)
     tokens = np.concatenate([sentences[i % len(sentences)] for i in range(need // 50 + 2)])[:need]
     u.speech_tokens = tokens.astype(np.int64)
     first = [10, 20, 40]
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
                 ok &= good
                 rows.append([f"{at:g} s", "snapshot" if snapshots else "replay",
                              "yes" if good else f"NO ({r.error or r.resumes})", str(r.replayed_chunks),
-                             f"{r.replayed_frames / 50:.1f}", f"{1e3 * got['gap_s']:.0f}",
+                             f"{r.replayed_frames / FRAMES_PER_SECOND:.1f}", f"{1e3 * got['gap_s']:.0f}",
                              f"{got['chunk'] + 1} ({u.chunks[got['chunk']]} tokens)", f"{1e3 * normal:.0f}",
                              f"{got['gap_s'] / normal:.2f}",
                              f"{mel_diff:.1e}", f"{audio_diff:.1e}"])

@@ -31,6 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
+from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.model.checkpoint import load_flow
 from s3flow_training.evaluate import synthesize_one
 from s3flow_training.package import load_heldout
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
             a, _ = synthesize_one(flow, u, 10, 0.7, seed=0)
             b, _ = synthesize_one(flow, u, 10, 0.7, seed=1)
             spread.append(float(np.abs(a - b).mean()))
-        secs = sum(u.frames for u in utts) / 50
+        secs = sum(u.frames for u in utts) / FRAMES_PER_SECOND
         lines += [f"## {set_name}: {len(utts)} utterance(s), {secs:.1f} s of speech", "",
                   f"Offline seed-to-seed spread (mean |seed 0 - seed 1|): {np.mean(spread):.3f}.", "",
                   "| mode | cost (frames x NFE) | cost / offline | wall s | wall / offline | chunk ms first / middle / last "
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
               "| utterance | offline GFLOP | " + " | ".join(mode_name(c) for c in modes[1:]) + " |",
               "| --- | --- | " + " | ".join("---" for _ in modes[1:]) + " |"]
     for secs in args.lengths or [10.0]:
-        n = int(round(25 * secs))
+        n = int(round(TOKENS_PER_SECOND * secs))
         chunks = chunk_schedule(n, 10, 2.0, 100)
         offline = estimator_flops(full, 2, 2 * (50 + n)).total * 10
         cells = []

@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from s3flow_tools.bench.report import fmt, log, machine, markdown, percentile
 from s3flow_tools.bench.served import batching_load, run_load
+from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.model.checkpoint import load_flow, random_flow
 from s3flow.model.flow import FlowConfig
 from s3flow.engine.settings import SolverSettings
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
     write_repository(repo, flow, base)
     del flow
     utts = batching_load(args.streams, args.seconds, args.prompt_seconds, args.steps)
-    audio = sum(2 * len(u.speech_tokens) for u in utts) / 50.0
+    audio = sum(2 * len(u.speech_tokens) for u in utts) / FRAMES_PER_SECOND
     settings = args.settings[:args.max_settings]
     log(f"{len(settings)} settings; load: {args.streams} streams of ~{args.seconds:g} s ({audio:.1f} s of audio), "
         f"{'stagger ' + str(args.stagger_s) + ' s' if args.stagger_s > 0 else 'all at once'}")

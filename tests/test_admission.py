@@ -1,7 +1,10 @@
 """Admission ahead of the sequence batcher (s3flow.serving.admission), without a server: a START that would be
 refused is refused here with the solver's disposition, later chunks pass, the live count is the solver
 instances' ids plus STARTs admitted but not yet counted (never both), and a restart on a live id takes no slot."""
+import dataclasses
+
 import numpy as np
+import pytest
 
 from helpers import request_inputs
 from s3flow_contract.answers import Disposition
@@ -122,3 +125,52 @@ def test_live_counts_list_the_recently_ended_for_the_vocoder_but_admission_count
     live.write("cfm_solver_1", [7], cap=4)
     assert live.read() == ({1, 2, 7}, 8)
     assert live.read_recent() == {1, 2, 7, 9}
+
+
+# ------------------------------------------------------------------------------------------ as the solver answers
+def _unknown_voice(voice_id, tenant=""):
+    raise UnknownVoice(f"voice_id {voice_id} is not registered on this server")
+
+
+@pytest.mark.parametrize("name", ["invalid request", "unknown voice", "draining", "full", "sequence not held"])
+def test_admission_answers_each_refusal_it_shares_with_the_solver_as_the_solver_does(name, tmp_path):
+    """Each refusal both make (s3flow.serving.session.refusal), set up the same way on either: the same code and
+    answer (disposition, sequence, resend, a retry time when busy); where the cause is the request or the server's
+    state, not its load, the same words after each model's name."""
+    from s3flow_contract.tensors import request_arrays
+    from s3flow.engine.sequences import Capacity
+    from s3flow.engine.streaming import StreamingEngine
+    from s3flow.serving.arrivals import ArrivalMarks
+    from s3flow.serving.session import Incoming, SolverSession
+
+    engine = StreamingEngine(None, None, n_feats=80, meanflow=False, capacity=Capacity(max_live_sequences=1))
+    solver = SolverSession(engine, RequestRules(), name="cfm_solver")   # refusals never reach the models
+    live = LiveCounts(tmp_path / "live")
+    live.write("cfm_solver_0", [], cap=1)
+    admission = Admission(RequestRules(), 80, live=live, gone=ArrivalMarks(tmp_path / "gone"))
+    inputs, start = START, True
+    if name == "invalid request":
+        inputs = dict(START, speech_tokens=np.array([[1, 7000]], np.int64))
+    elif name == "unknown voice":
+        solver.voices = admission.voices = _unknown_voice
+        inputs = request_arrays(U.speech_tokens[:5], start=True, voice_id="v-0123456789abcdef")
+    elif name == "draining":
+        solver.draining = admission.draining = lambda: True
+    elif name == "full":   # sequence 1 holds the only slot
+        chunk, answered = solver.admit(Incoming(1, start=True, end=False, inputs=START))
+        assert chunk is not None and answered is None
+        live.write("cfm_solver_0", [1], cap=1)
+    else:                  # a later chunk of a sequence the solver does not hold (admission: one it dropped)
+        inputs, start = request_inputs(U, 10, 20, False), False
+        admission.gone.mark(2, "it never started with a START request")
+    _, by_solver = solver.admit(Incoming(2, start=start, end=False, inputs=inputs))
+    by_admission = admission.check(2, start, False, inputs)
+    assert by_admission.code == by_solver.code
+    want = by_solver.answer
+    if want.retry_after_s is not None:   # busy: each says when by its own count
+        assert by_admission.answer.retry_after_s > 0
+        want = dataclasses.replace(want, retry_after_s=by_admission.answer.retry_after_s)
+    assert by_admission.answer == want and want.sequence == 2
+    if name != "full":   # the same words after each model's name (the solver says more of why it holds none)
+        mine, its = by_admission.error.removeprefix("admission: "), by_solver.error.removeprefix("cfm_solver: ")
+        assert mine == its or name == "sequence not held" and its.startswith(mine), (mine, its)

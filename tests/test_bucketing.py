@@ -50,3 +50,20 @@ def test_bucket_ratio_is_a_checked_repository_setting():
         Batching(length_bucket_ratio=0.5).check()
     with pytest.raises(ValueError, match="bucket_ratio"):
         StreamingEngine(None, None, n_feats=80, meanflow=False, bucket_ratio=0.5)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0, 1.5, 0.5, 0.99, -1.0])
+def test_the_repository_and_the_engine_hold_the_bucket_ratio_to_one_rule(ratio):
+    """What the repository setting refuses, the engine refuses too, with the same words (each its own name)."""
+    def refusal(make):
+        try:
+            make()
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    setting = refusal(lambda: Batching(length_bucket_ratio=ratio).check())
+    engine_arg = refusal(lambda: StreamingEngine(None, None, n_feats=80, meanflow=False, bucket_ratio=ratio))
+    assert (setting is None) == (engine_arg is None) == (not ratio or ratio >= 1)
+    if setting is not None:
+        assert setting == "length_" + engine_arg == f"length_bucket_ratio must be 0 (off) or >= 1, got {ratio}"

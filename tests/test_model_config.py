@@ -21,6 +21,7 @@ from helpers import small_flow
 from s3flow_contract import tensors as contract
 from s3flow.engine.sequences import Capacity
 from s3flow.engine.settings import SolverSettings
+from s3flow.protocol import RequestRules, numbers_from_parameters
 from s3flow.serving.config_params import Params, check_tensors
 from s3flow.repository.model_config import (ModelConfig, add_tensors, check_ensemble, read_config, to_text,
                                          write_model_folder)
@@ -307,14 +308,31 @@ def test_params_read_typed_values_and_name_what_is_wrong():
         assert (p.int("missing", 7), p.bool("empty", False), p.str("missing", "d")) == (7, False, "d")
         with pytest.raises(ValueError, match="m: config parameter missing is required"):
             p.int("missing")
-        with pytest.raises(ValueError, match="m: config parameter s must be an integer, got 'abc'"):
+        with pytest.raises(ValueError, match="m: config parameter s must be a number, got 'abc'"):
             p.int("s")
+        with pytest.raises(ValueError, match="m: config parameter x must be an integer, got '0.5'"):
+            p.int("x")
         with pytest.raises(ValueError, match="m: config parameter s must be a number, got 'abc'"):
             p.float("s")
     for spelling in ("yes", "1", "no", "on"):
         with pytest.raises(ValueError, match=f"m: config parameter b must be true or false, got '{spelling}'"):
             Params(_config(b=spelling)).bool("b")
     assert Params({"parameters": {}}, model="solver").model == "solver"
+
+
+@pytest.mark.parametrize("raw", ["12", "1e3", "12.0", " 7 ", "2.5", "ten", "nan", "inf", "-3"])
+def test_params_and_the_settings_read_a_number_the_same_way(raw):
+    """One reader of typed parameters (s3flow.protocol.parameter_number): a python model's ``Params.int`` and
+    the settings dataclasses (``NumericSettings.from_parameters``) give the same value, or the same error."""
+    def read(how):
+        try:
+            return how()
+        except ValueError as exc:
+            return str(exc).removeprefix("m: ")
+
+    by_params = read(lambda: Params(_config(max_steps=raw)).int("max_steps"))
+    by_settings = read(lambda: numbers_from_parameters(RequestRules, {"max_steps": raw})["max_steps"])
+    assert by_params == by_settings and type(by_params) is type(by_settings), (by_params, by_settings)
 
 
 def _served(inputs, outputs, n_feats=80, **change) -> dict:

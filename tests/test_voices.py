@@ -99,6 +99,32 @@ def test_one_tenant_cannot_evict_another_tenants_voices(tmp_path):
     assert reg.get(mine, "quiet")
 
 
+def test_a_python_model_builds_the_registry_its_config_names(tmp_path, monkeypatch):
+    """VoiceRegistry.from_params, as cfm_solver, admission and voice_encoder each build it: the folder and bounds
+    of the config's parameters (Triton's JSON form), ids keyed with the fleet's voice key; without them this
+    server run's folder and the registry's default bounds."""
+    from s3flow.serving import voice_registry
+    from s3flow.serving.config_params import Params
+    from s3flow.serving.keys import VOICE_KEY_ENV
+
+    key = b"fleet-secret-0123456789"
+    (tmp_path / "voice.key").write_bytes(key)
+    monkeypatch.setenv(VOICE_KEY_ENV, str(tmp_path / "voice.key"))
+    given = {"voice_dir": str(tmp_path / "voices"), "max_voices": "3", "max_voice_bytes": "4096"}
+    reg = VoiceRegistry.from_params(Params({"name": "m", "parameters": {k: {"string_value": v}
+                                                                        for k, v in given.items()}}))
+    assert (reg.folder, reg.max_voices, reg.max_bytes, reg.secret) == (tmp_path / "voices", 3, 4096, key)
+    assert reg.put(*prompt(3), tenant="acme") == VoiceRegistry(tmp_path / "other", secret=key).put(*prompt(3),
+                                                                                                  tenant="acme")
+    monkeypatch.delenv(VOICE_KEY_ENV)
+    monkeypatch.setattr(voice_registry, "default_dir", lambda: tmp_path / "this-run")
+    bare = VoiceRegistry.from_params(Params({"name": "m", "parameters": {"voice_dir": {"string_value": ""}}}))
+    assert (bare.folder, bare.max_voices, bare.max_bytes, bare.secret) == (
+        tmp_path / "this-run", voice_registry.MAX_VOICES, voice_registry.MAX_VOICE_BYTES, None)
+    with pytest.raises(ValueError, match="m: config parameter max_voices must be an integer, got '2.5'"):
+        VoiceRegistry.from_params(Params({"name": "m", "parameters": {"max_voices": {"string_value": "2.5"}}}))
+
+
 def test_a_tenant_header_is_read_from_the_request_parameters():
     from s3flow.protocol import RequestError, tenant_of
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-TOKENS_PER_SECOND = 25.0
-
 
 def chunk_schedule(n_tokens: int, first: int = 10, growth: float = 2.0, largest: int = 100) -> list[int]:
     """Chunk sizes summing to n_tokens: a small first chunk (fast first audio), then growing ones."""

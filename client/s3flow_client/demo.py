@@ -5,7 +5,7 @@ from typing import Optional
 
 import numpy as np
 
-from s3flow_contract.tensors import VOCAB_SIZE, XVECTOR_DIM
+from s3flow_contract.tensors import TOKENS_PER_SECOND, VOCAB_SIZE, XVECTOR_DIM
 
 from .stream import Utterance, chunk_schedule
 
@@ -18,7 +18,7 @@ def demo_utterance(seconds: float = 5.0, *, seed: int = 0, prompt_seconds: float
     ``noise_seed`` is the server-side noise seed.
     """
     rng = np.random.default_rng(seed)
-    n, np_ = max(1, round(25 * seconds)), max(1, round(25 * prompt_seconds))
+    n, np_ = max(1, round(TOKENS_PER_SECOND * seconds)), max(1, round(TOKENS_PER_SECOND * prompt_seconds))
     mel = (-3.0 + 1.5 * rng.standard_normal((2 * np_, n_feats))).astype(np.float32)
     return Utterance(speech_tokens=rng.integers(0, VOCAB_SIZE, n, dtype=np.int64),
                      prompt_tokens=rng.integers(0, VOCAB_SIZE, np_, dtype=np.int64),

@@ -36,13 +36,13 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
+from s3flow_contract.tensors import FRAMES_PER_SECOND
+
 from .channel import Channel
 from .chunking import LiveChunks
 from .resume import Run
 from .state import UtteranceState
 from .stream import StreamError, StreamingClient, StreamResult, Utterance, dry_spells
-
-FRAMES_PER_SECOND = 50.0
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from s3flow_contract.tensors import SAMPLES_PER_FRAME, SILENT_START_SAMPLES
+from s3flow_contract.tensors import FRAMES_PER_SECOND, SAMPLES_PER_FRAME, SILENT_START_SAMPLES
 from s3flow_contract.tensors import TOKEN_MEL_RATIO as FRAMES_PER_TOKEN
 
 _corr_ids = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
@@ -96,10 +96,10 @@ class UtteranceState:
         if audio:
             if math.isnan(self.first_audio_at):
                 return 0.0
-            return self.samples / (SAMPLES_PER_FRAME * FRAMES_PER_TOKEN * 25.0) - (now - self.t0 - self.first_audio_at)
+            return self.samples / (SAMPLES_PER_FRAME * FRAMES_PER_SECOND) - (now - self.t0 - self.first_audio_at)
         if math.isnan(self.first_frame_at):
             return 0.0
-        return self.frames / (FRAMES_PER_TOKEN * 25.0) - (now - self.first_frame_at)
+        return self.frames / FRAMES_PER_SECOND - (now - self.first_frame_at)
 
     def is_end(self, i: int) -> bool:
         """Chunk i carries the END: the last planned one, or (live) the one that sends the last token after

@@ -38,14 +38,12 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from s3flow_contract.tensors import SAMPLES_PER_FRAME, request_arrays
+from s3flow_contract.tensors import FRAMES_PER_SECOND, SAMPLES_PER_FRAME, request_arrays
 
 from .channel import Channel
 from .chunking import chunk_schedule
 from .resume import Run
 from .state import FRAMES_PER_TOKEN, UtteranceState
-
-FRAMES_PER_SECOND = 50.0
 
 
 def dry_spells(arrivals, start_buffer_s: float = 0.0) -> tuple[int, float]:
@@ -240,7 +238,7 @@ def save_mel_png(mel: np.ndarray, path, title: str = "", truth: Optional[np.ndar
     lo = min(float(m.min()) for _, m in panels)
     hi = max(float(m.max()) for _, m in panels)
     fig, axes = plt.subplots(len(panels), 1, squeeze=False,
-                             figsize=(max(6.0, mel.shape[1] / 50.0), 0.4 + 2.8 * len(panels)))
+                             figsize=(max(6.0, mel.shape[1] / FRAMES_PER_SECOND), 0.4 + 2.8 * len(panels)))
     for ax, (name, m) in zip(axes[:, 0], panels):
         im = ax.imshow(m, origin="lower", aspect="auto", interpolation="nearest", cmap="magma", vmin=lo, vmax=hi,
                        extent=[0, m.shape[1] / FRAMES_PER_SECOND, 0, m.shape[0]])

@@ -18,10 +18,12 @@ import numpy as np
 VOCAB_SIZE = 6561          # S3 speech-token ids lie in [0, VOCAB_SIZE)
 XVECTOR_DIM = 192          # the speaker x-vector (CAMPPlus)
 FEATS = "FEATS"            # placeholder in dims for the mel bins
-#: The stream's geometry, which every response obeys: mel frames per speech token (25 tokens/s -> 50 frames/s),
-#: frames withheld at the end of a chunk that is not the last (the encoder's 3 pre-lookahead tokens need them),
-#: and token2wav's audio samples per mel frame (24 kHz).
+#: The stream's geometry, which every response obeys: speech tokens per second of audio, mel frames per speech
+#: token (so 50 frames a second), frames withheld at the end of a chunk that is not the last (the encoder's 3
+#: pre-lookahead tokens need them), and token2wav's audio samples per mel frame (24 kHz).
+TOKENS_PER_SECOND = 25
 TOKEN_MEL_RATIO = 2
+FRAMES_PER_SECOND = TOKENS_PER_SECOND * TOKEN_MEL_RATIO
 PRE_LOOKAHEAD_TOKENS = 3
 LOOKAHEAD_FRAMES = PRE_LOOKAHEAD_TOKENS * TOKEN_MEL_RATIO
 SAMPLES_PER_FRAME = 480

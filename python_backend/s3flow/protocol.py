@@ -1,4 +1,7 @@
-"""The streaming protocol's request rules and validation (no Triton imports: unit-testable).
+"""The streaming protocol's request rules and validation (no Triton imports: unit-testable), and the one reading
+of typed values out of Triton config ``parameters`` (:func:`parameter_number`, :func:`parameter_bool`; the
+settings dataclasses' :class:`NumericSettings`; ``s3flow.serving.config_params.Params`` reads a served config
+through them).
 
 One Triton sequence (correlation id) per utterance. Every request carries the next chunk of speech
 tokens; the START request also carries the speaker prompt and options; the END request finalises.
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 import numpy as np
 
@@ -65,23 +68,33 @@ class ServerBusy(RequestError):
         self.retry_after_s = retry_after_s
 
 
+def parameter_number(key: str, raw: str, integer: bool) -> Union[int, float]:
+    """One Triton config ``parameters`` value (a string) as a number: an ``int`` where ``integer`` (any whole
+    number, so ``"1e3"`` is 1000), else a ``float``; ValueError naming the key and the value."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"config parameter {key} must be a number, got {raw!r}") from None
+    if not integer:
+        return value
+    if not value.is_integer():  # also NaN and Inf
+        raise ValueError(f"config parameter {key} must be an integer, got {raw!r}")
+    return int(value)
+
+
+def parameter_bool(key: str, raw: str) -> bool:
+    """One Triton config ``parameters`` value as a boolean: ``true`` or ``false`` (any case), nothing else."""
+    if raw.lower() not in ("true", "false"):
+        raise ValueError(f"config parameter {key} must be true or false, got {raw!r}")
+    return raw.lower() == "true"
+
+
 def numbers_from_parameters(cls, params: Mapping[str, str]) -> dict:
     """Keyword arguments for the numeric dataclass ``cls`` from Triton config ``parameters`` (string values): each
-    field present is a number, an integer where the field's default is one; unknown keys are ignored."""
-    kwargs = {}
-    for f in fields(cls):
-        if f.name in params:
-            raw = params[f.name]
-            try:
-                value = float(raw)
-            except ValueError:
-                raise ValueError(f"config parameter {f.name} must be a number, got {raw!r}") from None
-            if isinstance(f.default, int):
-                if not value.is_integer():  # also NaN and Inf
-                    raise ValueError(f"config parameter {f.name} must be an integer, got {raw!r}")
-                value = int(value)
-            kwargs[f.name] = value
-    return kwargs
+    field present is a number (:func:`parameter_number`), an integer where the field's default is one; unknown
+    keys are ignored."""
+    return {f.name: parameter_number(f.name, params[f.name], integer=isinstance(f.default, int))
+            for f in fields(cls) if f.name in params}
 
 
 def check_numbers(settings, what: str, lowest: Mapping[str, float]) -> None:

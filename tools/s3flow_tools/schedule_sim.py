@@ -32,7 +32,8 @@ from typing import Optional
 
 import numpy as np
 
-from s3flow.engine.playback import FRAMES_PER_SECOND, PlaybackBook, PlaybackSettings
+from s3flow_contract.tensors import FRAMES_PER_SECOND
+from s3flow.engine.playback import PlaybackBook, PlaybackSettings
 from s3flow.engine.scheduler import Candidate, StepBudget, pick
 
 TOKEN_FRAMES = 2

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from s3flow_client.audio import read_wav
+from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow_contract.tensors import TOKEN_MEL_RATIO as FRAMES_PER_TOKEN
 from s3flow_training.mel import S3GEN_MEL, log_mel, resample
 
@@ -345,7 +346,8 @@ def build_dataset(settings: DataSettings = DataSettings(), log=print) -> Dataset
                     continue
                 mel = log_mel(torch.from_numpy(y)).numpy()
                 raw.append((text, v, mel, i in held, to_int16(y)))
-    log(f"synthesised {len(raw)} utterances ({sum(m.shape[1] for _, _, m, _, _ in raw) / 50:.0f} s of speech) "
+    speech_s = sum(m.shape[1] for _, _, m, _, _ in raw) / FRAMES_PER_SECOND
+    log(f"synthesised {len(raw)} utterances ({speech_s:.0f} s of speech) "
         f"with {len(VOICES)} voices")
     n_mels = S3GEN_MEL.num_mels
     stats = np.zeros((len(VOICES), 2, n_mels), np.float32)

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from s3flow_contract.tensors import TOKENS_PER_SECOND
 from s3flow.model.solver import FrameNoise
 from s3flow_training.data import (VOICES, DataSettings, Dataset, Voice, audio_of, prepare_audio, prompt_for,
                                   synthesize, to_int16, tokenize)
@@ -242,4 +243,4 @@ def write_package(ds: Dataset, corpus: Path, out: Path, seed: int = 0, log=print
     save_heldout(out / "outside.npz", outside_utterances(ds, frontend, seed))
     log(f"wrote {out}/heldout.npz ({len(shipped)} utterances with recordings), outside.npz "
         f"({len(OUTSIDE_SENTENCES)} sentences outside the corpus), demo_utt.npz "
-        f"({len(utts[demo].speech_tokens) / 25:.1f} s: {utts[demo].text!r}), frontend.npz")
+        f"({len(utts[demo].speech_tokens) / TOKENS_PER_SECOND:.1f} s: {utts[demo].text!r}), frontend.npz")

@@ -26,13 +26,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.model.flow import S3Flow
 from s3flow.engine.settings import SolverSettings
 from s3flow_training.evaluate import stream_utterance, synthesize_one
 from s3flow_training.package import HeldoutUtterance
-
-#: Frames per second of mel.
-FPS = 50
 
 
 @dataclass
@@ -71,7 +69,7 @@ def measure(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], context_fr
         mel, nfe = synthesize_one(flow, u, steps, rate, seed=seed)
         wall = time.perf_counter() - t0
         frames = u.prompt_mel.shape[1] + u.frames
-        return Measurement(None, u.frames / FPS, frames * nfe, wall, [wall], [len(u.speech_tokens)],
+        return Measurement(None, u.frames / FRAMES_PER_SECOND, frames * nfe, wall, [wall], [len(u.speech_tokens)],
                            float(np.abs(mel - u.mel).mean()), float("nan"), mel)
 
     settings = SolverSettings.of(context_frames=context_frames, max_utterance_frames=max(3000, u.frames),
@@ -80,8 +78,9 @@ def measure(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], context_fr
     got = stream_utterance(flow, u, chunks, seed=seed, n_steps=steps, settings=settings)
     wall = time.perf_counter() - t0
     assert got.mel.shape == u.mel.shape, (got.mel.shape, u.mel.shape)
-    return Measurement(context_frames, u.frames / FPS, got.solved_frames, wall, got.latency_s, list(chunks),
-                       float(np.abs(got.mel - u.mel).mean()), seam_roughness(got.mel, got.seams), got.mel)
+    return Measurement(context_frames, u.frames / FRAMES_PER_SECOND, got.solved_frames, wall, got.latency_s,
+                       list(chunks), float(np.abs(got.mel - u.mel).mean()), seam_roughness(got.mel, got.seams),
+                       got.mel)
 
 
 def long_utterances(utts: Sequence[HeldoutUtterance], seconds: Sequence[float]) -> list[HeldoutUtterance]:
@@ -97,12 +96,12 @@ def long_utterances(utts: Sequence[HeldoutUtterance], seconds: Sequence[float]) 
     out = []
     for s in seconds:
         toks, mels, k = [], [], 0
-        while sum(len(t) for t in toks) < 25 * s:
+        while sum(len(t) for t in toks) < TOKENS_PER_SECOND * s:
             src = body[k % len(body)]
             toks.append(src.speech_tokens)
             mels.append(src.mel)
             k += 1
-        n = int(round(25 * s))
+        n = int(round(TOKENS_PER_SECOND * s))
         tokens, mel = np.concatenate(toks)[:n], np.concatenate(mels, axis=1)[:, :2 * n]
         np_ = min(50, len(prompt_src.speech_tokens))
         out.append(HeldoutUtterance(tokens, prompt_src.speech_tokens[:np_].copy(), prompt_src.mel[:, :2 * np_].copy(),

@@ -38,9 +38,9 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable
 
+from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.engine.observer import Observer
 
-FRAMES_PER_SECOND = 50.0
 #: the costs' rise for each stream that ran dry, its ceiling, and its decay per execute without one
 DRY_STEP, MAX_PRESSURE, PRESSURE_DECAY = 1.15, 4.0, 0.998
 #: how far ahead a stream's demand looks: the next seconds of its audio by the plan
@@ -324,5 +324,5 @@ def plan_work(n_feats: int, meanflow: bool, steps: int, guided: bool, chunks: li
 def default_plan(expected_s: float) -> list[int]:
     """The chunk sizes a client sends by default for an utterance of ``expected_s`` seconds (25 tokens a second):
     the client's own ``chunk_schedule`` (a package the server depends on)."""
-    from s3flow_client.chunking import TOKENS_PER_SECOND, chunk_schedule
+    from s3flow_client.chunking import chunk_schedule
     return chunk_schedule(max(1, round(TOKENS_PER_SECOND * expected_s)))

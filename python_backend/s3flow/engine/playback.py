@@ -20,10 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from s3flow_contract.tensors import SAMPLES_PER_FRAME
-
-#: mel frames per second of audio (24 kHz, 480 samples a frame)
-FRAMES_PER_SECOND = 24000 / SAMPLES_PER_FRAME
+from s3flow_contract.tensors import FRAMES_PER_SECOND
 
 
 @dataclass(frozen=True)

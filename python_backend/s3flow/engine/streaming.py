@@ -156,6 +156,13 @@ class ChunkResult:
     snapshot: bytes = b""
 
 
+def check_bucket_ratio(ratio: float, name: str = "bucket_ratio") -> None:
+    """Length bucketing's ratio is 0 (off) or >= 1 (:meth:`StreamingEngine.run`); ValueError naming ``name``
+    (the engine's argument, or the repository setting that becomes it) otherwise."""
+    if ratio and ratio < 1:
+        raise ValueError(f"{name} must be 0 (off) or >= 1, got {ratio}")
+
+
 class StreamingEngine:
     """Turns a batch of validated chunk requests into newly final mel frames."""
 
@@ -164,8 +171,7 @@ class StreamingEngine:
                  observer: Observer = NO_OBSERVER, bucket_ratio: float = 0.0,
                  table: Optional[SequenceTable] = None, snapshots: Optional[SolverSnapshots] = None):
         """``snapshots``: makes and restores the streams' snapshots (default: none given or taken)."""
-        if bucket_ratio and bucket_ratio < 1:
-            raise ValueError(f"bucket_ratio must be 0 (off) or >= 1, got {bucket_ratio}")
+        check_bucket_ratio(bucket_ratio)
         self.bucket_ratio = float(bucket_ratio)
         self.encode, self.estimator = encode, estimator
         self.n_feats, self.meanflow, self.solving = n_feats, meanflow, solving

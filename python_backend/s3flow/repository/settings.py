@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from s3flow.engine.settings import SolverSettings
+from s3flow.engine.streaming import check_bucket_ratio
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES
 
 Target = Literal["cpu", "gpu"]
@@ -52,8 +53,7 @@ class Batching:
                      "encoder_instances", "admission_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.length_bucket_ratio and self.length_bucket_ratio < 1:
-            raise ValueError(f"length_bucket_ratio must be 0 (off) or >= 1, got {self.length_bucket_ratio}")
+        check_bucket_ratio(self.length_bucket_ratio, "length_bucket_ratio")
         if any(not 1 <= p <= self.max_batch_size for p in self.preferred_batch_sizes):
             raise ValueError(f"preferred_batch_sizes must lie in [1, {self.max_batch_size}], "
                              f"got {list(self.preferred_batch_sizes)}")

@@ -4,8 +4,9 @@ Triton's sequence batcher holds a slot for a sequence from its START until its E
 when the solver answered the START with an error; a refused START left without END keeps its slot that long,
 and a new utterance then waits in Triton's backlog. So the ensembles (``token2mel``, ``token2wav``) run a
 stateless ``admission`` step first, and the solver waits for its answer (an ``admitted`` tensor): a START
-refused there never reaches the sequence batcher and holds nothing. It refuses, each with the disposition the
-solver would give (``s3flow_contract.answers``):
+refused there never reaches the sequence batcher and holds nothing. It reads the START as the solver does
+(``s3flow.serving.session.parse_incoming``) and answers each refusal by the solver's mapping
+(``s3flow.serving.session.refusal``: code and disposition, ``s3flow_contract.answers``). It refuses:
 
 * a request that does not validate (``s3flow.protocol.parse_request``): ``fail``;
 * a voice this server does not hold: ``retry`` with ``resend=prompt``;
@@ -39,13 +40,11 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
-from s3flow_contract.answers import Answer, Disposition
 from s3flow.engine.sequences import Capacity
-from s3flow.protocol import RequestError, RequestRules, parse_request
+from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence
 from s3flow.serving.arrivals import server_folder
 from s3flow.serving.load import LoadFiles
-from s3flow.serving.responses import INVALID_ARG, UNAVAILABLE
-from s3flow.serving.session import Outcome, with_voice
+from s3flow.serving.session import Draining, Incoming, Outcome, naming_sequence, parse_incoming, refused
 from s3flow.serving.voice_registry import UnknownVoice
 
 
@@ -138,31 +137,23 @@ class Admission:
     def check(self, corr_id: int, start: bool, end: bool, inputs: Mapping[str, np.ndarray],
               tenant: str = "") -> Optional[Outcome]:
         """None to let the request through, else the refusal (with its code and disposition)."""
-        seq = f"{self.name}: sequence {corr_id}: "
         if not start:   # a later chunk: its START reached the solver, which counts the sequence from then on
             self._admitted.pop(corr_id, None)
             gone = self.gone.note(corr_id) if self.gone is not None else None
             if gone is not None:   # the solver dropped it and gave Triton its slot back
-                return Outcome(error=f"{self.name}: sequence {corr_id} is not active: {gone}", code=INVALID_ARG,
-                               answer=Answer(Disposition.RESUME, corr_id), reason="gone")
+                return self._refuse(corr_id, UnknownSequence(f"sequence {corr_id} is not active: {gone}"), "gone")
             if self.seen is not None:
                 self.seen.mark(corr_id)
             return None
         if self.gone is not None:
             self.gone.take(corr_id)   # the id starts a new sequence
         try:
-            req = parse_request(with_voice(inputs, start, self.voices, tenant), start=True, end=end, rules=self.rules,
-                                n_feats=self.n_feats)
-        except UnknownVoice as exc:
-            return Outcome(error=seq + str(exc), code=INVALID_ARG,
-                           answer=Answer(Disposition.RETRY, corr_id, resend="prompt"), reason="voice")
+            req = parse_incoming(Incoming(corr_id, start=True, end=end, inputs=inputs, tenant=tenant), self.rules,
+                                 self.n_feats, self.voices)
         except RequestError as exc:
-            return Outcome(error=seq + str(exc), code=INVALID_ARG, answer=Answer(Disposition.FAIL, corr_id),
-                           reason="invalid")
+            return self._refuse(corr_id, exc, "voice" if isinstance(exc, UnknownVoice) else "invalid")
         if self.draining():
-            return Outcome(error=seq + "the server is draining (shutting down) and takes no new sequences; send "
-                                       "the START to another server", code=UNAVAILABLE,
-                           answer=Answer(Disposition.RESUME, corr_id), reason="draining")
+            return self._refuse(corr_id, Draining(), "draining")
         if self.live is not None:
             now = self.clock()
             live, cap = self.live.read()
@@ -170,11 +161,10 @@ class Admission:
             held = len(live) + len(self._admitted) - (corr_id in live)   # a restart on a live id takes no slot
             if cap and held >= cap:
                 wait = self.grace_s
-                return Outcome(error=seq + f"too many live sequences ({held}, max_live_sequences {cap}); retry in "
-                                           f"{wait:.1f} s", code=UNAVAILABLE,
-                               answer=Answer(Disposition.BUSY, corr_id, retry_after_s=wait), reason="live")
+                return self._refuse(corr_id, ServerBusy(f"too many live sequences ({held}, max_live_sequences "
+                                                        f"{cap}); retry in {wait:.1f} s", wait), "live")
             if self.load is not None and self.capacity.utilization_target > 0:
-                refusal = self._over_capacity(seq, corr_id, req, live)
+                refusal = self._over_capacity(corr_id, req, live)
                 if refusal is not None:
                     return refusal
             self._admitted[corr_id] = now
@@ -184,7 +174,12 @@ class Admission:
             self.seen.mark(corr_id)
         return None
 
-    def _over_capacity(self, seq: str, corr_id: int, req, live: set) -> Optional[Outcome]:
+    def _refuse(self, corr_id: int, exc: RequestError, reason: str) -> Outcome:
+        """The refusal ``exc`` answered as the solver answers it (``session.refusal``), naming this model and the
+        sequence; ``reason``: its label in the refusals metric."""
+        return refused(corr_id, f"{self.name}: {naming_sequence(corr_id, exc)}", exc, reason)
+
+    def _over_capacity(self, corr_id: int, req, live: set) -> Optional[Outcome]:
         """The capacity check (module docstring): None when the stream fits under the target."""
         load = self.load.read()
         if not load.known:
@@ -200,7 +195,7 @@ class Admission:
             return None
         wait = load.wait_until(target, mine, self.capacity.expected_utterance_s, pending)
         wait = min(max(wait, MIN_RETRY_S), MAX_RETRY_S)
-        return Outcome(error=seq + f"the server is at capacity: utilization {now:.2f} + {mine:.2f} for this stream "
-                                   f"is above the target {target:.2f} (capacity {load.capacity:.1f} audio s per s); "
-                                   f"retry in {wait:.1f} s or on another server", code=UNAVAILABLE,
-                       answer=Answer(Disposition.BUSY, corr_id, retry_after_s=wait), reason="capacity")
+        return self._refuse(corr_id, ServerBusy(f"the server is at capacity: utilization {now:.2f} + {mine:.2f} for "
+                                                f"this stream is above the target {target:.2f} (capacity "
+                                                f"{load.capacity:.1f} audio s per s); retry in {wait:.1f} s or on "
+                                                f"another server", wait), "capacity")

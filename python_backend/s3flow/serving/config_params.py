@@ -1,17 +1,20 @@
-"""Reading a served config the way the python models get it (Triton's JSON form, or a ``ModelConfig``): typed
-``parameters`` and the load-time check against the tensor contract. No protobuf or tritonclient import: every
-python model's stub loads this.
+"""Reading a served config the way the python models get it (Triton's JSON form, or a ``ModelConfig``): its
+``parameters`` by key (each value parsed by ``s3flow.protocol``) and the load-time check against the tensor
+contract. No protobuf or tritonclient import: every python model's stub loads this.
 """
 from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
 
 from s3flow_contract.tensors import Tensor
+from s3flow.protocol import parameter_bool, parameter_number
 
 
 class Params:
-    """Typed reading of a config's ``parameters`` (Triton's JSON form or a ModelConfig); every error names
-    the model and the key. Booleans are ``true`` or ``false`` (any case), nothing else."""
+    """Typed reading of a config's ``parameters`` (Triton's JSON form or a ModelConfig): a value given, its
+    default, or an error when it is required; the values parsed by ``s3flow.protocol`` (``parameter_number``,
+    ``parameter_bool``: an integer is any whole number, a boolean ``true`` or ``false`` in any case). Every error
+    names the model and the key."""
 
     def __init__(self, config, model: str = ""):
         if isinstance(config, Mapping):     # Triton's JSON form, as a python model gets it
@@ -33,28 +36,23 @@ class Params:
         value = self._get(key, default)
         return default if value is None else value
 
-    def _number(self, key, default, kind, what):
+    def _read(self, key, default, parse):
         value = self._get(key, default)
         if value is None:
             return default
         try:
-            return kind(value)
-        except ValueError:
-            raise ValueError(f"{self.model}: config parameter {key} must be {what}, got {value!r}") from None
+            return parse(key, value)
+        except ValueError as exc:
+            raise ValueError(f"{self.model}: {exc}") from None
 
     def int(self, key: str, default: Optional[int] = None) -> int:
-        return self._number(key, default, int, "an integer")
+        return self._read(key, default, lambda k, v: parameter_number(k, v, integer=True))
 
     def float(self, key: str, default: Optional[float] = None) -> float:
-        return self._number(key, default, float, "a number")
+        return self._read(key, default, lambda k, v: parameter_number(k, v, integer=False))
 
     def bool(self, key: str, default: Optional[bool] = None) -> bool:
-        value = self._get(key, default)
-        if value is None:
-            return default
-        if value.lower() not in ("true", "false"):
-            raise ValueError(f"{self.model}: config parameter {key} must be true or false, got {value!r}")
-        return value.lower() == "true"
+        return self._read(key, default, parameter_bool)
 
 
 def _declared(entries) -> dict:

@@ -53,6 +53,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
+from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.engine.observer import Observer
 
 #: Latency buckets (seconds): a chunk takes about 10 ms (small model, GPU) to 10 s (full size, CPU).
@@ -62,7 +63,6 @@ FRAMES_BUCKETS = (0, 10, 25, 50, 100, 200, 400, 800, 1600, 3200)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 #: Lead buckets (seconds of audio ahead of a real-time player; below 0: it ran dry).
 LEAD_BUCKETS = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-FRAMES_PER_SECOND = 50.0
 #: streams whose lead the book follows at once (the least recently answered are forgotten beyond it)
 MAX_STREAMS_FOLLOWED = 4096
 

@@ -30,7 +30,9 @@ cancelled
 ===================================  ===========  ===========  =============================================
 
 The disposition travels as the message's tag (``s3flow_contract.answers``, written by
-``s3flow.serving.responses.error_response``), so a client acts on data, not on the wording.
+``s3flow.serving.responses.error_response``), so a client acts on data, not on the wording. The refusals (the
+rows down to "a START while draining") are one mapping, :func:`refusal`, which admission
+(``s3flow.serving.admission``) answers by too, and both read a request by :func:`parse_incoming`.
 
 Every state that goes before its END is reported to the engine's observer (``sequence_dropped``), by the
 engine's ``SequenceTable``.
@@ -51,7 +53,7 @@ import numpy as np
 
 from s3flow_contract.tensors import PROMPT, request_arrays
 from s3flow_contract.answers import Answer, Disposition
-from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence, parse_request
+from s3flow.protocol import ChunkRequest, RequestError, RequestRules, ServerBusy, UnknownSequence, parse_request
 from s3flow_contract.tensors import VOICE_ID
 from s3flow.serving.voice_registry import UnknownVoice
 from s3flow.engine.snapshot import SnapshotError
@@ -70,6 +72,10 @@ class ModelCallError(RuntimeError):
 
 class Draining(ServerBusy):
     """A START while the server drains: it belongs on another server (disposition ``resume``)."""
+
+    def __init__(self, message: str = "the server is draining (shutting down) and takes no new sequences; "
+                                      "send the START to another server"):
+        super().__init__(message)
 
 
 class Closing(ServerBusy):
@@ -103,6 +109,37 @@ def failed_outcome(corr_id, message: str, code: str, disposition: Disposition, *
     return Outcome(error=message, code=code, answer=Answer(disposition, sequence=int(corr_id), **extra))
 
 
+def refusal(exc: RequestError) -> tuple[str, Disposition, dict]:
+    """(code, disposition, the answer's other fields) of a request refused with ``exc``: the refusals' rows of
+    the module's table, for the solver and for admission alike."""
+    if isinstance(exc, (Draining, Closing)):    # the utterance goes on another server
+        return UNAVAILABLE, Disposition.RESUME, {}
+    if isinstance(exc, ServerBusy):             # full: START again later
+        return UNAVAILABLE, Disposition.BUSY, {"retry_after_s": exc.retry_after_s}
+    if isinstance(exc, UnknownSequence):
+        return INVALID_ARG, Disposition.RESUME, {}
+    if isinstance(exc, UnknownVoice):
+        return INVALID_ARG, Disposition.RETRY, {"resend": "prompt"}
+    if isinstance(exc, SnapshotError):
+        return INVALID_ARG, Disposition.RETRY, {"resend": "replay"}
+    return INVALID_ARG, Disposition.FAIL, {}
+
+
+def naming_sequence(corr_id, exc: RequestError) -> str:
+    """``exc``'s message led by the sequence it concerns, unless it names it already."""
+    text = str(exc)
+    return text if text.startswith("sequence ") else f"sequence {corr_id}: {text}"
+
+
+def refused(corr_id, message: str, exc: RequestError, reason: Optional[str] = None) -> Outcome:
+    """The answer to a request refused with ``exc`` (:func:`refusal`), saying ``message``; ``reason``: admission's
+    label for it."""
+    code, disposition, extra = refusal(exc)
+    outcome = failed_outcome(corr_id, message, code, disposition, **extra)
+    outcome.reason = reason
+    return outcome
+
+
 def with_voice(inputs: Mapping[str, np.ndarray], start: bool,
                voices: Optional[Callable[[str, str], dict]], tenant: str = "") -> Mapping[str, np.ndarray]:
     """The request's tensors with a ``voice_id`` replaced by that voice's prompt tensors (``voices(voice_id)``
@@ -122,6 +159,14 @@ def with_voice(inputs: Mapping[str, np.ndarray], start: bool,
     value = raw.reshape(-1)[0]
     voice_id = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
     return {**{k: v for k, v in inputs.items() if k != VOICE_ID}, **voices(voice_id, tenant)}
+
+
+def parse_incoming(req: Incoming, rules: RequestRules, n_feats: int,
+                   voices: Optional[Callable[[str, str], dict]] = None) -> ChunkRequest:
+    """Validate one request, a voice id replaced by its prompt first (:func:`with_voice`): the solver's and
+    admission's one reading of a request. RequestError (``UnknownVoice`` among them) naming the bad value."""
+    return parse_request(with_voice(req.inputs, req.start, voices, req.tenant), start=req.start, end=req.end,
+                         rules=rules, n_feats=n_feats)
 
 
 class SolverSession:
@@ -166,39 +211,29 @@ class SolverSession:
         (None, its outcome already: the refusal with its code and disposition, or the answer again to a chunk
         sent again)."""
         try:
-            parsed = parse_request(with_voice(req.inputs, req.start, self.voices, req.tenant), start=req.start,
-                                   end=req.end, rules=self.rules, n_feats=self.engine.n_feats)
+            parsed = parse_incoming(req, self.rules, self.engine.n_feats, self.voices)
             if self.closing():
                 raise Closing("the server is stopping; resume the utterance on another server")
             if req.start and self.draining():
-                raise Draining("the server is draining (shutting down) and takes no new sequences; "
-                               "send the START to another server")
+                raise Draining()
             admitted = self.engine.admit(req.corr_id, parsed, tenant=req.tenant)
             if isinstance(admitted, ChunkResult):   # the chunk taken last, sent again: its answer again
                 return None, Outcome(result=admitted)
             return admitted, None
-        except Closing as exc:
-            self._drop(req.corr_id, "server stopping")
-            return None, failed_outcome(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
-                                        Disposition.RESUME)
-        except Draining as exc:
-            return None, failed_outcome(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
-                                 Disposition.RESUME)
-        except ServerBusy as exc:
-            return None, failed_outcome(req.corr_id, f"{self.name}: sequence {req.corr_id}: {exc}", UNAVAILABLE,
-                                 Disposition.BUSY, retry_after_s=exc.retry_after_s)
-        except RequestError as exc:
-            if req.end:
+        except RequestError as exc:   # refused (``refusal``); closing drops the sequence, and so does a bad END
+            if isinstance(exc, Closing):
+                self._drop(req.corr_id, "server stopping")
+            elif req.end and not isinstance(exc, ServerBusy):
                 self._drop(req.corr_id, "invalid END request")
-            msg = str(exc) if str(exc).startswith("sequence ") else f"sequence {req.corr_id}: {exc}"
-            if isinstance(exc, UnknownSequence):
-                return None, failed_outcome(req.corr_id, msg, INVALID_ARG, Disposition.RESUME)
-            if isinstance(exc, UnknownVoice):
-                return None, failed_outcome(req.corr_id, msg, INVALID_ARG, Disposition.RETRY, resend="prompt")
-            if isinstance(exc, SnapshotError):
-                return None, failed_outcome(req.corr_id, f"{msg}; START again without it and replay the utterance",
-                                            INVALID_ARG, Disposition.RETRY, resend="replay")
-            return None, failed_outcome(req.corr_id, msg, INVALID_ARG, Disposition.FAIL)
+            return None, refused(req.corr_id, self._refusal_message(req.corr_id, exc), exc)
+
+    def _refusal_message(self, corr_id, exc: RequestError) -> str:
+        """A busy server names itself; a refused snapshot says what to do instead."""
+        if isinstance(exc, ServerBusy):
+            return f"{self.name}: sequence {corr_id}: {exc}"
+        if isinstance(exc, SnapshotError):
+            return f"{naming_sequence(corr_id, exc)}; START again without it and replay the utterance"
+        return naming_sequence(corr_id, exc)
 
     def failed(self, c: Chunk, exc: BaseException) -> Outcome:
         """The answer to a chunk whose solve failed with ``exc`` (the engine rolled it back already), the

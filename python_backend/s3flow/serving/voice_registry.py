@@ -25,6 +25,7 @@ without it. Without a secret and tenant "", ids are the plain digest as before.
 Example::
 
     registry = VoiceRegistry(folder, max_voices=1000, max_bytes=256 << 20)
+    registry = VoiceRegistry.from_params(params)   # in a python model: its config's voice_* parameters
     voice_id = registry.put(prompt_tokens, prompt_mel, speaker_embedding)
     tensors = registry.get(voice_id)      # START-request tensors, batch first
 """
@@ -43,8 +44,12 @@ from typing import Optional
 import numpy as np
 
 from s3flow.protocol import RequestError
+from s3flow.serving.config_params import Params
+from s3flow.serving.keys import voice_key
 
 _MARKERS_KEPT = 10000
+#: a registry's bounds per tenant where its config does not say
+MAX_VOICES, MAX_VOICE_BYTES = 1000, 256 << 20
 
 
 class UnknownVoice(RequestError):
@@ -80,12 +85,21 @@ class VoiceRegistry:
     """Voices in ``folder``, per tenant at most ``max_voices`` of them and ``max_bytes`` in all (least recently
     used out); ids keyed with ``secret`` when given (module docstring)."""
 
-    def __init__(self, folder, max_voices: int = 1000, max_bytes: int = 256 << 20, secret: Optional[bytes] = None):
+    def __init__(self, folder, max_voices: int = MAX_VOICES, max_bytes: int = MAX_VOICE_BYTES,
+                 secret: Optional[bytes] = None):
         if max_voices < 1 or max_bytes < 1:
             raise ValueError(f"max_voices and max_bytes must be >= 1, got {max_voices}, {max_bytes}")
         self.folder, self.max_voices, self.max_bytes = Path(folder), int(max_voices), int(max_bytes)
         self.secret = secret
         (self.folder / "evicted").mkdir(parents=True, exist_ok=True)
+
+    @classmethod
+    def from_params(cls, params: Params) -> "VoiceRegistry":
+        """The registry a python model's config names: ``voice_dir`` (empty: this server run's folder,
+        :func:`default_dir`), ``max_voices`` and ``max_voice_bytes`` (the defaults above where absent), ids keyed
+        with the fleet's voice key (``s3flow.serving.keys.voice_key``)."""
+        return cls(params.str("voice_dir", "") or default_dir(), params.int("max_voices", MAX_VOICES),
+                   params.int("max_voice_bytes", MAX_VOICE_BYTES), voice_key())
 
     def space(self, tenant: str = "") -> Path:
         """The tenant's folder ("" is the registry's own)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from s3flow_contract.tensors import TOKENS_PER_SECOND
 from s3flow.runtime import tensorrt as tb
 from s3flow_tools.gpu_check.flows import FlowModes, Plan, Utterance, flops, set_tf32, utterance
 from s3flow_tools.gpu_check.report import BOUNDS, Clock, Report, rel_error, table
@@ -38,8 +39,8 @@ def precision_section(rep: Report, guided: FlowModes, meanflow: FlowModes, plan:
     rep.data["whole_flow"] = data
     rep.add("Whole flow: device modes vs CPU fp32 (precision and time, side by side)",
             f"{plan.prompt_tokens} prompt + {plan.speech_tokens} speech tokens "
-            f"({2 * plan.speech_tokens / 50:.1f} s of audio); encoder fp32 in every mode; time = median wall "
-            f"time of the whole synthesis (encoder + solve); 'half' = plain module.half(), information only.\n\n"
+            f"({plan.speech_tokens / TOKENS_PER_SECOND:.1f} s of audio); encoder fp32 in every mode; time = median "
+            f"wall time of the whole synthesis (encoder + solve); 'half' = plain module.half(), information only.\n\n"
             + table(["model", "estimator mode", "rel. error", "finite", "ms", "vs CPU", "check"], rows))
 
 

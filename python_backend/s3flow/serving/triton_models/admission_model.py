@@ -32,10 +32,8 @@ class TritonPythonModel(TritonModel):
         self.check_contract(REQUEST, ADMISSION_OUTPUTS, n_feats)
         voices = None
         if p.bool("voices", False):
-            from s3flow.serving.keys import voice_key
-            from s3flow.serving.voice_registry import VoiceRegistry, default_dir
-            voices = VoiceRegistry(p.str("voice_dir", "") or default_dir(), p.int("max_voices"),
-                                   p.int("max_voice_bytes"), voice_key()).get
+            from s3flow.serving.voice_registry import VoiceRegistry
+            voices = VoiceRegistry.from_params(p).get
         self.metrics = TritonMetrics(ADMISSION_FAMILIES, self.name, args.get("model_instance_name", self.name))
         live = LiveCounts(LiveCounts.default_folder())
         self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, live, voices, draining_probe(),

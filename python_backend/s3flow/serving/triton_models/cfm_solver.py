@@ -25,8 +25,9 @@ import numpy as np
 import torch
 from torch.utils import dlpack
 
-from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_OUTPUTS, ESTIMATOR_OUTPUTS, REQUEST, SOLVER_OUTPUTS,
-                                     SOLVER_INPUTS, by_name, estimator_inputs, names)
+from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_MODEL, ENCODER_OUTPUTS, ESTIMATOR_MODEL,
+                                     ESTIMATOR_OUTPUTS, REQUEST, SOLVER_OUTPUTS, SOLVER_INPUTS, by_name,
+                                     estimator_inputs, names)
 from s3flow.engine.capacity import CapacityModel, padding_factor
 from s3flow.engine.observer import Observers
 from s3flow.engine.sequences import SequenceTable
@@ -132,9 +133,9 @@ class TritonPythonModel(TritonModel):
         if self.instance_kind == "GPU":
             device_id = self.device_id
             torch.cuda.set_device(device_id)
-        self.encoder = BlsEncoder(p.str("encoder_model", "flow_encoder"), names(ENCODER_INPUTS),
+        self.encoder = BlsEncoder(p.str("encoder_model", ENCODER_MODEL), names(ENCODER_INPUTS),
                                   names(ENCODER_OUTPUTS), device_id)
-        self.estimator = BlsEstimator(p.str("estimator_model", "estimator"), names(estimator_inputs(self.meanflow)),
+        self.estimator = BlsEstimator(p.str("estimator_model", ESTIMATOR_MODEL), names(estimator_inputs(self.meanflow)),
                                       names(ESTIMATOR_OUTPUTS), device_id)
         # the ids the last live count listed, those ended since (ENDED_GRACE_S), those dropped (not "ended")
         self._last_ids, self._ended, self._dropped_ids, self._ended_lock = set(), {}, set(), threading.Lock()
@@ -177,10 +178,8 @@ class TritonPythonModel(TritonModel):
                                            closing=self.closing).start()
         voices = None
         if p.bool("voices", False):  # START may name a voice the voice_encoder stored
-            from s3flow.serving.keys import voice_key
-            from s3flow.serving.voice_registry import VoiceRegistry, default_dir
-            voices = VoiceRegistry(p.str("voice_dir", "") or default_dir(), p.int("max_voices"),
-                                   p.int("max_voice_bytes"), voice_key()).get
+            from s3flow.serving.voice_registry import VoiceRegistry
+            voices = VoiceRegistry.from_params(p).get
         self.session = SolverSession(engine, self.settings.rules, name=self.name, draining=draining_probe(),
                                      voices=voices, closing=self.closing)
         self.scheduling = p.str("scheduling", "fifo")

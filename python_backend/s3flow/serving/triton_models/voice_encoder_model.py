@@ -17,8 +17,7 @@ from s3flow_contract.tensors import VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS
 from s3flow.model.voice import VoiceFrontend
 from s3flow.protocol import RequestRules, tenant_of
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response
-from s3flow.serving.keys import voice_key
-from s3flow.serving.voice_registry import VoiceRegistry, default_dir
+from s3flow.serving.voice_registry import VoiceRegistry
 from s3flow.serving.voice_service import VoiceService
 
 
@@ -30,10 +29,8 @@ class TritonPythonModel(TritonModel):
         self.check_contract(VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS, n_feats)
         torch.set_num_threads(p.int("torch_threads", 1))
         frontend = VoiceFrontend.from_checkpoint(os.path.join(self.version_dir, "voice.safetensors"))
-        self.folder = p.str("voice_dir", "") or str(default_dir())
-        self.owns_folder = not p.str("voice_dir", "")
-        registry = VoiceRegistry(self.folder, p.int("max_voices", 1000), p.int("max_voice_bytes", 256 << 20),
-                                 voice_key())
+        registry = VoiceRegistry.from_params(p)
+        self.folder, self.owns_folder = registry.folder, not p.str("voice_dir", "")
         rules = RequestRules(max_prompt_tokens=p.int("max_prompt_tokens", 500))
         self.service = VoiceService(frontend, registry, rules, n_feats=n_feats)
 
