@@ -59,7 +59,8 @@ import numpy as np
 import torch
 
 from s3flow.engine.streaming import StreamingEngine, planned_calls
-from s3flow.model.checkpoint import load_flow, random_flow
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import random_flow
 from s3flow.model.flops import chunk_calls, estimator_flops, solve_flops
 from s3flow.model.flow import FlowConfig, TorchEstimator, synthesize
 from s3flow.engine.settings import SolverSettings

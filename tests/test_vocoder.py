@@ -24,7 +24,9 @@ import torch
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from s3flow.model.checkpoint import CheckpointMismatch, flow_state_dict, load_flow, random_flow, save_tensors
+from s3flow.model.checkpoint import flow_state_dict, load_flow
+from s3flow.model.checkpoint_io import CheckpointMismatch, save_tensors
+from s3flow.model.random_checkpoint import random_flow
 from s3flow.model.flow import FlowConfig
 from s3flow.engine.sequences import Capacity, SequenceTable
 from s3flow.engine.settings import SolverSettings
@@ -469,7 +471,7 @@ SOLVER = SolverSettings.of(max_steps=20, max_utterance_frames=600, max_request_b
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from s3flow.model.checkpoint import write_random_checkpoint
+    from s3flow.model.random_checkpoint import write_random_checkpoint
     from s3flow.repository.generator import write_repository
     from s3flow.repository.settings import Batching, RepositorySettings
     from s3flow.server.triton_server import TritonServer

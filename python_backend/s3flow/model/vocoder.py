@@ -46,6 +46,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from s3flow.model.checkpoint_io import CheckpointMismatch, describe_mismatch, read_tensors, save_tensors
 from s3flow.model.vocoder_source import (Excitation, SourceParams, apply_trim_fade, harmonic_source,
                                          offline_vocode, trim_fade)
 
@@ -520,8 +521,6 @@ def _upstream_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_vocoder_state(hift: HiFTGenerator, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
     """Strict load of ``mel2wav.*`` tensors; raise CheckpointMismatch listing the differences."""
-    from s3flow.model.checkpoint import CheckpointMismatch, describe_mismatch
-
     state = _upstream_names(state)
     expected = vocoder_state_dict(hift)
     message = describe_mismatch(expected, state)
@@ -535,8 +534,6 @@ def load_vocoder(path: Union[str, Path], config: Optional[VocoderConfig] = None)
 
     The config comes from the argument, the file's metadata, or the full-size upstream config.
     """
-    from s3flow.model.checkpoint import read_tensors
-
     state, meta = read_tensors(path, VOCODER_PREFIX)
     recorded = meta.get(VOCODER_CONFIG_KEY)
     config = config or (VocoderConfig.from_dict(json.loads(recorded)) if recorded else VocoderConfig.full())
@@ -547,8 +544,6 @@ def load_vocoder(path: Union[str, Path], config: Optional[VocoderConfig] = None)
 
 def write_vocoder_checkpoint(hift: HiFTGenerator, path: Union[str, Path]) -> Path:
     """Save ``mel2wav.*`` (``.safetensors`` with our config in its metadata, or ``.pt``)."""
-    from s3flow.model.checkpoint import save_tensors
-
     state = {k: v.detach().contiguous().clone() for k, v in vocoder_state_dict(hift).items()}
     return save_tensors(state, path, {VOCODER_CONFIG_KEY: json.dumps(hift.config.to_dict())})
 
