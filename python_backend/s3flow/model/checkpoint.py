@@ -21,10 +21,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from s3flow.model.checkpoint_io import CheckpointMismatch
+from s3flow.model.checkpoint_io import CheckpointMismatch, describe_mismatch, read_tensors, save_tensors
 from s3flow.model.flow import FlowConfig, S3Flow
 
 FLOW_PREFIX = "flow."
@@ -43,30 +41,9 @@ def flow_state_dict(flow: S3Flow) -> dict[str, torch.Tensor]:
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], Optional[FlowConfig]]:
     """The ``flow.*`` tensors of a checkpoint and its recorded FlowConfig (None for upstream files)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    config = None
-    if path.suffix == ".safetensors":
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            state = {k: f.get_tensor(k) for k in f.keys() if k.startswith(FLOW_PREFIX)}
-        if CONFIG_METADATA_KEY in meta:
-            config = FlowConfig.from_dict(json.loads(meta[CONFIG_METADATA_KEY]))
-    elif path.suffix in (".pt", ".pth", ".bin"):
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
-        if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
-            obj = obj["state_dict"]
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path}: expected a state dict, got {type(obj).__name__}")
-        state = {k: v for k, v in obj.items() if k.startswith(FLOW_PREFIX)}
-        if isinstance(obj.get(CONFIG_METADATA_KEY), str):
-            config = FlowConfig.from_dict(json.loads(obj[CONFIG_METADATA_KEY]))
-    else:
-        raise ValueError(f"{path}: unsupported checkpoint type {path.suffix!r} (use .safetensors or .pt)")
-    if not state:
-        raise CheckpointMismatch(f"{path}: no 'flow.*' tensors found; is this an S3Gen checkpoint?")
-    return state, config
+    state, meta = read_tensors(path, FLOW_PREFIX)
+    recorded = meta.get(CONFIG_METADATA_KEY)
+    return state, (FlowConfig.from_dict(json.loads(recorded)) if recorded else None)
 
 
 def is_meanflow(state: dict[str, torch.Tensor]) -> bool:
@@ -76,18 +53,9 @@ def is_meanflow(state: dict[str, torch.Tensor]) -> bool:
 
 def load_state_into(flow: S3Flow, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
     """Strict load; on any difference raise CheckpointMismatch listing missing, unexpected, mis-shaped."""
-    expected = flow_state_dict(flow)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    misshaped = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
-                       for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
-    if missing or unexpected or misshaped:
-        def listing(title, items):
-            shown = "\n  ".join(items[:20]) + (f"\n  ... and {len(items) - 20} more" if len(items) > 20 else "")
-            return f"{title} ({len(items)}):\n  {shown}" if items else ""
-        parts = [listing("missing keys", missing), listing("unexpected keys", unexpected),
-                 listing("shape mismatches", misshaped)]
-        raise CheckpointMismatch(f"{source} does not match the model:\n" + "\n".join(p for p in parts if p))
+    message = describe_mismatch(flow_state_dict(flow), state)
+    if message:
+        raise CheckpointMismatch(f"{source} does not match the model:\n{message}")
     enc = {k[len(FLOW_PREFIX):]: v for k, v in state.items() if not k.startswith(ESTIMATOR_PREFIX)}
     est = {k[len(ESTIMATOR_PREFIX):]: v for k, v in state.items() if k.startswith(ESTIMATOR_PREFIX)}
     flow.encoder.load_state_dict(enc, strict=True)
@@ -106,14 +74,5 @@ def load_flow(path: str | Path, config: Optional[FlowConfig] = None) -> S3Flow:
 
 def write_checkpoint(flow: S3Flow, path: str | Path) -> Path:
     """Save in the upstream layout (``.safetensors`` with our config in its metadata, or ``.pt``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().clone() for k, v in flow_state_dict(flow).items()}
-    config = json.dumps(flow.config.to_dict())
-    if path.suffix == ".safetensors":
-        save_file(state, str(path), metadata={CONFIG_METADATA_KEY: config})
-    elif path.suffix in (".pt", ".pth"):
-        torch.save({**state, CONFIG_METADATA_KEY: config}, str(path))
-    else:
-        raise ValueError(f"{path}: unsupported checkpoint type {path.suffix!r} (use .safetensors or .pt)")
-    return path
+    return save_tensors(state, path, {CONFIG_METADATA_KEY: json.dumps(flow.config.to_dict())})
