@@ -58,7 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 import numpy as np
 import torch
 
-from s3flow.engine.streaming import StreamingEngine, planned_calls
+from s3flow.engine.planning import planned_calls
+from s3flow.engine.streaming import StreamingEngine
 from s3flow.model.checkpoint import load_flow
 from s3flow.model.random_checkpoint import random_flow
 from s3flow.model.flops import chunk_calls, estimator_flops, solve_flops

@@ -190,7 +190,7 @@ def served_cost(work: Path, extra: dict, prompts_s: Sequence[float], lengths_s: 
 def full_size_table(candidates: Sequence[str], prompts_s, lengths_s) -> str:
     """Full size (71 M estimator, guided 10 steps): estimator GFLOP of a stream over offline synthesis with the
     whole prompt, counted from the config over a dry run of the real engine (``planned_calls``)."""
-    from s3flow.engine.streaming import planned_calls
+    from s3flow.engine.planning import planned_calls
     from s3flow.model.estimator import EstimatorConfig
     from s3flow.model.flops import estimator_flops, solve_flops
 
