@@ -50,7 +50,8 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.model.checkpoint import load_flow
 from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
-from s3flow.model.vocoder import load_vocoder, vocode
+from s3flow.model.vocoder import load_vocoder
+from s3flow.runtime.vocoder import vocode
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import RepositorySettings
 from s3flow.server.triton_server import TritonServer

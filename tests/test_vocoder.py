@@ -31,10 +31,10 @@ from s3flow.model.flow import FlowConfig
 from s3flow.engine.sequences import Capacity, SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.vocoder_stream import F0_LOOKAHEAD_FRAMES, StreamError, StreamSettings, VocoderStream
-from s3flow.model.vocoder import (HiFTGenerator, TorchVocoder, VocoderConfig, hann_window, load_vocoder,
-                                  random_vocoder, vocode, vocoder_state_dict, write_vocoder_checkpoint)
+from s3flow.model.vocoder import (HiFTGenerator, VocoderConfig, hann_window, load_vocoder, random_vocoder,
+                                  vocoder_state_dict, write_vocoder_checkpoint)
 from s3flow.model.vocoder_source import HOP_SAMPLES, Excitation, harmonic_source, offline_vocode, trim_fade
-from s3flow.runtime.vocoder import OnnxVocoder, check_vocoder_onnx, export_vocoder
+from s3flow.runtime.vocoder import OnnxVocoder, TorchVocoder, check_vocoder_onnx, export_vocoder, vocode
 
 SMALL = VocoderConfig.small()
 STREAM_TOL = 1e-6
