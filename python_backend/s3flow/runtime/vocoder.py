@@ -25,7 +25,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,33 +101,32 @@ def vocode(hift: HiFTGenerator, mel, seed: int = 0, fade: bool = True) -> np.nda
 
 
 class OnnxVocoder:
-    """The two callables, over ONNX Runtime (CPU) sessions of ``f0.onnx`` and ``decoder.onnx`` in a folder."""
+    """The two callables, over ONNX Runtime (CPU) sessions of ``f0.onnx`` and ``decoder.onnx`` in a folder.
+
+    The sessions are the estimator's (``s3flow.runtime.ort.OrtModel``: one place for the session settings, the
+    memory pattern off among them), without its graph rewrite (Mish and attention: the vocoder has neither).
+    ``threads``: intra-op threads, 0 = ONNX Runtime's default.
+    """
 
     def __init__(self, directory, threads: int = 0):
-        import onnxruntime as ort
+        from s3flow.runtime.ort import OrtModel, OrtSettings   # here: the torch backend never loads onnxruntime
 
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        sessions = []
+        settings = OrtSettings(threads=threads, rewrite=False)
+        models = []
         for name in GRAPH_FILES:
-            path = os.path.join(str(directory), name)
-            if not os.path.isfile(path):
+            path = Path(directory) / name
+            if not path.is_file():
                 raise FileNotFoundError(f"vocoder graph not found: {path}")
-            sessions.append(ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"]))
-        self.f0_session, self.decoder_session = sessions
+            models.append(OrtModel(path, settings))
+        self.f0_model, self.decoder_model = models
 
     def f0(self, mel: np.ndarray) -> np.ndarray:
         """mel (B, C, T) float32 -> (B, T) float64 Hz."""
-        [mel_name] = F0_INPUTS
-        return self.f0_session.run(F0_OUTPUTS, {mel_name: np.ascontiguousarray(mel, np.float32)})[0]
+        return self.f0_model.run(dict(zip(F0_INPUTS, (mel,))), outputs=F0_OUTPUTS)[0]
 
     def decode(self, mel: np.ndarray, harmonics: np.ndarray) -> np.ndarray:
         """mel (B, C, T), harmonics (B, H + 1, 480 T) float32 -> audio (B, 480 T) float32."""
-        feeds = {name: np.ascontiguousarray(a, np.float32) for name, a in zip(DECODER_INPUTS, (mel, harmonics))}
-        return self.decoder_session.run(DECODER_OUTPUTS, feeds)[0]
+        return self.decoder_model.run(dict(zip(DECODER_INPUTS, (mel, harmonics))), outputs=DECODER_OUTPUTS)[0]
 
 
 def export_vocoder(hift: HiFTGenerator, out_dir: Union[str, Path], opset: int = 17) -> tuple[Path, Path]:
