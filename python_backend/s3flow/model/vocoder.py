@@ -46,7 +46,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from s3flow.model.checkpoint_io import CheckpointMismatch, describe_mismatch, read_tensors, save_tensors
-from s3flow.model.vocoder_source import Excitation, SourceParams, apply_trim_fade, harmonic_source, trim_fade
+from s3flow.model.vocoder_source import Excitation, SourceParams, harmonic_source
 
 #: Checkpoint prefix of the vocoder in an S3Gen checkpoint.
 VOCODER_PREFIX = "mel2wav."
@@ -494,5 +494,4 @@ def write_random_vocoder_checkpoint(path: Union[str, Path], config: VocoderConfi
 
 
 __all__ = ["VocoderConfig", "HiFTGenerator", "F0Float64", "random_vocoder", "load_vocoder",
-           "write_vocoder_checkpoint", "write_random_vocoder_checkpoint", "upstream_harmonics", "trim_fade",
-           "apply_trim_fade", "VOCODER_PREFIX"]
+           "write_vocoder_checkpoint", "write_random_vocoder_checkpoint", "upstream_harmonics", "VOCODER_PREFIX"]
