@@ -59,12 +59,15 @@ import numpy as np
 import torch
 
 from s3flow_contract.tensors import TOKENS_PER_SECOND
-from s3flow.engine.streaming import StreamingEngine, planned_calls
-from s3flow.model.checkpoint import load_flow, random_flow
+from s3flow.engine.planning import planned_calls
+from s3flow.engine.streaming import StreamingEngine
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import random_flow
 from s3flow.model.flops import chunk_calls, estimator_flops, solve_flops
 from s3flow.model.flow import FlowConfig, TorchEstimator, synthesize
 from s3flow.engine.settings import SolverSettings
-from s3flow.serving.session import SolverSession, stream_in_process
+from s3flow.serving.local_stream import stream_in_process
+from s3flow.serving.session import SolverSession
 from s3flow.runtime.ort import OrtEncoder, OrtEstimator, OrtSettings
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import Batching, RepositorySettings

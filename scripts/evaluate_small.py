@@ -45,7 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.model.checkpoint import load_flow
 from s3flow_client.audio import write_wav
-from s3flow.model.vocoder import load_vocoder, vocode
+from s3flow.model.vocoder import load_vocoder
+from s3flow.runtime.vocoder import vocode
 from s3flow_training.evaluate import METHODS, evaluate_methods, stream_vs_offline, synthesize_one
 from s3flow_training.intelligibility import (RATE, griffin_lim, intelligibility, log_spectral_distance,
                                              to_16k)

@@ -48,9 +48,11 @@ import torch
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.engine.settings import SolverSettings
-from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
-from s3flow.model.vocoder import load_vocoder, vocode
+from s3flow.model.vocoder import load_vocoder
+from s3flow.runtime.vocoder import vocode
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import RepositorySettings
 from s3flow.server.triton_server import TritonServer
@@ -190,7 +192,7 @@ def served_cost(work: Path, extra: dict, prompts_s: Sequence[float], lengths_s: 
 def full_size_table(candidates: Sequence[str], prompts_s, lengths_s) -> str:
     """Full size (71 M estimator, guided 10 steps): estimator GFLOP of a stream over offline synthesis with the
     whole prompt, counted from the config over a dry run of the real engine (``planned_calls``)."""
-    from s3flow.engine.streaming import planned_calls
+    from s3flow.engine.planning import planned_calls
     from s3flow.model.estimator import EstimatorConfig
     from s3flow.model.flops import estimator_flops, solve_flops
 

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     # full size: estimator FLOPs of every solve the engine plans (no run: 60 s at full size is hours on 2 cores)
     from s3flow.model.estimator import EstimatorConfig
     from s3flow.model.flops import estimator_flops, solve_flops
-    from s3flow.engine.streaming import planned_calls
+    from s3flow.engine.planning import planned_calls
     full = EstimatorConfig.full()
     lines += ["## Full size (71 M estimator, guided 10 steps): estimator cost", "",
               "GFLOP of every estimator call the engine plans for one utterance with a 2 s (50-token) prompt, "

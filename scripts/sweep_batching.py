@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 from s3flow_tools.bench.report import fmt, log, machine, markdown, percentile
 from s3flow_tools.bench.served import batching_load, run_load
 from s3flow_contract.tensors import FRAMES_PER_SECOND
-from s3flow.model.checkpoint import load_flow, random_flow
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import random_flow
 from s3flow.model.flow import FlowConfig
 from s3flow.engine.settings import SolverSettings
 from s3flow.repository.generator import write_flow_configs, write_repository

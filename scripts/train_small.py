@@ -50,7 +50,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 from s3flow.model.checkpoint import load_flow, write_checkpoint
-from s3flow.model.vocoder import load_vocoder, vocode, write_vocoder_checkpoint
+from s3flow.model.vocoder import load_vocoder, write_vocoder_checkpoint
+from s3flow.runtime.vocoder import vocode
 from s3flow_training.data import DataSettings, Dataset, build_dataset, espeak_available
 from s3flow_training.distill import train_student
 from s3flow_training.evaluate import synthesize_one

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from s3flow.model.checkpoint import random_flow
+from s3flow.model.random_checkpoint import random_flow
 from s3flow.model.flow import FlowConfig, TorchEstimator, synthesize
 from s3flow.engine.observer import NO_OBSERVER, Observer
 from s3flow.engine.settings import SolverSettings

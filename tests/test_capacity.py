@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.engine.capacity import CapacityModel, Costs, CostFit, Plan, Work, default_plan, padding_factor
+from s3flow.engine.capacity import CapacityModel, Costs, CostFit, Work, default_plan, padding_factor
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import RequestRules, parse_request

@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.server.drain import live_sequences, ready
 from s3flow.serving.draining import closing_probe
 from s3flow.model.flow import FlowConfig

@@ -29,7 +29,8 @@ import torch
 from tritonclient.utils import InferenceServerException
 
 from s3flow_contract.tensors import request_arrays
-from s3flow.model.checkpoint import load_flow, read_checkpoint, write_random_checkpoint
+from s3flow.model.checkpoint import load_flow, read_checkpoint
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.engine.settings import SolverSettings
 from s3flow.server.metrics_reader import metric_sum, read_metrics

@@ -137,7 +137,7 @@ def test_engine_over_ort_equals_engine_over_torch(onnx_files):
 def test_cpu_rewrite_replaces_every_mish_and_attention_and_keeps_the_function(onnx_files, meanflow):
     import onnx
 
-    from s3flow.runtime.ort import rewrite_for_cpu
+    from s3flow.runtime.ort_rewrite import rewrite_for_cpu
 
     flow, est_path, _ = onnx_files[meanflow]
     model = onnx.load(str(est_path))

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from helpers import small_flow
-from s3flow.model.checkpoint import (CheckpointMismatch, flow_state_dict, is_meanflow, load_flow, read_checkpoint,
-                               write_checkpoint, write_random_checkpoint)
+from s3flow.model.checkpoint import flow_state_dict, is_meanflow, load_flow, read_checkpoint, write_checkpoint
+from s3flow.model.checkpoint_io import CheckpointMismatch
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.chunks import condition, solve_frames
 from s3flow.model.flow import FlowConfig, S3Flow, synthesize
 from s3flow.model.solver import CountingEstimator

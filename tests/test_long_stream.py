@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from s3flow.engine.settings import SolverSettings
-from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.model.vocoder import VocoderConfig, random_vocoder
 from s3flow.repository.generator import write_repository

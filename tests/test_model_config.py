@@ -66,7 +66,7 @@ def tensors_of(model: str, meanflow: bool):
 
 @pytest.fixture(scope="module")
 def repos(tmp_path_factory):
-    from s3flow.model.checkpoint import write_random_checkpoint
+    from s3flow.model.random_checkpoint import write_random_checkpoint
     from s3flow.model.flow import FlowConfig
     from s3flow.model.vocoder import VocoderConfig, random_vocoder
 

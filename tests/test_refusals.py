@@ -18,7 +18,8 @@ import pytest
 from s3flow_contract.answers import Disposition, answer_of
 from s3flow_contract.tensors import request_arrays
 from s3flow.engine.settings import SolverSettings
-from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import RepositorySettings

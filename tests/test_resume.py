@@ -12,7 +12,6 @@
 import os
 import queue
 import signal
-import time
 
 import numpy as np
 import pytest

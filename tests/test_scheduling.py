@@ -15,7 +15,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.model.vocoder import VocoderConfig, random_vocoder
 from s3flow.repository.generator import write_repository

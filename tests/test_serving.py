@@ -15,7 +15,8 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from helpers import make_engine, offline, stream_in_process
 from s3flow_contract.tensors import request_arrays
-from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.engine.settings import SolverSettings
 from s3flow.repository.generator import write_repository

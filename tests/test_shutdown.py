@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 
-from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.model.vocoder import VocoderConfig, random_vocoder
 from s3flow.repository.generator import write_repository

@@ -11,7 +11,8 @@ from s3flow.protocol import RequestError, RequestRules, ServerBusy, parse_reques
 from s3flow_client import chunk_schedule
 from s3flow_client.demo import demo_utterance
 from s3flow_contract.tensors import request_arrays
-from s3flow.engine.streaming import StreamingEngine, planned_calls
+from s3flow.engine.planning import planned_calls
+from s3flow.engine.streaming import StreamingEngine
 
 #: the prefix re-run mode, whatever the server's default
 PREFIX = SolverSettings.of(context_frames=-1, prompt_frames=-1)   # offline synthesis of each prefix
@@ -313,7 +314,7 @@ def test_a_chunk_being_solved_is_not_evicted_by_a_reaper_running_meanwhile():
     """The engine's chunk is in flight from admit to the end of run: an idle reaper running during a very
     slow solve (here 100 s per Euler step) does not take its state, and the sequence goes on."""
     from helpers import torch_encoder
-    from s3flow.engine.streaming import StreamingEngine, planned_calls
+    from s3flow.engine.streaming import StreamingEngine
     from s3flow.model.flow import TorchEstimator
     flow = small_flow()
     table, clock, log = _table(idle_timeout_s=5.0)
@@ -560,7 +561,7 @@ class _FailingEstimator:
 def test_a_failed_chunk_leaves_the_state_as_before_and_a_retry_continues_exactly(context):
     from helpers import torch_encoder
     from s3flow.model.flow import TorchEstimator
-    from s3flow.engine.streaming import StreamingEngine, planned_calls
+    from s3flow.engine.streaming import StreamingEngine
     flow = small_flow()
     u = demo_utterance(1.6, seed=8, noise_seed=2)
     u.n_timesteps = 3

@@ -2,7 +2,7 @@
 import numpy as np
 
 from s3flow_training.package import HeldoutUtterance
-from s3flow.engine.streaming import planned_calls
+from s3flow.engine.planning import planned_calls
 from s3flow_training.streaming_eval import long_utterances, seam_roughness
 from s3flow_client import chunk_schedule
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import tiny_corpus
-from s3flow.model.checkpoint import load_flow, random_flow
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import random_flow
 from s3flow.model.flow import FlowConfig, TorchEstimator
 from s3flow_training.data import Dataset, make_sentences
 from s3flow_training.evaluate import synthesize_one

@@ -271,7 +271,8 @@ def test_the_bls_adapters_send_contract_names_in_order_and_refuse_others(pb_util
 # ------------------------------------------------------------------------------------------ the stateless shims
 @pytest.fixture(scope="module")
 def small_flows(tmp_path_factory):
-    from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+    from s3flow.model.checkpoint import load_flow
+    from s3flow.model.random_checkpoint import write_random_checkpoint
     from s3flow.model.flow import FlowConfig
     root = tmp_path_factory.mktemp("flows")
     return {m: load_flow(write_random_checkpoint(root / f"{m}.safetensors", FlowConfig.small(meanflow=m), seed=3))

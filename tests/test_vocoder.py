@@ -24,15 +24,17 @@ import torch
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from s3flow.model.checkpoint import CheckpointMismatch, flow_state_dict, load_flow, random_flow, save_tensors
+from s3flow.model.checkpoint import flow_state_dict, load_flow
+from s3flow.model.checkpoint_io import CheckpointMismatch, save_tensors
+from s3flow.model.random_checkpoint import random_flow
 from s3flow.model.flow import FlowConfig
 from s3flow.engine.sequences import Capacity, SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.vocoder_stream import F0_LOOKAHEAD_FRAMES, StreamError, StreamSettings, VocoderStream
-from s3flow.model.vocoder import (HiFTGenerator, TorchVocoder, VocoderConfig, hann_window, load_vocoder,
-                                  random_vocoder, vocode, vocoder_state_dict, write_vocoder_checkpoint)
+from s3flow.model.vocoder import (HiFTGenerator, VocoderConfig, hann_window, load_vocoder, random_vocoder,
+                                  vocoder_state_dict, write_vocoder_checkpoint)
 from s3flow.model.vocoder_source import HOP_SAMPLES, Excitation, harmonic_source, offline_vocode, trim_fade
-from s3flow.runtime.vocoder import OnnxVocoder, check_vocoder_onnx, export_vocoder
+from s3flow.runtime.vocoder import OnnxVocoder, TorchVocoder, check_vocoder_onnx, export_vocoder, vocode
 
 SMALL = VocoderConfig.small()
 STREAM_TOL = 1e-6
@@ -469,7 +471,7 @@ SOLVER = SolverSettings.of(max_steps=20, max_utterance_frames=600, max_request_b
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from s3flow.model.checkpoint import write_random_checkpoint
+    from s3flow.model.random_checkpoint import write_random_checkpoint
     from s3flow.repository.generator import write_repository
     from s3flow.repository.settings import Batching, RepositorySettings
     from s3flow.server.triton_server import TritonServer

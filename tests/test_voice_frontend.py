@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.model.checkpoint import CheckpointMismatch, read_checkpoint, save_tensors, write_random_checkpoint
+from s3flow.model.checkpoint import read_checkpoint
+from s3flow.model.checkpoint_io import CheckpointMismatch, save_tensors
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.model.voice import VoiceConfig, VoiceFrontend, VoiceLimits, validate_wav
 from s3flow.model.voice.campplus import CAMPPlus, CAMPPlusConfig

@@ -7,7 +7,8 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from helpers import request_inputs
-from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.engine.settings import SolverSettings
 from s3flow.protocol import RequestError

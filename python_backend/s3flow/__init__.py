@@ -1,14 +1,119 @@
 """s3flow: Chatterbox S3Gen's flow-matching token-to-mel decoder, packaged for serving on Triton.
 
-Layers, lowest first; a module imports only from its own layer or lower ones (tests/test_layers.py):
+Layers, lowest first; a module imports only from its own layer or lower ones (``tests/test_layers.py``). Below
+them all sits the wire contract, a distribution of its own (``contract/``, numpy only): ``s3flow_contract.tensors``
+(every tensor's name, dtype and dims) and ``s3flow_contract.answers`` (what a client does with an error).
 
-- ``s3flow_contract.tensors``, ``s3flow.protocol``: every tensor's name, dtype and dims; request validation (numpy only)
-- ``s3flow.model``: the torch ports (estimator, encoder, flow, solver, chunks, vocoder, voice front-end,
-  checkpoint layout)
-- ``s3flow.runtime``: running the estimator and friends on a backend (ONNX export, ONNX Runtime, TensorRT)
-- ``s3flow.engine``: Triton-free streaming state (the chunk engine, the vocoder stream)
-- ``s3flow.serving``: everything Triton (repository generator, the python models, sessions, launcher, drain,
-  metrics, warm-up, voices)
+- ``protocol``: request rules and validation (numpy only)
+- ``model/``: the torch ports and their weights
 
-Training (``s3flow_training``, top-level ``training/``) sits outside the served package.
+  - ``estimator``: the CFM estimator, the causal ``ConditionalDecoder`` U-Net
+  - ``encoder``: the flow encoder: speech tokens + x-vector -> (mu, mask, spks)
+  - ``flow``: the whole flow in process (``S3Flow``, ``synthesize``)
+  - ``solver``: the Euler solver, guidance as one 2B call, noise per (seed, frame)
+  - ``chunks``: the one chunk pipeline (condition, lengths, mask, starting point)
+  - ``flops``: the estimator's floating-point operations, counted from its config
+  - ``vocoder``: HiFT (mel -> 24 kHz audio), its ``mel2wav.*`` checkpoint and seeded random weights
+  - ``vocoder_source``: the neural source between the vocoder's two networks (numpy)
+  - ``checkpoint``: the flow's checkpoint in the upstream layout (``flow.*``): read, load, write
+  - ``checkpoint_io``: any module's tensors in a checkpoint file: read by prefix, write, compare
+  - ``random_checkpoint``: seeded random weights, and whole random checkpoints (flow, voice, vocoder)
+  - ``voice/``: the reference-audio front-end (audio -> speaker prompt)
+
+    - ``frontend``: upstream's ``embed_ref`` on our modules, and input validation
+    - ``tokenizer``: S3TokenizerV2, 16 kHz speech -> speech tokens
+    - ``campplus``: CAM++, the 192-d speaker x-vector
+    - ``mel``: the 24 kHz prompt mel and the tokenizer's log-mel
+    - ``kaldi_fbank``: Kaldi fbank features (CAM++'s input)
+    - ``resample``: band-limited resampling
+    - ``weights``: its ``tokenizer.*`` / ``speaker_encoder.*`` checkpoint keys and seeded random weights
+
+- ``runtime/``: the networks on a backend
+
+  - ``onnx_export``: ONNX export of the estimator and the encoder, with ONNX Runtime parity checks
+  - ``ort``: ONNX Runtime (CPU) sessions, the one session builder, as solver / engine callables
+  - ``ort_rewrite``: the load-time CPU graph rewrite (Mish in exp form, fused attention)
+  - ``torch_runner``: the estimator or encoder in torch on a device
+  - ``devices``: which torch device a model instance runs on
+  - ``vocoder``: the vocoder on a backend (``TorchVocoder``, ``OnnxVocoder``, export, runner choice, ``vocode``)
+  - ``tensorrt/``: TensorRT engines built on the GPU that serves them
+
+    - ``profiles``: the optimisation profiles, sized from the served shapes
+    - ``fp16``: the fp16 copy of a graph, with fp32 islands
+    - ``build``: the toolchain, cache names, building and installing an engine
+    - ``engine``: running an engine over torch CUDA buffers; the estimator engine
+    - ``parity``: an engine against the fp32 reference
+
+- ``engine/``: Triton-free streaming state and the step mechanism
+
+  - ``streaming``: the chunk engine (``StreamingEngine``): prefix and bounded-context modes, commit after success
+  - ``sequences``: the one owner of a sequence's life: begin, serve, commit, roll back, end, evict
+  - ``settings``: the solver's settings (request rules, capacity, chunk solving)
+  - ``observer``: what the engine reports as it works
+  - ``stepping``: one Euler step over the rows of many chunks in one estimator call
+  - ``step_loop``: step-level serving's mechanism: chunks join, one step at a time, each answered once
+  - ``scheduler``: which rows go into the next step (the policy)
+  - ``playback``: each stream's playback clock
+  - ``capacity``: the costs measured online, each stream's demand, the server's capacity
+  - ``planning``: an utterance's estimator calls and chunk work, planned over the real engine
+  - ``snapshot``: sealed snapshots of a stream's state, what a resume starts from
+  - ``solver_snapshot``: the solver's section of a snapshot
+  - ``vocoder_snapshot``: the vocoder's section of a snapshot
+  - ``vocoder_stream``: the vocoder's per-utterance state between mel chunks (numpy)
+
+- ``serving/``: inside Triton
+
+  - ``triton_models/``: the python-backend models, one per file over a shared base
+
+    - ``base``: what every python model shares (config checks, one bad request never fails a batch)
+    - ``cfm_solver``: the streaming solver
+    - ``vocoder_model``: the vocoder, mel chunks in, final audio out
+    - ``voice_encoder_model``: reference audio in, voice id + prompt out
+    - ``admission_model``: the ensembles' first step, refusing STARTs before the sequence batcher
+    - ``onnx_model``: one ONNX file in ONNX Runtime (CPU hosts)
+    - ``torch_model``: the estimator or encoder in torch on CUDA
+    - ``metric_api``: the metric families through the python backend's metric API
+    - ``slots``: giving Triton back a dropped sequence's slot
+
+  - ``session``: the solver's session: a batch of requests in, one outcome each, the failure table
+  - ``local_stream``: one utterance streamed in process through the session (evaluation, benchmarks)
+  - ``step_service``: the decoupled solver's request side around the step loop
+  - ``vocoder_session``: the vocoder's session: one request in, one outcome out
+  - ``voice_registry``: speaker prompts stored once under a voice id
+  - ``voice_service``: what the ``voice_encoder`` model does with one request
+  - ``admission``: the checks a START passes before it gets a slot
+  - ``load``: each instance's demand, summed where admission reads it
+  - ``calibration``: the solver's capacity at load (planned work, timed calls)
+  - ``arrivals``: when requests arrived at the ensembles
+  - ``warmup``: what each model runs before its first real request
+  - ``metrics``: the Prometheus families and what they observe
+  - ``reaper``: the idle reaper thread of a stateful model
+  - ``draining``: the drain file the python models read
+  - ``responses``: the error response every python model sends
+  - ``config_params``: reading a served config's parameters, typed
+  - ``keys``: the fleet's keys, read from mounted files
+  - ``heap``: giving freed heap memory back after a large request
+
+- ``repository/`` (build time, beside ``server``): writing the model repository
+
+  - ``generator``: the repository for a target (cpu or gpu)
+  - ``configs``: every ``config.pbtxt`` as a ``ModelConfig`` from the contract
+  - ``model_config``: ``ModelConfig`` protobufs written and read
+  - ``settings``: what a repository is built for (target, solver settings, batching)
+  - ``warmup_samples``: Triton's ``model_warmup`` samples
+  - ``backends``: switching a gpu repository's stateless models between TensorRT and torch
+  - ``cli``: the command line of ``scripts/build_repository.py``
+
+- ``server/`` (around the server, a process of its own)
+
+  - ``triton_server``: start and stop a real ``tritonserver`` by PID
+  - ``install``: where tritonserver is, and a python backend that runs our venv
+  - ``processes``: processes and ports by number, never by name
+  - ``drain``: the graceful drain supervisor
+  - ``access``: restricted API categories behind a key, and gRPC TLS
+  - ``leftovers``: what a server leaves in ``/dev/shm``, removed
+  - ``metrics_reader``: a server's Prometheus metrics read back
+
+Training (``s3flow_training``, top-level ``training/``) and the measuring tools (``s3flow_tools``, ``tools/``) sit
+outside the served package; nothing in it imports them.
 """

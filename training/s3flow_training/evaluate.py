@@ -27,7 +27,8 @@ from s3flow.model.flow import S3Flow, TorchEstimator, synthesize
 from s3flow.engine.settings import SolverSettings
 from s3flow.model.solver import CountingEstimator
 from s3flow.engine.streaming import StreamingEngine
-from s3flow.serving.session import SolverSession, stream_in_process
+from s3flow.serving.local_stream import stream_in_process
+from s3flow.serving.session import SolverSession
 from s3flow_training.package import HeldoutUtterance
 
 

@@ -4,7 +4,7 @@ Units. A stream's *demand* is device seconds per second: the share of the device
 keep up with a real-time player (its work per second of audio, priced at the costs measured now). The sum over
 the live streams is the server's *utilization* (1.0: the device is busy all the time); the *capacity* is how many
 seconds of audio per second the device makes at full batches, for the default stream (the default chunk plan at
-the default steps and guidance, a prompt of the planned length; :func:`plan_work`).
+the default steps and guidance, a prompt of the planned length; ``s3flow.engine.planning.plan_work``).
 
 Costs. Every estimator call and every encoder call is timed (the engine reports it to its ``Observer``) and fitted
 online as ``seconds = fixed + per_unit * units`` (:class:`CostFit`: weighted least squares forgetting old calls;
@@ -303,22 +303,6 @@ def padding_factor(plan: Plan, batch: int) -> float:
 def _part(w: Work, f: float) -> Work:
     return Work(w.row_frames * f, round(w.steps * f), round(w.chunks * f), round(w.encoder_tokens * f),
                 round(w.frames * f))
-
-
-def plan_work(n_feats: int, meanflow: bool, steps: int, guided: bool, chunks: list[int], prompt_tokens: int,
-              context_frames: int, prompt_frames: int = -1, slide_prompt: int = 0) -> list[Work]:
-    """The work of each chunk of one utterance streamed in ``chunks`` (token counts), planned by the real engine
-    over stand-in networks (``s3flow.engine.streaming.planned_calls``): what a START is priced at before it sent
-    anything."""
-    from s3flow.engine.streaming import planned_calls   # the engine imports this module
-    calls = planned_calls(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow or not guided,
-                          prompt_frames, slide_prompt)
-    out = []
-    for k, tokens in enumerate(chunks):   # every chunk is ``steps`` estimator calls, one encoder call
-        mine = calls[k * steps:(k + 1) * steps]
-        out.append(Work(row_frames=float(sum(r * f for r, f in mine)), steps=len(mine), chunks=1,
-                        encoder_tokens=mine[0][1] // 2 if mine else 0, frames=2 * tokens))
-    return out
 
 
 def default_plan(expected_s: float) -> list[int]:

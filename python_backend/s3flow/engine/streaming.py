@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -62,7 +62,7 @@ from s3flow.engine.solver_snapshot import SolverSnapshots
 from s3flow.engine.stepping import RowSolve, StepBatch
 from s3flow.model.chunks import NoisedMels, condition, solve_frames, starting_point
 from s3flow.model.solver import FrameNoise, cfm_grid, default_steps
-from s3flow.protocol import ChunkRequest, RequestError, RequestRules, parse_request
+from s3flow.protocol import ChunkRequest, RequestError
 
 EncodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 
@@ -397,35 +397,3 @@ class StreamingEngine:
                                                  encoder_tokens=int(c.encoder_tokens.size), frames=int(mel.shape[1])))
         self.observer.chunk_answered(c.corr_id, c.started, c.nfe, int(mel.shape[1]))
         return result
-
-
-def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
-                  meanflow: bool = False, prompt_frames: int = -1, slide_prompt: int = 0) -> list[tuple[int, int]]:
-    """The (batch rows, frames) of every estimator call of one utterance streamed in ``chunks`` (guided unless
-    ``meanflow``), planned by the real ``StreamingEngine`` over stand-in models (zeros): the cost of any model
-    size without running it. ``prompt_frames`` and ``slide_prompt`` are the ``ChunkSolving`` fields."""
-    calls: list[tuple[int, int]] = []
-
-    def encode(tokens, token_len, embedding):
-        t = 2 * tokens.shape[1]
-        return torch.zeros(tokens.shape[0], n_feats, t), None, torch.zeros(tokens.shape[0], n_feats)
-
-    def estimate(inputs):
-        calls.append((inputs.x.shape[0], inputs.x.shape[2]))
-        return torch.zeros_like(inputs.x)
-
-    rules = RequestRules(max_chunk_tokens=max(chunks))
-    solving = ChunkSolving(context_frames=context_frames, prompt_frames=prompt_frames, slide_prompt=slide_prompt,
-                           max_utterance_frames=max(3000, 2 * sum(chunks)))
-    engine = StreamingEngine(encode, estimate, n_feats=n_feats, meanflow=meanflow, solving=solving)
-    rng = np.random.default_rng(0)
-    for k, size in enumerate(chunks):
-        inputs = {"speech_tokens": rng.integers(0, 6561, (1, size), dtype=np.int64)}
-        if k == 0:
-            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, prompt_tokens), dtype=np.int64),
-                          prompt_mel=np.zeros((1, 2 * prompt_tokens, n_feats), np.float32),
-                          speaker_embedding=np.ones((1, 192), np.float32), n_timesteps=np.array([[steps]], np.int32),
-                          guidance_rate=np.array([[0.7]], np.float32))
-        req = parse_request(inputs, start=k == 0, end=k == len(chunks) - 1, rules=rules, n_feats=n_feats)
-        engine.run([engine.admit(1, req)])
-    return calls

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
-
 from s3flow.engine.snapshot import (SnapshotError, SnapshotKey, array_field, check_fields, int_field, pack,
                                     section_bytes, unpack)
 from s3flow.engine.vocoder_stream import VocoderState, VocoderStream

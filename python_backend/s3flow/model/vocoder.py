@@ -19,19 +19,18 @@ TorchScript ONNX exporter has no ``istft``), checked against ``torch.stft`` / ``
 
 For serving the vocoder is two stateless networks: ``f0`` (mel -> F0) and ``decoder`` (mel, harmonics ->
 audio); the excitation between them, which carries the phase from chunk to chunk, is numpy
-(``s3flow.model.vocoder_source``; streamed by ``s3flow.engine.vocoder_stream``). ``TorchVocoder`` runs them as
-this module in torch (CPU or CUDA); their ONNX export, ONNX Runtime sessions and the served backend's choice
-are runtime work (``s3flow.runtime.vocoder``).
+(``s3flow.model.vocoder_source``; streamed by ``s3flow.engine.vocoder_stream``). Running them is runtime work
+(``s3flow.runtime.vocoder``): in torch on a device (``TorchVocoder``), their ONNX export and ONNX Runtime sessions,
+the served backend's choice, and offline vocoding (``vocode``).
 
 Example::
 
-    from s3flow.model.vocoder import VocoderConfig, random_vocoder, vocode
+    from s3flow.model.vocoder import VocoderConfig, random_vocoder
     hift = random_vocoder(VocoderConfig.small(), seed=0)
-    audio = vocode(hift, mel, seed=0)   # mel (80, T) -> (480 T,) float32, faded in like upstream
+    audio, f0 = hift.inference(mel, seed=0)   # mel (1, 80, T) -> audio (1, 480 T), f0 (1, T); no fade-in
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -46,8 +45,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
-from s3flow.model.vocoder_source import (Excitation, SourceParams, apply_trim_fade, harmonic_source,
-                                         offline_vocode, trim_fade)
+from s3flow.model.checkpoint_io import CheckpointMismatch, describe_mismatch, read_tensors, save_tensors
+from s3flow.model.vocoder_source import Excitation, SourceParams, harmonic_source
 
 #: Checkpoint prefix of the vocoder in an S3Gen checkpoint.
 VOCODER_PREFIX = "mel2wav."
@@ -312,7 +311,8 @@ class HiFTGenerator(nn.Module):
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Upstream ``HiFTGenerator.inference`` with a seeded source: mel (1, C, T) -> audio (1, 480 T), f0.
 
-        F0 in float64 (``F0Float64``); no fade-in (``vocode`` adds upstream's).
+        Weight norms folded, F0 in float64 (``F0Float64``), the source as the stream makes it
+        (``harmonic_source``); no fade-in (``s3flow.runtime.vocoder.vocode`` adds upstream's).
 
         ``noise_free``: the source without randomness (the overtones' initial phases and all noise 0), computed
         as upstream computes it on CPU (``upstream_harmonics``, F0 from the float32 predictor with its weight
@@ -326,12 +326,13 @@ class HiFTGenerator(nn.Module):
                 m = mel.detach().cpu().float()
                 f0 = self.f0_predictor(m)
                 return self(m, upstream_harmonics(f0, self.source_params)), f0
-        runner = TorchVocoder(self)
-        m = mel[0].detach().cpu().float().numpy()
-        f0 = runner.f0(m[None])[0]
-        harmonics, _ = harmonic_source(f0, 0, np.zeros(self.config.nb_harmonics + 1),
-                                       Excitation(seed, self.source_params))
-        return torch.from_numpy(runner.decode(m[None], harmonics[None])), torch.from_numpy(f0)[None]
+        folded = self.folded()
+        with torch.inference_mode():
+            m = mel.detach().cpu().float()
+            f0 = F0Float64(folded.f0_predictor)(m)
+            harmonics, _ = harmonic_source(f0[0].numpy(), 0, np.zeros(self.config.nb_harmonics + 1),
+                                           Excitation(seed, self.source_params))
+            return folded(m, torch.from_numpy(harmonics[None])), f0
 
     def folded(self) -> "HiFTGenerator":
         """A copy with every weight norm folded into a plain weight ``g v / ||v||`` (computed in float64, so
@@ -380,65 +381,6 @@ def upstream_harmonics(f0: torch.Tensor, params: SourceParams, initial_phase: Op
     if noise is not None:
         out = out + (uv * params.nsf_sigma + (1 - uv) * params.nsf_alpha / 3) * noise.float()
     return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# In-process callables
-
-
-class TorchVocoder:
-    """The two callables ``VocoderStream`` runs, over a torch HiFTGenerator (numpy in, numpy out).
-
-    ``device`` ``cpu`` or ``cuda[:N]``: weights folded and moved there, fp32 (F0 in float64, see
-    ``F0Float64``). On CUDA, TF32 is off during the calls (cuDNN enables it for convolutions by default, which
-    would round the decoder to 10 mantissa bits), so the GPU runs the same arithmetic as the CPU and as
-    ONNX Runtime, up to summation order.
-    """
-
-    def __init__(self, hift: HiFTGenerator, device: Union[str, torch.device] = "cpu"):
-        self.device = torch.device(device)
-        folded = hift.folded()
-        self.f0_float64 = F0Float64(folded.f0_predictor).eval().to(self.device)
-        self.hift = folded.to(self.device)
-
-    @contextlib.contextmanager
-    def _fp32(self):
-        if self.device.type != "cuda":
-            yield
-            return
-        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        try:
-            yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-    def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(self.device)
-
-    def f0(self, mel: np.ndarray) -> np.ndarray:
-        """mel (B, C, T) float32 -> (B, T) float64 Hz."""
-        with torch.inference_mode(), self._fp32():
-            return self.f0_float64(self._tensor(mel)).cpu().numpy()
-
-    def decode(self, mel: np.ndarray, harmonics: np.ndarray) -> np.ndarray:
-        """mel (B, C, T), harmonics (B, H + 1, 480 T) float32 -> audio (B, 480 T) float32."""
-        with torch.inference_mode(), self._fp32():
-            return self.hift(self._tensor(mel), self._tensor(harmonics)).cpu().numpy()
-
-
-# ---------------------------------------------------------------------------------------------------
-# Offline vocoding
-
-
-def vocode(hift: HiFTGenerator, mel, seed: int = 0, fade: bool = True) -> np.ndarray:
-    """Offline vocoding of one utterance as upstream S3Token2Wav does it (with the start's fade-in).
-
-    mel: (n_feats, T) numpy or torch -> (480 T,) float32.
-    """
-    mel = mel.detach().cpu().numpy() if isinstance(mel, torch.Tensor) else np.asarray(mel)
-    runner = TorchVocoder(hift)
-    return offline_vocode(runner.f0, runner.decode, mel, hift.source_params, seed=seed, fade=fade)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -520,8 +462,6 @@ def _upstream_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def load_vocoder_state(hift: HiFTGenerator, state: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
     """Strict load of ``mel2wav.*`` tensors; raise CheckpointMismatch listing the differences."""
-    from s3flow.model.checkpoint import CheckpointMismatch, describe_mismatch
-
     state = _upstream_names(state)
     expected = vocoder_state_dict(hift)
     message = describe_mismatch(expected, state)
@@ -535,8 +475,6 @@ def load_vocoder(path: Union[str, Path], config: Optional[VocoderConfig] = None)
 
     The config comes from the argument, the file's metadata, or the full-size upstream config.
     """
-    from s3flow.model.checkpoint import read_tensors
-
     state, meta = read_tensors(path, VOCODER_PREFIX)
     recorded = meta.get(VOCODER_CONFIG_KEY)
     config = config or (VocoderConfig.from_dict(json.loads(recorded)) if recorded else VocoderConfig.full())
@@ -547,8 +485,6 @@ def load_vocoder(path: Union[str, Path], config: Optional[VocoderConfig] = None)
 
 def write_vocoder_checkpoint(hift: HiFTGenerator, path: Union[str, Path]) -> Path:
     """Save ``mel2wav.*`` (``.safetensors`` with our config in its metadata, or ``.pt``)."""
-    from s3flow.model.checkpoint import save_tensors
-
     state = {k: v.detach().contiguous().clone() for k, v in vocoder_state_dict(hift).items()}
     return save_tensors(state, path, {VOCODER_CONFIG_KEY: json.dumps(hift.config.to_dict())})
 
@@ -557,6 +493,5 @@ def write_random_vocoder_checkpoint(path: Union[str, Path], config: VocoderConfi
     return write_vocoder_checkpoint(random_vocoder(config, seed), path)
 
 
-__all__ = ["VocoderConfig", "HiFTGenerator", "F0Float64", "TorchVocoder", "vocode", "random_vocoder", "load_vocoder",
-           "write_vocoder_checkpoint", "write_random_vocoder_checkpoint", "upstream_harmonics", "trim_fade",
-           "apply_trim_fade", "VOCODER_PREFIX"]
+__all__ = ["VocoderConfig", "HiFTGenerator", "F0Float64", "random_vocoder", "load_vocoder",
+           "write_vocoder_checkpoint", "write_random_vocoder_checkpoint", "upstream_harmonics", "VOCODER_PREFIX"]

@@ -32,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.engine.settings import SolverSettings
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
                                   admission=args.admission)
     voice_ckpt = None
     if args.voice:
-        from s3flow.model.checkpoint import read_tensors
+        from s3flow.model.checkpoint_io import read_tensors
         from s3flow.model.voice.weights import SPEAKER_PREFIX, TOKENIZER_PREFIX
         voice_ckpt = args.voice_checkpoint or ckpt
         try:
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
             voice_ckpt = None
     hift, voc_ckpt, voc_settings = None, None, None
     if args.vocoder:
-        from s3flow.model.checkpoint import read_tensors
+        from s3flow.model.checkpoint_io import read_tensors
         from s3flow.model.vocoder import VOCODER_PREFIX, VocoderConfig, load_vocoder, write_random_vocoder_checkpoint
         voc_ckpt = args.vocoder_checkpoint
         if voc_ckpt is None and args.checkpoint is not None:

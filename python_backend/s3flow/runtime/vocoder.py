@@ -1,4 +1,5 @@
-"""The vocoder on a backend: its two ONNX graphs (export, ONNX Runtime) and the served runner's choice.
+"""The vocoder on a backend: torch on a device, its two ONNX graphs (export, ONNX Runtime), the served runner's
+choice, and offline vocoding.
 
 The HiFT port (``s3flow.model.vocoder.HiFTGenerator``) runs as two stateless networks with the numpy
 excitation between them (``s3flow.model.vocoder_source``): ``f0`` (mel -> F0 in float64) and ``decode``
@@ -7,10 +8,11 @@ excitation between them (``s3flow.model.vocoder_source``): ``f0`` (mel -> F0 in 
 * as the graphs ``f0.onnx`` and ``decoder.onnx`` in ONNX Runtime on the CPU (:class:`OnnxVocoder`,
   ``vocoder_backend onnx``), exported by :func:`export_vocoder` with the contract's tensor names
   (``s3flow_contract.tensors.HIFT_F0`` / ``HIFT_DECODER``), or
-* as the torch module (``s3flow.model.vocoder.TorchVocoder``, CPU or CUDA, weights in
-  :data:`VOCODER_WEIGHTS_FILE`; ``vocoder_backend torch``).
+* as the torch module (:class:`TorchVocoder`, CPU or CUDA, weights in :data:`VOCODER_WEIGHTS_FILE`;
+  ``vocoder_backend torch``).
 
-:func:`open_vocoder_runner` opens either from a model version folder and :class:`VocoderRunnerSettings`.
+:func:`open_vocoder_runner` opens either from a model version folder and :class:`VocoderRunnerSettings`;
+:func:`vocode` vocodes a whole utterance offline over :class:`TorchVocoder` on the CPU, as upstream does.
 
 Example::
 
@@ -22,7 +24,7 @@ Example::
 """
 from __future__ import annotations
 
-import os
+import contextlib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,8 @@ import numpy as np
 import torch
 
 from s3flow_contract import tensors as contract
-from s3flow.model.vocoder import F0Float64, HiFTGenerator, TorchVocoder, load_vocoder
+from s3flow.model.vocoder import F0Float64, HiFTGenerator, load_vocoder
+from s3flow.model.vocoder_source import offline_vocode
 from s3flow.runtime.devices import instance_device
 from s3flow.runtime.onnx_export import dynamic_axes
 
@@ -46,34 +49,84 @@ VOCODER_WEIGHTS_FILE = "hift.safetensors"
 GRAPH_FILES = ("f0.onnx", "decoder.onnx")
 
 
-class OnnxVocoder:
-    """The two callables, over ONNX Runtime (CPU) sessions of ``f0.onnx`` and ``decoder.onnx`` in a folder."""
+class TorchVocoder:
+    """The two callables ``VocoderStream`` runs, over a torch HiFTGenerator (numpy in, numpy out).
 
-    def __init__(self, directory, threads: int = 0):
-        import onnxruntime as ort
+    ``device`` ``cpu`` or ``cuda[:N]``: weights folded and moved there, fp32 (F0 in float64, see
+    ``F0Float64``). On CUDA, TF32 is off during the calls (cuDNN enables it for convolutions by default, which
+    would round the decoder to 10 mantissa bits), so the GPU runs the same arithmetic as the CPU and as
+    ONNX Runtime, up to summation order.
+    """
 
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        sessions = []
-        for name in GRAPH_FILES:
-            path = os.path.join(str(directory), name)
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"vocoder graph not found: {path}")
-            sessions.append(ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"]))
-        self.f0_session, self.decoder_session = sessions
+    def __init__(self, hift: HiFTGenerator, device: Union[str, torch.device] = "cpu"):
+        self.device = torch.device(device)
+        folded = hift.folded()
+        self.f0_float64 = F0Float64(folded.f0_predictor).eval().to(self.device)
+        self.hift = folded.to(self.device)
+
+    @contextlib.contextmanager
+    def _fp32(self):
+        if self.device.type != "cuda":
+            yield
+            return
+        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(self.device)
 
     def f0(self, mel: np.ndarray) -> np.ndarray:
         """mel (B, C, T) float32 -> (B, T) float64 Hz."""
-        [mel_name] = F0_INPUTS
-        return self.f0_session.run(F0_OUTPUTS, {mel_name: np.ascontiguousarray(mel, np.float32)})[0]
+        with torch.inference_mode(), self._fp32():
+            return self.f0_float64(self._tensor(mel)).cpu().numpy()
 
     def decode(self, mel: np.ndarray, harmonics: np.ndarray) -> np.ndarray:
         """mel (B, C, T), harmonics (B, H + 1, 480 T) float32 -> audio (B, 480 T) float32."""
-        feeds = {name: np.ascontiguousarray(a, np.float32) for name, a in zip(DECODER_INPUTS, (mel, harmonics))}
-        return self.decoder_session.run(DECODER_OUTPUTS, feeds)[0]
+        with torch.inference_mode(), self._fp32():
+            return self.hift(self._tensor(mel), self._tensor(harmonics)).cpu().numpy()
+
+
+def vocode(hift: HiFTGenerator, mel, seed: int = 0, fade: bool = True) -> np.ndarray:
+    """Offline vocoding of one utterance as upstream S3Token2Wav does it (with the start's fade-in).
+
+    mel: (n_feats, T) numpy or torch -> (480 T,) float32.
+    """
+    mel = mel.detach().cpu().numpy() if isinstance(mel, torch.Tensor) else np.asarray(mel)
+    runner = TorchVocoder(hift)
+    return offline_vocode(runner.f0, runner.decode, mel, hift.source_params, seed=seed, fade=fade)
+
+
+class OnnxVocoder:
+    """The two callables, over ONNX Runtime (CPU) sessions of ``f0.onnx`` and ``decoder.onnx`` in a folder.
+
+    The sessions are the estimator's (``s3flow.runtime.ort.OrtModel``: one place for the session settings, the
+    memory pattern off among them), without its graph rewrite (Mish and attention: the vocoder has neither).
+    ``threads``: intra-op threads, 0 = ONNX Runtime's default.
+    """
+
+    def __init__(self, directory, threads: int = 0):
+        from s3flow.runtime.ort import OrtModel, OrtSettings   # here: the torch backend never loads onnxruntime
+
+        settings = OrtSettings(threads=threads, rewrite=False)
+        models = []
+        for name in GRAPH_FILES:
+            path = Path(directory) / name
+            if not path.is_file():
+                raise FileNotFoundError(f"vocoder graph not found: {path}")
+            models.append(OrtModel(path, settings))
+        self.f0_model, self.decoder_model = models
+
+    def f0(self, mel: np.ndarray) -> np.ndarray:
+        """mel (B, C, T) float32 -> (B, T) float64 Hz."""
+        return self.f0_model.run(dict(zip(F0_INPUTS, (mel,))), outputs=F0_OUTPUTS)[0]
+
+    def decode(self, mel: np.ndarray, harmonics: np.ndarray) -> np.ndarray:
+        """mel (B, C, T), harmonics (B, H + 1, 480 T) float32 -> audio (B, 480 T) float32."""
+        return self.decoder_model.run(dict(zip(DECODER_INPUTS, (mel, harmonics))), outputs=DECODER_OUTPUTS)[0]
 
 
 def export_vocoder(hift: HiFTGenerator, out_dir: Union[str, Path], opset: int = 17) -> tuple[Path, Path]:

@@ -32,7 +32,8 @@ import time
 from typing import Callable
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND
-from s3flow.engine.capacity import CapacityModel, Plan, default_plan, plan_work
+from s3flow.engine.capacity import CapacityModel, Plan, default_plan
+from s3flow.engine.planning import plan_work
 from s3flow.engine.settings import SolverSettings
 from s3flow.model.solver import default_steps
 from s3flow.serving.warmup import calibrate_solver

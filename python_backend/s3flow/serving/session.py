@@ -45,13 +45,12 @@ Example::
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from s3flow_contract.tensors import PROMPT, request_arrays
+from s3flow_contract.tensors import PROMPT
 from s3flow_contract.answers import Answer, Disposition
 from s3flow.protocol import ChunkRequest, RequestError, RequestRules, ServerBusy, UnknownSequence, parse_request
 from s3flow_contract.tensors import VOICE_ID
@@ -306,41 +305,3 @@ class SolverSession:
                 self._drop(c.corr_id, "cancelled")
             out[i] = Outcome(result=result)
         return out
-
-
-@dataclass
-class LocalStream:
-    """One utterance streamed in process: each chunk's result and its latency (seconds in ``handle``)."""
-    results: list
-    latencies_s: list
-
-    @property
-    def mel(self) -> np.ndarray:
-        """(n_feats, frames): the chunks' mel end to end."""
-        return np.concatenate([r.mel for r in self.results], axis=1)
-
-    @property
-    def seams(self) -> list[int]:
-        """Frame offsets where chunks 2, 3, ... began (those that brought frames)."""
-        return [r.frame_offset for r in self.results[1:] if r.mel.shape[1]]
-
-
-def stream_in_process(session: SolverSession, speech_tokens: np.ndarray, chunks, *, corr_id=1, end: bool = True,
-                      **start) -> LocalStream:
-    """Stream one utterance chunk by chunk through ``session`` as a client would (the one in-process driver of
-    warm-up, evaluation, benchmarks and the GPU check): the START carries ``start`` (the keywords of
-    ``s3flow_contract.tensors.request_arrays``: prompt_tokens, prompt_mel frames-major, speaker_embedding, seed,
-    n_timesteps, guidance_rate, voice_id); the last chunk is the END unless ``end`` is False (the sequence then
-    stays live: ``session.cancel`` ends it). Raises RuntimeError naming the chunk on an error answer."""
-    results, latencies, lo = [], [], 0
-    for k, size in enumerate(chunks):
-        inputs = request_arrays(speech_tokens[lo:lo + size], start=k == 0, **(start if k == 0 else {}))
-        last = end and k == len(chunks) - 1
-        t0 = time.perf_counter()
-        [outcome] = session.handle([Incoming(corr_id=corr_id, start=k == 0, end=last, inputs=inputs)])
-        latencies.append(time.perf_counter() - t0)
-        if outcome.error is not None:
-            raise RuntimeError(f"chunk {k} ({size} tokens) was refused: {outcome.error}")
-        results.append(outcome.result)
-        lo += size
-    return LocalStream(results, latencies)

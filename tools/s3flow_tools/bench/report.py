@@ -265,7 +265,7 @@ def write_report(report: Report, path: Path) -> str:
     if report.micro:
         text += ["## The estimator alone", "",
                  f"One forward at B = 2 (one guided utterance), interleaved, best of {max(s['repeats'], 2) + 1} "
-                 "(T = 64: three times as many). The CPU rewrite (`s3flow.runtime.ort.rewrite_for_cpu`, applied when "
+                 "(T = 64: three times as many). The CPU rewrite (`s3flow.runtime.ort_rewrite.rewrite_for_cpu`, applied when "
                  "the session is made) computes Mish in exp form and attention as one MultiHeadAttention node.", "",
                  markdown(["T", "GFLOP"] + [f"{v} s (GFLOP/s, of GEMM)" for v in MICRO_PATHS.values()]
                           + ["rewrite speed-up"],

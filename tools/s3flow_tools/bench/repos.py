@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from s3flow.model.checkpoint import load_flow, write_random_checkpoint
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.engine.settings import SolverSettings
 from s3flow.repository.generator import write_repository

@@ -35,13 +35,13 @@ QUICK = Plan("small", 6, 12, (32,), (1, 2), 0, 1, 2, 128, steps=3)
 def random_flow(config: FlowConfig, seed: int) -> S3Flow:
     """Seeded random weights in memory (the project's own when importable: it needs safetensors)."""
     try:
-        from s3flow.model.checkpoint import random_flow as project_random_flow
+        from s3flow.model.random_checkpoint import random_flow as project_random_flow
         return project_random_flow(config, seed)
     except ImportError:
         torch.manual_seed(seed)
         flow = S3Flow(config)
         gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():  # biases and norms off their fixed initial values, as checkpoint.perturb_parameters
+        with torch.no_grad():  # biases, norms off their fixed initial values, as random_checkpoint.perturb_parameters
             for name, p in flow.named_parameters():
                 if name.endswith("bias") or "norm" in name or "time_embed_mixer" in name:
                     p.add_(0.1 * torch.randn(p.shape, generator=gen))

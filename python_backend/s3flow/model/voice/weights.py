@@ -20,6 +20,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from s3flow.model.checkpoint_io import CheckpointMismatch, describe_mismatch, read_tensors
 from s3flow.model.voice.campplus import CAMPPlus, CAMPPlusConfig
 from s3flow.model.voice.tokenizer import S3TokenizerV2, TokenizerConfig
 
@@ -160,8 +161,6 @@ def random_voice_state(config: VoiceConfig, seed: int = 0) -> dict[str, torch.Te
 
 def read_voice_tensors(path: Union[str, Path]) -> tuple[dict[str, torch.Tensor], Optional[VoiceConfig]]:
     """The ``tokenizer.*`` and ``speaker_encoder.*`` tensors of a checkpoint and its recorded VoiceConfig."""
-    from s3flow.model.checkpoint import CheckpointMismatch, read_tensors
-
     state, meta = read_tensors(path, TOKENIZER_PREFIX)
     try:
         speaker, _ = read_tensors(path, SPEAKER_PREFIX)
@@ -176,8 +175,6 @@ def read_voice_tensors(path: Union[str, Path]) -> tuple[dict[str, torch.Tensor],
 def load_voice_state(tokenizer: S3TokenizerV2, speaker: CAMPPlus, state: dict[str, torch.Tensor],
                      source: str = "checkpoint") -> None:
     """Strict load (the unstored tokenizer buffers aside); raise CheckpointMismatch listing differences."""
-    from s3flow.model.checkpoint import CheckpointMismatch, describe_mismatch
-
     state = {k: v for k, v in state.items() if k not in UNSTORED_TOKENIZER_KEYS}
     message = describe_mismatch(voice_state_dict(tokenizer, speaker), state)
     if message:

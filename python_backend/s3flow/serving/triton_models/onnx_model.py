@@ -6,7 +6,7 @@ from its graph, and the config must declare that model's contract tensors. The f
 ``<version>/model.onnx``. Config parameters: ``intra_op_threads`` (default 0: the cores this process may use
 divided among the model's instances, ``s3flow.runtime.ort.auto_threads``), ``allow_spinning``
 (default true), ``graph_optimization`` (all | extended | basic | disable; default all), ``graph_rewrite``
-(default true: ``s3flow.runtime.ort.rewrite_for_cpu`` at load, the file is not changed), ``fuse_attention``
+(default true: ``s3flow.runtime.ort_rewrite.rewrite_for_cpu`` at load, the file is not changed), ``fuse_attention``
 (auto | true | false; auto: only in 1-thread sessions, see ``OrtSettings``), ``arena_shrinkage`` (default
 true: after each run ONNX Runtime's CPU arena gives back what that run needed beyond its resting size, so one
 long utterance does not leave the process gigabytes larger for good; measured cost 0-2 % per run on the small

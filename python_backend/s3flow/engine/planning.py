@@ -1,0 +1,71 @@
+"""An utterance planned before it runs: its estimator calls and each chunk's work, from the real engine.
+
+:func:`planned_calls` streams one utterance through a ``StreamingEngine`` over stand-in networks (zeros) and
+records the (batch rows, frames) of every estimator call: the cost of any model size without running it (the
+benchmarks' and measurements' FLOP counts). :func:`plan_work` groups those calls into each chunk's ``Work``
+(``s3flow.engine.capacity``): what the capacity model prices a START at before it sent anything
+(``s3flow.serving.calibration``).
+
+Example::
+
+    calls = planned_calls(80, prompt_tokens=50, chunks=[10, 20, 40], context_frames=100, steps=10)
+    work = plan_work(80, meanflow=False, steps=10, guided=True, chunks=[10, 20, 40], prompt_tokens=50,
+                     context_frames=100)
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from s3flow.engine.capacity import Work
+from s3flow.engine.settings import ChunkSolving
+from s3flow.engine.streaming import StreamingEngine
+from s3flow.protocol import RequestRules, parse_request
+
+
+def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
+                  meanflow: bool = False, prompt_frames: int = -1, slide_prompt: int = 0) -> list[tuple[int, int]]:
+    """The (batch rows, frames) of every estimator call of one utterance streamed in ``chunks`` (guided unless
+    ``meanflow``), planned by the real ``StreamingEngine`` over stand-in models (zeros): the cost of any model
+    size without running it. ``prompt_frames`` and ``slide_prompt`` are the ``ChunkSolving`` fields."""
+    calls: list[tuple[int, int]] = []
+
+    def encode(tokens, token_len, embedding):
+        t = 2 * tokens.shape[1]
+        return torch.zeros(tokens.shape[0], n_feats, t), None, torch.zeros(tokens.shape[0], n_feats)
+
+    def estimate(inputs):
+        calls.append((inputs.x.shape[0], inputs.x.shape[2]))
+        return torch.zeros_like(inputs.x)
+
+    rules = RequestRules(max_chunk_tokens=max(chunks))
+    solving = ChunkSolving(context_frames=context_frames, prompt_frames=prompt_frames, slide_prompt=slide_prompt,
+                           max_utterance_frames=max(3000, 2 * sum(chunks)))
+    engine = StreamingEngine(encode, estimate, n_feats=n_feats, meanflow=meanflow, solving=solving)
+    rng = np.random.default_rng(0)
+    for k, size in enumerate(chunks):
+        inputs = {"speech_tokens": rng.integers(0, 6561, (1, size), dtype=np.int64)}
+        if k == 0:
+            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, prompt_tokens), dtype=np.int64),
+                          prompt_mel=np.zeros((1, 2 * prompt_tokens, n_feats), np.float32),
+                          speaker_embedding=np.ones((1, 192), np.float32), n_timesteps=np.array([[steps]], np.int32),
+                          guidance_rate=np.array([[0.7]], np.float32))
+        req = parse_request(inputs, start=k == 0, end=k == len(chunks) - 1, rules=rules, n_feats=n_feats)
+        engine.run([engine.admit(1, req)])
+    return calls
+
+
+def plan_work(n_feats: int, meanflow: bool, steps: int, guided: bool, chunks: list[int], prompt_tokens: int,
+              context_frames: int, prompt_frames: int = -1, slide_prompt: int = 0) -> list[Work]:
+    """The work of each chunk of one utterance streamed in ``chunks`` (token counts), planned by the real engine
+    over stand-in networks (:func:`planned_calls`): what a START is priced at before it sent anything."""
+    calls = planned_calls(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow or not guided,
+                          prompt_frames, slide_prompt)
+    out = []
+    for k, tokens in enumerate(chunks):   # every chunk is ``steps`` estimator calls, one encoder call
+        mine = calls[k * steps:(k + 1) * steps]
+        out.append(Work(row_frames=float(sum(r * f for r, f in mine)), steps=len(mine), chunks=1,
+                        encoder_tokens=mine[0][1] // 2 if mine else 0, frames=2 * tokens))
+    return out
