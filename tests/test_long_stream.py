@@ -1,7 +1,8 @@
 """Streams of any length against a real tritonserver: a 3-minute utterance (9,000 frames, three times the old
 60 s cap) through token2wav in bounded-context mode, offsets exact, 2 frames per token, 480 samples per frame,
 the audio continuous at every seam (each response's samples start where the last ones ended). The 10-minute
-run with its latency, memory and resume figures is scripts/measure_long_stream.py (results/long_stream.md)."""
+run with its latency, memory and resume figures is ``python -m s3flow_tools.measure.long_stream``
+(results/long_stream.md)."""
 from __future__ import annotations
 
 import numpy as np

@@ -105,7 +105,7 @@ def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings) -> list[tup
 def write_flow_configs(repository: Union[str, Path], n_feats: int, meanflow: bool,
                        s: RepositorySettings) -> list[Path]:
     """Write again the five flow models' configs (and small files) of an existing repository for settings
-    ``s``, keeping the weights (scripts/sweep_batching.py: one repository, a config per sweep point). The
+    ``s``, keeping the weights (``s3flow_tools.measure.batching``: one repository, a config per sweep point). The
     solver takes registered voices if the repository has a voice encoder."""
     voices = (Path(repository) / VOICE_MODELS[0]).is_dir()
     s = dataclasses.replace(s, voices=dataclasses.replace(s.voices, enabled=voices))

@@ -9,7 +9,7 @@ clients stream inference and ask health; nothing else is theirs:
 * HTTP: only health stays open (the router's and the kubelet's probes); every other category needs the key.
 
 Our own tools that use a restricted category (``scripts/server.py status``: model-repository;
-``s3flow_tools.bench.served``: statistics; ``scripts/sweep_batching.py``: model-config) send the key from
+``s3flow_tools.bench.served``: statistics; ``s3flow_tools.measure.batching``: model-config) send the key from
 ``S3FLOW_ADMIN_KEY`` (``admin_headers``). The container's entrypoint takes the key from the file
 ``S3FLOW_ADMIN_KEY_FILE`` names (``python -m s3flow.server.access flags FILE``). docs/security.md has the
 trust model.

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Streams of any length, measured: one long utterance through token2wav of a real tritonserver, bounded context.
 
 Examples::
 
-    .venv/bin/python scripts/measure_long_stream.py                    # 10 minutes -> results/long_stream.md
-    .venv/bin/python scripts/measure_long_stream.py --minutes 2 --out /tmp/long.md
+    .venv/bin/python -m s3flow_tools.measure.long_stream                    # 10 minutes -> results/long_stream.md
+    .venv/bin/python -m s3flow_tools.measure.long_stream --minutes 2 --out /tmp/long.md
 
 The small config on seeded random weights (the cost and the state do not depend on the weights), a 1 s prompt,
 chunks of 10, 40, then 100 tokens, one Euler step per chunk (``--steps``) so ten minutes of audio stream in a
@@ -37,12 +36,13 @@ from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
 from s3flow_tools.bench.report import log, machine, markdown
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 LATENCY_BOUND, MEMORY_BOUND = 1.25, 0.10
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.long_stream", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=10.0, help="utterance length (default: %(default)s)")
     p.add_argument("--steps", type=int, default=1, help="Euler steps per chunk (default: %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "long_stream.md", help="(default: %(default)s)")
@@ -83,7 +83,8 @@ def main(argv=None) -> int:
     ok = exact and ratio <= LATENCY_BOUND and growth <= MEMORY_BOUND
     info = machine()
     lines = [f"# A {args.minutes:g}-minute stream through token2wav (bounded context)", "",
-             f"Written by `scripts/measure_long_stream.py` ({time.strftime('%Y-%m-%d')}): the small config on seeded "
+             f"Written by `python -m s3flow_tools.measure.long_stream` ({time.strftime('%Y-%m-%d')}): the small "
+             f"config on seeded "
              f"random weights with a small HiFT, {args.steps} Euler step(s) per chunk, one utterance of {n} tokens "
              f"({2 * n} frames, {n / TOKENS_PER_SECOND / 60:.1f} min of audio) in {len(u.chunks)} chunks "
              f"(10, 40, then 100 tokens), one server on {info.get('cpu')} ({info.get('cores')} cores). "

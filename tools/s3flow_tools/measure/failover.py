@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Failover drill on real tritonservers: what a kill or a drain of a server mid-stream costs its clients.
 
 Two servers (A, B) on one seeded small repository, on 127.0.0.1. Eight utterances stream to A with B as
@@ -14,7 +13,7 @@ complete with every frame once and equal within the client's replay tolerance. W
 
 Example::
 
-    .venv/bin/python scripts/measure_failover.py            # about 2 minutes on 2 cores
+    .venv/bin/python -m s3flow_tools.measure.failover            # about 2 minutes on 2 cores
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 from s3flow.model.checkpoint import load_flow
 from s3flow.model.random_checkpoint import write_random_checkpoint
@@ -92,7 +91,7 @@ def late_utterance(a: TritonServer, b: TritonServer, marks: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.failover", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "results" / "failover.md")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="failover-"))
@@ -119,7 +118,8 @@ def main(argv=None) -> int:
     lines = [
         "# Failover: a server killed or drained mid-stream",
         "",
-        f"`scripts/measure_failover.py`: {N} utterances of 4 s (10 chunks of 10 tokens, 4 Euler steps, small model, "
+        f"`python -m s3flow_tools.measure.failover`: {N} utterances of 4 s (10 chunks of 10 tokens, 4 Euler steps, "
+        f"small model, "
         f"seeded random weights) stream to server A with server B as the client's second address; after "
         f"{AFTER_CHUNKS} answered chunks A is killed (SIGKILL) or drained (SIGTERM to its drain supervisor, "
         "deadline 60 s or 1 s). Compared with an undisturbed run of the same utterances on B "

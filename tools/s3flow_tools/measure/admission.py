@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Admission by capacity under overload, measured (issue 34): who is admitted, how fast the others hear "busy".
 
 Example::
 
-    .venv/bin/python scripts/measure_admission.py                 # -> its section of results/qos.md (~8 min)
-    .venv/bin/python scripts/measure_admission.py --model token2mel --loads 3 --no-pair --out /tmp/adm.md
+    .venv/bin/python -m s3flow_tools.measure.admission                 # -> its section of results/qos.md (~8 min)
+    .venv/bin/python -m s3flow_tools.measure.admission --model token2mel --loads 3 --no-pair --out /tmp/adm.md
 
 The trained small teacher (``checkpoints/trained``), two repositories alike but for ``utilization_target``:
 ``0`` (no admission by capacity: the server takes every START it has a slot for) and the default ``0.9``.
@@ -32,20 +31,18 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from s3flow_contract.tensors import FRAMES_PER_SECOND
+from s3flow.repository import cli as build_repository
+from s3flow.server.metrics_reader import metric_sum, read_metrics
+from s3flow.server.processes import tree_pids
+from s3flow.server.triton_server import TritonServer
+from s3flow_client import StreamingClient
+from s3flow_client.stream import StreamError
+from s3flow_contract.answers import answer_of
+from s3flow_tools.bench.report import machine
+from s3flow_tools.measure.qos import TRAINED, utterances   # the same held-out sentences as the scheduler's table
 
-from measure_qos import TRAINED, utterances   # noqa: E402  the same held-out sentences as the scheduler's table
-
-from s3flow_contract.tensors import FRAMES_PER_SECOND   # noqa: E402
-from s3flow.repository import cli as build_repository   # noqa: E402
-from s3flow.server.metrics_reader import metric_sum, read_metrics   # noqa: E402
-from s3flow.server.processes import tree_pids   # noqa: E402
-from s3flow.server.triton_server import TritonServer   # noqa: E402
-from s3flow_client import StreamingClient   # noqa: E402
-from s3flow_client.stream import StreamError   # noqa: E402
-from s3flow_contract.answers import answer_of   # noqa: E402
-from s3flow_tools.bench.report import machine   # noqa: E402
+ROOT = Path(__file__).resolve().parents[3]
 
 BUFFER_S = 0.3
 BEGIN, END = "<!-- measure_admission -->", "<!-- /measure_admission -->"
@@ -226,7 +223,7 @@ def write_section(out: Path, lines: list[str]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.admission", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="both", choices=("token2mel", "token2wav", "both"))
     p.add_argument("--loads", default="1.5,3,10", help="streams at once in units of C (%(default)s)")
     p.add_argument("--at-once", type=int, default=16, help="streams that measure C (%(default)s)")
@@ -238,7 +235,8 @@ def main(argv=None) -> int:
     loads = [float(x) for x in args.loads.split(",")]
     models = ("token2mel", "token2wav") if args.model == "both" else (args.model,)
     lines = ["## Admission by capacity (issue 34)", "",
-             f"Made by `scripts/measure_admission.py` on {', '.join(f'{k} {v}' for k, v in machine().items())}: the "
+             f"Made by `python -m s3flow_tools.measure.admission` on "
+             f"{', '.join(f'{k} {v}' for k, v in machine().items())}: the "
              f"trained small teacher (10 guided steps), held-out sentences of 3-6 s with their own prompts, `fifo`, "
              f"each stream a plain `StreamingClient` with no retry (a refusal reaches the caller); loads in units of "
              f"the C measured in the same run on the same repository without the check.", ""]

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Tokens arriving live (a text-to-token model's pace): first audio and stalls, live chunking vs the fixed schedule.
 
 Examples::
 
-    .venv/bin/python scripts/measure_live.py                       # -> results/live_client.md
-    .venv/bin/python scripts/measure_live.py --quick --out /tmp/live.md
+    .venv/bin/python -m s3flow_tools.measure.live                       # -> results/live_client.md
+    .venv/bin/python -m s3flow_tools.measure.live --quick --out /tmp/live.md
 
 One real tritonserver serving ``token2wav`` with the shipped small model (``checkpoints/trained/``: the 2-step
 meanflow student, the trained vocoder; ``--checkpoint`` for another flow checkpoint), 4 s utterances of the
@@ -44,7 +43,7 @@ from s3flow_client.live import stalls
 from s3flow_tools.bench.report import log, machine, markdown
 from s3flow_training.package import load_heldout
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TRAINED = ROOT / "checkpoints" / "trained"
 RATES = tuple(k * TOKENS_PER_SECOND for k in (1.0, 2.0, 4.0))   # tokens pushed a second: 1x, 2x, 4x
 
@@ -100,7 +99,8 @@ def ready_first_audio(url: str, utts: list[Utterance]) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.live", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=TRAINED / "student.safetensors", help="(default: %(default)s)")
     p.add_argument("--seconds", type=float, default=4.0, help="utterance length (default: %(default)s)")
     p.add_argument("--concurrent", type=int, default=8, help="streams at once in the loaded cells (default: 8)")
@@ -151,7 +151,8 @@ def write_report(args, rows, ready: float, wall_s: float) -> None:
                      f"{r['stalls_0']} ({r['dry_0_s']:.2f})", f"{r['stalls_05']} ({r['dry_05_s']:.2f})",
                      str(r["chunks"])])
     L = ["# Live client: tokens arriving while the utterance streams", "",
-         f"Written by `scripts/measure_live.py{' --quick' if args.quick else ''}` ({time.strftime('%Y-%m-%d')}, "
+         f"Written by `python -m s3flow_tools.measure.live{' --quick' if args.quick else ''}` "
+         f"({time.strftime('%Y-%m-%d')}, "
          f"{wall_s / 60:.1f} min; {json.dumps(machine())}); checkpoint `{args.checkpoint.relative_to(ROOT)}`, "
          f"token2wav with the trained vocoder, {args.seconds:g} s utterances; the script's docstring says what "
          "each column is.", "",

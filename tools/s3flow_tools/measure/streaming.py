@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Streaming modes measured on the trained small model; writes results/streaming.md.
 
 Examples::
 
-    .venv/bin/python scripts/measure_streaming.py                      # about 10 minutes on 2 cores
-    .venv/bin/python scripts/measure_streaming.py --lengths 10 --contexts 50 --out /tmp/streaming.md
+    .venv/bin/python -m s3flow_tools.measure.streaming                      # about 10 minutes on 2 cores
+    .venv/bin/python -m s3flow_tools.measure.streaming --lengths 10 --contexts 50 --out /tmp/streaming.md
 
 For offline synthesis, the prefix re-run and bounded context with each ``--contexts`` value C (frames),
 on held-out utterances (``checkpoints/trained/heldout.npz``) and on 10 / 30 / 60 s utterances made by
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.model.checkpoint import load_flow
@@ -46,7 +45,8 @@ def mode_name(c) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.streaming", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=TRAINED / "teacher.safetensors", help="(default: %(default)s)")
     p.add_argument("--heldout", type=Path, default=TRAINED / "heldout.npz", help="(default: %(default)s)")
     p.add_argument("--contexts", type=int, nargs="+", default=[0, 50, 100, 200],
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     lines = [
         "# Streaming modes on the trained small model",
         "",
-        f"Written by `scripts/measure_streaming.py` ({time.strftime('%Y-%m-%d')}); checkpoint "
+        f"Written by `python -m s3flow_tools.measure.streaming` ({time.strftime('%Y-%m-%d')}); checkpoint "
         f"`{args.checkpoint.name}`, guided 10 steps (w = 0.7), client chunk schedule (10 tokens, x2, up to 100), "
         f"in process (the served chunk logic, torch estimator, {args.threads} threads, "
         f"{platform.processor() or platform.machine()}).",

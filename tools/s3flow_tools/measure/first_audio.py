@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """First audio: how the first response of token2wav can carry sound, measured on the trained small model.
 
 Examples::
 
-    .venv/bin/python scripts/measure_first_audio.py                 # -> results/first_audio.md
-    .venv/bin/python scripts/measure_first_audio.py --utterances 4 --no-served --out /tmp/first_audio.md
+    .venv/bin/python -m s3flow_tools.measure.first_audio                 # -> results/first_audio.md
+    .venv/bin/python -m s3flow_tools.measure.first_audio --utterances 4 --no-served --out /tmp/first_audio.md
 
 The vocoder withholds its last ``lookahead_frames`` (20 frames, 400 ms) of audio until more mel exists, so that
 streamed audio equals offline vocoding; the client's first chunk of 10 tokens makes only 14 final frames, and
@@ -47,7 +46,7 @@ from s3flow_training.intelligibility import intelligibility, log_spectral_distan
 from s3flow_training.package import load_heldout
 from s3flow_tools.bench.report import log, machine, markdown
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TRAINED = ROOT / "checkpoints" / "trained"
 SR, HALF_S = 24000, 12000
 #: The first lookahead the served default uses (what this script chose; results/first_audio.md).
@@ -138,7 +137,8 @@ def measure_served(utts, first_lookahead: int, work: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.first_audio", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--utterances", type=int, default=16, help="held-out utterances (default: %(default)s)")
     p.add_argument("--served", action=argparse.BooleanOptionalAction, default=True, help="(default: on)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -156,7 +156,8 @@ def main(argv=None) -> int:
                 log(f"served, first lookahead {first}: {served[first]}")
     info = machine()
     lines = ["# First audio: the first response of token2wav carries sound", "",
-             f"Written by `scripts/measure_first_audio.py` ({time.strftime('%Y-%m-%d')}): the trained small model "
+             f"Written by `python -m s3flow_tools.measure.first_audio` ({time.strftime('%Y-%m-%d')}): the trained "
+             f"small model "
              f"(teacher, guided 10 steps, bounded context) and its trained vocoder, {len(utts)} held-out sentences, "
              f"{info.get('cpu')} ({info.get('cores')} cores). First sound: the response (1 = the first) whose samples "
              f"first reach beyond the silent, faded-in first 40 ms. Differences are against offline vocoding of the "

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Refused STARTs hold nothing, measured: with the admission step (the default) and without it, side by side.
 
 Examples::
 
-    .venv/bin/python scripts/measure_refusals.py                  # -> results/refusals.md (about 5 minutes)
-    .venv/bin/python scripts/measure_refusals.py --refused 64 --out /tmp/refusals.md
+    .venv/bin/python -m s3flow_tools.measure.refusals                  # -> results/refusals.md (about 5 minutes)
+    .venv/bin/python -m s3flow_tools.measure.refusals --refused 64 --out /tmp/refusals.md
 
 Two repositories of the small config on seeded random weights, the cpu target's settings (Triton keeps an idle
 sequence 5 + 30 s), differing only in ``RepositorySettings.admission``. On each server, as a plain tritonclient
@@ -43,7 +42,7 @@ from s3flow_client.demo import demo_utterance
 from s3flow_client.wire import infer_inputs
 from s3flow_tools.bench.report import log, machine, markdown
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def refused_then_first_chunk(server, refused: int) -> tuple[float, float]:
@@ -84,7 +83,8 @@ def chunk_latencies(server, utterances: int) -> list[float]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.refusals", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--refused", type=int, default=256, help="refused STARTs left open (default: %(default)s)")
     p.add_argument("--utterances", type=int, default=12, help="utterances for the per-chunk cost (default: %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "refusals.md", help="(default: %(default)s)")
@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     on, off = (np.median(lat[True]) * 1000, np.median(lat[False]) * 1000)
     info = machine()
     lines = ["# Refused STARTs hold nothing: the admission step, measured", "",
-             f"Written by `scripts/measure_refusals.py` ({time.strftime('%Y-%m-%d')}); the small config on seeded "
+             f"Written by `python -m s3flow_tools.measure.refusals` ({time.strftime('%Y-%m-%d')}); the small config "
+             f"on seeded "
              f"random weights, the cpu target's settings (idle timeout 5 s, Triton's grace 30 s), one server at a time "
              f"on {info.get('cpu')} ({info.get('cores')} cores).", "",
              f"## {args.refused} STARTs refused for a bad token, left without END, then one new utterance", "",

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """What a streamed chunk must condition on, measured: quality on the trained model, cost served (issue 24).
 
 Examples::
 
-    .venv/bin/python scripts/measure_conditioning.py                  # -> results/conditioning.md
-    .venv/bin/python scripts/measure_conditioning.py --quick --out /tmp/cond.md
+    .venv/bin/python -m s3flow_tools.measure.conditioning                  # -> results/conditioning.md
+    .venv/bin/python -m s3flow_tools.measure.conditioning --quick --out /tmp/cond.md
 
 Candidates (``ChunkSolving`` settings; every one keeps bounded context C = 100 frames and the x-vector):
 
@@ -41,7 +40,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -64,7 +63,7 @@ from s3flow_training.intelligibility import intelligibility
 from s3flow_training.package import HeldoutUtterance, load_heldout
 from s3flow_training.streaming_eval import seam_roughness
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TRAINED = ROOT / "checkpoints" / "trained"
 CONTEXT = 100
 #: name -> ChunkSolving settings (all with context_frames = CONTEXT)
@@ -250,7 +249,8 @@ def cost_table(costs: dict[str, dict], prompts_s, lengths_s) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.conditioning", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trained", type=Path, default=TRAINED, help="(default: %(default)s)")
     p.add_argument("--voices", type=int, default=4, help="voices in the quality set (default: %(default)s)")
     p.add_argument("--long-s", type=float, default=30.0, help="the long quality utterance (default: %(default)s)")
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
 
 def write_report(args, sections, costs, prompts_s, lengths_s, wall_s: float) -> None:
     L = ["# Conditioning a streamed chunk: quality and cost", "",
-         f"Written by `scripts/measure_conditioning.py{' --quick' if args.quick else ''}` "
+         f"Written by `python -m s3flow_tools.measure.conditioning{' --quick' if args.quick else ''}` "
          f"({time.strftime('%Y-%m-%d')}, {wall_s / 60:.1f} min; {json.dumps(machine())}). Every candidate keeps "
          f"bounded context C = {CONTEXT} frames and the x-vector; the script's docstring says what each row is.", ""]
     for _, table, rows, utts in sections:

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """A resume costs one chunk, measured: server A killed 10 s, 60 s and 9 minutes into a stream, resumed on server B.
 
 Examples::
 
-    .venv/bin/python scripts/measure_resume.py                      # -> results/failover.md's resume section
-    .venv/bin/python scripts/measure_resume.py --at 10 60 --out /tmp/resume.md
+    .venv/bin/python -m s3flow_tools.measure.resume                      # -> results/failover.md's resume section
+    .venv/bin/python -m s3flow_tools.measure.resume --at 10 60 --out /tmp/resume.md
 
 ``token2wav`` with the small model trained here (teacher, 10 guided steps, and the vocoder), two tritonservers on
 127.0.0.1 holding one snapshot key. For each kill point T, one utterance of T + 20 s (the held-out sentences' tokens
@@ -38,7 +37,7 @@ from s3flow_client import StreamingClient, Utterance
 from s3flow_client.demo import load_utterance
 from s3flow_tools.bench.report import log, machine, markdown
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TRAINED = ROOT / "checkpoints" / "trained"
 MEL_TOL, AUDIO_TOL = 1e-4, 1e-4     # several utterances never share B here; batches of one: the same solves
 
@@ -97,7 +96,8 @@ def run_killed(repo: Path, env: dict, b: TritonServer, u: Utterance, kill_at_s: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.resume", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--at", type=float, nargs="+", default=[10.0, 60.0, 540.0],
                    help="seconds of audio at which A is killed (default: %(default)s)")
     p.add_argument("--after", type=float, default=20.0, help="seconds of audio after the kill (default: %(default)s)")
@@ -137,7 +137,8 @@ def main(argv=None) -> int:
                         "audio re-solved (s)", "gap to the next new audio (ms)", "chunk in flight",
                         "its latency undisturbed (ms)", "gap / latency", "max mel diff", "max audio diff"], rows)
     host = ", ".join(f"{k} {v}" for k, v in machine().items())
-    text = (f"## Resume from a snapshot (issue 35)\n\nMade by `scripts/measure_resume.py` on {host}. `token2wav`, "
+    text = (f"## Resume from a snapshot (issue 35)\n\nMade by `python -m s3flow_tools.measure.resume` on {host}. "
+            f"`token2wav`, "
             f"the small trained teacher (10 guided steps) and vocoder, two servers on one host holding one snapshot "
             f"key; one utterance of the kill point + {args.after:g} s (held-out tokens end to end, chunks of 10, 20, "
             f"40, then 100 tokens) streams to A, B second; A is SIGKILLed once that much audio was delivered. "

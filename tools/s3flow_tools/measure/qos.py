@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Streams under load, FIFO vs the step-level deadline scheduler, side by side in one run (issue 33).
 
 Example::
 
-    .venv/bin/python scripts/measure_qos.py                        # -> results/qos.md (about 6 minutes)
-    .venv/bin/python scripts/measure_qos.py --loads 0.5,0.8 --runs 1 --out /tmp/qos.md
+    .venv/bin/python -m s3flow_tools.measure.qos                        # -> results/qos.md (about 6 minutes)
+    .venv/bin/python -m s3flow_tools.measure.qos --loads 0.5,0.8 --runs 1 --out /tmp/qos.md
 
 Two repositories of the trained small model (``checkpoints/trained``: teacher, 10 guided steps, and its
 vocoder), the repository defaults but for ``--scheduling fifo`` / ``deadline``, served one after the other on
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.repository import cli as build_repository
@@ -88,7 +87,7 @@ def row(label: str, mode: str, results: list, dry: float, model: str) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.qos", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="token2mel", choices=("token2mel", "token2wav"))
     p.add_argument("--loads", default="0.5,0.8,1.0", help="offered loads in units of FIFO's C (%(default)s)")
     p.add_argument("--at-once", type=int, default=16, help="streams that measure C (%(default)s)")
@@ -136,7 +135,8 @@ def main(argv=None) -> int:
     lines = [
         "# Streams under load: FIFO vs the step-level deadline scheduler",
         "",
-        f"Made by `scripts/measure_qos.py` on {', '.join(f'{k} {v}' for k, v in machine().items())}: the trained "
+        f"Made by `python -m s3flow_tools.measure.qos` on {', '.join(f'{k} {v}' for k, v in machine().items())}: "
+        f"the trained "
         f"small teacher (10 guided steps), `{args.model}`, held-out sentences of 3-6 s with their own prompts, the "
         f"client's chunk schedule, each stream its own `StreamingClient`; the two servers one after the other, "
         f"{args.runs} run(s) of each load, every run reported.",

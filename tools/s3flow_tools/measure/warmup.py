@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Cold start: the first utterance after a server start against the steady ones, warm-up off and on.
 
 Builds one small seeded repository (the small flow config on seeded random weights, a small seeded HiFT
@@ -15,8 +14,8 @@ warm-up on, a first chunk is above ``--bound`` (1.5) x its steady latency in the
 
 Example (from the repository root; about 2 minutes on 2 cores)::
 
-    .venv/bin/python scripts/measure_warmup.py
-    .venv/bin/python scripts/measure_warmup.py --starts 1 --utterances 5 --output /tmp/warmup.md
+    .venv/bin/python -m s3flow_tools.measure.warmup
+    .venv/bin/python -m s3flow_tools.measure.warmup --starts 1 --utterances 5 --output /tmp/warmup.md
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 from s3flow_tools.bench.repos import warmup_repository
 from s3flow_tools.bench.served import model_stats
@@ -71,7 +70,7 @@ def one_start(repo: Path, model: str, utterances: int, seconds: float, steps: in
 
 def report(results: dict, args, machine: str) -> tuple[str, bool]:
     lines = ["# Cold start: first utterance vs steady, warm-up off and on", "",
-             f"`scripts/measure_warmup.py --starts {args.starts} --utterances {args.utterances} "
+             f"`python -m s3flow_tools.measure.warmup --starts {args.starts} --utterances {args.utterances} "
              f"--seconds {args.seconds} --steps {args.steps} --model {args.model}`; {machine}.", "",
              "Small flow config on seeded random weights, small seeded HiFT; one utterance of "
              f"{args.seconds} s in chunks of 10, 20 and the rest tokens, {args.steps} guided Euler steps, "
@@ -108,7 +107,7 @@ def report(results: dict, args, machine: str) -> tuple[str, bool]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.warmup", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--starts", type=int, default=3, help="server starts per variant")
     p.add_argument("--utterances", type=int, default=6, help="utterances per start (the first is the cold one)")

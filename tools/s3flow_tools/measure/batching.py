@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Server-side batching experiments: one table row per setting of a grid.
 
 For each setting it writes the repository's configs again with the generator's own
@@ -15,14 +14,14 @@ knobs are those of ``s3flow.repository.generator.Batching`` plus ``ort_threads``
 Examples::
 
     # the default grid: one knob at a time around the defaults, small model, 8 streams, best of 3 (~3-4 min)
-    .venv/bin/python scripts/sweep_batching.py
+    .venv/bin/python -m s3flow_tools.measure.batching
 
     # a product grid (every combination) on the full-size model, 4 staggered streams
-    .venv/bin/python scripts/sweep_batching.py --size full --streams 4 --stagger-s 1.0 \\
+    .venv/bin/python -m s3flow_tools.measure.batching --size full --streams 4 --stagger-s 1.0 \\
         --grid max_queue_delay_us=2000,50000 solver_instances=1,2
 
     # one named setting per --setting, keys as above
-    .venv/bin/python scripts/sweep_batching.py --setting strategy=direct max_batch_size=4 \\
+    .venv/bin/python -m s3flow_tools.measure.batching --setting strategy=direct max_batch_size=4 \\
         --setting length_bucket_ratio=1.5
 
 Bounded: at most ``--max-settings`` settings, and no new setting starts after ``--time-limit-s``. Writes the
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 from s3flow_tools.bench.report import fmt, log, machine, markdown, percentile
 from s3flow_tools.bench.served import batching_load, run_load
@@ -138,7 +137,8 @@ def describe(setting: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.batching", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("settings (default: one knob at a time around the defaults)")
     g.add_argument("--grid", nargs="+", metavar="KNOB=V1,V2", help="every combination of these values")
     g.add_argument("--setting", nargs="+", action="append", metavar="KNOB=V", help="one setting (repeatable)")
@@ -236,8 +236,8 @@ def main(argv=None) -> int:
     model = f"checkpoint {args.checkpoint}" if args.checkpoint else f"{args.size} config, seeded random weights"
     text = "\n".join([
         "# Server-side batching sweep", "",
-        f"Written by `scripts/sweep_batching.py` on {time.strftime('%Y-%m-%d %H:%M')}; command: "
-        f"`python scripts/sweep_batching.py {' '.join(sys.argv[1:] if argv is None else argv)}`.", "",
+        f"Written by `python -m s3flow_tools.measure.batching` on {time.strftime('%Y-%m-%d %H:%M')}; command: "
+        f"`python -m s3flow_tools.measure.batching {' '.join(sys.argv[1:] if argv is None else argv)}`.", "",
         f"- CPU: {m.get('cpu')}, {m.get('cores')} cores, {m.get('simd', '?')}; torch {m.get('torch')}, "
         f"onnxruntime {m.get('onnxruntime')}; load average (1 min) at the end {os.getloadavg()[0]:.2f}",
         f"- model: {model}, {'meanflow' if meanflow else 'regular'}; steps {args.steps or 'default'}",

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """No sequence outlives its client, measured: issue 31's kill sequence, many times on one server, then its stop.
 
 Example::
 
-    .venv/bin/python scripts/measure_lifecycle.py                 # -> results/lifecycle.md (about 6 minutes)
-    .venv/bin/python scripts/measure_lifecycle.py --runs 3 --out /tmp/lifecycle.md
+    .venv/bin/python -m s3flow_tools.measure.lifecycle                 # -> results/lifecycle.md (about 6 minutes)
+    .venv/bin/python -m s3flow_tools.measure.lifecycle --runs 3 --out /tmp/lifecycle.md
 
 A small token2wav repository on seeded random weights with the cpu target's defaults (idle timeout 5 s, Triton
 keeps an idle sequence 5 + 30 s). Each run, as issue 31 saw it: a client closes its stream after 2 of 5 chunks
@@ -41,7 +40,7 @@ from s3flow_client.wire import infer_inputs
 from s3flow_tools.bench.killed_client import kill_mid_stream
 from s3flow_tools.bench.report import machine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 def utterance(seed: int, chunks: int = 5):
     u = demo_utterance(2.0, seed=seed)
     u.chunks, u.n_timesteps = [10] * (chunks - 1) + [len(u.speech_tokens) - 10 * (chunks - 1)], 4
@@ -90,7 +89,7 @@ def one_run(server, k: int, limit_s: float) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.lifecycle", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20, help="kill sequences on one server (default: %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "lifecycle.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
@@ -117,7 +116,8 @@ def main(argv=None) -> int:
     lines = [
         "# Sequence lifecycle: a killed client's sequence is freed, and the server stops on SIGTERM",
         "",
-        f"Made by `scripts/measure_lifecycle.py` (issue 31) on {', '.join(f'{k} {v}' for k, v in machine().items())}. "
+        f"Made by `python -m s3flow_tools.measure.lifecycle` (issue 31) on "
+        f"{', '.join(f'{k} {v}' for k, v in machine().items())}. "
         "A small token2wav repository on seeded "
         f"random weights, the cpu target's defaults (idle timeout {idle:.0f} s, Triton's grace 30 s), one server.",
         "",
