@@ -212,6 +212,14 @@ class Run:
         s.start_attempt(from_snapshot=self.c.snapshots and s.use_snapshots)
         s.conn, s.in_flight, s.end_chunk = None, False, None
 
+    def start_again_here(self, s: UtteranceState, message: str, how: str) -> None:
+        """A START this server refused for what it carried: a new sequence on the same server, sent now."""
+        s.retries.append(message)
+        log.warning("utterance %d: %s: %s", s.index, message, how)
+        self.end_sequence(s)
+        self.new_attempt(s, s.url_i)
+        self.due.append((time.perf_counter(), s))
+
     def on_error(self, conn: ServerStream, error) -> None:
         message = str(error)
         answer = classify(message)
@@ -227,19 +235,11 @@ class Run:
         s.in_flight = False
         if answer.resend == "replay" and s.first_chunk:
             s.use_snapshots = False   # this server cannot go on from the snapshot: START again and replay
-            s.retries.append(message)
-            log.warning("utterance %d: %s: replaying instead", s.index, message)
-            self.end_sequence(s)
-            self.new_attempt(s, s.url_i)
-            self.due.append((time.perf_counter(), s))
+            self.start_again_here(s, message, "replaying instead")
             return
         if answer.resend == "prompt" and s.by_voice_id and s.utt.prompt_tokens is not None:
             s.by_voice_id = False   # this server does not hold the voice: START again with the prompt itself
-            s.retries.append(message)
-            log.warning("utterance %d: %s: sending the prompt instead", s.index, message)
-            self.end_sequence(s)
-            self.new_attempt(s, s.url_i)
-            self.due.append((time.perf_counter(), s))
+            self.start_again_here(s, message, "sending the prompt instead")
             return
         if kind in ("retry", "busy") and len(s.retries) < self.c.max_retries:
             s.retries.append(message)
