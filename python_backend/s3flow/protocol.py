@@ -256,13 +256,18 @@ def parse_request(inputs: Mapping[str, np.ndarray], *, start: bool, end: bool, r
 def _resume(inputs) -> Optional[bytes]:
     """A START's ``resume`` snapshot (its seal and contents are the engine's to check), or None."""
     value = _array(inputs, "resume", 2)
-    if value is None:
-        return None
+    return None if value is None else (one_bytes(value, "resume") or None)
+
+
+def one_bytes(value, name: str, limit: int = MAX_RESUME_BYTES) -> bytes:
+    """The one BYTES element of a tensor (a snapshot passed between models, or a client's ``resume``); RequestError
+    naming ``name`` when it holds more or other than that, or more than ``limit`` bytes."""
+    value = np.asarray(value)
     if value.size != 1:
-        raise RequestError(f"resume must hold one BYTES element, got shape {[1] + list(value.shape)}")
+        raise RequestError(f"{name} must hold one BYTES element, got shape {list(value.shape)}")
     blob = value.reshape(-1)[0]
     if not isinstance(blob, bytes):
-        raise RequestError(f"resume must be BYTES, got {type(blob).__name__}")
-    if len(blob) > MAX_RESUME_BYTES:
-        raise RequestError(f"resume holds {len(blob)} bytes, above {MAX_RESUME_BYTES}")
-    return blob or None
+        raise RequestError(f"{name} must be BYTES, got {type(blob).__name__}")
+    if len(blob) > limit:
+        raise RequestError(f"{name} holds {len(blob)} bytes, above {limit}")
+    return blob

@@ -42,7 +42,7 @@ from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.snapshot import SnapshotError
 from s3flow.engine.vocoder_snapshot import VocoderSnapshots
 from s3flow.engine.vocoder_stream import AudioChunk, NetworkCallError, StreamError, VocoderState, VocoderStream
-from s3flow.protocol import RequestError, UnknownSequence
+from s3flow.protocol import RequestError, UnknownSequence, one_bytes
 from s3flow.serving.responses import INTERNAL, INVALID_ARG, UNAVAILABLE
 
 _MEL, _FRAME_OFFSET, _SEED, _SNAPSHOT, _RESUME = (t.name for t in VOCODER_INPUTS)
@@ -85,14 +85,7 @@ class _Held:
 
 
 def _bytes_of(inputs: Mapping[str, np.ndarray], name: str) -> bytes:
-    value = inputs.get(name)
-    if value is None:
-        return b""
-    value = np.asarray(value).reshape(-1)
-    if value.size != 1:
-        raise RequestError(f"{name} must hold one BYTES element, got shape {list(np.shape(inputs[name]))}")
-    item = value[0]
-    return item if isinstance(item, bytes) else str(item).encode()
+    return one_bytes(inputs[name], name) if name in inputs else b""
 
 
 class VocoderSession:

@@ -33,7 +33,7 @@ from s3flow.engine.observer import Observers
 from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
-from s3flow.protocol import RequestError, tenant_of
+from s3flow.protocol import RequestError, one_bytes, tenant_of
 from s3flow.serving.admission import LiveCounts
 from s3flow.serving.arrivals import ArrivalMarks, OnTheWay
 from s3flow.serving.draining import closing_probe, draining_probe
@@ -213,9 +213,12 @@ class TritonPythonModel(TritonModel):
     @staticmethod
     def _resume_of(incoming: Incoming) -> bytes:
         """A resume START's snapshot, passed on to the vocoder (its section is in it): b"" for any other request."""
-        value = incoming.inputs.get(_RESUME.name) if incoming.start else None
-        item = None if value is None or np.asarray(value).size != 1 else np.asarray(value).reshape(-1)[0]
-        return item if isinstance(item, bytes) else b""
+        if not incoming.start or _RESUME.name not in incoming.inputs:
+            return b""
+        try:
+            return one_bytes(incoming.inputs[_RESUME.name], _RESUME.name)
+        except RequestError:   # the session refused the request already: its answer is that error
+            return b""
 
     def _pending(self, corr_id, picked_at: float) -> bool:
         """A chunk of the sequence is on its way (in Triton's queue) or queued in the decoupled path."""
