@@ -41,9 +41,9 @@ SWEEP_EVERY = 256
 KINDS = ("starts", "seen", "gone")
 
 
-#: every per-server folder: the marks' kinds, "live" (``s3flow.serving.admission.LiveCounts``) and "load"
-#: (``s3flow.serving.load.LoadFiles``)
-SERVER_FOLDERS = ("live", "load") + KINDS
+#: every per-server folder: the marks' kinds, "live" (``s3flow.serving.admission.LiveCounts``), "load"
+#: (``s3flow.serving.load.LoadFiles``) and "voices" (``s3flow.serving.voice_registry``, unless ``voice_dir``)
+SERVER_FOLDERS = ("live", "load", "voices") + KINDS
 
 
 def server_folder(name: str, server_pid: Optional[int] = None) -> Path:

@@ -9,7 +9,8 @@ Voices are files in one folder (``<id>.npz``, written atomically), shared by the
 
 * the repository parameter ``voice_dir`` when set: voices survive restarts;
 * otherwise ``/dev/shm/s3flow-voices-<server pid>``, made for this server run and removed when the
-  ``voice_encoder`` model unloads: voices survive nothing.
+  ``voice_encoder`` model unloads, or by the next start once the server is gone (``s3flow.server.leftovers``):
+  voices survive nothing.
 
 Bounded by count (``max_voices``) and bytes (``max_voice_bytes``): registering beyond either evicts the least
 recently used voices (a lookup counts as a use). An evicted id leaves a marker, so a later lookup says it was
@@ -35,7 +36,6 @@ import hashlib
 import hmac
 import io
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +44,7 @@ from typing import Optional
 import numpy as np
 
 from s3flow.protocol import RequestError
+from s3flow.serving.arrivals import server_folder
 from s3flow.serving.config_params import Params
 from s3flow.serving.keys import voice_key
 
@@ -57,9 +58,9 @@ class UnknownVoice(RequestError):
 
 
 def default_dir(server_pid: Optional[int] = None) -> Path:
-    """The per-run folder of a server (its python models are its children: their parent pid is the server's)."""
-    return Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()) / \
-        f"s3flow-voices-{server_pid if server_pid is not None else os.getppid()}"
+    """The per-run folder of a server (``s3flow.serving.arrivals.server_folder``: swept with the others once
+    the server is gone, however it went)."""
+    return server_folder("voices", server_pid)
 
 
 def voice_id_of(prompt_tokens: np.ndarray, prompt_mel: np.ndarray, speaker_embedding: np.ndarray,

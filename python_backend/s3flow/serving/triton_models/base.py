@@ -29,6 +29,7 @@ from s3flow_contract.answers import Answer, Disposition
 from s3flow_contract.tensors import CONTROLS, FEATS, Tensor, names
 from s3flow.protocol import RequestError, UnknownSequence
 from s3flow.serving.config_params import Params, check_tensors
+from s3flow.serving.parent_watch import watch_parent
 from s3flow.serving.responses import INTERNAL, INVALID_ARG, error_response, pb_utils
 
 
@@ -104,6 +105,7 @@ class TritonModel:
         self.args = args
         self.name = args["model_name"]
         self.logger = pb_utils.Logger
+        watch_parent()   # the stub exits when its server dies, however it died
         try:
             self.config = json.loads(args["model_config"])
             self.params = Params(self.config, self.name)
