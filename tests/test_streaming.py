@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from helpers import DropLog, make_engine, offline, small_flow, stream_in_process
+from s3flow.engine.observer import Observers
+from s3flow.serving.arrivals import MAX_TRANSIT_S
 from s3flow.engine.sequences import DROP_REASONS, Capacity, SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.model.flow import synthesize
@@ -212,79 +214,182 @@ def test_idle_sequences_are_evicted():
 
 def _queue_table(tmp_path, slack_s: float = 1.0):
     """A table whose ``pending`` is the solver's (``OnTheWay`` over real ArrivalMarks files, as the served models
-    share them), one fake clock for both the idle time and the marks."""
+    share them; admission counts with ``seen.count``), one fake clock for both the idle time and the marks."""
     from s3flow.serving.arrivals import ArrivalMarks, OnTheWay
 
     clock, log = _Clock(), DropLog()
     seen = ArrivalMarks(tmp_path, clock=lambda: clock.now)
     on_the_way = OnTheWay(seen, slack_s=slack_s, wall=lambda: clock.now)
-    table = SequenceTable(Capacity(idle_timeout_s=5.0), log, clock=clock, pending=on_the_way.pending,
-                          wall=lambda: clock.now)
+    table = SequenceTable(Capacity(idle_timeout_s=5.0), Observers(log, on_the_way), clock=clock,
+                          pending=on_the_way.pending)
     return table, clock, log, seen, on_the_way
 
 
+def _started(table, seen, on_the_way, cid) -> None:
+    """Admission lets a START through, the solver picks it up and answers it."""
+    seen.count(cid, start=True)
+    on_the_way.picked_up([(cid, True)])
+    _answered(table, cid, object())
+
+
 def test_a_sequence_whose_chunk_waits_in_the_queue_is_not_idle(tmp_path):
-    """A request seen (by admission, before the queue) after the table last picked up a chunk of its sequence
-    keeps the sequence from going idle however long it waits while the instance works through older requests;
-    once picked up and answered, idle time counts again."""
+    """A request admission let through that the table has not picked up keeps the sequence from going idle
+    however long it waits while the instance works through other requests, and whatever the order the hops
+    between admission and the batcher bring requests in; once picked up and answered, idle time counts again."""
     table, clock, log, seen, on_the_way = _queue_table(tmp_path)
     for cid in (1, 2, 3):
-        seen.mark(cid)
+        _started(table, seen, on_the_way, cid)
         clock.now += 0.1
-        on_the_way.picking_up([cid])
-        _answered(table, cid, object())
+    on_the_way.busy()                   # and works through other requests from here on
     clock.now = 1.0
-    seen.mark(2)                        # sequence 2's next chunk arrives and waits behind a long queue
-    clock.now = 1.2
-    seen.mark(3)
-    on_the_way.picking_up([3])          # the instance stays busy with what arrived before (or with) it
+    seen.count(2, start=False)          # sequence 2's next chunk passes admission, and is held up on its way
+    clock.now = 4.0
+    seen.count(3, start=False)          # 3's next chunk passed admission 3 s later, and overtakes it
+    on_the_way.picked_up([(3, False)])
     table.serve(3)
     clock.now = 60.0
-    assert table.evict_idle() == [1], "1 has nothing queued; 2's chunk waited 59 s and is still there"
+    assert table.evict_idle() == [1], "1 has nothing on its way; 2's chunk was let through 59 s ago, not yet here"
+    on_the_way.picked_up([(2, False)])
     table.serve(2)                      # picked up at last ...
     table.commit(2, end=False)          # ... and answered: idle from here
     clock.now = 66.0
     assert table.evict_idle() == [2] and log.drops == [(1, "idle"), (2, "idle")]
 
 
+def test_a_sequence_whose_end_is_on_its_way_at_overload_is_not_lost(tmp_path):
+    """What lost 21 of 32 token2wav streams at once with admission off: a stream's next chunk passed admission
+    right after its last answer, and sat behind the batcher's queue for more than the idle timeout, while the
+    instance, busy all the time, picked up requests of other streams that admission had let through more than
+    the slack later. Each picked-up request said "the older ones have come": they had not."""
+    table, clock, log, seen, on_the_way = _queue_table(tmp_path)
+    for cid in range(1, 9):
+        _started(table, seen, on_the_way, cid)
+    on_the_way.busy()
+    clock.now = 0.5
+    seen.count(1, start=False)          # stream 1's END, let through at 0.5 s
+    for k in range(40):                 # 20 s of overload: other streams' chunks come and go, never a free instance
+        clock.now = 1.0 + 0.5 * k
+        cid = 2 + k % 7
+        seen.count(cid, start=False)
+        on_the_way.picked_up([(cid, False)])
+        table.serve(cid)
+        table.commit(cid, end=False)
+        assert table.evict_idle() == [], f"at {clock.now} s"
+    on_the_way.picked_up([(1, False)])  # stream 1's END reaches the instance at last, 20 s on
+    table.serve(1)
+    table.commit(1, end=True)
+    assert 1 not in table and not log.drops
+
+
+def test_a_chunk_picked_up_but_not_yet_served_keeps_its_sequence(tmp_path):
+    """A FIFO execute takes a batch and serves its chunks one length bucket after another: a chunk already
+    taken from Triton's queue but not yet in flight in the table counts as on its way until its execute is over
+    (the reaper's thread runs beside it)."""
+    table, clock, log, seen, on_the_way = _queue_table(tmp_path)
+    _started(table, seen, on_the_way, 1)
+    clock.now = 0.1
+    seen.count(1, start=False)
+    clock.now = 4.0
+    on_the_way.busy()                   # the execute that holds it starts; other buckets first
+    clock.now = 6.0
+    assert table.evict_idle() == [], "taken from the queue, not yet served: not idle"
+    table.serve(1)
+    table.commit(1, end=False)
+    on_the_way.picked_up([(1, False)])  # the execute is over
+    on_the_way.free()
+    clock.now = 11.5
+    assert table.evict_idle() == [1]
+
+
 def test_a_mark_whose_chunk_never_comes_keeps_nothing(tmp_path):
-    """Issue 31: a client that goes between admission and the solver leaves a mark whose request never reaches the
-    solver (the ensemble stops at the cancellation). Once the instance has been free for the slack, or has picked
-    up a request that arrived more than the slack after the mark, the mark keeps nothing: the sequence goes
-    ``idle_timeout_s`` after its last answer, as if no mark had been left."""
+    """Issue 31: a client that goes between admission and the solver leaves a count whose request never reaches
+    the solver (the ensemble stops at the cancellation). Once the instance has been free for the slack since the
+    mark, or ``max_transit_s`` has passed (an instance that never idles), the count keeps nothing: the sequence
+    goes ``idle_timeout_s`` after its last answer, as if it had not been counted."""
     table, clock, log, seen, on_the_way = _queue_table(tmp_path)
     for cid in (1, 2):
-        seen.mark(cid)
-        on_the_way.picking_up([cid])
-        _answered(table, cid, object())
-        on_the_way.free()
+        _started(table, seen, on_the_way, cid)
+    on_the_way.free()
     clock.now = 0.5
-    seen.mark(1)   # both clients go right after admission marked their next chunk
-    seen.mark(2)
+    seen.count(1, start=False)   # both clients go right after admission let their next chunk through
+    seen.count(2, start=False)
     clock.now = 0.6
-    assert table.evict_idle() == [] and on_the_way.pending(1, 0.0), "on its way as far as anyone knows"
-    on_the_way.picking_up([7])          # another stream's chunk, arrived long before: says nothing of 1 and 2
+    assert table.evict_idle() == [] and on_the_way.pending(1), "on its way as far as anyone knows"
+    on_the_way.busy()                      # the instance works on other streams: says nothing of 1, 2
+    on_the_way.picked_up([(7, True)])
+    seen.count(9, start=True)
+    on_the_way.picked_up([(9, True)])   # nor does one admission let through later
     clock.now = 5.5
-    assert table.evict_idle() == [] and on_the_way.pending(2, 0.0)
-    seen.mark(9)                        # a request that arrived 5 s after those marks ...
-    on_the_way.picking_up([9])          # ... is picked up: theirs would have come before it
-    assert not on_the_way.pending(1, 0.0)
+    assert table.evict_idle() == [] and on_the_way.pending(2)
+    clock.now = 60.4
+    assert on_the_way.pending(1), "within max_transit_s of its mark"
+    clock.now = 60.6
+    assert not on_the_way.pending(1), "max_transit_s after its mark with a busy instance: it is not coming"
     assert table.evict_idle() == [1, 2] and log.drops == [(1, "idle"), (2, "idle")]
 
     table, clock, log, seen, on_the_way = _queue_table(tmp_path / "idle")
-    seen.mark(4)
-    on_the_way.picking_up([4])
-    _answered(table, 4, object())
+    _started(table, seen, on_the_way, 4)
     on_the_way.free()
     clock.now = 2.0
-    seen.mark(4)                        # its next chunk marked, then cancelled; nothing else happens
+    seen.count(4, start=False)          # its next chunk let through, then cancelled; nothing else happens
     clock.now = 2.9
-    assert on_the_way.pending(4, 0.0), "free since 0.0, but the mark (2.0) is within the slack of now"
+    assert on_the_way.pending(4), "free since 0.0, but the mark (2.0) is within the slack of now"
     clock.now = 3.1
-    assert not on_the_way.pending(4, 0.0), "free for the slack after the mark: it would have come"
+    assert not on_the_way.pending(4), "free for the slack after the mark: it would have come"
     assert table.evict_idle() == [], "its last answer is 3.1 s old"
     clock.now = 5.2
     assert table.evict_idle() == [4]
+
+
+def test_a_token2wav_stream_is_idle_from_the_vocoders_answer_not_the_solvers(tmp_path):
+    """What lost 18-24 of 32 token2wav streams at once even with every request counted: the solver answered a
+    chunk, the vocoder's queue held that answer for over 5 s, the client (which sends its next chunk when it
+    hears the answer) had nothing yet, and the solver took the stream for idle. ``Delivery`` keeps it until
+    ``idle_s`` after the vocoder's answer."""
+    from s3flow.serving.arrivals import ArrivalMarks, Delivery
+
+    clock, log = _Clock(), DropLog()
+    vocoded = ArrivalMarks(tmp_path / "vocoded", clock=lambda: clock.now)
+    delivery = Delivery(vocoded, idle_s=5.0, wall=lambda: clock.now)
+    table = SequenceTable(Capacity(idle_timeout_s=5.0), Observers(log, delivery), clock=clock,
+                          pending=delivery.pending)
+    _answered(table, 1, object())
+    delivery.answered(1, start=True)           # the START's mel goes on to the vocoder at 0 s
+    _answered(table, 2, object())              # a token2mel stream: its answer is its client's
+    clock.now = 5.1
+    assert table.evict_idle() == [2], "the token2wav stream's answer is still in the vocoder's queue"
+    clock.now = 8.0
+    vocoded.count(1, start=True)               # the vocoder answers it: the client hears it now
+    clock.now = 12.9
+    assert table.evict_idle() == []
+    clock.now = 13.1
+    assert table.evict_idle() == [1] and log.drops == [(2, "idle"), (1, "idle")] and len(delivery) == 0
+
+    _answered(table, 3, object())              # an id whose earlier life the vocoder counted up to 7
+    for _ in range(7):
+        vocoded.count(3, start=False)
+    clock.now = 14.0
+    delivery.answered(3, start=True)           # its new START: the old count says nothing of it
+    clock.now = 30.0
+    assert delivery.pending(3), "its START's answer is still on its way (within max_transit_s)"
+    clock.now = 14.0 + MAX_TRANSIT_S + 0.1
+    assert table.evict_idle() == [3], "an answer the vocoder never counts keeps the stream max_transit_s at most"
+
+
+def test_a_restarted_or_ended_sequence_counts_from_its_start(tmp_path):
+    """A START counts from 1 on both sides (a restart on a live id, a resume), so an earlier life's requests
+    never look like one on its way; an END forgets the instance's count with the state."""
+    table, clock, log, seen, on_the_way = _queue_table(tmp_path)
+    _started(table, seen, on_the_way, 5)
+    for _ in range(3):
+        seen.count(5, start=False)
+        on_the_way.picked_up([(5, False)])
+    assert not on_the_way.pending(5)
+    _started(table, seen, on_the_way, 5)            # a new START on the same id
+    assert seen.counted(5)[0] == 1 and not on_the_way.pending(5)
+    table.serve(5)
+    table.commit(5, end=True)
+    assert len(on_the_way) == 0, "the END took the instance's count with the state"
 
 
 def test_a_sequence_in_flight_is_never_evicted_however_long_it_takes():

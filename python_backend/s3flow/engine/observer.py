@@ -12,7 +12,9 @@ method has a default that does nothing, so an observer implements only what it n
 * ``chunk_answered(corr_id, start, nfe, frames)``: a chunk's solve succeeded and its newly final ``frames``
   go out; ``nfe`` its network evaluations (steps, x2 with guidance); ``start`` whether it was a START;
 * ``sequence_dropped(corr_id, reason)``: a sequence's state went before its END
-  (``s3flow.engine.sequences.DROP_REASONS``).
+  (``s3flow.engine.sequences.DROP_REASONS``);
+* ``sequence_ended(corr_id)``: a sequence's END was answered and its state went (the one place a model learns
+  that a stream ended; ``s3flow.engine.sequences.SequenceTable.commit``).
 
 Example::
 
@@ -47,6 +49,9 @@ class Observer:
     def sequence_dropped(self, corr_id, reason: str) -> None:
         pass
 
+    def sequence_ended(self, corr_id) -> None:
+        pass
+
 
 class Observers(Observer):
     """Several observers as one (each gets every report, in order)."""
@@ -77,6 +82,10 @@ class Observers(Observer):
     def sequence_dropped(self, corr_id, reason: str) -> None:
         for o in self.observers:
             o.sequence_dropped(corr_id, reason)
+
+    def sequence_ended(self, corr_id) -> None:
+        for o in self.observers:
+            o.sequence_ended(corr_id)
 
 
 NO_OBSERVER = Observer()

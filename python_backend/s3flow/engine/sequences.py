@@ -11,7 +11,8 @@ call                   what it does to the sequence
                        utterance (the old state is returned, to be put back if this chunk fails)
 ``serve(id)``          a later chunk: the state, now in flight (``UnknownSequence`` if there is none; a
                        sequence already in flight is refused: its chunks are served in order)
-``commit(id, end)``    the chunk was answered: its idle time counts from now; END ends the sequence
+``commit(id, end)``    the chunk was answered: its idle time counts from now; END ends the sequence (the
+                       observer hears ``sequence_ended``)
 ``rollback(id, old)``  the chunk failed: a START's new state goes (``old`` back in its place); a later
                        chunk's state stays as it was
 ``end(id, reason)``    the state goes before its END (bad request, cancelled, error, ...)
@@ -73,16 +74,14 @@ class SequenceTable(Generic[State]):
 
     def __init__(self, capacity: Capacity, observer: Observer = NO_OBSERVER,
                  clock: Callable[[], float] = time.monotonic,
-                 pending: Optional[Callable[[object, float], bool]] = None, wall: Callable[[], float] = time.time):
-        """``pending(corr_id, picked_at)``: whether a chunk of the sequence is on its way to the table, the table
-        having last picked one up at ``picked_at`` (``wall`` clock): such a sequence is not idle however old its
-        last answer (the solver: a request seen arriving after ``picked_at`` and still in the queue; the
-        vocoder: a sequence the solver still holds; ``s3flow.serving.arrivals``)."""
+                 pending: Optional[Callable[[object], bool]] = None):
+        """``pending(corr_id)``: whether a chunk of the sequence is on its way to the table: such a sequence is
+        not idle however old its last answer (the solver: a request admission let through that has not reached
+        it yet; the vocoder: a sequence the solver still holds; ``s3flow.serving.arrivals``)."""
         self.capacity, self.observer, self.clock = capacity, observer, clock
-        self.pending, self.wall = pending, wall
+        self.pending = pending
         self._states: OrderedDict[object, State] = OrderedDict()
         self._answered: dict[object, float] = {}     # corr_id -> time of its last answer
-        self._picked: dict[object, float] = {}       # corr_id -> wall time its last chunk was picked up
         self._in_flight: set = set()
         self._lock = threading.Lock()
 
@@ -114,7 +113,6 @@ class SequenceTable(Generic[State]):
                                  f"{self.capacity.max_live_sequences}); retry in {wait:.1f} s", retry_after_s=wait)
             self._states[corr_id] = state
             self._answered[corr_id] = self.clock()
-            self._picked[corr_id] = self.wall()
             self._in_flight.add(corr_id)
             return old
 
@@ -128,7 +126,6 @@ class SequenceTable(Generic[State]):
             if corr_id in self._in_flight:   # a caller that serves a sequence's chunks in order never gets here
                 raise RequestError(f"sequence {corr_id} already has a chunk in flight: send its chunks one at a time")
             self._states.move_to_end(corr_id)
-            self._picked[corr_id] = self.wall()
             self._in_flight.add(corr_id)
             return state
 
@@ -136,10 +133,11 @@ class SequenceTable(Generic[State]):
         """The chunk was answered: END ends the sequence, otherwise its idle time counts from now."""
         with self._lock:
             self._in_flight.discard(corr_id)
-            if end:
-                self._pop(corr_id)
-            elif corr_id in self._states:
+            ended = end and self._pop(corr_id)
+            if not end and corr_id in self._states:
                 self._answered[corr_id] = self.clock()
+        if ended:
+            self.observer.sequence_ended(corr_id)
 
     def rollback(self, corr_id, replaced: Optional[State], started: bool) -> None:
         """The chunk failed: a START's state goes and ``replaced`` (the state it replaced) comes back; a
@@ -195,9 +193,8 @@ class SequenceTable(Generic[State]):
         return max(0.0, min(idle) + self.capacity.idle_timeout_s - self.clock()) + 0.1
 
     def _queued(self, corr_id) -> bool:
-        return self.pending is not None and self.pending(corr_id, self._picked.get(corr_id, float("inf")))
+        return self.pending is not None and self.pending(corr_id)
 
     def _pop(self, corr_id) -> bool:
         self._answered.pop(corr_id, None)
-        self._picked.pop(corr_id, None)
         return self._states.pop(corr_id, None) is not None

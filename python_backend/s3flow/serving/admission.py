@@ -143,7 +143,7 @@ class Admission:
             if gone is not None:   # the solver dropped it and gave Triton its slot back
                 return self._refuse(corr_id, UnknownSequence(f"sequence {corr_id} is not active: {gone}"), "gone")
             if self.seen is not None:
-                self.seen.mark(corr_id)
+                self.seen.count(corr_id, start=False)
             return None
         if self.gone is not None:
             self.gone.take(corr_id)   # the id starts a new sequence
@@ -171,7 +171,7 @@ class Admission:
         if self.starts is not None:
             self.starts.mark(corr_id)
         if self.seen is not None:
-            self.seen.mark(corr_id)
+            self.seen.count(corr_id, start=True)
         return None
 
     def _refuse(self, corr_id: int, exc: RequestError, reason: str) -> Outcome:

@@ -10,12 +10,17 @@ the solver and the vocoder are separate processes further down. Admission leaves
 * **gone** (``kind="gone"``): written by the solver, not admission: each sequence it dropped before its END, with
   why (``s3flow.serving.triton_models.slots``: Triton's slot is then freed, so a late chunk never reaches the
   solver; admission answers it with the solver's words).
-* **seen** (``kind="seen"``): every request. A mark newer than the time the solver last picked up a chunk of
-  that sequence means a chunk is waiting in Triton's queue: the sequence is not idle, whatever its last answer's
-  age (``s3flow.engine.sequences.SequenceTable``'s ``pending``), so overload never evicts what it accepted.
-  Unless the chunk will never come: a client that goes between admission and the solver cancels its request,
-  and the ensemble, which checks cancellation between its steps, never sends it on. :class:`OnTheWay` tells the
-  two apart by what the solver instance has seen of Triton's queue since.
+* **vocoded** (``kind="vocoded"``): written by the vocoder, not admission: every answer it sends, counted. A
+  ``token2wav`` stream's answer leaves the server from the vocoder, after a queue of its own (seen: over 5 s at
+  32 streams at once on 2 cores), so the solver's idle clock for it counts from the vocoder's answer, not its
+  own (:class:`Delivery`).
+* **seen** (``kind="seen"``): every request, counted (:meth:`ArrivalMarks.count`: the sequence's requests since
+  its START, and the last one's time). More requests counted than the solver instance has picked up means a
+  chunk is on its way or waiting in Triton's queue: the sequence is not idle, whatever its last answer's age
+  (``s3flow.engine.sequences.SequenceTable``'s ``pending``), so overload never evicts what it accepted. Unless
+  the chunk will never come: a client that goes between admission and the solver cancels its request, and the
+  ensemble, which checks cancellation between its steps, never sends it on. :class:`OnTheWay` tells the two
+  apart by what the solver instance has seen of Triton's queue since.
 
 Example::
 
@@ -23,11 +28,14 @@ Example::
     starts.mark(corr_id)              # admission, START admitted
     started = starts.take(corr_id)    # vocoder, START (None: not marked, e.g. the vocoder called directly)
 
-    on_the_way = OnTheWay(ArrivalMarks(ArrivalMarks.default_folder("seen")), slack_s=1.0)
-    SequenceTable(capacity, pending=on_the_way.pending)   # solver; execute() calls picking_up() and free()
+    seen = ArrivalMarks(ArrivalMarks.default_folder("seen"))
+    seen.count(corr_id, start=True)   # admission, every request it lets through
+    on_the_way = OnTheWay(seen, slack_s=1.0)
+    SequenceTable(capacity, on_the_way, pending=on_the_way.pending)   # solver: busy(), picked_up(), free()
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 import threading
@@ -35,10 +43,17 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from s3flow.engine.observer import Observer
+
 MAX_AGE_S = 600.0
 SWEEP_EVERY = 256
+#: the lock file of a folder whose marks are counted (several admission instances count at once)
+LOCK = ".lock"
+#: a request counted by admission and not seen by the solver this long after is taken for one that never comes
+#: (its client cancelled it between the two), even while the solver never idles (overload)
+MAX_TRANSIT_S = 60.0
 #: the per-server folders (module docstring); "gone": sequences a model dropped before their END, with why
-KINDS = ("starts", "seen", "gone")
+KINDS = ("starts", "seen", "gone", "vocoded")
 
 
 #: every per-server folder: the marks' kinds, "live" (``s3flow.serving.admission.LiveCounts``), "load"
@@ -91,6 +106,24 @@ class ArrivalMarks:
             return None
         return fields[1].strip() if len(fields) > 1 else ("" if fields else None)
 
+    def count(self, corr_id: int, start: bool) -> int:
+        """Count one more request of ``corr_id`` (``start``: the first of a sequence, counted as 1) and mark its
+        time; safe from several processes at once. Returns the count."""
+        with open(self.folder / LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
+            counted = None if start else self.counted(corr_id)
+            n = 1 if counted is None else counted[0] + 1
+            self.mark(corr_id, str(n))
+        return n
+
+    def counted(self, corr_id: int) -> Optional[tuple[int, float]]:
+        """(requests counted since the START, the last one's time); None when the sequence has no count."""
+        try:
+            when, n = (self.folder / str(int(corr_id))).read_text().split()
+            return int(n), float(when)
+        except (OSError, ValueError):
+            return None
+
     def take(self, corr_id: int) -> Optional[float]:
         """The START's arrival time (wall clock), removing the mark; None when there is none."""
         path = self.folder / str(int(corr_id))
@@ -105,6 +138,8 @@ class ArrivalMarks:
         """Remove marks older than MAX_AGE_S (utterances no vocoder took); returns how many."""
         gone, now = 0, self.clock()
         for path in self.folder.iterdir():
+            if path.name == LOCK:
+                continue
             try:
                 if now - path.stat().st_mtime > MAX_AGE_S:
                     path.unlink(missing_ok=True)
@@ -114,33 +149,47 @@ class ArrivalMarks:
         return gone
 
 
-class OnTheWay:
-    """Whether a request that admission marked (``seen``) is still on its way to this solver instance.
+class OnTheWay(Observer):
+    """Whether a request that admission counted (``seen``) is still on its way to this solver instance.
 
-    Triton hands a free instance the oldest requests queued for it (after at most its queue delay), so the
-    instance learns up to when every request has reached it (the *horizon*): up to the arrival of any request it
-    picks up (later arrivals queue behind earlier ones), and, once it has been free for ``slack_s``, up to
-    ``slack_s`` ago. ``slack_s`` covers the batcher's queue delay, the hop from admission to the batcher and the
-    order in which admission's instances mark. A mark older than the horizon belongs to a request that will
-    never come (cancelled between admission and the solver) and keeps nothing; a newer one keeps its sequence
-    however long it waits.
+    The instance counts the requests of each sequence it takes (:meth:`picked_up`, from its START); while
+    admission has counted more, one is on its way however long it waits in Triton's queue (at overload, behind
+    everything older: seen 5 s and more on 2 cores) and however the hops between admission and the batcher
+    reorder requests (the earlier rule, "a request picked up that was marked more than 1 s after yours means yours
+    is not coming", lost 21 of 32 token2wav streams at once that way). Only one that will never come is told
+    apart: the instance has been free for ``slack_s`` since its mark (Triton hands a free instance whatever is
+    queued for it within its queue delay; ``slack_s`` covers that, the hop from admission to the batcher and the
+    order admission's instances count in), or ``max_transit_s`` has passed since (the instance never idles). An
+    Observer of the sequence table: a sequence's count goes with its state.
     """
 
-    def __init__(self, marks: ArrivalMarks, slack_s: float, wall: Callable[[], float] = time.time):
+    def __init__(self, marks: ArrivalMarks, slack_s: float, wall: Callable[[], float] = time.time,
+                 max_transit_s: float = MAX_TRANSIT_S):
         if slack_s <= 0:
             raise ValueError(f"slack_s must be > 0, got {slack_s}")
-        self.marks, self.slack_s, self.wall = marks, slack_s, wall
+        self.marks, self.slack_s, self.wall, self.max_transit_s = marks, slack_s, wall, max_transit_s
+        self._picked: dict[int, int] = {}            # corr_id -> requests picked up since its START
         self._horizon = float("-inf")
         self._free_since: Optional[float] = wall()
         self._lock = threading.Lock()
 
-    def picking_up(self, corr_ids: Iterable[int]) -> None:
-        """The instance starts on requests of these sequences (each one's latest mark is its arrival)."""
-        arrived = [a for a in (self.marks.peek(c) for c in corr_ids) if a is not None]
+    def __len__(self) -> int:
+        """The sequences whose requests the instance counts (those it holds)."""
+        return len(self._picked)
+
+    def busy(self) -> None:
+        """The instance starts on a batch of requests."""
         with self._lock:
             self._free_since = None
-            if arrived:
-                self._horizon = max(self._horizon, max(arrived) - self.slack_s)
+
+    def picked_up(self, requests: Iterable[tuple[int, bool]]) -> None:
+        """These requests, (corr_id, START) each, reached the instance and are its own now: answered (``fifo``:
+        a request picked up but not yet served must still count as on its way, or the reaper could take its
+        sequence in the moment between) or queued where the table sees them (the decoupled path). Not the
+        solver's own requests, which never passed admission."""
+        with self._lock:
+            for corr_id, start in requests:
+                self._picked[corr_id] = 1 if start else self._picked.get(corr_id, 0) + 1
 
     def free(self) -> None:
         """The instance answered what it had and is free for the next requests."""
@@ -155,8 +204,72 @@ class OnTheWay:
                 self._horizon = max(self._horizon, now - self.slack_s)
             return self._horizon
 
-    def pending(self, corr_id: int, picked_at: float) -> bool:
-        """A request of the sequence arrived after ``picked_at`` (when its last chunk was picked up) and may still
-        come (``SequenceTable``'s ``pending``)."""
-        seen = self.marks.peek(corr_id)
-        return seen is not None and seen > picked_at and seen >= self.horizon()
+    def pending(self, corr_id: int) -> bool:
+        """A request of the sequence that admission counted has not reached the instance and may still come
+        (``SequenceTable``'s ``pending``)."""
+        counted = self.marks.counted(corr_id)
+        if counted is None:
+            return False
+        n, when = counted
+        with self._lock:
+            picked = self._picked.get(corr_id, 0)
+        return n > picked and when >= self.horizon() and self.wall() - when < self.max_transit_s
+
+    # -- the sequence table's reports: a sequence's count goes with its state ---------------------------------
+    def sequence_ended(self, corr_id) -> None:
+        with self._lock:
+            self._picked.pop(corr_id, None)
+
+    def sequence_dropped(self, corr_id, reason: str) -> None:
+        self.sequence_ended(corr_id)
+
+
+class Delivery(Observer):
+    """Whether a stream's client may not have its latest answer yet, for the streams whose answers the solver
+    sends on to the vocoder (``token2wav``): the client sends its next chunk when it hears the vocoder's answer,
+    so the stream is not idle until ``idle_s`` after that, however long the vocoder's queue held the answer
+    (``vocoded`` counts: the vocoder counts its answers from each START). The solver instance counts what it sent
+    on (:meth:`answered`); an Observer of its sequence table, a stream's count goes with its state.
+    """
+
+    def __init__(self, vocoded: ArrivalMarks, idle_s: float, wall: Callable[[], float] = time.time,
+                 max_transit_s: float = MAX_TRANSIT_S):
+        self.vocoded, self.idle_s, self.wall, self.max_transit_s = vocoded, idle_s, wall, max_transit_s
+        self._sent: dict[int, list] = {}       # corr_id -> [answers sent on since its START, START's time, last's]
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    def answered(self, corr_id: int, start: bool) -> None:
+        """The instance answered a chunk (not the END) whose answer goes on to the vocoder."""
+        now = self.wall()
+        with self._lock:
+            sent = self._sent.get(corr_id) if not start else None
+            if sent is None:
+                self._sent[corr_id] = [1, now, now]
+            else:
+                sent[0] += 1
+                sent[2] = now
+
+    def pending(self, corr_id: int) -> bool:
+        """An answer is still on its way through the vocoder (for at most ``max_transit_s``), or the vocoder's
+        last answer is less than ``idle_s`` old."""
+        with self._lock:
+            sent = self._sent.get(corr_id)
+            if sent is None:
+                return False
+            n_sent, started, last = sent
+        counted = self.vocoded.counted(corr_id)
+        n_vocoded, when = counted if counted is not None and counted[1] >= started else (0, float("-inf"))
+        now = self.wall()
+        if n_vocoded < n_sent:
+            return now - last < self.max_transit_s
+        return now - when < self.idle_s
+
+    def sequence_ended(self, corr_id) -> None:
+        with self._lock:
+            self._sent.pop(corr_id, None)
+
+    def sequence_dropped(self, corr_id, reason: str) -> None:
+        self.sequence_ended(corr_id)

@@ -35,7 +35,7 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import RequestError, one_bytes, tenant_of
 from s3flow.serving.admission import LiveCounts
-from s3flow.serving.arrivals import ArrivalMarks, OnTheWay
+from s3flow.serving.arrivals import ArrivalMarks, Delivery, OnTheWay
 from s3flow.serving.draining import closing_probe, draining_probe
 from s3flow.serving.heap import trim_heap
 from s3flow.serving.load import InstanceLoad, LoadFiles
@@ -149,8 +149,12 @@ class TritonPythonModel(TritonModel):
         # from going idle
         self.on_the_way = OnTheWay(ArrivalMarks(ArrivalMarks.default_folder("seen")),
                                    slack_s=ARRIVAL_SLACK_S + self.queue_delay_s)
+        # a token2wav stream's answer reaches its client from the vocoder, behind the vocoder's queue: idle from then
+        self.delivery = Delivery(ArrivalMarks(ArrivalMarks.default_folder("vocoded")),
+                                 idle_s=self.settings.capacity.idle_timeout_s)
         self.stepped = None   # scheduling "deadline": the decoupled path (s3flow.serving.step_service)
-        table = SequenceTable(self.settings.capacity, self.metrics.book, pending=self._pending)
+        table = SequenceTable(self.settings.capacity, Observers(self.metrics.book, self.on_the_way, self.delivery),
+                              pending=self._pending)
         # what the server can carry (s3flow.engine.capacity): every call timed, each stream's work, for admission
         sched = self.settings.scheduling
         rows_per_stream = 1 if self.meanflow or not self.settings.solving.default_guidance_rate else 2
@@ -220,10 +224,17 @@ class TritonPythonModel(TritonModel):
         except RequestError:   # the session refused the request already: its answer is that error
             return b""
 
-    def _pending(self, corr_id, picked_at: float) -> bool:
-        """A chunk of the sequence is on its way (in Triton's queue) or queued in the decoupled path."""
-        return self.on_the_way.pending(corr_id, picked_at) or (self.stepped is not None
-                                                                and self.stepped.has_queued(corr_id))
+    def _pending(self, corr_id) -> bool:
+        """A chunk of the sequence is on its way (in Triton's queue), queued in the decoupled path, or its last
+        answer is still on its way to its client (through the vocoder)."""
+        return (self.on_the_way.pending(corr_id) or self.delivery.pending(corr_id)
+                or (self.stepped is not None and self.stepped.has_queued(corr_id)))
+
+    def _answered(self, incoming: Incoming, o: Outcome, request) -> None:
+        """A chunk's answer goes out: one that goes on to the vocoder (it asks for the vocoder's inputs) is
+        counted for ``Delivery``."""
+        if o.result is not None and not incoming.end and _SEED.name in request.requested_output_names():
+            self.delivery.answered(incoming.corr_id, incoming.start)
 
     def execute(self, requests):
         self.set_up.set()
@@ -231,9 +242,9 @@ class TritonPythonModel(TritonModel):
             return self._execute_decoupled(requests)
         started = self.metrics.book.begin()
         incoming = [self._incoming(r) for r in requests]
-        self.on_the_way.picking_up([i.corr_id for i in incoming if i.ready])
         own = [i.ready and self.slots.is_release(i.corr_id, i.end, r.parameters())   # our own END: answer empty
                for i, r in zip(incoming, requests)]
+        self.on_the_way.busy()
         for i in incoming:
             if i.ready and i.start:   # the id is in use again
                 self.slots.started(i.corr_id)
@@ -243,8 +254,11 @@ class TritonPythonModel(TritonModel):
             outcomes = [Outcome() if mine else next(handled) for mine in own]
         finally:
             self.capacity.executed(self.metrics.book.clock() - started)   # the cost model's correction
+            self.on_the_way.picked_up([(i.corr_id, i.start) for i, mine in zip(incoming, own) if i.ready and not mine])
             self.on_the_way.free()
             self._publish_live()
+        for i, o, r in zip(incoming, outcomes, requests):
+            self._answered(i, o, r)
         if sum(o.result.mel.shape[1] for o in outcomes if o.result is not None) >= _TRIM_AFTER_FRAMES:
             trim_heap()
         responses = [self._response(o, self._resume_of(i)) for o, i in zip(outcomes, incoming)]
@@ -267,22 +281,25 @@ class TritonPythonModel(TritonModel):
         """scheduling "deadline": each request goes to its sequence's queue (step_service) and execute returns;
         its one answer goes through its response sender, COMPLETE_FINAL, from the step loop's thread."""
         incoming = [self._incoming(r) for r in requests]
-        self.on_the_way.picking_up([i.corr_id for i in incoming if i.ready])
-        for request, i in zip(requests, incoming):
+        own = [i.ready and self.slots.is_release(i.corr_id, i.end, r.parameters()) for i, r in zip(incoming, requests)]
+        self.on_the_way.busy()
+        for request, i, mine in zip(requests, incoming, own):
             sender, arrived = request.get_response_sender(), time.perf_counter()
-            if not i.ready or self.slots.is_release(i.corr_id, i.end, request.parameters()):
+            if not i.ready or mine:
                 sender.send(empty_response(), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             if i.start:   # the id is in use again
                 self.slots.started(i.corr_id)
                 self.gone.take(i.corr_id)
-            self.stepped.submit(i, reply=lambda o, sender=sender, arrived=arrived, resume=self._resume_of(i):
-                                self._answer(sender, o, arrived, resume))
-        self.on_the_way.free()
+            self.stepped.submit(i, reply=lambda o, sender=sender, arrived=arrived, resume=self._resume_of(i), i=i,
+                                request=request: self._answer(sender, o, arrived, resume, i, request))
+        self.on_the_way.picked_up([(i.corr_id, i.start) for i, mine in zip(incoming, own) if i.ready and not mine])
+        self.on_the_way.free()   # (queued in step_service: has_queued covers them)
         self._publish_live()
         return None
 
-    def _answer(self, sender, o: Outcome, arrived: float, resume: bytes) -> None:
+    def _answer(self, sender, o: Outcome, arrived: float, resume: bytes, incoming: Incoming, request) -> None:
+        self._answered(incoming, o, request)
         sender.send(self._response(o, resume), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self.metrics.book.flush(time.perf_counter() - arrived)   # s3flow_chunk_seconds: arrival to answer
         self._publish_live()

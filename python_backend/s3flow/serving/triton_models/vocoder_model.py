@@ -70,11 +70,13 @@ class TritonPythonModel(TritonModel):
         solver_live = LiveCounts(LiveCounts.default_folder())
         capacity = Capacity.from_parameters(p.raw)
         self.sequences = SequenceTable(capacity, _LogDrops(self),
-                                       pending=lambda corr_id, _picked_at: corr_id in solver_live.read_recent())
+                                       pending=lambda corr_id: corr_id in solver_live.read_recent())
         self.session = VocoderSession(self.stream, self.sequences, VocoderSnapshots(snapshot_key(), self.stream),
                                       self.name)
         # first audio (s3flow_first_audio_seconds): admission marked each START's arrival
         self.starts = ArrivalMarks(ArrivalMarks.default_folder("starts"))
+        # every answer counted: the solver's idle clock for a stream counts from its client's last answer
+        self.vocoded = ArrivalMarks(ArrivalMarks.default_folder("vocoded"))
         self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
         self.metrics = TritonMetrics(VOCODER_FAMILIES, self.name, args.get("model_instance_name", self.name))
         # its share of the device for admission by capacity (s3flow.serving.load): every push timed, one call each
@@ -117,6 +119,12 @@ class TritonPythonModel(TritonModel):
         c = read_controls(request)
         if not c.ready or self.slots.is_release(c.corr_id, c.end, request.parameters()):  # an empty slot of the direct strategy; our END
             return empty_response()
+        try:
+            return self._respond(c, request)
+        finally:   # answered (or failed): its client hears of it now
+            self.vocoded.count(c.corr_id, start=c.start)
+
+    def _respond(self, c, request):
         started = None
         if c.start:
             self.slots.started(c.corr_id)
