@@ -1,13 +1,14 @@
 """The capacity model (s3flow.engine.capacity), its load reports (s3flow.serving.load) and the calibration's plan,
 without a server: the fits recover known costs, a stream is priced against the plan, the capacity is where N
-streams fill the device, the correction follows measured executes, and the reports sum across instances."""
+streams fill the device, the measured capacity follows the work (busy time and audio made) and nothing else, and
+the reports sum across instances."""
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from s3flow.engine.capacity import CapacityModel, Costs, CostFit, Work, default_plan, padding_factor
+from s3flow.engine.capacity import WINDOW_S, CapacityModel, Costs, CostFit, Work, default_plan
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import RequestRules, parse_request
@@ -90,27 +91,68 @@ def test_capacity_is_where_n_streams_fill_the_device():
     assert Costs().capacity(planned) == 0.0, "nothing measured, nothing claimed"
 
 
-def test_the_correction_follows_measured_executes_and_starts_at_the_padding_prior():
-    model = CapacityModel(max_batch=8, prior_correction=padding_factor(PLAN, 8))
-    assert 1.2 < model.prior_correction < 2.0
-    model.estimator_timed(2, 100, 0.001 + 200 * 1e-5)
-    model.estimator_timed(8, 100, 0.001 + 800 * 1e-5)
-    assert model.costs().est_per_unit == pytest.approx(1e-5 * model.prior_correction)
+def _fitted(max_batch: int = 8, fixed: float = 0.001, per_unit: float = 1e-5) -> CapacityModel:
+    model = CapacityModel(max_batch=max_batch)
+    model.estimator_timed(2, 100, fixed + 200 * per_unit)
+    model.estimator_timed(8, 100, fixed + 800 * per_unit)
+    return model
+
+
+def test_the_correction_is_busy_time_over_priced_work_in_a_window_of_recent_work():
+    model = _fitted()
+    assert model.correction is None and model.capacity() is None, "nothing served yet: the prior"
+    assert model.costs().est_per_unit == pytest.approx(1e-5)
     work = Work(row_frames=1000, steps=5, chunks=1, encoder_tokens=0, frames=20)
-    for _ in range(100):   # every execute took 3x what its two chunks are priced at
+    for _ in range(100):   # every busy stretch took 3x what its chunk is priced at
+        model.estimator_step(1, 2, 100)
         model.chunk_work(1, work)
-        model.chunk_work(2, work)
-        priced = 2 * model._costs(1.0).seconds(work, 2)
-        model.executed(3 * priced)
+        model.worked(3 * model._costs(1.0).seconds(work, 1))
     assert model.correction == pytest.approx(3.0) and model.costs().est_fixed == pytest.approx(3 * 0.001)
-    assert padding_factor(PLAN, 1) == 1.0
+    for _ in range(20000):  # the host got faster: the window forgets the old work
+        model.chunk_work(1, work)
+        model.worked(1.5 * model._costs(1.0).seconds(work, 1))
+    assert model.correction == pytest.approx(1.5, rel=1e-3)
+
+
+def test_the_capacity_is_the_measured_throughput_projected_to_full_batches():
+    """One stream alone: the audio it made per busy second, times what sharing each call's fixed part by
+    ``max_batch`` saves on that same work; at full batches the throughput itself. Idle time changes nothing, and
+    nothing but the work moves it (no pressure from streams that ran dry)."""
+    model = _fitted(fixed=0.01, per_unit=1e-5)
+    work = Work(row_frames=2000, steps=10, chunks=1, encoder_tokens=0, frames=50)   # 1 s of audio per chunk
+    for _ in range(50):
+        model.estimator_step(1, 2, 100)
+        model.chunk_work(1, work)
+        model.worked(0.5)                            # one stream alone: 2 audio s per busy s
+    assert model.throughput == pytest.approx(2.0)
+    fits = model._costs(1.0)
+    gain = fits.seconds(work, 1) / fits.seconds(work, 8)
+    assert 1.5 < gain < 5 and model.capacity() == pytest.approx(2.0 * gain, rel=1e-6)
+    before = model.capacity()
+    time.sleep(0.05)                                 # idle: nothing is measured, nothing moves
+    assert model.capacity() == before
+    for _ in range(int(20 * WINDOW_S)):              # full batches: 8 streams share every call
+        model.estimator_step(8, 16, 100)
+        for c in range(8):
+            model.chunk_work(c, work)
+        model.worked(8 * fits.seconds(work, 8) * 1.2)
+    assert model.capacity() == pytest.approx(model.throughput, rel=0.02)
+    assert model.capacity() == pytest.approx(1 / (1.2 * fits.seconds(work, 8)), rel=0.02)
+
+
+def test_the_capacity_model_keeps_no_book_that_grows_with_chunks_or_ended_streams():
+    """What the vocoder and the step loop report between ``worked`` calls is summed, not listed; a stream's work
+    goes with its END."""
+    model = _fitted()
+    for c in range(5000):
+        model.chunk_work(c, Work(row_frames=10, steps=1, chunks=1, frames=2))
+        model.sequence_ended(c)
+    assert model.keep_only([]) == {} and isinstance(model._made, Work)
 
 
 def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tmp_path):
     files = LoadFiles(tmp_path)
-    model = CapacityModel(max_batch=8, prior_correction=1.0)
-    model.estimator_timed(2, 200, 0.002 + 400 * 2e-5)
-    model.estimator_timed(8, 200, 0.002 + 1600 * 2e-5)
+    model = _fitted(fixed=0.002, per_unit=2e-5)
     model.encoder_timed(100, 0.001)
     for c in (1, 2):
         model.chunk_work(c, PLAN.prefix(100))
@@ -123,6 +165,7 @@ def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tm
     load = files.read()
     assert load.known and load.solver_ids == {1, 2, 3} and len(load.reports) == 2
     costs = model.costs()
+    assert load.capacity == pytest.approx(costs.capacity(PLAN.expected())), "before any work: the calibrated prior"
     streams = 2 * costs.demand(PLAN.window(100), 3) + costs.demand(PLAN.window(0), 3)   # 3: by the plan's start
     assert load.utilization() == pytest.approx(streams + 0.01 / 2, rel=1e-6)   # + the vocoder: 0.01 s per 2 s
     assert load.utilization(pending=2) > load.utilization()
@@ -130,11 +173,35 @@ def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tm
     assert load.start_demand() == pytest.approx(solver_part + 0.005 / 3, rel=1e-6), "a third of streams vocode"
     unguided = load.start_demand(steps=10, guidance_rate=0.0) - 0.005 / 3
     assert unguided < 0.6 * solver_part and load.start_demand(steps=20) > 1.8 * solver_part
-    assert load.capacity == pytest.approx(costs.capacity(PLAN.expected()))
     assert LoadReport.from_json(load.reports[0].to_json()) == load.reports[0]
 
 
-def test_the_wait_is_until_enough_streams_of_the_expected_length_end(tmp_path):
+def test_a_measured_capacity_rescales_every_solver_demand_and_token2wav_adds_the_vocoder(tmp_path):
+    """N default streams need N / capacity of the device, whatever the fits say (they price one stream against
+    another); token2wav's capacity adds the vocoder's device time per audio second to the solver's."""
+    files = LoadFiles(tmp_path)
+    model = _fitted(fixed=0.002, per_unit=2e-5)
+    model.chunk_work(1, PLAN.prefix(100))
+    solver = InstanceLoad(files, "s", "solver", model, PLAN, STEPS, ROWS)
+    prior = solver.publish([1])
+    model.estimator_step(1, 2, 100)
+    model.chunk_work(2, PLAN.expected())
+    model.worked(PLAN.expected().audio_s / 2.0)      # it made 2 audio s per busy s
+    measured = solver.publish([1])
+    assert measured.capacity == pytest.approx(model.capacity()) and measured.capacity != prior.capacity
+    share = measured.costs.share(8)
+    planned = measured.planned_demand(share) / measured.costs.demand(PLAN.window(0), share)
+    assert planned == pytest.approx(measured.planned_capacity / measured.capacity, rel=1e-6)
+    vocoder = CapacityModel(max_batch=1)
+    vocoder.estimator_timed(1, 100, 0.01)
+    vocoder.chunk_work(1, Work(row_frames=100, steps=1, frames=100))   # 2 s of audio ...
+    vocoder.worked(0.25)                                                # ... in 0.25 s: 8 audio s per s
+    InstanceLoad(files, "v", "vocoder", vocoder).publish([1])
+    load = files.read()
+    assert load.capacity == pytest.approx(measured.capacity)
+    assert load.wav_capacity == pytest.approx(1 / (1 / measured.capacity + 1 / 8.0))
+
+def test_the_wait_is_until_enough_streams_end_or_young_ones_leave_their_costly_start(tmp_path):
     files = LoadFiles(tmp_path)
     model = CapacityModel(max_batch=1)
     model.estimator_timed(1, 100, 0.01)
@@ -146,42 +213,18 @@ def test_the_wait_is_until_enough_streams_of_the_expected_length_end(tmp_path):
     one = load.start_demand()
     assert load.utilization() == pytest.approx(d[1] + d[2])
     assert load.wait_until(target=d[1] + d[2] + one, need=one, expected_s=8.0) == 0.0
-    assert load.wait_until(target=d[2] + one, need=one, expected_s=8.0) == pytest.approx(2.0)
-    assert load.wait_until(target=one, need=one, expected_s=8.0) == pytest.approx(7.0)
+    wait = load.wait_until(target=d[2] + one, need=one, expected_s=8.0)
+    assert 1.0 < wait <= 3.0, "about when stream 1 ends (2 s), as stream 2's demand goes by then"
     assert load.wait_until(target=0.5 * one, need=one, expected_s=8.0) == 8.0, "never enough: the longest wait"
 
-
-def test_streams_that_run_dry_raise_the_costs_and_executes_without_bring_them_back():
-    from s3flow.engine.capacity import DRY_STEP, MAX_PRESSURE
-
-    model = CapacityModel(max_batch=8, prior_correction=1.0)
-    model.estimator_timed(2, 100, 0.002)
-    base = model.costs().est_per_unit
-    model.ran_dry()
-    model.ran_dry()
-    assert model.costs().est_per_unit == pytest.approx(base * DRY_STEP ** 2)
-    for _ in range(100):
-        model.ran_dry()
-    assert model.costs().est_per_unit == pytest.approx(base * MAX_PRESSURE), "bounded"
-    for _ in range(5000):
-        model.executed(0.0)    # executes with nothing answered: only the pressure moves
-    assert model.costs().est_per_unit == pytest.approx(base)
-
-
-def test_the_solvers_metrics_tell_the_capacity_model_of_each_stream_that_ran_dry():
-    from s3flow.serving.metrics import SolverBook
-
-    now = [0.0]
-    book = SolverBook(lambda family, value, labels: None, clock=lambda: now[0])
-    model = CapacityModel()
-    book.on_underrun = model.ran_dry
-    book.chunk_answered(1, True, 20, 20)     # 0.4 s of audio at t = 0
-    book.flush(0.1)
-    now[0] = 1.0                              # the next answer 1 s later: the player ran dry 0.6 s ago
-    book.chunk_answered(1, False, 20, 20)
-    book.flush(0.1)
-    assert model.pressure > 1.0
-
+    young = LoadFiles(tmp_path / "young")     # two STARTs a moment ago: their first chunks are the costliest
+    InstanceLoad(young, "s", "solver", model, PLAN, STEPS, ROWS).publish([5, 6])
+    load = young.read()
+    start = load.utilization()
+    steady = 2 * load.reports[0].stream_demand(PLAN.prefix(150), 1.0)   # the same two, 3 s on
+    assert steady < 0.9 * start
+    wait = load.wait_until(target=steady + one, need=one, expected_s=8.0)
+    assert 0 < wait <= 3.0, "a third START comes in once the two have left their start, not when they end"
 
 def test_the_calibration_calls_no_network_before_the_models_are_ready():
     """No BLS call before ``ready()`` holds (a BLS request in the window after the stub's initialize crashed

@@ -89,8 +89,9 @@ def test_book_observes_each_answered_chunk_and_each_euler_step(meanflow, rate, p
 
 
 def test_book_follows_each_streams_lead_over_a_real_time_player_and_counts_underruns_once():
+    """A player with no buffer here (the leads are the plain arithmetic); the next test gives it one."""
     rec, now = Recorder(), [0.0]
-    book = m.SolverBook(rec, clock=lambda: now[0])
+    book = m.SolverBook(rec, clock=lambda: now[0], start_buffer_s=0.0)
 
     def answer(at: float, *chunks):
         t0 = book.begin()
@@ -110,6 +111,21 @@ def test_book_follows_each_streams_lead_over_a_real_time_player_and_counts_under
     answer(2.0, (1, False, 10))                   # a dropped stream is not followed any more
     assert len(rec.values("s3flow_stream_lead_seconds")) == 4
 
+
+
+def test_a_player_buffer_is_what_a_listener_hears_before_a_gap():
+    """The default player starts 0.3 s after the first answer: an answer 0.2 s late against the bare arithmetic
+    is still in time; 0.4 s late is a gap, counted."""
+    assert m.PLAYER_BUFFER_S == 0.3
+    rec, now = Recorder(), [0.0]
+    book = m.SolverBook(rec, clock=lambda: now[0])
+    for at, corr_id, start in ((0.0, 1, True), (0.0, 2, True), (0.7, 1, False), (0.9, 2, False)):
+        t0 = book.begin()
+        book.chunk_answered(corr_id, start, 2, 25)   # 0.5 s of audio each
+        now[0] = at
+        book.end(t0)
+    assert rec.values("s3flow_stream_lead_seconds") == pytest.approx([0.1, -0.1])
+    assert rec.values("s3flow_stream_underruns_total") == [1], "stream 2 only"
 
 def test_book_observes_nothing_for_a_failed_run_and_counts_drops_by_reason():
     rec, heard = Recorder(), []

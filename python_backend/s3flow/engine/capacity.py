@@ -36,13 +36,16 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.engine.observer import Observer
 
-#: the costs' rise for each stream that ran dry, its ceiling, and its decay per execute without one
-DRY_STEP, MAX_PRESSURE, PRESSURE_DECAY = 1.15, 4.0, 0.998
+#: how much recent busy time the correction follows (half its weight is in the last this many busy seconds), and
+#: how much it needs before it replaces the prior
+WINDOW_S, MIN_WINDOW_S = 20.0, 0.25
+#: the weight of each estimator call in the average of streams per call
+FILL_SMOOTHING = 0.05
 #: how far ahead a stream's demand looks: the next seconds of its audio by the plan
 HORIZON_S = 2.0
 HORIZON_FRAMES = FRAMES_PER_SECOND * HORIZON_S
@@ -163,24 +166,28 @@ class Costs:
 
 
 class CapacityModel(Observer):
-    """The instance's cost fits (every estimator and encoder call the engine reports) and its live streams' work
-    (module docstring). Thread-safe (the decoupled path reports from its step thread)."""
+    """The instance's cost fits (every estimator and encoder call the engine reports), the correction that makes
+    them price what the instance really takes, and its live streams' work (module docstring). Thread-safe (the
+    decoupled path reports from its step thread)."""
 
     def __init__(self, max_batch: int = 8, halflife: float = 200.0, prior_correction: float = 1.0,
-                 smoothing: float = 0.1):
+                 window_s: float = WINDOW_S):
         self.max_batch = max(1, int(max_batch))
         self.estimator, self.encoder = CostFit(halflife), CostFit(halflife)
-        #: measured execute time over what the fits price its chunks at (padding to the longest row, the python
-        #: between the calls): ``prior_correction`` until the first execute is timed
-        self.correction, self.prior_correction, self.smoothing = None, prior_correction, smoothing
-        #: streams that ran dry say the model is optimistic: each multiplies the costs by ``DRY_STEP`` (at most
-        #: ``MAX_PRESSURE``); every execute without one lets it back toward 1 by ``PRESSURE_DECAY``
-        self.pressure = 1.0
+        #: busy time over what the fits price the work made in it at, over the last ``window_s`` of busy time;
+        #: ``prior_correction`` until there is such work
+        self.prior_correction, self.window_s = prior_correction, window_s
+        self._busy = self._priced = self._full = self._audio = 0.0   # the window: decayed sums
+        self._made = Work()                                 # answered since the last ``worked``
+        self._fill = 1.0                                    # streams per estimator call, averaged over recent calls
         self._streams: dict = {}
-        self._batch: list = []     # the work of the chunks answered since the last ``executed``
         self._lock = threading.Lock()
 
     # -- the engine's reports ----------------------------------------------------------------------------
+    def estimator_step(self, sequences: int, rows: int, frames: int) -> None:
+        with self._lock:
+            self._fill += FILL_SMOOTHING * (max(sequences, 1) - self._fill)
+
     def estimator_timed(self, rows: int, frames: int, seconds: float) -> None:
         with self._lock:
             self.estimator.observe(rows * frames, seconds)
@@ -192,30 +199,50 @@ class CapacityModel(Observer):
     def chunk_work(self, corr_id, work: Work) -> None:
         with self._lock:
             self._streams.setdefault(corr_id, Work()).add(work)
-            self._batch.append(work)
+            self._made.add(work)
 
-    def ran_dry(self) -> None:
-        """A stream fell behind its real-time player (the solver's metrics saw its lead go negative)."""
+    def worked(self, seconds: float) -> None:
+        """The instance was busy ``seconds`` (an execute, a step-loop iteration, a vocoder push) and made the chunks
+        answered since the last call: both join the window (module docstring), older work weighing less."""
+        if not seconds > 0 or not math.isfinite(seconds):
+            return
         with self._lock:
-            self.pressure = min(MAX_PRESSURE, self.pressure * DRY_STEP)
+            made, self._made = self._made, Work()
+            decay = 0.5 ** (seconds / self.window_s)
+            fits = self._costs(1.0)
+            priced = fits.seconds(made, self._share()) if fits.known else 0.0
+            full = fits.seconds(made, self.max_batch) if fits.known else 0.0
+            self._busy = decay * self._busy + seconds
+            self._priced = decay * self._priced + priced
+            self._full = decay * self._full + full
+            self._audio = decay * self._audio + made.audio_s
 
-    def executed(self, seconds: float) -> None:
-        """One batch of chunks (those answered since the last call) took ``seconds`` in all: the correction
-        follows measured over priced (an exponential average over batches)."""
+    @property
+    def correction(self) -> Optional[float]:
+        """Busy time over priced work in the window; None before there is any."""
         with self._lock:
-            self.pressure = max(1.0, self.pressure * PRESSURE_DECAY)
-            batch, self._batch = self._batch, []
-            if not batch or not self.estimator.known or not seconds > 0:
-                return
-            costs = self._costs(1.0)
-            priced = sum(costs.seconds(w, len(batch)) for w in batch)
-            if priced <= 0:
-                return
-            k = seconds / priced
-            self.correction = k if self.correction is None else self.correction + self.smoothing * (
-                k - self.correction)
+            return self._correction()
+
+    @property
+    def throughput(self) -> float:
+        """Audio seconds made per second of busy time in the window (at the batches the load had); 0 before."""
+        with self._lock:
+            return self._audio / self._busy if self._busy > 0 else 0.0
+
+    def capacity(self) -> Optional[float]:
+        """Audio seconds per second the instance makes when busy all the time at full batches: the window's
+        throughput, its work priced at full batches against at the batches it had (the one projection: a call's
+        fixed part shared by ``max_batch`` streams; 1 at full load). None before the window holds work."""
+        with self._lock:
+            if self._correction() is None or self._audio <= 0 or self._full <= 0:
+                return None
+            return self._audio / self._busy * self._priced / self._full
 
     def sequence_dropped(self, corr_id, reason: str) -> None:
+        with self._lock:
+            self._streams.pop(corr_id, None)
+
+    def sequence_ended(self, corr_id) -> None:
         with self._lock:
             self._streams.pop(corr_id, None)
 
@@ -229,9 +256,18 @@ class CapacityModel(Observer):
                     for c, w in self._streams.items()}
 
     def costs(self) -> Costs:
-        """The fits times the correction: what the work costs in the solver's execute."""
+        """The fits times the correction: what the work costs the instance."""
         with self._lock:
-            return self._costs(self.pressure * (self.prior_correction if self.correction is None else self.correction))
+            k = self._correction()
+            return self._costs(self.prior_correction if k is None else k)
+
+    def _share(self) -> float:
+        return min(max(self._fill, 1.0), float(self.max_batch))
+
+    def _correction(self) -> Optional[float]:
+        if self._priced <= 0 or self._busy < MIN_WINDOW_S:
+            return None
+        return self._busy / self._priced
 
     def _costs(self, k: float) -> Costs:
         e, n = self.estimator, self.encoder
@@ -286,18 +322,6 @@ class Plan:
             return planned
         base = costs.seconds(self.prefix(work.frames), share)
         return planned * costs.seconds(work, share) / base if base > 0 else planned
-
-
-def padding_factor(plan: Plan, batch: int) -> float:
-    """How much longer than its own a chunk's solve is when ``batch`` chunks of the plan share a padded call: the
-    expected longest of ``batch`` chunks drawn as the plan's calls go over the mean (the prior of
-    ``CapacityModel.correction``)."""
-    frames = sorted(w.row_frames / w.steps for w in plan.chunks if w.steps)
-    if not frames or batch <= 1:
-        return 1.0
-    n = len(frames)   # E[max of b draws] over the empirical distribution of per-call sizes
-    longest = sum(f * (((i + 1) / n) ** batch - (i / n) ** batch) for i, f in enumerate(frames))
-    return longest / (sum(frames) / n)
 
 
 def _part(w: Work, f: float) -> Work:

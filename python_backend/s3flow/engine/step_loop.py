@@ -91,7 +91,15 @@ class StepLoop:
         return self.seconds_per_row_frame * rows * frames
 
     def run_once(self) -> int:
-        """One iteration (the module docstring); returns the chunks answered."""
+        """One iteration (the module docstring); returns the chunks answered. Its time is reported to the engine's
+        observer (``worked``: what the instance's capacity is measured from)."""
+        started = self.clock()
+        try:
+            return self._iterate()
+        finally:
+            self.engine.observer.worked(self.clock() - started)
+
+    def _iterate(self) -> int:
         answered = self._prepare_new()
         for f in [f for f in self._solving if f.is_cancelled()]:
             answered += self._fail([f], StepCancelled("cancelled by the client before its last Euler step"))

@@ -157,7 +157,8 @@ class Admission:
         if self.live is not None:
             now = self.clock()
             live, cap = self.live.read()
-            self._admitted = {c: t for c, t in self._admitted.items() if now - t <= self.grace_s and c not in live}
+            seen = self.live.read_recent()   # held now, or ended in the last moments: counted by the solver
+            self._admitted = {c: t for c, t in self._admitted.items() if now - t <= self.grace_s and c not in seen}
             held = len(live) + len(self._admitted) - (corr_id in live)   # a restart on a live id takes no slot
             if cap and held >= cap:
                 wait = self.grace_s

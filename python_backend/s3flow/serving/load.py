@@ -31,8 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.engine.capacity import CapacityModel, Costs, Plan, Work
 from s3flow.serving.arrivals import server_folder
+
+
+#: how finely ``ServerLoad.wait_until`` looks ahead (seconds)
+WAIT_STEP_S = 0.2
 
 
 def _work(w: Work) -> list:
@@ -53,6 +58,9 @@ class LoadReport:
     planned: Optional[Plan] = None
     planned_steps: int = 0
     planned_rows: int = 0
+    #: audio seconds per second the instance makes at full batches, measured from its recent work
+    #: (``CapacityModel.capacity``; a solver's, before it has served any: its calibrated costs' for the plan)
+    capacity: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "costs": dataclasses.asdict(self.costs),
@@ -61,7 +69,8 @@ class LoadReport:
                            "planned": None if self.planned is None else {
                                "chunks": [_work(w) for w in self.planned.chunks],
                                "expected_frames": self.planned.expected_frames},
-                           "planned_steps": self.planned_steps, "planned_rows": self.planned_rows})
+                           "planned_steps": self.planned_steps, "planned_rows": self.planned_rows,
+                           "capacity": self.capacity})
 
     @classmethod
     def from_json(cls, text: str) -> "LoadReport":
@@ -71,7 +80,20 @@ class LoadReport:
                    waiting=[int(c) for c in d["waiting"]],
                    planned=None if d["planned"] is None else Plan([Work(*w) for w in d["planned"]["chunks"]],
                                                                   int(d["planned"]["expected_frames"])),
-                   planned_steps=int(d["planned_steps"]), planned_rows=int(d["planned_rows"]))
+                   planned_steps=int(d["planned_steps"]), planned_rows=int(d["planned_rows"]),
+                   capacity=float(d.get("capacity", 0.0)))
+
+    @property
+    def planned_capacity(self) -> float:
+        """What the costs say the instance makes of default streams at full batches (the plan's)."""
+        return self.costs.capacity(self.planned.expected()) if self.planned is not None else 0.0
+
+    def _scale(self) -> float:
+        """A solver's demands are the plan's relative to the measured capacity: the costs price one stream against
+        another (a young one needs more, one at more steps more), the work measures how much the device makes
+        (``capacity``), so that N default streams need N / capacity of the device."""
+        planned = self.planned_capacity
+        return planned / self.capacity if planned > 0 and self.capacity > 0 else 1.0
 
     def planned_demand(self, share: float, steps: Optional[int] = None, guidance_rate: Optional[float] = None) -> float:
         """A START's demand by the plan, at its own ``steps`` and ``guidance_rate`` (None: the defaults)."""
@@ -80,15 +102,15 @@ class LoadReport:
         rows = self.planned_rows if guidance_rate is None or self.planned_rows == 1 else (2 if guidance_rate else 1)
         ratio = (steps or self.planned_steps) * rows / max(self.planned_steps * self.planned_rows, 1)
         first = self.planned.window(0)
-        return self.costs.demand(first.scaled(ratio, (steps or self.planned_steps) / max(self.planned_steps, 1)),
-                                 share)
+        return self._scale() * self.costs.demand(
+            first.scaled(ratio, (steps or self.planned_steps) / max(self.planned_steps, 1)), share)
 
     def stream_demand(self, work: Work, share: float) -> float:
         """A stream's demand by its work so far: against the plan (``Plan.demand``), or (no plan: the vocoder)
         its own work's."""
         if self.planned is None:
             return self.costs.demand(work, share)
-        return self.planned.demand(self.costs, work, share) if self.costs.known else 0.0
+        return self._scale() * self.planned.demand(self.costs, work, share) if self.costs.known else 0.0
 
     def demand(self, extra: int = 0) -> dict:
         """corr_id -> device s per s of every stream it holds (one with no audio yet: by the plan), each call's
@@ -123,8 +145,15 @@ class ServerLoad:
 
     @property
     def capacity(self) -> float:
-        return max((r.costs.capacity(r.planned.expected()) for r in self._solvers if r.planned is not None),
-                   default=0.0)
+        """``token2mel``'s: audio seconds per second of default streams at full batches (the solvers')."""
+        return max((r.capacity for r in self._solvers), default=0.0)
+
+    @property
+    def wav_capacity(self) -> float:
+        """``token2wav``'s: the solver's and the vocoder's device time add up for each second of audio."""
+        vocoder = max((r.capacity for r in self.reports if r.kind == "vocoder"), default=0.0)
+        solver = self.capacity
+        return 1.0 / (1.0 / solver + 1.0 / vocoder) if solver > 0 and vocoder > 0 else 0.0
 
     def utilization(self, pending: int = 0) -> float:
         """The summed demand of every stream held, and of ``pending`` more by the default plan (admitted, not yet
@@ -156,22 +185,33 @@ class ServerLoad:
         return solver + sum(vocoder.values()) / len(vocoder) * min(1.0, len(vocoder) / len(live))
 
     def wait_until(self, target: float, need: float, expected_s: float, pending: int = 0) -> float:
-        """Seconds until the streams held (each lasting ``expected_s`` of audio at real time; one older than that
-        is taken to end within the next second) leave room for ``need`` under ``target``; 0 if there is room now;
-        ``expected_s`` if even their ending is not enough."""
-        load = self.utilization(pending)
-        if load + need <= target:
+        """Seconds until the streams held leave room for ``need`` under ``target``, looked at every
+        ``WAIT_STEP_S``: in that time each stream makes as much more audio by the plan (a young stream's demand
+        falls as it leaves its costly start: STARTs that come together are let in one after another) and those
+        past ``expected_s`` of audio end (one older than that is taken to end within the next second); 0 if there
+        is room now, ``expected_s`` if even their ending is not enough."""
+        if self.utilization(pending) + need <= target:
             return 0.0
-        ends = []   # (seconds left, demand) of every stream, its solver and vocoder parts together
         vocoder = {c: d for v in self.reports if v.kind == "vocoder" for c, d in v.demand().items()}
-        for r in self._solvers:
-            for c, d in r.demand(pending).items():
-                made = r.streams[c].audio_s if c in r.streams else 0.0
-                ends.append((max(expected_s - made, 1.0), d + vocoder.get(c, 0.0)))
-        for left, d in sorted(ends):
-            load -= d
+        for k in range(1, int(expected_s / WAIT_STEP_S) + 1):
+            ahead = k * WAIT_STEP_S
+            load = 0.0
+            for r in self._solvers:
+                if r.planned is None:
+                    continue
+                made = {c: r.streams[c].frames if c in r.streams else 0 for c in list(r.streams) + r.waiting}
+                left = {c: f for c, f in made.items()
+                        if ahead < max(expected_s - f / FRAMES_PER_SECOND, 1.0)}   # those still going then
+                share = r.costs.share(len(left) + pending)
+                for c, f in left.items():
+                    work = r.streams.get(c, Work())
+                    later = Work(work.row_frames, work.steps, work.chunks, work.encoder_tokens, work.frames)
+                    later.add(r.planned.window(f, ahead * FRAMES_PER_SECOND))
+                    load += r.stream_demand(later, share) + vocoder.get(c, 0.0)
+                if pending:
+                    load += pending * r.stream_demand(r.planned.prefix(ahead * FRAMES_PER_SECOND), share)
             if load + need <= target:
-                return left
+                return ahead
         return expected_s
 
 
@@ -222,6 +262,7 @@ class InstanceLoad:
         streams = self.model.keep_only(live)
         report = LoadReport(self.kind, self.model.costs(), streams, [c for c in live if c not in streams],
                             self.planned, self.planned_steps, self.planned_rows)
+        report.capacity = self.model.capacity() or (report.planned_capacity if self.planned is not None else 0.0)
         try:
             self.files.write(self.instance, report)
         except OSError:   # admission counts this instance as it last wrote

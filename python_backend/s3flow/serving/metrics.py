@@ -19,9 +19,10 @@ metric (labels ``model``, ``instance``)       kind       what
 ``s3flow_chunk_frames``                       histogram  mel frames a chunk made final (returned)
 ``s3flow_step_batch_size``                    histogram  sequences solved together in one Euler step
 ``s3flow_stream_lead_seconds``                histogram  at each answer after a stream's first: the audio
-                                                         it had delivered minus the time since its first
-                                                         answer (a player starting then, at real time);
-                                                         negative: that player ran dry (no per-stream label)
+                                                         it had delivered minus the time since its player
+                                                         started (one starting ``start_buffer_s`` after the
+                                                         first answer, at real time); negative: that player
+                                                         ran dry, a gap a listener hears (no per-stream label)
 ``s3flow_stream_underruns_total``             counter    streams whose lead went negative (once each)
 ``s3flow_first_audio_seconds``                histogram  the vocoder (token2wav): from a START's arrival
                                                          at the ensemble (admission) to its first samples
@@ -32,8 +33,11 @@ metric (labels ``model``, ``instance``)       kind       what
                                                          live streams need (solver and vocoder; summed
                                                          per server: what admission compares with its
                                                          target; ``s3flow.engine.capacity``)
-``s3flow_capacity_audio_seconds_per_second``  gauge      the solver's estimate of the audio seconds per
-                                                         second the server makes at full batches
+``s3flow_capacity_audio_seconds_per_second``  gauge      audio seconds per second the server makes at full
+  ``{ensemble}``                                         batches, measured from its recent work: the
+                                                         solver's for ``token2mel``, the vocoder's for
+                                                         ``token2wav`` (the vocoder's device time added;
+                                                         ``s3flow.engine.capacity``)
 ``s3flow_admission_refusals_total{reason}``   counter    admission: STARTs refused, by reason
 ``s3flow_admission_retry_after_seconds``      histogram  admission: the retry_after of each busy refusal
 ============================================  =========  ===============================================
@@ -63,6 +67,8 @@ FRAMES_BUCKETS = (0, 10, 25, 50, 100, 200, 400, 800, 1600, 3200)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 #: Lead buckets (seconds of audio ahead of a real-time player; below 0: it ran dry).
 LEAD_BUCKETS = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+#: the player buffer a stream's lead assumes by default (the client's: ``PlaybackSettings.start_buffer_s``)
+PLAYER_BUFFER_S = 0.3
 #: streams whose lead the book follows at once (the least recently answered are forgotten beyond it)
 MAX_STREAMS_FOLLOWED = 4096
 
@@ -89,8 +95,9 @@ CHUNK_FRAMES = Family("s3flow_chunk_frames", "histogram", "mel frames a chunk ma
 STEP_BATCH = Family("s3flow_step_batch_size", "histogram", "sequences solved together in one Euler step",
                     BATCH_BUCKETS)
 STREAM_LEAD = Family("s3flow_stream_lead_seconds", "histogram",
-                     "at each answer after a stream's first: audio delivered before it minus the time since the "
-                     "first answer (a real-time player starting then); negative: the player ran dry", LEAD_BUCKETS)
+                     "at each answer after a stream's first: audio delivered before it minus the time since its "
+                     "player started (start_buffer_s after the first answer, at real time); negative: the player ran "
+                     "dry", LEAD_BUCKETS)
 UNDERRUNS = Family("s3flow_stream_underruns_total", "counter", "streams whose lead went negative (once each)")
 
 FIRST_AUDIO_SECONDS = Family("s3flow_first_audio_seconds", "histogram",
@@ -103,7 +110,8 @@ UTILIZATION = Family("s3flow_utilization", "gauge",
                      "share of the device's time the instance's live streams need to keep up with real time "
                      "(sum over a server's instances: its utilization)")
 CAPACITY = Family("s3flow_capacity_audio_seconds_per_second", "gauge",
-                  "audio seconds per second the server makes for default streams at full batches (estimate)")
+                  "audio seconds per second the server makes for default streams at full batches, measured from its "
+                  "recent work, per ensemble (token2mel: the solver's; token2wav: with the vocoder's time)")
 
 ADMISSION_REFUSALS = Family("s3flow_admission_refusals_total", "counter",
                             "STARTs refused by admission before the sequence batcher, by reason (capacity, live, "
@@ -114,7 +122,7 @@ ADMISSION_FAMILIES = (ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER)
 
 SOLVER_FAMILIES = (LIVE, DROPPED, CHUNK_SECONDS, FIRST_CHUNK_SECONDS, CHUNK_NFE, CHUNK_FRAMES, STEP_BATCH,
                    STREAM_LEAD, UNDERRUNS, UTILIZATION, CAPACITY)
-VOCODER_FAMILIES = (FIRST_AUDIO_SECONDS, VOCODER_LIVE, UTILIZATION)
+VOCODER_FAMILIES = (FIRST_AUDIO_SECONDS, VOCODER_LIVE, UTILIZATION, CAPACITY)
 FAMILIES = SOLVER_FAMILIES + tuple(f for f in VOCODER_FAMILIES if f not in SOLVER_FAMILIES) + ADMISSION_FAMILIES
 #: the solver's histograms (every token2mel and token2wav load shows them; the load test checks their counts)
 HISTOGRAMS = tuple(f for f in SOLVER_FAMILIES if f.kind == "histogram")
@@ -128,14 +136,15 @@ class SolverBook(Observer):
 
     ``publish(family, value, labels)`` receives each observation (histograms) or increment (the counter);
     ``labels`` holds the labels beyond model and instance (``reason`` of a drop). ``on_drop(corr_id,
-    reason)``, when given, also hears of every dropped sequence (the model's log line).
+    reason)``, when given, also hears of every dropped sequence (the model's log line). A stream's lead is a
+    player's that starts ``start_buffer_s`` after the first answer (what a listener hears: results/qos.md has 4 of
+    4 streams behind a player with no buffer where 0-1 of 4 stall with 0.3 s).
     """
 
     def __init__(self, publish: Publish, clock: Callable[[], float] = time.perf_counter,
-                 on_drop: Callable[[object, str], None] = lambda corr_id, reason: None):
-        self.publish, self.clock, self.on_drop = publish, clock, on_drop
-        #: hears of each stream's first underrun (the capacity model: s3flow.engine.capacity.CapacityModel.ran_dry)
-        self.on_underrun: Callable[[], None] = lambda: None
+                 on_drop: Callable[[object, str], None] = lambda corr_id, reason: None,
+                 start_buffer_s: float = PLAYER_BUFFER_S):
+        self.publish, self.clock, self.on_drop, self.start_buffer_s = publish, clock, on_drop, start_buffer_s
         self._pending: list[tuple[object, bool, int, int]] = []   # (corr_id, START, nfe, frames) answered
         #: corr_id -> [first answer's time, frames delivered, went dry] of the streams followed
         self._streams: OrderedDict = OrderedDict()
@@ -188,10 +197,9 @@ class SolverBook(Observer):
         if st is None:
             return
         self._streams.move_to_end(corr_id)
-        lead = st[1] / FRAMES_PER_SECOND - (now - st[0])
+        lead = st[1] / FRAMES_PER_SECOND + self.start_buffer_s - (now - st[0])
         self.publish(STREAM_LEAD, lead, {})
         if lead < 0 and not st[2]:
             st[2] = True
             self.publish(UNDERRUNS, 1, {})
-            self.on_underrun()
         st[1] += frames

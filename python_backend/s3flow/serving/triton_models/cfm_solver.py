@@ -28,7 +28,7 @@ from torch.utils import dlpack
 from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_MODEL, ENCODER_OUTPUTS, ESTIMATOR_MODEL,
                                      ESTIMATOR_OUTPUTS, REQUEST, SOLVER_OUTPUTS, SOLVER_INPUTS, by_name,
                                      estimator_inputs, names)
-from s3flow.engine.capacity import CapacityModel, padding_factor
+from s3flow.engine.capacity import CapacityModel
 from s3flow.engine.observer import Observers
 from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.settings import SolverSettings
@@ -139,7 +139,8 @@ class TritonPythonModel(TritonModel):
                                       names(ESTIMATOR_OUTPUTS), device_id)
         # the ids the last live count listed, those ended since (ENDED_GRACE_S), those dropped (not "ended")
         self._last_ids, self._ended, self._dropped_ids, self._ended_lock = set(), {}, set(), threading.Lock()
-        self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name), self._dropped)
+        self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name), self._dropped,
+                                      self.settings.scheduling.start_buffer_s)
         # a dropped sequence's Triton slot is freed at once (slots.py); admission answers its late chunks
         self.gone = ArrivalMarks(ArrivalMarks.default_folder("gone"))
         tokens = by_name(REQUEST)["speech_tokens"]
@@ -161,8 +162,7 @@ class TritonPythonModel(TritonModel):
         max_batch = (max(1, sched.max_step_rows // rows_per_stream) if p.str("scheduling", "fifo") == "deadline"
                      else int(self.config.get("max_batch_size", 1)))
         plan = planned_start(self.settings, self.n_feats, self.meanflow)
-        self.capacity = CapacityModel(max_batch, prior_correction=padding_factor(plan[0], max_batch))
-        self.metrics.book.on_underrun = self.capacity.ran_dry   # a stream behind playback: the model is optimistic
+        self.capacity = CapacityModel(max_batch)
         snapshots = SolverSnapshots(snapshot_key(), self.settings.solving, self.n_feats, self.meanflow)
         engine = StreamingEngine(self.encoder, self.estimator, n_feats=self.n_feats, meanflow=self.meanflow,
                                  solving=self.settings.solving, capacity=self.settings.capacity,
@@ -253,7 +253,7 @@ class TritonPythonModel(TritonModel):
             handled = iter(self.session.handle([i for i, mine in zip(incoming, own) if not mine]))
             outcomes = [Outcome() if mine else next(handled) for mine in own]
         finally:
-            self.capacity.executed(self.metrics.book.clock() - started)   # the cost model's correction
+            self.capacity.worked(self.metrics.book.clock() - started)   # what the capacity is measured from
             self.on_the_way.picked_up([(i.corr_id, i.start) for i, mine in zip(incoming, own) if i.ready and not mine])
             self.on_the_way.free()
             self._publish_live()
@@ -320,7 +320,7 @@ class TritonPythonModel(TritonModel):
         ids = session.engine.sequences.ids()
         self.metrics.live(len(ids))
         load = self.load.publish(ids)
-        self.metrics.load(load.utilization, load.costs.capacity(load.planned.expected()))
+        self.metrics.load(load.utilization, load.capacity)
         now = time.monotonic()
         with self._ended_lock:   # ids gone since the last write: their last mel may still be going to the vocoder
             for c in self._last_ids - set(ids) - self._dropped_ids:   # ended by their END, not dropped
@@ -366,9 +366,9 @@ class _SolverMetrics:
     """The solver's Prometheus metrics (``s3flow.serving.metrics``: ``SolverBook`` observes, documented in
     docs/operations.md), published through ``TritonMetrics``."""
 
-    def __init__(self, model: str, instance: str, on_drop):
+    def __init__(self, model: str, instance: str, on_drop, start_buffer_s: float):
         self.api = TritonMetrics(SOLVER_FAMILIES, model, instance)
-        self.book = SolverBook(self.api.publish, on_drop=on_drop)
+        self.book = SolverBook(self.api.publish, on_drop=on_drop, start_buffer_s=start_buffer_s)
         self.live(0)  # the gauge shows from the load on, not from the first request
 
     def live(self, n: int) -> None:
@@ -376,7 +376,7 @@ class _SolverMetrics:
 
     def load(self, utilization: float, capacity: float) -> None:
         self.api.publish(UTILIZATION, utilization, {})
-        self.api.publish(CAPACITY, capacity, {})
+        self.api.publish(CAPACITY, capacity, {"ensemble": "token2mel"})
 
     def close(self) -> None:
         self.api.close()

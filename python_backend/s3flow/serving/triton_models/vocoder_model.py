@@ -32,7 +32,7 @@ from s3flow.serving.config_params import Params
 from s3flow.serving.draining import closing_probe
 from s3flow.serving.keys import snapshot_key
 from s3flow.serving.load import InstanceLoad, LoadFiles
-from s3flow.serving.metrics import FIRST_AUDIO_SECONDS, UTILIZATION, VOCODER_FAMILIES, VOCODER_LIVE
+from s3flow.serving.metrics import CAPACITY, FIRST_AUDIO_SECONDS, UTILIZATION, VOCODER_FAMILIES, VOCODER_LIVE
 from s3flow.serving.admission import LiveCounts
 from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.reaper import IdleReaper
@@ -109,6 +109,8 @@ class TritonPythonModel(TritonModel):
     def _publish_live(self) -> None:
         self.metrics.publish(VOCODER_LIVE, len(self.sequences), {})
         self.metrics.publish(UTILIZATION, self.load.publish(self.sequences.ids()).utilization, {})
+        # token2wav's capacity: the solver's and this vocoder's measured capacities, their device times added
+        self.metrics.publish(CAPACITY, self.load.files.read().wav_capacity, {"ensemble": "token2wav"})
 
     def _empty_end(self) -> list:
         """The inputs of the END that frees a dropped stream's slot (``SlotRelease``)."""
@@ -139,6 +141,7 @@ class TritonPythonModel(TritonModel):
         if o.pushed:   # its share of the device (an answer sent again ran no network)
             self.load.model.estimator_timed(1, o.pushed, time.perf_counter() - t0)
             self.load.model.chunk_work(c.corr_id, Work(row_frames=o.pushed, steps=1, frames=o.pushed))
+            self.load.model.worked(time.perf_counter() - t0)
         self._first_audio(c, o.chunk.sample_offset + o.chunk.audio.size)
         return ok_response({   # the mel and its offset passed on (contract.VOCODER_OUTPUTS says why)
             _AUDIO.name: o.chunk.audio[None].astype(_AUDIO.np_dtype, copy=False),
