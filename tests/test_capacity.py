@@ -140,6 +140,34 @@ def test_the_capacity_is_the_measured_throughput_projected_to_full_batches():
     assert model.capacity() == pytest.approx(1 / (1.2 * fits.seconds(work, 8)), rel=0.02)
 
 
+def test_at_capacity_the_wall_time_the_instance_waits_for_the_rest_of_the_pipeline_counts():
+    """Holding a full batch of streams the instance is the server at capacity: if it is busy only 70 % of the wall
+    time there (hops, other processes on the device, the clients' round trips), it makes 0.7 of its busy-time
+    throughput, and so it will at any later load; a fuller instance's idle stretches at low load do not count."""
+    now = [0.0]
+    model = _fitted(fixed=0.01, per_unit=1e-5)
+    model.clock = lambda: now[0]
+    work = Work(row_frames=2000, steps=10, chunks=1, encoder_tokens=0, frames=50)
+    for _ in range(200):                             # low load: long idle gaps, not at capacity
+        now[0] += 3.0
+        model.estimator_step(1, 2, 100)
+        model.chunk_work(1, work)
+        model.worked(0.5, streams=1)
+    alone = model.capacity()
+    assert model._duty() == 1.0
+    fits = model._costs(1.0)
+    for _ in range(400):                             # 8 streams held, busy 0.7 of every second
+        now[0] += 1.0
+        model.estimator_step(8, 16, 100)
+        for c in range(8):
+            model.chunk_work(c, work)
+        model.worked(0.7, streams=8)
+    assert model._duty() == pytest.approx(0.7, rel=1e-3)
+    assert model.capacity() == pytest.approx(0.7 * model.throughput, rel=0.02)
+    assert model.capacity() == pytest.approx(8 * 1.0 / 0.7 * 0.7, rel=0.02), "8 s of audio per wall second"
+    assert alone != model.capacity()
+
+
 def test_the_capacity_model_keeps_no_book_that_grows_with_chunks_or_ended_streams():
     """What the vocoder and the step loop report between ``worked`` calls is summed, not listed; a stream's work
     goes with its END."""

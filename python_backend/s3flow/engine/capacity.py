@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -44,6 +45,9 @@ from s3flow.engine.observer import Observer
 #: how much recent busy time the correction follows (half its weight is in the last this many busy seconds), and
 #: how much it needs before it replaces the prior
 WINDOW_S, MIN_WINDOW_S = 20.0, 0.25
+#: a stretch between two reports longer than this is not the server at capacity (it idled in between); the wall
+#: time at capacity a duty measurement needs
+SATURATED_GAP_S, MIN_SATURATED_S = 2.0, 5.0
 #: the weight of each estimator call in the average of streams per call
 FILL_SMOOTHING = 0.05
 #: how far ahead a stream's demand looks: the next seconds of its audio by the plan
@@ -171,13 +175,16 @@ class CapacityModel(Observer):
     decoupled path reports from its step thread)."""
 
     def __init__(self, max_batch: int = 8, halflife: float = 200.0, prior_correction: float = 1.0,
-                 window_s: float = WINDOW_S):
+                 window_s: float = WINDOW_S, clock=time.monotonic):
         self.max_batch = max(1, int(max_batch))
         self.estimator, self.encoder = CostFit(halflife), CostFit(halflife)
         #: busy time over what the fits price the work made in it at, over the last ``window_s`` of busy time;
         #: ``prior_correction`` until there is such work
         self.prior_correction, self.window_s = prior_correction, window_s
         self._busy = self._priced = self._full = self._audio = 0.0   # the window: decayed sums
+        #: the same over the stretches when the instance held a full batch of streams, with their wall time
+        self._sat_wall = self._sat_busy = self._sat_priced = self._sat_full = self._sat_audio = 0.0
+        self.clock, self._last = clock, None
         self._made = Work()                                 # answered since the last ``worked``
         self._fill = 1.0                                    # streams per estimator call, averaged over recent calls
         self._streams: dict = {}
@@ -201,12 +208,16 @@ class CapacityModel(Observer):
             self._streams.setdefault(corr_id, Work()).add(work)
             self._made.add(work)
 
-    def worked(self, seconds: float) -> None:
-        """The instance was busy ``seconds`` (an execute, a step-loop iteration, a vocoder push) and made the chunks
-        answered since the last call: both join the window (module docstring), older work weighing less."""
+    def worked(self, seconds: float, streams: int = 0) -> None:
+        """The instance was busy ``seconds`` (an execute, a step-loop iteration, a vocoder push) holding
+        ``streams`` streams, and made the chunks answered since the last call: both join the window (module
+        docstring), older work weighing less."""
         if not seconds > 0 or not math.isfinite(seconds):
             return
         with self._lock:
+            now = self.clock()
+            wall = max(now - self._last, seconds) if self._last is not None else seconds
+            self._last = now
             made, self._made = self._made, Work()
             decay = 0.5 ** (seconds / self.window_s)
             fits = self._costs(1.0)
@@ -216,6 +227,11 @@ class CapacityModel(Observer):
             self._priced = decay * self._priced + priced
             self._full = decay * self._full + full
             self._audio = decay * self._audio + made.audio_s
+            if streams >= self.max_batch and wall < SATURATED_GAP_S:   # a full batch held: the server at capacity
+                d = 0.5 ** (wall / self.window_s)
+                self._sat_wall, self._sat_busy = d * self._sat_wall + wall, d * self._sat_busy + seconds
+                self._sat_priced, self._sat_full = d * self._sat_priced + priced, d * self._sat_full + full
+                self._sat_audio = d * self._sat_audio + made.audio_s
 
     @property
     def correction(self) -> Optional[float]:
@@ -230,13 +246,22 @@ class CapacityModel(Observer):
             return self._audio / self._busy if self._busy > 0 else 0.0
 
     def capacity(self) -> Optional[float]:
-        """Audio seconds per second the instance makes when busy all the time at full batches: the window's
-        throughput, its work priced at full batches against at the batches it had (the one projection: a call's
-        fixed part shared by ``max_batch`` streams; 1 at full load). None before the window holds work."""
+        """Audio seconds per second the instance makes at full batches: the window's throughput, its work priced at
+        full batches against at the batches it had (the projection: a call's fixed part shared by ``max_batch``
+        streams; 1 at full load), times the share of wall time it was busy while it held a full batch (the server
+        at capacity: the rest of the pipeline, the hops, the other processes on the device, the clients' round
+        trips, leave it idle part of the time; 1 before it has been at capacity). None before the window holds
+        work."""
         with self._lock:
             if self._correction() is None or self._audio <= 0 or self._full <= 0:
                 return None
-            return self._audio / self._busy * self._priced / self._full
+            return self._audio / self._busy * self._priced / self._full * self._duty()
+
+    def _duty(self) -> float:
+        """Busy over wall time while at capacity, its work projected to full batches (module docstring)."""
+        if self._sat_wall < MIN_SATURATED_S or self._sat_full <= 0 or self._sat_priced <= 0:
+            return 1.0
+        return min(1.0, self._sat_busy / self._sat_wall * self._sat_full / self._sat_priced)
 
     def sequence_dropped(self, corr_id, reason: str) -> None:
         with self._lock:

@@ -9,8 +9,8 @@ method has a default that does nothing, so an observer implements only what it n
 * ``estimator_timed(rows, frames, seconds)``, ``encoder_timed(tokens, seconds)``: after each estimator (encoder)
   call, how long it took for its size (``s3flow.engine.capacity`` fits the costs from them);
 * ``chunk_work(corr_id, work)``: what an answered chunk cost (``s3flow.engine.capacity.Work``);
-* ``worked(seconds)``: the instance was busy this long (a step-loop iteration; the FIFO solver reports each
-  execute itself) and made the chunks answered since the last report;
+* ``worked(seconds, streams)``: the instance was busy this long (a step-loop iteration; the FIFO solver reports
+  each execute itself) holding ``streams`` streams, and made the chunks answered since the last report;
 * ``chunk_answered(corr_id, start, nfe, frames)``: a chunk's solve succeeded and its newly final ``frames``
   go out; ``nfe`` its network evaluations (steps, x2 with guidance); ``start`` whether it was a START;
 * ``sequence_dropped(corr_id, reason)``: a sequence's state went before its END
@@ -48,7 +48,7 @@ class Observer:
     def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
         pass
 
-    def worked(self, seconds: float) -> None:
+    def worked(self, seconds: float, streams: int = 0) -> None:
         pass
 
     def sequence_dropped(self, corr_id, reason: str) -> None:
@@ -84,9 +84,9 @@ class Observers(Observer):
         for o in self.observers:
             o.chunk_answered(corr_id, start, nfe, frames)
 
-    def worked(self, seconds: float) -> None:
+    def worked(self, seconds: float, streams: int = 0) -> None:
         for o in self.observers:
-            o.worked(seconds)
+            o.worked(seconds, streams)
 
     def sequence_dropped(self, corr_id, reason: str) -> None:
         for o in self.observers:

@@ -97,7 +97,7 @@ class StepLoop:
         try:
             return self._iterate()
         finally:
-            self.engine.observer.worked(self.clock() - started)
+            self.engine.observer.worked(self.clock() - started, len(self.engine.sequences))
 
     def _iterate(self) -> int:
         answered = self._prepare_new()

@@ -1,21 +1,29 @@
-"""Admission by capacity under overload, measured (issue 34): who is admitted, how fast the others hear "busy".
+"""Admission by capacity under overload, measured (issues 34, 39): who is admitted, how fast the others hear
+"busy", how close the server's own capacity estimate stays to the C it really has, and that nothing is lost.
 
 Example::
 
-    .venv/bin/python -m s3flow_tools.measure.admission                 # -> its section of results/qos.md (~8 min)
-    .venv/bin/python -m s3flow_tools.measure.admission --model token2mel --loads 3 --no-pair --out /tmp/adm.md
+    .venv/bin/python -m s3flow_tools.measure.admission                 # -> its section of results/qos.md (~30 min)
+    .venv/bin/python -m s3flow_tools.measure.admission --model token2mel --loads 3 --no-pair --singles 20 \
+        --lost-runs 1 --out /tmp/adm.md
 
 The trained small teacher (``checkpoints/trained``), two repositories alike but for ``utilization_target``:
 ``0`` (no admission by capacity: the server takes every START it has a slot for) and the default ``0.9``.
 
 1. **C**: on the server without the check, ``--at-once`` held-out sentences (3-6 s, their own prompts) started
-   together: seconds of audio per second of wall time.
+   together: seconds of audio per second of wall time. Then, on the same server, the **estimate over a run**:
+   idle, 1 stream, 16 at once, idle, 3 at once, 10 utterances one after another, idle, with the gauge
+   ``s3flow_capacity_audio_seconds_per_second`` (the ensemble's) read every 0.5 s: each sample against C, and
+   a picture of both over time beside the streams held (``results/qos_capacity_<model>.png``); and **lost at
+   overload**: 16 and 32 at once, ``--lost-runs`` times each, accepted utterances lost.
 2. **Loads** k C at once (k in ``--loads``): round(k C) plain ``StreamingClient`` s, one utterance each, no retry
    (a refusal comes back to the caller): admitted and refused, the admitted streams' stalls behind a real-time
    player with a 0.3 s start-up buffer and first audio, each refusal's answer time at the client and its
    ``retry_after``, accepted utterances lost; the server's own capacity estimate
    (``s3flow_capacity_audio_seconds_per_second``); tritonserver's and its stubs' summed RSS before and 30 s after.
-3. **Two servers** (``--pair``), each pinned to one core (``taskset``): C of one pinned server alone, then 2 C
+3. **Singles** on the server with the check: ``--singles`` utterances one after another with random gaps of
+   0-1 s: how many STARTs were answered busy (an idle server takes every one).
+4. **Two servers** (``--pair``), each pinned to one core (``taskset``): C of one pinned server alone, then 2 C
    offered in all to the client's URL list [A, B] (one retry and one resume, so a busy A sends a START on to B):
    refusals that reached the caller, and of those, how many the other server had not refused too.
 """
@@ -45,6 +53,8 @@ from s3flow_tools.measure.qos import TRAINED, utterances   # the same held-out s
 ROOT = Path(__file__).resolve().parents[3]
 
 BUFFER_S = 0.3
+#: single utterances in the traced run (issue 39's: idle, 1, 16 at once, idle, 3 at once, 10 singles, idle)
+TRACE_SINGLES = 10
 BEGIN, END = "<!-- measure_admission -->", "<!-- /measure_admission -->"
 
 
@@ -93,8 +103,9 @@ def settle(server: TritonServer, timeout_s: float = 30.0) -> None:
         time.sleep(0.5)
 
 
-def capacity_estimate(server: TritonServer) -> float:
-    return metric_sum(read_metrics(f"127.0.0.1:{server.metrics_port}"), "s3flow_capacity_audio_seconds_per_second")
+def capacity_estimate(server: TritonServer, model: str = "token2mel") -> float:
+    return metric_sum(read_metrics(f"127.0.0.1:{server.metrics_port}"), "s3flow_capacity_audio_seconds_per_second",
+                      ensemble=model)
 
 
 def calibrated(server: TritonServer, timeout_s: float = 60.0) -> TritonServer:
@@ -104,6 +115,90 @@ def calibrated(server: TritonServer, timeout_s: float = 60.0) -> TritonServer:
     while capacity_estimate(server) <= 0 and time.monotonic() - t0 < timeout_s:
         time.sleep(0.5)
     return server
+
+
+class GaugeTrace:
+    """The ensemble's capacity gauge and the streams held, read every ``period_s`` on a thread; phases marked."""
+
+    def __init__(self, server: TritonServer, model: str, period_s: float = 0.5):
+        self.server, self.model, self.period_s = server, model, period_s
+        self.samples: list = []       # (t, estimate, live)
+        self.phases: list = []        # (t, label)
+        self._stop, self.t0 = threading.Event(), time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "GaugeTrace":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def phase(self, label: str) -> None:
+        self.phases.append((time.monotonic() - self.t0, label))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                m = read_metrics(f"127.0.0.1:{self.server.metrics_port}")
+            except OSError:
+                continue
+            self.samples.append((time.monotonic() - self.t0, metric_sum(
+                m, "s3flow_capacity_audio_seconds_per_second", ensemble=self.model),
+                metric_sum(m, "s3flow_live_sequences")))
+
+
+def singles(url: str, model: str, n: int, seed: int = 0) -> list:
+    """``n`` utterances one after another, a random 0-1 s gap before each, no retry; (result, error) each."""
+    rng, out = np.random.default_rng(seed), []
+    for k in range(n):
+        time.sleep(float(rng.uniform(0.0, 1.0)))
+        o, _ = burst([url], model, 1, offset=31 + k)
+        out += o
+    return out
+
+
+def estimate_run(server: TritonServer, model: str, c: float, singles_n: int) -> tuple:
+    """The run of issue 39 (module docstring, 1.) with the gauge traced: (trace, first utterance's end)."""
+    with GaugeTrace(server, model) as trace:
+        for label, action in (("idle", lambda: time.sleep(3)), ("1 stream", lambda: burst([server.grpc_url], model, 1)),
+                              ("16 at once", lambda: burst([server.grpc_url], model, 16, offset=3)),
+                              ("idle", lambda: time.sleep(5)),
+                              ("3 at once", lambda: burst([server.grpc_url], model, 3, offset=7)),
+                              (f"{singles_n} singles", lambda: singles(server.grpc_url, model, singles_n, seed=1)),
+                              ("idle", lambda: time.sleep(5))):
+            trace.phase(label)
+            action()
+            if label == "1 stream":
+                first_end = time.monotonic() - trace.t0
+    return trace, first_end
+
+
+def plot_trace(trace: GaugeTrace, c: float, model: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s[0] for s in trace.samples]
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    ax.plot(t, [s[1] for s in trace.samples], label="the server's estimate (gauge)", color="tab:blue", zorder=3)
+    ax.axhline(c, color="black", lw=1, label=f"C measured (16 at once, no admission): {c:.2f}")
+    ax.axhspan(0.75 * c, 1.25 * c, color="0.9", label="C +- 25 %")
+    ax.set_ylabel("audio s per s")
+    ax.set_xlabel("s")
+    right = ax.twinx()
+    right.step(t, [s[2] for s in trace.samples], where="post", color="tab:orange", alpha=0.6, lw=1,
+               label="streams held")
+    right.set_ylabel("streams held")
+    for when, label in trace.phases:
+        ax.axvline(when, color="0.6", lw=0.6, ls=":")
+        ax.text(when, ax.get_ylim()[1], label, fontsize=7, rotation=90, va="top")
+    ax.legend(loc="upper right", fontsize=7)
+    ax.set_title(f"{model}: capacity estimate over a run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def load_row(label: str, out: list, model: str) -> dict:
@@ -128,19 +223,35 @@ def pin(server: TritonServer, core: int) -> None:
         subprocess.run(["taskset", "-a", "-p", "-c", str(core), str(pid)], check=False, capture_output=True)
 
 
-def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp: Path, pair: bool) -> list[str]:
+def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp: Path, pair: bool,
+                  singles_n: int, lost_runs: int, pictures: Path) -> list[str]:
     lines = [f"### `{model}`", ""]
     with TritonServer(repos["off"], log_file=tmp / f"{model}-off.log") as server:
         calibrated(server)
         burst([server.grpc_url], model, 2)   # warm the client path
         c, c_lost = throughput([server.grpc_url], model, at_once)
-    print(f"{model}: C = {c:.2f} s of audio per second ({len(c_lost)} of {at_once} lost)", flush=True)
+        print(f"{model}: C = {c:.2f} s of audio per second ({len(c_lost)} of {at_once} lost)", flush=True)
+        settle(server)
+        trace, first_end = estimate_run(server, model, c, TRACE_SINGLES)
+        lost = {}
+        for n in (16, 32):
+            for _ in range(lost_runs):
+                _, errors = throughput([server.grpc_url], model, n)
+                lost.setdefault(n, []).append(len(errors))
+                settle(server)
+        print(f"  lost at overload: {lost}", flush=True)
+    picture = pictures / f"qos_capacity_{model}.png"
+    pictures.mkdir(parents=True, exist_ok=True)
+    plot_trace(trace, c, model, picture)
+    after = [s[1] for s in trace.samples if s[0] >= first_end]
+    ratios = [e / c for e in after]
+    inside = sum(0.75 <= r <= 1.25 for r in ratios)
     rows = []
     with TritonServer(repos["on"], log_file=tmp / f"{model}-on.log") as server:
         calibrated(server)
         burst([server.grpc_url], model, 1)
         settle(server)
-        estimate = capacity_estimate(server)
+        estimate = capacity_estimate(server, model)
         rss_before = server.rss_bytes()
         for k in loads:
             n = max(1, round(k * c))
@@ -150,6 +261,10 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
             print(f"  {k:g} C: {n} streams, {r['admitted']} admitted, {r['refused']} refused (answer max "
                   f"{r['answer_max']:.0f} ms), {len(r['lost'])} lost, {r['stalled']} stalled", flush=True)
             settle(server)
+        one_by_one = singles(server.grpc_url, model, singles_n, seed=2)
+        busy_singles = sum(1 for _, e in one_by_one if e is not None and "disposition=busy" in e)
+        other_singles = sum(1 for _, e in one_by_one if e is not None and "disposition=busy" not in e)
+        print(f"  {singles_n} singles: {busy_singles} busy, {other_singles} other errors", flush=True)
         time.sleep(30.0)
         rss_after = server.rss_bytes()
         healthy = server.client().is_server_ready()
@@ -167,6 +282,17 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
         lines.append(f"| {r['label']} | {r['n']} | {r['admitted']} | {r['refused']} | {r['stalled']} / {r['admitted']} | "
                      f"{r['stall_p95']:.2f} | {r['first_p95']:.0f} | {r['answer_p99']:.0f} / {r['answer_max']:.0f} | "
                      f"{ra} | {len(r['lost'])} |")
+    lines += ["", f"The estimate over a run on the server without the check (idle, 1 stream, 16 at once, idle, 3 at "
+                  f"once, {TRACE_SINGLES} singles, idle; read every 0.5 s; [picture]({picture.name})): from the end of the "
+                  f"first utterance on, **{inside} of {len(ratios)} samples within +-25 % of C**, from "
+                  f"{min(ratios, default=float('nan')):.2f}x to {max(ratios, default=float('nan')):.2f}x C (before "
+                  f"any stream, the calibrated prior: {trace.samples[0][1] / c:.2f}x).", "",
+              f"Admission off, accepted utterances lost: " + ", ".join(
+                  f"{n} at once {'/'.join(str(x) for x in v)} (of {n}, {len(v)} runs)" for n, v in lost.items()) + ".",
+              "",
+              f"{singles_n} single utterances one after another, random gaps of 0-1 s, admission on: "
+              f"**{busy_singles} answered busy**, {other_singles} other errors.", "",
+              f"![capacity estimate over a run]({picture.name})", ""]
     lines += ["", f"Memory (tritonserver and its stubs): {rss_before / 2**20:.0f} MiB before the loads, "
                   f"{rss_after / 2**20:.0f} MiB 30 s after ({100 * (rss_after / rss_before - 1):+.1f} %); the server "
                   f"{'answered ready' if healthy else 'was NOT ready'} after them.", ""]
@@ -231,10 +357,12 @@ def main(argv=None) -> int:
                    help="also the two pinned servers (%(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "qos.md",
                    help="the file whose admission section is (re)written (default: %(default)s)")
+    p.add_argument("--singles", type=int, default=100, help="utterances one after another (%(default)s)")
+    p.add_argument("--lost-runs", type=int, default=3, help="runs of 16 and of 32 at once (%(default)s)")
     args = p.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
     models = ("token2mel", "token2wav") if args.model == "both" else (args.model,)
-    lines = ["## Admission by capacity (issue 34)", "",
+    lines = ["## Admission by capacity (issues 34, 39)", "",
              f"Made by `python -m s3flow_tools.measure.admission` on "
              f"{', '.join(f'{k} {v}' for k, v in machine().items())}: the "
              f"trained small teacher (10 guided steps), held-out sentences of 3-6 s with their own prompts, `fifo`, "
@@ -246,7 +374,8 @@ def main(argv=None) -> int:
         build(repos["off"], 0.0)
         build(repos["on"], 0.9)
         for model in models:
-            lines += measure_model(model, loads, args.at_once, repos, tmp, args.pair)
+            lines += measure_model(model, loads, args.at_once, repos, tmp, args.pair, args.singles, args.lost_runs,
+                                   args.out.parent)
             write_section(args.out, lines)   # what is measured so far
     print("\n".join(lines))
     return 0

@@ -253,7 +253,7 @@ class TritonPythonModel(TritonModel):
             handled = iter(self.session.handle([i for i, mine in zip(incoming, own) if not mine]))
             outcomes = [Outcome() if mine else next(handled) for mine in own]
         finally:
-            self.capacity.worked(self.metrics.book.clock() - started)   # what the capacity is measured from
+            self.capacity.worked(self.metrics.book.clock() - started, len(self.session.engine.sequences))
             self.on_the_way.picked_up([(i.corr_id, i.start) for i, mine in zip(incoming, own) if i.ready and not mine])
             self.on_the_way.free()
             self._publish_live()
