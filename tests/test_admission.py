@@ -174,3 +174,19 @@ def test_admission_answers_each_refusal_it_shares_with_the_solver_as_the_solver_
     if name != "full":   # the same words after each model's name (the solver says more of why it holds none)
         mine, its = by_admission.error.removeprefix("admission: "), by_solver.error.removeprefix("cfm_solver: ")
         assert mine == its or name == "sequence not held" and its.startswith(mine), (mine, its)
+
+
+def test_the_solver_lists_the_sequences_ended_by_their_end_for_a_while_and_not_the_dropped():
+    from s3flow.engine.sequences import Capacity, SequenceTable
+    from s3flow.serving.admission import RecentlyEnded
+
+    now = [0.0]
+    ended = RecentlyEnded(30.0, clock=lambda: now[0])
+    table = SequenceTable(Capacity(), ended)
+    for c in (1, 2):
+        table.begin(c, object())
+    table.commit(1, end=True)                 # its END answered
+    table.end(2, "cancelled")                 # dropped before its END
+    assert ended.recent() == [1]
+    now[0] = 30.1
+    assert ended.recent() == [], "forgotten after the grace"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.engine.capacity import WINDOW_S, CapacityModel, Costs, CostFit, Work, default_plan
+from s3flow.engine.capacity import DUTY_PRIOR, WINDOW_S, CapacityModel, Costs, CostFit, Work, default_plan
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import RequestRules, parse_request
@@ -127,7 +127,8 @@ def test_the_capacity_is_the_measured_throughput_projected_to_full_batches():
     assert model.throughput == pytest.approx(2.0)
     fits = model._costs(1.0)
     gain = fits.seconds(work, 1) / fits.seconds(work, 8)
-    assert 1.5 < gain < 5 and model.capacity() == pytest.approx(2.0 * gain, rel=1e-6)
+    assert 1.5 < gain < 5 and model.capacity() == pytest.approx(2.0 * gain * DUTY_PRIOR, rel=1e-6), \
+        "never at capacity yet: the prior share of wall time it is busy there"
     before = model.capacity()
     time.sleep(0.05)                                 # idle: nothing is measured, nothing moves
     assert model.capacity() == before
@@ -136,8 +137,13 @@ def test_the_capacity_is_the_measured_throughput_projected_to_full_batches():
         for c in range(8):
             model.chunk_work(c, work)
         model.worked(8 * fits.seconds(work, 8) * 1.2)
-    assert model.capacity() == pytest.approx(model.throughput, rel=0.02)
-    assert model.capacity() == pytest.approx(1 / (1.2 * fits.seconds(work, 8)), rel=0.02)
+    assert model.capacity() == pytest.approx(DUTY_PRIOR * model.throughput, rel=0.02)
+    assert model.capacity() == pytest.approx(DUTY_PRIOR / (1.2 * fits.seconds(work, 8)), rel=0.02)
+    vocoder_like = CapacityModel(max_batch=1, duty_prior=None)   # waits for the solver: its throughput alone
+    vocoder_like.estimator_timed(1, 100, 0.01)
+    vocoder_like.chunk_work(1, work)
+    vocoder_like.worked(0.25, streams=5)
+    assert vocoder_like.capacity() == pytest.approx(4.0)
 
 
 def test_at_capacity_the_wall_time_the_instance_waits_for_the_rest_of_the_pipeline_counts():
@@ -154,7 +160,7 @@ def test_at_capacity_the_wall_time_the_instance_waits_for_the_rest_of_the_pipeli
         model.chunk_work(1, work)
         model.worked(0.5, streams=1)
     alone = model.capacity()
-    assert model._duty() == 1.0
+    assert model._duty() == DUTY_PRIOR, "never at capacity yet"
     fits = model._costs(1.0)
     for _ in range(400):                             # 8 streams held, busy 0.7 of every second
         now[0] += 1.0
@@ -220,7 +226,7 @@ def test_a_measured_capacity_rescales_every_solver_demand_and_token2wav_adds_the
     share = measured.costs.share(8)
     planned = measured.planned_demand(share) / measured.costs.demand(PLAN.window(0), share)
     assert planned == pytest.approx(measured.planned_capacity / measured.capacity, rel=1e-6)
-    vocoder = CapacityModel(max_batch=1)
+    vocoder = CapacityModel(max_batch=1, duty_prior=None)   # as the vocoder model makes it
     vocoder.estimator_timed(1, 100, 0.01)
     vocoder.chunk_work(1, Work(row_frames=100, steps=1, frames=100))   # 2 s of audio ...
     vocoder.worked(0.25)                                                # ... in 0.25 s: 8 audio s per s
@@ -228,6 +234,7 @@ def test_a_measured_capacity_rescales_every_solver_demand_and_token2wav_adds_the
     load = files.read()
     assert load.capacity == pytest.approx(measured.capacity)
     assert load.wav_capacity == pytest.approx(1 / (1 / measured.capacity + 1 / 8.0))
+
 
 def test_the_wait_is_until_enough_streams_end_or_young_ones_leave_their_costly_start(tmp_path):
     files = LoadFiles(tmp_path)

@@ -10,12 +10,26 @@ Costs. Every estimator call and every encoder call is timed (the engine reports 
 online as ``seconds = fixed + per_unit * units`` (:class:`CostFit`: weighted least squares forgetting old calls;
 units: estimator rows x padded frames, encoder tokens). A call's fixed part is shared by the streams batched in it,
 at most ``max_batch`` of them (Triton's batch, or a step's rows): with ``n`` streams live, each pays
-``fixed / min(n, max_batch)`` per call. What the fits miss (a batch is padded to its longest chunk; the python
-between the calls) is one factor, the *correction*: each FIFO execute's measured time over what its chunks are
-priced at (:meth:`CapacityModel.executed`), averaged; before the first execute, the padding a full batch of the
-plan's chunks would have (:func:`padding_factor`). What no timing shows (the host's cores shared with other
-processes, batches that do not fill) shows as streams running dry: each one that does raises the costs by 15 %
-(:meth:`CapacityModel.ran_dry`, at most 4x), and they come back toward the measured ones as executes go by without.
+``fixed / min(n, max_batch)`` per call. The fits price one piece of work against another (a young stream's chunks
+against an old one's, more steps, a longer prompt); they do not say what the instance makes: the python between
+the calls, padding, the cores shared with other processes are nowhere in them, and on a 2-core host their
+per-unit cost moved 5x between an idle server and 16 streams.
+
+Capacity, measured from the work. The instance reports each stretch it is busy (:meth:`CapacityModel.worked`:
+a FIFO execute, a step-loop iteration, a vocoder push) and the chunks it answered in it. Over a window of recent
+busy time (``WINDOW_S``: half the weight in the last 20 busy seconds; an idle server keeps what it measured) it
+keeps the busy time, the audio made, and the fits' price of that work at the batches it had and at full batches:
+
+* the *correction* (busy over priced) makes the costs price what the work really takes (:meth:`costs`);
+* the *capacity* (:meth:`capacity`) is the throughput (audio over busy) projected to full batches on the window's
+  own work (priced at the batches it had over priced at full batches: 1 at full load), times the share of wall time
+  the instance was busy while it held a full batch (the server at capacity waits on the rest of the pipeline: the
+  hops, the other processes, the clients' round trips; measured when it happens, ``DUTY_PRIOR`` before).
+
+Before any served work, the calibration at load (``s3flow.serving.calibration``) gives the fits, and the costs'
+capacity for the plan is the prior. The gauge, admission's price of a stream (``s3flow.serving.load``: demands
+scaled so that N default streams need N / capacity) and its ``retry_after`` read these same numbers (the step
+loop's slack still prices a step by its own running average: issue 40).
 
 Work. A stream's chunks report what they cost (:class:`Work`: estimator row-frames over all steps, steps,
 chunks, encoder tokens, frames made final). The server knows neither an utterance's length nor a live client's
@@ -27,9 +41,10 @@ Example::
 
     model = CapacityModel(max_batch=8)          # an engine Observer: the engine feeds it
     engine = StreamingEngine(..., observer=model)
+    model.worked(execute_seconds, streams=len(table))     # after each busy stretch
+    model.capacity()                                      # audio s per s at full batches, measured
     costs = model.costs()
     costs.demand(work, share=costs.share(live_streams))   # device s per s of a stream that did ``work``
-    costs.capacity(plan_work(...))                        # audio s per s of default streams at full batches
 """
 from __future__ import annotations
 
@@ -48,6 +63,10 @@ WINDOW_S, MIN_WINDOW_S = 20.0, 0.25
 #: a stretch between two reports longer than this is not the server at capacity (it idled in between); the wall
 #: time at capacity a duty measurement needs
 SATURATED_GAP_S, MIN_SATURATED_S = 2.0, 5.0
+#: the duty before an instance has been at capacity: what the solver measured on a 2-core host serving the trained
+#: small teacher, 16 streams at once (0.7: results/qos.md). A prior on the safe side for a host whose other
+#: processes do not share the solver's device (a GPU): the first time at capacity measures its own
+DUTY_PRIOR = 0.7
 #: the weight of each estimator call in the average of streams per call
 FILL_SMOOTHING = 0.05
 #: how far ahead a stream's demand looks: the next seconds of its audio by the plan
@@ -175,7 +194,9 @@ class CapacityModel(Observer):
     decoupled path reports from its step thread)."""
 
     def __init__(self, max_batch: int = 8, halflife: float = 200.0, prior_correction: float = 1.0,
-                 window_s: float = WINDOW_S, clock=time.monotonic):
+                 window_s: float = WINDOW_S, clock=time.monotonic, duty_prior: Optional[float] = DUTY_PRIOR):
+        """``duty_prior`` None: the instance's idle share at capacity is not its own (the vocoder waits for the
+        solver, the bottleneck): its capacity is its throughput alone."""
         self.max_batch = max(1, int(max_batch))
         self.estimator, self.encoder = CostFit(halflife), CostFit(halflife)
         #: busy time over what the fits price the work made in it at, over the last ``window_s`` of busy time;
@@ -184,7 +205,7 @@ class CapacityModel(Observer):
         self._busy = self._priced = self._full = self._audio = 0.0   # the window: decayed sums
         #: the same over the stretches when the instance held a full batch of streams, with their wall time
         self._sat_wall = self._sat_busy = self._sat_priced = self._sat_full = self._sat_audio = 0.0
-        self.clock, self._last = clock, None
+        self.clock, self._last, self.duty_prior = clock, None, duty_prior
         self._made = Work()                                 # answered since the last ``worked``
         self._fill = 1.0                                    # streams per estimator call, averaged over recent calls
         self._streams: dict = {}
@@ -250,17 +271,20 @@ class CapacityModel(Observer):
         full batches against at the batches it had (the projection: a call's fixed part shared by ``max_batch``
         streams; 1 at full load), times the share of wall time it was busy while it held a full batch (the server
         at capacity: the rest of the pipeline, the hops, the other processes on the device, the clients' round
-        trips, leave it idle part of the time; 1 before it has been at capacity). None before the window holds
-        work."""
+        trips, leave it idle part of the time; ``duty_prior`` before it has been at capacity). None before the
+        window holds work."""
         with self._lock:
             if self._correction() is None or self._audio <= 0 or self._full <= 0:
                 return None
             return self._audio / self._busy * self._priced / self._full * self._duty()
 
     def _duty(self) -> float:
-        """Busy over wall time while at capacity, its work projected to full batches (module docstring)."""
-        if self._sat_wall < MIN_SATURATED_S or self._sat_full <= 0 or self._sat_priced <= 0:
+        """Busy over wall time while at capacity, its work projected to full batches (module docstring); the prior
+        ``duty_prior`` before the instance has been at capacity."""
+        if self.duty_prior is None:
             return 1.0
+        if self._sat_wall < MIN_SATURATED_S or self._sat_full <= 0 or self._sat_priced <= 0:
+            return self.duty_prior
         return min(1.0, self._sat_busy / self._sat_wall * self._sat_full / self._sat_priced)
 
     def sequence_dropped(self, corr_id, reason: str) -> None:

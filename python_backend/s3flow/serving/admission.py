@@ -12,14 +12,14 @@ refused there never reaches the sequence batcher and holds nothing. It reads the
 * a voice this server does not hold: ``retry`` with ``resend=prompt``;
 * while the server drains: ``resume``;
 * when the solver instances hold as many live sequences as they may (their live ids, written by each instance
-  after every execute into ``LiveCounts``, plus the STARTs admitted in the last ``grace_s`` that they do not
-  list yet): ``busy`` with a retry time;
+  after every execute into ``LiveCounts``, plus the STARTs admitted in the last ``grace_s`` that they have not
+  listed yet, as held or as ended): ``busy`` with a retry time;
 * when the stream would take the server's utilization above ``utilization_target`` (``Capacity``: the live
-  streams' summed demand of the device, each priced by the costs the solver measured, plus what this START needs
+  streams' summed demand of the device against the capacity measured from their work, plus what this START needs
   by the default plan at its own steps; ``s3flow.serving.load``): ``busy``, with ``retry_after`` the time until
-  enough streams of ``expected_utterance_s`` have ended, clamped to [0.2, 5] s. Before the solver has priced
-  anything (its calibration at load) only the live-sequence cap applies, and a server that holds no stream takes
-  one whatever its estimate.
+  the server expects room (young streams past their costly start, or streams of ``expected_utterance_s`` ended),
+  clamped to [0.2, 5] s. Before the solver has priced anything (its calibration at load) only the live-sequence
+  cap applies, and a server that holds no stream takes one whatever its estimate.
 
 Chunks after the START pass unchecked (their sequence holds its slot legitimately; the solver validates them),
 except those of a sequence the solver dropped (``gone``: answered ``resume`` with the solver's reason);
@@ -40,6 +40,7 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
+from s3flow.engine.observer import Observer
 from s3flow.engine.sequences import Capacity
 from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence
 from s3flow.serving.arrivals import server_folder
@@ -50,6 +51,8 @@ from s3flow.serving.voice_registry import UnknownVoice
 
 #: the bounds of a capacity refusal's retry_after (seconds)
 MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
+#: how long one read of the load reports answers STARTs (seconds)
+LOAD_READ_S = 0.05
 
 
 class LiveCounts:
@@ -115,6 +118,26 @@ class LiveCounts:
         return ids
 
 
+class RecentlyEnded(Observer):
+    """The sequences whose END the table answered in the last ``grace_s`` (its ``sequence_ended``; a sequence
+    dropped before its END is not one): the vocoder keeps them, their last mel perhaps still on its way."""
+
+    def __init__(self, grace_s: float, clock=time.monotonic):
+        self.grace_s, self.clock = grace_s, clock
+        self._ended: dict = {}
+        self._lock = threading.Lock()
+
+    def sequence_ended(self, corr_id) -> None:
+        with self._lock:
+            self._ended[corr_id] = self.clock()
+
+    def recent(self) -> list:
+        now = self.clock()
+        with self._lock:
+            self._ended = {c: t for c, t in self._ended.items() if now - t < self.grace_s}
+            return list(self._ended)
+
+
 class Admission:
     """Decides whether a request may go on to the solver (module docstring)."""
 
@@ -133,6 +156,7 @@ class Admission:
         self.starts, self.seen, self.gone = starts, seen, gone
         self.name, self.grace_s, self.clock = name, grace_s, clock
         self._admitted: dict[int, float] = {}       # STARTs admitted and perhaps not yet counted: id -> time
+        self._load = None                            # (time read, ServerLoad)
 
     def check(self, corr_id: int, start: bool, end: bool, inputs: Mapping[str, np.ndarray],
               tenant: str = "") -> Optional[Outcome]:
@@ -180,9 +204,17 @@ class Admission:
         sequence; ``reason``: its label in the refusals metric."""
         return refused(corr_id, f"{self.name}: {naming_sequence(corr_id, exc)}", exc, reason)
 
+    def _read_load(self):
+        """The instances' load reports, read at most every ``LOAD_READ_S`` (a burst of STARTs is answered from one
+        read: the STARTs admitted meanwhile count as pending)."""
+        now = self.clock()
+        if self._load is None or now - self._load[0] > LOAD_READ_S:
+            self._load = (now, self.load.read())
+        return self._load[1]
+
     def _over_capacity(self, corr_id: int, req, live: set) -> Optional[Outcome]:
         """The capacity check (module docstring): None when the stream fits under the target."""
-        load = self.load.read()
+        load = self._read_load()
         if not load.known:
             return None
         held = load.solver_ids

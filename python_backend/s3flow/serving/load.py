@@ -9,11 +9,15 @@ the one asking):
 
 * ``utilization(pending)``: the summed demand of every stream held (device seconds per second), the solver's and
   the vocoder's, on the one device they share;
-* ``capacity``: audio seconds per second of default streams at full batches (the solver's estimate);
+* ``capacity``: audio seconds per second of default streams at full batches, measured from the solver's work
+  (``CapacityModel.capacity``; ``wav_capacity``: token2wav's, the vocoder's device time per audio second added);
+  each solver demand is scaled so that N default streams need N / capacity (the costs only price one stream
+  against another);
 * ``start_demand(steps, guidance_rate)``: what a new START adds (the default plan at its own steps and
   guidance; plus the vocoder's per-stream demand as often as the live streams go through the vocoder);
-* ``wait_until(target, need, expected_s)``: the time until enough streams end for ``need`` more to fit under
-  ``target``, each stream assumed to last ``expected_s`` of audio (no stream says how long it will be).
+* ``wait_until(target, need, expected_s)``: the time until there is room for ``need`` more under ``target``,
+  looking ahead: young streams leave their costly start (STARTs that came together go in one after another), and
+  streams end, each assumed to last ``expected_s`` of audio (no stream says how long it will be).
 
 Example::
 
@@ -25,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import threading
 from dataclasses import dataclass, field
@@ -83,9 +88,10 @@ class LoadReport:
                    planned_steps=int(d["planned_steps"]), planned_rows=int(d["planned_rows"]),
                    capacity=float(d.get("capacity", 0.0)))
 
-    @property
+    @functools.cached_property
     def planned_capacity(self) -> float:
-        """What the costs say the instance makes of default streams at full batches (the plan's)."""
+        """What the costs say the instance makes of default streams at full batches (the plan's; a report is read
+        once and priced many times)."""
         return self.costs.capacity(self.planned.expected()) if self.planned is not None else 0.0
 
     def _scale(self) -> float:

@@ -11,7 +11,8 @@ The trained small teacher (``checkpoints/trained``), two repositories alike but 
 ``0`` (no admission by capacity: the server takes every START it has a slot for) and the default ``0.9``.
 
 1. **C**: on the server without the check, ``--at-once`` held-out sentences (3-6 s, their own prompts) started
-   together: seconds of audio per second of wall time. Then, on the same server, the **estimate over a run**:
+   together: seconds of audio per second of wall time. Then, on a fresh server of the same repository, the
+   **estimate over a run**:
    idle, 1 stream, 16 at once, idle, 3 at once, 10 utterances one after another, idle, with the gauge
    ``s3flow_capacity_audio_seconds_per_second`` (the ensemble's) read every 0.5 s: each sample against C, and
    a picture of both over time beside the streams held (``results/qos_capacity_<model>.png``); and **lost at
@@ -231,7 +232,8 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
         burst([server.grpc_url], model, 2)   # warm the client path
         c, c_lost = throughput([server.grpc_url], model, at_once)
         print(f"{model}: C = {c:.2f} s of audio per second ({len(c_lost)} of {at_once} lost)", flush=True)
-        settle(server)
+    with TritonServer(repos["off"], log_file=tmp / f"{model}-trace.log") as server:   # a fresh server's estimate
+        calibrated(server)
         trace, first_end = estimate_run(server, model, c, TRACE_SINGLES)
         lost = {}
         for n in (16, 32):
@@ -282,7 +284,7 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
         lines.append(f"| {r['label']} | {r['n']} | {r['admitted']} | {r['refused']} | {r['stalled']} / {r['admitted']} | "
                      f"{r['stall_p95']:.2f} | {r['first_p95']:.0f} | {r['answer_p99']:.0f} / {r['answer_max']:.0f} | "
                      f"{ra} | {len(r['lost'])} |")
-    lines += ["", f"The estimate over a run on the server without the check (idle, 1 stream, 16 at once, idle, 3 at "
+    lines += ["", f"The estimate over a run on a fresh server without the check (idle, 1 stream, 16 at once, idle, 3 at "
                   f"once, {TRACE_SINGLES} singles, idle; read every 0.5 s; [picture]({picture.name})): from the end of the "
                   f"first utterance on, **{inside} of {len(ratios)} samples within +-25 % of C**, from "
                   f"{min(ratios, default=float('nan')):.2f}x to {max(ratios, default=float('nan')):.2f}x C (before "

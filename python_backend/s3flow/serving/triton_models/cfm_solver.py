@@ -34,7 +34,7 @@ from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import RequestError, one_bytes, tenant_of
-from s3flow.serving.admission import LiveCounts
+from s3flow.serving.admission import LiveCounts, RecentlyEnded
 from s3flow.serving.arrivals import ArrivalMarks, Delivery, OnTheWay
 from s3flow.serving.draining import closing_probe, draining_probe
 from s3flow.serving.heap import trim_heap
@@ -137,8 +137,8 @@ class TritonPythonModel(TritonModel):
                                   names(ENCODER_OUTPUTS), device_id)
         self.estimator = BlsEstimator(p.str("estimator_model", ESTIMATOR_MODEL), names(estimator_inputs(self.meanflow)),
                                       names(ESTIMATOR_OUTPUTS), device_id)
-        # the ids the last live count listed, those ended since (ENDED_GRACE_S), those dropped (not "ended")
-        self._last_ids, self._ended, self._dropped_ids, self._ended_lock = set(), {}, set(), threading.Lock()
+        # the sequences ended by their END in the last ENDED_GRACE_S (the table tells of each)
+        self.ended = RecentlyEnded(ENDED_GRACE_S)
         self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name), self._dropped,
                                       self.settings.scheduling.start_buffer_s)
         # a dropped sequence's Triton slot is freed at once (slots.py); admission answers its late chunks
@@ -154,7 +154,8 @@ class TritonPythonModel(TritonModel):
         self.delivery = Delivery(ArrivalMarks(ArrivalMarks.default_folder("vocoded")),
                                  idle_s=self.settings.capacity.idle_timeout_s)
         self.stepped = None   # scheduling "deadline": the decoupled path (s3flow.serving.step_service)
-        table = SequenceTable(self.settings.capacity, Observers(self.metrics.book, self.on_the_way, self.delivery),
+        table = SequenceTable(self.settings.capacity,
+                              Observers(self.metrics.book, self.on_the_way, self.delivery, self.ended),
                               pending=self._pending)
         # what the server can carry (s3flow.engine.capacity): every call timed, each stream's work, for admission
         sched = self.settings.scheduling
@@ -321,14 +322,7 @@ class TritonPythonModel(TritonModel):
         self.metrics.live(len(ids))
         load = self.load.publish(ids)
         self.metrics.load(load.utilization, load.capacity)
-        now = time.monotonic()
-        with self._ended_lock:   # ids gone since the last write: their last mel may still be going to the vocoder
-            for c in self._last_ids - set(ids) - self._dropped_ids:   # ended by their END, not dropped
-                self._ended[c] = now
-            self._dropped_ids.clear()
-            self._last_ids = set(ids)
-            self._ended = {c: t for c, t in self._ended.items() if now - t < ENDED_GRACE_S and c not in self._last_ids}
-            recent = list(self._ended)
+        recent = [c for c in self.ended.recent() if c not in ids]   # their last mel may still go to the vocoder
         try:
             self.live_counts.write(self.instance, ids, self.settings.capacity.max_live_sequences, recent)
         except OSError as exc:   # admission then counts this instance as it last wrote (or not at all)
@@ -337,8 +331,6 @@ class TritonPythonModel(TritonModel):
     def _dropped(self, corr_id, reason: str) -> None:
         """A sequence's state went before its END (counted by the metrics as ``s3flow_sequences_dropped_total``):
         logged, and unless its request ended it in Triton too, marked gone and its Triton slot freed."""
-        with self._ended_lock:   # the vocoder may drop its side as idle as soon as it likes
-            self._dropped_ids.add(corr_id)
         idle = self.settings.capacity.idle_timeout_s
         what = f"evicted sequence {corr_id} after {idle} s idle" if reason == "idle" \
             else f"dropped sequence {corr_id} ({reason})"

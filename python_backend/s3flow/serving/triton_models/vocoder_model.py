@@ -81,7 +81,7 @@ class TritonPythonModel(TritonModel):
         self.metrics = TritonMetrics(VOCODER_FAMILIES, self.name, args.get("model_instance_name", self.name))
         # its share of the device for admission by capacity (s3flow.serving.load): every push timed, one call each
         self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), args.get("model_instance_name", self.name),
-                                 "vocoder", CapacityModel(max_batch=1))
+                                 "vocoder", CapacityModel(max_batch=1, duty_prior=None))
         self.logger.log_info(f"{self.name}: HiFT in {runner_settings.backend} on {runner_settings.device}")
         if p.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no store entry
             self.logger.log_info(warm_up_vocoder(self.stream).describe())
