@@ -84,7 +84,7 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
   - ``admission``: the checks a START passes before it gets a slot
   - ``load``: each instance's demand, summed where admission reads it
   - ``calibration``: the solver's capacity at load (planned work, timed calls)
-  - ``arrivals``: when requests arrived at the ensembles
+  - ``arrivals``: requests counted from admission to the solver, answers from the solver to the vocoder
   - ``warmup``: what each model runs before its first real request
   - ``metrics``: the Prometheus families and what they observe
   - ``reaper``: the idle reaper thread of a stateful model
@@ -93,6 +93,7 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
   - ``config_params``: reading a served config's parameters, typed
   - ``keys``: the fleet's keys, read from mounted files
   - ``heap``: giving freed heap memory back after a large request
+  - ``parent_watch``: a python stub exits when its tritonserver dies
 
 - ``repository/`` (build time, beside ``server``): writing the model repository
 

@@ -278,6 +278,12 @@ class CapacityModel(Observer):
                 return None
             return self._audio / self._busy * self._priced / self._full * self._duty()
 
+    @property
+    def duty(self) -> float:
+        """Busy over wall time while at capacity (or the prior; 1 for an instance that does not measure it)."""
+        with self._lock:
+            return self._duty()
+
     def _duty(self) -> float:
         """Busy over wall time while at capacity, its work projected to full batches (module docstring); the prior
         ``duty_prior`` before the instance has been at capacity."""

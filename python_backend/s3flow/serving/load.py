@@ -66,6 +66,9 @@ class LoadReport:
     #: audio seconds per second the instance makes at full batches, measured from its recent work
     #: (``CapacityModel.capacity``; a solver's, before it has served any: its calibrated costs' for the plan)
     capacity: float = 0.0
+    #: what it is made of (diagnostics): audio per busy second in the window, the busy share at capacity
+    throughput: float = 0.0
+    duty: float = 1.0
 
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "costs": dataclasses.asdict(self.costs),
@@ -75,7 +78,7 @@ class LoadReport:
                                "chunks": [_work(w) for w in self.planned.chunks],
                                "expected_frames": self.planned.expected_frames},
                            "planned_steps": self.planned_steps, "planned_rows": self.planned_rows,
-                           "capacity": self.capacity})
+                           "capacity": self.capacity, "throughput": self.throughput, "duty": self.duty})
 
     @classmethod
     def from_json(cls, text: str) -> "LoadReport":
@@ -86,7 +89,8 @@ class LoadReport:
                    planned=None if d["planned"] is None else Plan([Work(*w) for w in d["planned"]["chunks"]],
                                                                   int(d["planned"]["expected_frames"])),
                    planned_steps=int(d["planned_steps"]), planned_rows=int(d["planned_rows"]),
-                   capacity=float(d.get("capacity", 0.0)))
+                   capacity=float(d.get("capacity", 0.0)), throughput=float(d.get("throughput", 0.0)),
+                   duty=float(d.get("duty", 1.0)))
 
     @functools.cached_property
     def planned_capacity(self) -> float:
@@ -269,6 +273,7 @@ class InstanceLoad:
         report = LoadReport(self.kind, self.model.costs(), streams, [c for c in live if c not in streams],
                             self.planned, self.planned_steps, self.planned_rows)
         report.capacity = self.model.capacity() or (report.planned_capacity if self.planned is not None else 0.0)
+        report.throughput, report.duty = self.model.throughput, self.model.duty
         try:
             self.files.write(self.instance, report)
         except OSError:   # admission counts this instance as it last wrote
