@@ -36,8 +36,8 @@ metric (labels ``model``, ``instance``)       kind       what
 ``s3flow_capacity_audio_seconds_per_second``  gauge      audio seconds per second the server makes at full
   ``{ensemble}``                                         batches, measured from its recent work: the
                                                          solver's for ``token2mel``, the vocoder's for
-                                                         ``token2wav`` (the vocoder's device time added;
-                                                         ``s3flow.engine.capacity``)
+                                                         ``token2wav`` (the solver's bounded by the
+                                                         vocoder's; ``s3flow.serving.load``)
 ``s3flow_admission_refusals_total{reason}``   counter    admission: STARTs refused, by reason
 ``s3flow_admission_retry_after_seconds``      histogram  admission: the retry_after of each busy refusal
 ============================================  =========  ===============================================
@@ -111,7 +111,7 @@ UTILIZATION = Family("s3flow_utilization", "gauge",
                      "(sum over a server's instances: its utilization)")
 CAPACITY = Family("s3flow_capacity_audio_seconds_per_second", "gauge",
                   "audio seconds per second the server makes for default streams at full batches, measured from its "
-                  "recent work, per ensemble (token2mel: the solver's; token2wav: with the vocoder's time)")
+                  "recent work, per ensemble (token2mel: the solver's; token2wav: bounded by the vocoder's)")
 
 ADMISSION_REFUSALS = Family("s3flow_admission_refusals_total", "counter",
                             "STARTs refused by admission before the sequence batcher, by reason (capacity, live, "

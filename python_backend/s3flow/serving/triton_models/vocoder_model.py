@@ -109,7 +109,7 @@ class TritonPythonModel(TritonModel):
     def _publish_live(self) -> None:
         self.metrics.publish(VOCODER_LIVE, len(self.sequences), {})
         self.metrics.publish(UTILIZATION, self.load.publish(self.sequences.ids()).utilization, {})
-        # token2wav's capacity: the solver's and this vocoder's measured capacities, their device times added
+        # token2wav's capacity: the solver's, bounded by this vocoder's (s3flow.serving.load.ServerLoad.wav_capacity)
         self.metrics.publish(CAPACITY, self.load.files.read().wav_capacity, {"ensemble": "token2wav"})
 
     def _empty_end(self) -> list:
