@@ -90,6 +90,22 @@ def _solver_load(folder, live_ids, per_stream: float):
     return files
 
 
+def test_a_start_right_after_the_last_end_is_judged_by_the_report_written_at_that_end(tmp_path):
+    """The solver rewrites its report at every END; a START a few ms later sees it (issue 39: reports cached 50 ms
+    refused a START on an idle server by the stream that had just ended)."""
+    from s3flow.engine.sequences import Capacity
+    from s3flow.serving.load import LoadFiles
+
+    live = LiveCounts(tmp_path / "live")
+    files = _solver_load(tmp_path / "load", [1], per_stream=0.3)
+    a = Admission(RequestRules(), 80, live=live, load=files, capacity=Capacity(utilization_target=0.2))
+    assert a.check(2, True, False, START) is not None, "0.3 held + 0.3 is over 0.2"
+    assert a.load.read() is a.load.read(), "unchanged reports are parsed once"
+    _solver_load(tmp_path / "load", [], per_stream=0.3)   # the END: the same file, rewritten
+    assert a.check(3, True, False, START) is None, "an idle server takes a stream"
+    assert LoadFiles(tmp_path / "load").read().solver_ids == set()
+
+
 def test_a_start_over_the_utilization_target_is_refused_busy_with_a_retry_after(tmp_path):
     from s3flow.engine.sequences import Capacity
 

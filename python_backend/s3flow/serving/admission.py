@@ -51,8 +51,6 @@ from s3flow.serving.voice_registry import UnknownVoice
 
 #: the bounds of a capacity refusal's retry_after (seconds)
 MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
-#: how long one read of the load reports answers STARTs (seconds)
-LOAD_READ_S = 0.05
 
 
 class LiveCounts:
@@ -156,7 +154,6 @@ class Admission:
         self.starts, self.seen, self.gone = starts, seen, gone
         self.name, self.grace_s, self.clock = name, grace_s, clock
         self._admitted: dict[int, float] = {}       # STARTs admitted and perhaps not yet counted: id -> time
-        self._load = None                            # (time read, ServerLoad)
 
     def check(self, corr_id: int, start: bool, end: bool, inputs: Mapping[str, np.ndarray],
               tenant: str = "") -> Optional[Outcome]:
@@ -204,17 +201,9 @@ class Admission:
         sequence; ``reason``: its label in the refusals metric."""
         return refused(corr_id, f"{self.name}: {naming_sequence(corr_id, exc)}", exc, reason)
 
-    def _read_load(self):
-        """The instances' load reports, read at most every ``LOAD_READ_S`` (a burst of STARTs is answered from one
-        read: the STARTs admitted meanwhile count as pending)."""
-        now = self.clock()
-        if self._load is None or now - self._load[0] > LOAD_READ_S:
-            self._load = (now, self.load.read())
-        return self._load[1]
-
     def _over_capacity(self, corr_id: int, req, live: set) -> Optional[Outcome]:
         """The capacity check (module docstring): None when the stream fits under the target."""
-        load = self._read_load()
+        load = self.load.read()
         if not load.known:
             return None
         held = load.solver_ids

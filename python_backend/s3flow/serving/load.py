@@ -228,11 +228,14 @@ class ServerLoad:
 
 
 class LoadFiles:
-    """The instances' reports as files in one folder (one per instance, replaced whole on every write)."""
+    """The instances' reports as files in one folder (one per instance, replaced whole on every write). A reader
+    reads them all every time and parses them again only when one changed (a burst of STARTs costs a few small
+    reads each, and never judges by a report older than the last one written)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._last: tuple = ([], ServerLoad([]))   # (the files' texts, what they said)
 
     @staticmethod
     def default_folder(server_pid: Optional[int] = None) -> Path:
@@ -248,15 +251,24 @@ class LoadFiles:
         (self.folder / instance).unlink(missing_ok=True)
 
     def read(self) -> ServerLoad:
-        reports = []
-        for path in self.folder.iterdir():
+        texts = []
+        for path in sorted(self.folder.iterdir()):
             if ".tmp" in path.name:
                 continue
             try:
-                reports.append(LoadReport.from_json(path.read_text()))
-            except (OSError, ValueError, KeyError, TypeError):   # being replaced, or an older server's
+                texts.append(path.read_text())
+            except OSError:   # removed meanwhile
                 continue
-        return ServerLoad(reports)
+        if texts == self._last[0]:
+            return self._last[1]
+        reports = []
+        for text in texts:
+            try:
+                reports.append(LoadReport.from_json(text))
+            except (ValueError, KeyError, TypeError):   # an older server's
+                continue
+        self._last = (texts, ServerLoad(reports))
+        return self._last[1]
 
 
 class InstanceLoad:

@@ -175,6 +175,7 @@ class TritonPythonModel(TritonModel):
         self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), self.instance, "solver", self.capacity, *plan)
         # Triton has called execute (its model_warmup request, or a client's): the instance is set up, BLS works
         self.set_up = threading.Event()
+        self._publishing = threading.Lock()   # one report at a time: the last written is the last taken
         self.closing = closing_probe()
         self.calibration = None
         if p.bool("calibrate", True):   # the cost fits start from real calls (a thread, once BLS works)
@@ -314,11 +315,15 @@ class TritonPythonModel(TritonModel):
         self._publish_live()   # every period: the load's costs and the streams' ages move between executes too
 
     def _publish_live(self) -> None:
-        """The live count to the metrics and to admission (``LiveCounts``)."""
+        """The live count to the metrics and to admission (``LiveCounts``). Execute, the step loop and the reaper
+        all publish: without the lock a report taken before an END could land after the END's own."""
         session = self.session
         if session is None:
             return
-        ids = session.engine.sequences.ids()
+        with self._publishing:
+            self._publish(session.engine.sequences.ids())
+
+    def _publish(self, ids) -> None:
         self.metrics.live(len(ids))
         load = self.load.publish(ids)
         self.metrics.load(load.utilization, load.capacity)
