@@ -1,6 +1,7 @@
-"""A process under ``s3flow.serving.parent_watch`` exits when its parent dies, even while the dead parent is an
-unreaped zombie (what ``kill(pid, 0)``, the python backend stub's own check, takes for alive). No server here:
-test_shutdown does the same to a real tritonserver and its stubs."""
+"""A process under ``s3flow.serving.parent_watch`` goes when its parent dies, even while the dead parent is an
+unreaped zombie (what ``kill(pid, 0)``, the python backend stub's own check, takes for alive) and while one of its
+threads holds the GIL for good (a stub's call into its dead server does); the watch itself outlives neither. No
+server here: test_shutdown does the same to a real tritonserver and its stubs."""
 import os
 import signal
 import subprocess
@@ -8,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from s3flow.serving.parent_watch import EXIT_CODE
+import pytest
 
-#: the parent starts a watched child, prints its PID, and waits to be killed
+#: the parent starts a watched child, prints the child's PID and what the child said, and waits to be killed
 PARENT = """
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
@@ -18,10 +19,12 @@ print(child.pid, child.stdout.readline().strip(), flush=True)
 time.sleep(600)
 """
 CHILD = """
-import time
+import ctypes, threading, time
 from s3flow.serving.parent_watch import watch_parent
-watch_parent(period_s=0.1)
-print("watching", flush=True)
+watch = watch_parent(period_s=0.1)
+print(watch.pid, flush=True)
+if {hold_gil}:   # libc's sleep through PyDLL keeps the GIL: no Python thread runs again
+    threading.Thread(target=lambda: ctypes.PyDLL(None).sleep(600), daemon=True).start()
 time.sleep(600)
 """
 
@@ -33,31 +36,49 @@ def _state(pid: int) -> str:
         return "gone"
 
 
-def test_a_watched_process_exits_when_its_parent_is_killed_and_left_a_zombie():
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True)
-    child_pid, said = parent.stdout.readline().split()
-    child_pid = int(child_pid)
-    assert said == "watching"
+def _wait_gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while _state(pid) not in ("gone", "Z") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _state(pid) in ("gone", "Z")
+
+
+@pytest.mark.parametrize("hold_gil", [False, True], ids=["idle", "gil-held"])
+def test_a_watched_process_is_killed_when_its_parent_dies_and_is_left_a_zombie(hold_gil):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD.format(hold_gil=hold_gil)],
+                              stdout=subprocess.PIPE, text=True)
+    child_pid, watch_pid = (int(x) for x in parent.stdout.readline().split())
     try:
+        time.sleep(0.3)   # the GIL taken for good, where asked
+        assert _state(child_pid) not in ("gone", "Z") and _state(watch_pid) not in ("gone", "Z")
         os.kill(parent.pid, signal.SIGKILL)   # and not reaped until the end: a zombie
-        deadline = time.monotonic() + 10
-        while _state(child_pid) not in ("gone", "Z") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert _wait_gone(child_pid, 10), "the child outlived its parent by 10 s"
         assert _state(parent.pid) == "Z", "the parent stays unreaped while the child is checked"
-        assert _state(child_pid) in ("gone", "Z"), "the child outlived its parent by 10 s"
+        assert _wait_gone(watch_pid, 5), "the watch outlived the child it killed"
     finally:
-        if _state(child_pid) not in ("gone", "Z"):
-            os.kill(child_pid, signal.SIGKILL)
+        for pid in (child_pid, watch_pid):
+            if _state(pid) not in ("gone", "Z"):
+                os.kill(pid, signal.SIGKILL)
         parent.wait(10)
 
 
-def test_the_watch_is_one_per_process_and_leaves_a_living_parent_alone():
+def test_the_watch_is_one_per_process_leaves_a_living_parent_alone_and_goes_with_its_process():
     out = subprocess.run([sys.executable, "-c", """
 import time
 from s3flow.serving.parent_watch import watch_parent
 a, b = watch_parent(period_s=0.05), watch_parent(period_s=0.05)
 time.sleep(0.5)
-print(a is b, a.is_alive())
+print(a is b, a.poll() is None, a.pid)
 """], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.split() == ["True", "True"], out.stdout + out.stderr
-    assert EXIT_CODE != 0
+    assert out.returncode == 0, out.stderr
+    same, running, watch_pid = out.stdout.split()
+    assert (same, running) == ("True", "True"), out.stdout + out.stderr
+    assert _wait_gone(int(watch_pid), 2), "a process that exits normally takes its watch with it"
+
+
+def test_the_watch_of_a_killed_process_ends_by_itself():
+    child = subprocess.Popen([sys.executable, "-c", CHILD.format(hold_gil=False)], stdout=subprocess.PIPE, text=True)
+    watch_pid = int(child.stdout.readline())
+    child.kill()   # no atexit
+    child.wait(10)
+    assert _wait_gone(watch_pid, 5), "the watch outlived the process it watched"

@@ -93,7 +93,7 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
   - ``config_params``: reading a served config's parameters, typed
   - ``keys``: the fleet's keys, read from mounted files
   - ``heap``: giving freed heap memory back after a large request
-  - ``parent_watch``: a python stub exits when its tritonserver dies
+  - ``parent_watch``: a python stub goes when its tritonserver dies (a watch process beside it)
 
 - ``repository/`` (build time, beside ``server``): writing the model repository
 

@@ -1,4 +1,4 @@
-"""A python model's stub exits when its tritonserver dies, however it died.
+"""A python model's stub goes when its tritonserver dies, however it died.
 
 The python backend's stub watches its server itself (``pb_stub.cc``: every 300 ms ``kill(parent_pid, 0)``), but
 ``kill(pid, 0)`` succeeds on a zombie: a tritonserver killed with SIGKILL (the OOM killer, a crash) whose own
@@ -7,58 +7,62 @@ orphaned, each holding its ~300 MB and its ``/dev/shm`` regions (seen: 5 of 5 st
 while the parent sat unreaped). Reparenting, unlike reaping, happens the moment the server exits, so a stub
 whose parent PID is no longer the server's knows for certain.
 
-:func:`watch_parent` is that check on a daemon thread: when the parent is gone it ends the process with
-``os._exit``, skipping every clean-up that could wait on the dead server (the stub's own shutdown joins queues
-the server no longer reads). What the server left in ``/dev/shm`` (its regions, the models' per-run folders) the
-next start sweeps (``s3flow.server.leftovers.remove_stale``): nothing maps it any more.
+The watch cannot live in the stub's own interpreter: a stub thread that calls into the dead server through the
+python backend (a ``pb_utils.Metric`` set, a BLS call) waits for its answer forever *holding the GIL*, so no other
+Python thread runs again (seen: the solver's stub alive 9 minutes after its server's SIGKILL, its metrics thread
+in ``Metric::SendSetValueRequest``, a Python watch thread waiting for the GIL). :func:`watch_parent` therefore
+starts a small ``/bin/sh`` loop beside the stub, its child: once a second it reads the stub's parent PID from
+``/proc``; when that is no longer the server's it SIGKILLs the stub and ends; when the stub is gone (the loop is
+reparented) it ends too, and a stub that exits normally kills it on the way out (``atexit``). What the server left
+in ``/dev/shm`` (its regions, the models' per-run folders) the next start sweeps
+(``s3flow.server.leftovers.remove_stale``): nothing maps it any more.
 
 Example::
 
-    watch_parent()     # in a model's initialize: one line on stderr (the server's log file) when it exits
+    watch_parent()     # in a model's initialize: one line on stderr (the server's log file) when it acts
 """
 from __future__ import annotations
 
+import atexit
 import os
-import sys
+import subprocess
 import threading
-from typing import Callable, Optional
+from typing import Optional
 
-#: how often the parent is looked at (a stub outlives its server by at most about this)
-PERIOD_S = 0.5
-#: the stub's exit status when its server went away
-EXIT_CODE = 3
+#: how often the watch looks (seconds; a stub outlives its server by at most about this)
+PERIOD_S = 1.0
 
-_watching: Optional[threading.Thread] = None   # the process's one watch
+#: the watch: $1 the stub's PID, $2 the server's, $3 the period. Builtins only, but for sleep: ``read`` of
+#: /proc/self/stat is the shell's own (a builtin's redirection opens the file in the shell itself)
+WATCH = r'''
+stub=$1 server=$2 period=$3
+while :; do
+    read -r me < /proc/self/stat || exit 0
+    set -- ${me##*") "}
+    [ "$2" = "$stub" ] || exit 0
+    read -r it < /proc/$stub/stat || exit 0
+    set -- ${it##*") "}
+    if [ "$2" != "$server" ]; then
+        echo "tritonserver (pid $server) is gone: its python stub (pid $stub) is killed" >&2
+        kill -9 "$stub"
+        exit 0
+    fi
+    sleep "$period"
+done
+'''
+
+_watch: Optional[subprocess.Popen] = None   # the process's one watch
 _lock = threading.Lock()
 
 
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def watch_parent(log: Callable[[str], None] = _stderr, period_s: float = PERIOD_S,
-                 exit: Callable[[int], None] = os._exit, parent: Optional[int] = None) -> threading.Thread:
-    """Start the watch over the current parent (``parent``: its PID, default ``os.getppid()``), once per process
-    (a stub is one process; a later call returns the first call's thread). ``log`` must not go through the server
-    (``pb_utils.Logger`` does: to a dead process); ``exit`` ends the process."""
-    global _watching
+def watch_parent(period_s: float = PERIOD_S, parent: Optional[int] = None) -> subprocess.Popen:
+    """Start the watch of this process's parent (``parent``: its PID, default ``os.getppid()``), once per process
+    (a stub is one process; a later call returns the first call's watch)."""
+    global _watch
     with _lock:
-        if _watching is not None:
-            return _watching
-    server_pid = os.getppid() if parent is None else parent
-
-    def run() -> None:
-        while True:
-            threading.Event().wait(period_s)
-            if os.getppid() != server_pid:
-                break
-        try:
-            log(f"tritonserver (pid {server_pid}) is gone: this python stub (pid {os.getpid()}) exits")
-        finally:
-            exit(EXIT_CODE)
-
-    with _lock:
-        if _watching is None:
-            _watching = threading.Thread(target=run, name="s3flow-parent-watch", daemon=True)
-            _watching.start()
-        return _watching
+        if _watch is None or _watch.poll() is not None:
+            server = os.getppid() if parent is None else parent
+            _watch = subprocess.Popen(["/bin/sh", "-c", WATCH, "s3flow-parent-watch", str(os.getpid()), str(server),
+                                       f"{period_s:g}"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            atexit.register(_watch.kill)
+        return _watch

@@ -105,7 +105,7 @@ class TritonModel:
         self.args = args
         self.name = args["model_name"]
         self.logger = pb_utils.Logger
-        watch_parent()   # the stub exits when its server dies, however it died
+        watch_parent()   # the stub goes when its server dies, however it died
         try:
             self.config = json.loads(args["model_config"])
             self.params = Params(self.config, self.name)
