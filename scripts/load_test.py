@@ -9,9 +9,10 @@ utterance with 2 frames per token. Then ``--check-outputs`` of the utterances ar
 and must match what they gave under load (batched with others) within 5e-4. Reported: chunk latency
 p50/p99 (first chunks apart), errors, throughput, the cfm_solver stub's resident memory before/after.
 
-Phase 2 (memory): ``--memory-utterances`` short utterances in a row (0.3 s, 2 chunks, 1 Euler step),
-the solver stub's RSS sampled as they go; the growth from the post-warm-up start must stay within
-``--rss-bound-mb``.
+Phase 2 (memory): ``--memory-utterances`` short utterances in a row (0.3 s, 2 chunks, 1 Euler step) through
+``--memory-model`` (token2wav: the vocoder's stub watched too), the stubs' RSS sampled as they go; the growth from
+the post-warm-up start must stay within ``--rss-bound-mb``. ``--scheduling deadline`` builds the repository with
+the step-level scheduler (a decoupled solver).
 
 It builds a small seeded model repository into a temporary folder and starts tritonserver on 127.0.0.1
 (or takes ``--repository``, or ``--url`` of a running server), writes a markdown report (default
@@ -105,16 +106,20 @@ def markdown(load: Optional[LoadReport], memory: Optional[MemoryReport], command
             if items:
                 lines += [f"{title} (first 10):", ""] + [f"- {e}" for e in items[:10]] + [""]
     if memory is not None:
+        stubs = memory.stubs
         lines += [
-            f"## Memory: {memory.utterances} utterances of 0.3 s in a row ({memory.steps} Euler step, chunks 4 + 4)",
-            "", f"After {memory.warmup} warm-up utterances, the cfm_solver stub's RSS every "
-            f"{memory.samples[1][0] if len(memory.samples) > 1 else memory.utterances} utterances:", "",
-            "| utterances | RSS (MiB) | growth (MiB) |", "| --- | --- | --- |"]
-        lines += [f"| {k} | {mb:.2f} | {mb - memory.start_mb:+.2f} |" for k, mb in memory.samples]
+            f"## Memory: {memory.utterances} utterances of 0.3 s in a row through `{memory.model}` "
+            f"({memory.steps} Euler step, chunks 4 + 4)",
+            "", f"After {memory.warmup} warm-up utterances, the stubs' RSS every "
+            f"{memory.samples[1][0] if len(memory.samples) > 1 else memory.utterances} utterances (MiB, growth):", "",
+            "| utterances | " + " | ".join(f"`{s}`" for s in stubs) + " |", "| --- |" + " --- |" * len(stubs)]
+        lines += [f"| {k} | " + " | ".join(f"{mb[s]:.2f} ({mb[s] - memory.start_mb(s):+.2f})" for s in stubs) + " |"
+                  for k, mb in memory.samples]
         verdict = "within" if memory.growth_mb <= rss_bound_mb else "ABOVE"
-        lines += ["", f"Growth {memory.growth_mb:+.2f} MiB (peak {memory.peak_growth_mb:+.2f} MiB), {verdict} the "
-                  f"bound of {rss_bound_mb:g} MiB; {len(memory.errors)} errors; live sequences after: "
-                  f"{fmt(memory.live_after)}; {memory.utterances / memory.wall_s:.1f} utterances/s.", ""]
+        growth = ", ".join(f"{s} {memory.growth(s):+.2f} MiB (peak {memory.peak_growth(s):+.2f})" for s in stubs)
+        lines += ["", f"Growth {growth}: {verdict} the bound of {rss_bound_mb:g} MiB; {len(memory.errors)} errors; "
+                  f"live sequences after: {fmt(memory.live_after)}; {memory.utterances / memory.wall_s:.1f} "
+                  f"utterances/s.", ""]
         if memory.errors:
             lines += [f"- {e}" for e in memory.errors[:10]] + [""]
     return "\n".join(lines)
@@ -128,6 +133,8 @@ def parse_args(argv=None):
     s.add_argument("--server-pid", type=int, help="with --url: the server's PID, to measure the solver's RSS")
     s.add_argument("--metrics-url", help="with --url: host:port of the server's metrics endpoint")
     s.add_argument("--holdback-frames", type=int, default=0, help="the server's holdback_frames (default: 0)")
+    s.add_argument("--scheduling", choices=("fifo", "deadline"), default="fifo",
+                   help="the built repository's scheduling (default: fifo)")
     g = p.add_argument_group("load")
     g.add_argument("--streams", type=int, default=16, help="concurrent client streams (default: 16)")
     g.add_argument("--utterances", type=int, default=20, help="utterances per stream (default: 20)")
@@ -138,6 +145,9 @@ def parse_args(argv=None):
     m = p.add_argument_group("memory")
     m.add_argument("--memory-utterances", type=int, default=1000, help="0 skips the phase (default: 1000)")
     m.add_argument("--memory-steps", type=int, default=1, help="(default: 1)")
+    m.add_argument("--memory-model", choices=("token2mel", "token2wav"), default="token2mel",
+                   help="the ensemble the memory phase streams through; token2wav watches the vocoder's stub too "
+                        "(default: token2mel)")
     m.add_argument("--rss-bound-mb", type=float, default=8.0,
                    help="allowed solver RSS growth over the phase (default: 8; keeping every 0.3 s "
                         "utterance's state, about 17 KB, would add about 17 MiB over 1,000)")
@@ -163,9 +173,10 @@ def main(argv=None) -> int:
             from s3flow.server.triton_server import TritonServer
             from s3flow_tools.bench.repos import load_test_repository
 
-            repo = args.repository or load_test_repository(Path(tmp), streams=args.streams)
+            repo = args.repository or load_test_repository(Path(tmp), streams=args.streams, scheduling=args.scheduling,
+                                                           vocoder=args.memory_model == "token2wav")
             what = f"the repository {repo}" if args.repository else \
-                "a small seeded repository (FlowConfig.small, built in a temporary folder)"
+                f"a small seeded repository (FlowConfig.small, built in a temporary folder; {args.scheduling} scheduling)"
             setup = (f"tritonserver on 127.0.0.1 over {what}; cpu target, python backend + ONNX Runtime "
                      f"(1 thread per model), oldest sequence batching (max batch 8, 2 ms queue delay). The RSS "
                      f"step during the load phase is first-use allocation (longer, batched prefixes); the "
@@ -181,7 +192,11 @@ def main(argv=None) -> int:
                             stub, metrics_url, args.holdback_frames)
             memory = None
             if args.memory_utterances and stub:
-                memory = run_memory(url, stub, args.memory_utterances, args.memory_steps, metrics_url=metrics_url)
+                stubs = {"cfm_solver": stub}
+                if args.memory_model == "token2wav":
+                    stubs["vocoder"] = solver_stub_pid(pid, "vocoder")
+                memory = run_memory(url, stubs, args.memory_utterances, args.memory_steps, metrics_url=metrics_url,
+                                    model=args.memory_model)
             elif args.memory_utterances:
                 print("memory phase skipped: the solver stub's PID is unknown (give --server-pid)", file=sys.stderr)
         finally:

@@ -69,7 +69,8 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 LEAD_BUCKETS = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 #: the player buffer a stream's lead assumes by default (the client's: ``PlaybackSettings.start_buffer_s``)
 PLAYER_BUFFER_S = 0.3
-#: streams whose lead the book follows at once (the least recently answered are forgotten beyond it)
+#: streams whose lead the book follows at once (each until its END or drop; the least recently answered are
+#: forgotten beyond it: streams abandoned without an END that the solver never dropped)
 MAX_STREAMS_FOLLOWED = 4096
 
 
@@ -148,6 +149,7 @@ class SolverBook(Observer):
         self._pending: list[tuple[object, bool, int, int]] = []   # (corr_id, START, nfe, frames) answered
         #: corr_id -> [first answer's time, frames delivered, went dry] of the streams followed
         self._streams: OrderedDict = OrderedDict()
+        self._ended: list = []   # ENDs answered since the last flush: forgotten once their last chunk is
 
     # -- the engine's reports --------------------------------------------------------------------------
     def estimator_step(self, sequences: int, rows: int, frames: int) -> None:
@@ -155,6 +157,9 @@ class SolverBook(Observer):
 
     def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
         self._pending.append((corr_id, bool(start), int(nfe), int(frames)))
+
+    def sequence_ended(self, corr_id) -> None:
+        self._ended.append(corr_id)
 
     def sequence_dropped(self, corr_id, reason: str) -> None:
         self._streams.pop(corr_id, None)
@@ -183,8 +188,14 @@ class SolverBook(Observer):
             self.publish(CHUNK_NFE, n, {})
             self.publish(CHUNK_FRAMES, frames, {})
             self._follow(corr_id, new, frames, now)
-        count, self._pending = len(self._pending), []
+        for corr_id in self._ended:
+            self._streams.pop(corr_id, None)
+        count, self._pending, self._ended = len(self._pending), [], []
         return count
+
+    def __len__(self) -> int:
+        """The streams followed (each until its END or its drop)."""
+        return len(self._streams)
 
     def _follow(self, corr_id, new: bool, frames: int, now: float) -> None:
         """The stream's lead at this answer (``s3flow_stream_lead_seconds``), and its first underrun."""

@@ -269,38 +269,47 @@ class MemoryReport:
     utterances: int
     warmup: int
     steps: int
-    samples: list = field(default_factory=list)   # (utterances done, RSS MiB)
+    model: str = "token2mel"
+    samples: list = field(default_factory=list)   # (utterances done, {stub: RSS MiB})
     wall_s: float = 0.0
     errors: list = field(default_factory=list)
     live_after: Optional[float] = None
 
     @property
-    def start_mb(self) -> float:
-        return self.samples[0][1]
+    def stubs(self) -> list:
+        return list(self.samples[0][1]) if self.samples else []
 
-    @property
-    def end_mb(self) -> float:
-        return self.samples[-1][1]
+    def start_mb(self, stub: str = "cfm_solver") -> float:
+        return self.samples[0][1][stub]
+
+    def end_mb(self, stub: str = "cfm_solver") -> float:
+        return self.samples[-1][1][stub]
+
+    def growth(self, stub: str = "cfm_solver") -> float:
+        return self.end_mb(stub) - self.start_mb(stub)
+
+    def peak_growth(self, stub: str = "cfm_solver") -> float:
+        return max(s[1][stub] for s in self.samples) - self.start_mb(stub)
 
     @property
     def growth_mb(self) -> float:
-        return self.end_mb - self.start_mb
-
-    @property
-    def peak_growth_mb(self) -> float:
-        return max(s[1] for s in self.samples) - self.start_mb
+        """The largest growth over the stubs watched."""
+        return max(self.growth(s) for s in self.stubs)
 
 
-def run_memory(url: str, stub_pid: int, utterances: int, steps: int = 1, warmup: int = 50,
-               samples: int = 10, metrics_url: Optional[str] = None, log=print) -> MemoryReport:
-    """``warmup`` utterances, then RSS; then ``utterances`` in a row, RSS sampled ``samples`` times."""
-    report = MemoryReport(utterances, warmup, steps)
-    client = StreamingClient(url, timeout_s=60, response_timeout_s=30)
+def run_memory(url: str, stubs: dict, utterances: int, steps: int = 1, warmup: int = 50,
+               samples: int = 10, metrics_url: Optional[str] = None, log=print,
+               model: str = "token2mel") -> MemoryReport:
+    """``warmup`` utterances through ``model``, then each stub's RSS (``stubs``: name -> PID); then
+    ``utterances`` in a row, the RSS sampled ``samples`` times."""
+    report = MemoryReport(utterances, warmup, steps, model)
+    client = StreamingClient(url, model, timeout_s=60, response_timeout_s=30)
     every = max(utterances // max(samples, 1), 1)
+    rss = lambda: {name: rss_mb(pid) for name, pid in stubs.items()}  # noqa: E731
     start = time.monotonic()
     for i in range(-warmup, utterances):
         if i == 0:
-            report.samples.append((0, rss_mb(stub_pid)))
+            report.samples.append((0, rss()))
             start = time.monotonic()
         u = memory_utterance(i + warmup, steps)
         try:
@@ -311,10 +320,12 @@ def run_memory(url: str, stub_pid: int, utterances: int, steps: int = 1, warmup:
         except StreamError as exc:
             report.errors.append(f"utterance {i}: {exc}")
         if i >= 0 and (i + 1) % every == 0:
-            report.samples.append((i + 1, rss_mb(stub_pid)))
+            report.samples.append((i + 1, rss()))
     report.wall_s = time.monotonic() - start
     if metrics_url:
         report.live_after = live_sequences(metrics_url)
-    log(f"memory: {utterances} utterances in {report.wall_s:.1f} s; solver RSS {report.start_mb:.2f} -> "
-        f"{report.end_mb:.2f} MiB (peak growth {report.peak_growth_mb:+.2f} MiB); {len(report.errors)} errors")
+    rows = "; ".join(f"{s} RSS {report.start_mb(s):.2f} -> {report.end_mb(s):.2f} MiB (peak growth "
+                     f"{report.peak_growth(s):+.2f})" for s in report.stubs)
+    log(f"memory: {utterances} utterances through {model} in {report.wall_s:.1f} s; {rows}; "
+        f"{len(report.errors)} errors")
     return report

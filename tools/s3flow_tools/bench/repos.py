@@ -33,13 +33,15 @@ def small_repository(out: Path, settings: RepositorySettings, *, seed: int = 0, 
     return out / "repo"
 
 
-def load_test_repository(out: Path, *, streams: int = 16, seed: int = 0, idle_timeout_s: float = 60.0) -> Path:
+def load_test_repository(out: Path, *, streams: int = 16, seed: int = 0, idle_timeout_s: float = 60.0,
+                         scheduling: str = "fifo", vocoder: bool = False) -> Path:
     """The load test's cpu repository: capacity sized for ``streams`` concurrent streams, batches of up to 8
-    chunks with a 2 ms queue delay, one ONNX Runtime thread per model."""
+    chunks with a 2 ms queue delay, one ONNX Runtime thread per model; ``scheduling`` fifo or deadline, with
+    ``vocoder`` a small HiFT and ``token2wav`` too."""
     solver = SolverSettings.of(max_steps=20, max_live_sequences=max(4 * streams, 8), idle_timeout_s=idle_timeout_s)
     settings = RepositorySettings(solver=solver, batching=Batching(max_batch_size=8, max_queue_delay_us=2000),
-                                  ort_threads=1)
-    return small_repository(out, settings, seed=seed)
+                                  ort_threads=1, scheduling=scheduling)
+    return small_repository(out, settings, seed=seed, vocoder=vocoder)
 
 
 def warmup_repository(out: Path, warmup: bool, seed: int = 0) -> Path:
