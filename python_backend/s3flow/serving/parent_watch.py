@@ -13,7 +13,8 @@ Python thread runs again (seen: the solver's stub alive 9 minutes after its serv
 in ``Metric::SendSetValueRequest``, a Python watch thread waiting for the GIL). :func:`watch_parent` therefore
 starts a small ``/bin/sh`` loop beside the stub, its child: once a second it reads the stub's parent PID from
 ``/proc``; when that is no longer the server's it SIGKILLs the stub and ends; when the stub is gone (the loop is
-reparented) it ends too, and a stub that exits normally kills it on the way out (``atexit``). What the server left
+reparented) it ends too, and a stub that exits normally kills it and its ``sleep`` on the way out
+(``atexit``). What the server left
 in ``/dev/shm`` (its regions, the models' per-run folders) the next start sweeps
 (``s3flow.server.leftovers.remove_stale``): nothing maps it any more.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import subprocess
 import threading
 from typing import Optional
@@ -62,7 +64,17 @@ def watch_parent(period_s: float = PERIOD_S, parent: Optional[int] = None) -> su
     with _lock:
         if _watch is None or _watch.poll() is not None:
             server = os.getppid() if parent is None else parent
+            # a group of its own, so that a normal exit takes its sleep too (killpg)
             _watch = subprocess.Popen(["/bin/sh", "-c", WATCH, "s3flow-parent-watch", str(os.getpid()), str(server),
-                                       f"{period_s:g}"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-            atexit.register(_watch.kill)
+                                       f"{period_s:g}"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      start_new_session=True)
+            atexit.register(_stop, _watch)
         return _watch
+
+
+def _stop(watch: subprocess.Popen) -> None:
+    try:
+        os.killpg(watch.pid, signal.SIGKILL)
+    except OSError:   # gone already
+        pass
+    watch.wait()

@@ -82,6 +82,7 @@ class BlsModel:
                  device_id: int | None = None):
         self.model_name, self.inputs, self.outputs = model_name, inputs, outputs
         self.output_list = list(outputs)
+        self.trace = None   # the traced request a call belongs to (Triton's tracing shows the call as its child)
         # on a GPU instance, ask for outputs in that GPU's memory: the Euler loop never leaves the device
         self.memory = ({} if device_id is None else
                        {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, device_id)})
@@ -93,7 +94,8 @@ class BlsModel:
             torch.cuda.current_stream().synchronize()
         request = pb_utils.InferenceRequest(
             model_name=self.model_name, requested_output_names=self.output_list,
-            inputs=[_to_triton(k, v) for k, v in tensors.items()], **self.memory)
+            inputs=[_to_triton(k, v) for k, v in tensors.items()], **self.memory,
+            **({} if self.trace is None else {"trace": self.trace}))
         response = request.exec()
         if response.has_error():
             raise ModelCallError(f"model '{self.model_name}' failed: {response.error().message()}")
@@ -251,6 +253,7 @@ class TritonPythonModel(TritonModel):
             if i.ready and i.start:   # the id is in use again
                 self.slots.started(i.corr_id)
                 self.gone.take(i.corr_id)
+        self._trace_calls(requests[0])
         try:
             handled = iter(self.session.handle([i for i, mine in zip(incoming, own) if not mine]))
             outcomes = [Outcome() if mine else next(handled) for mine in own]
@@ -266,6 +269,11 @@ class TritonPythonModel(TritonModel):
         responses = [self._response(o, self._resume_of(i)) for o, i in zip(outcomes, incoming)]
         self.metrics.book.end(started)  # s3flow_chunk_seconds etc. of the chunks answered
         return responses
+
+    def _trace_calls(self, request) -> None:
+        """The execute's BLS calls are traced (with Triton's tracing on) as children of its first request."""
+        trace = getattr(request, "trace", None)   # (a python backend without trace context: untraced)
+        self.encoder.trace = self.estimator.trace = trace() if trace is not None else None
 
     def _response(self, o: Outcome, resume: bytes = b""):
         if o.error is not None:
