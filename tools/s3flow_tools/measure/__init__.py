@@ -21,6 +21,8 @@ docstring says what each row is and when it exits non-zero, and ``--help`` lists
   ``python -m s3flow_tools.measure.live``
 * ``long_stream``: one long utterance through token2wav, bounded context -> ``results/long_stream.md``
   ``python -m s3flow_tools.measure.long_stream``
+* ``overhead``: where a chunk's time goes on the served path, from Triton's traces -> ``results/overhead.md``
+  ``python -m s3flow_tools.measure.overhead``
 * ``qos``: streams under load, FIFO vs the deadline scheduler -> ``results/qos.md``
   ``python -m s3flow_tools.measure.qos``
 * ``refusals``: refused STARTs hold nothing -> ``results/refusals.md``

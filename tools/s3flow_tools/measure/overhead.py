@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -237,7 +238,7 @@ def write(results: dict, args, path: Path) -> None:
     m = machine()
     lines = ["# The cost of a call on the served path", "",
              f"`python -m s3flow_tools.measure.overhead --alone {args.alone} --rounds {args.rounds} --at-once "
-             f"{args.at_once} --seconds {args.seconds:g} --steps {args.steps}` on {m.get('cpu')} ({m.get('cores')} "
+             f"{args.at_once} --seconds {args.seconds:g} --steps {args.steps}{' --full' if args.full else ''}` on {m.get('cpu')} ({m.get('cores')} "
              f"cores; shared, noisy). Triton's request traces (TIMESTAMPS, every request) of `token2mel` chunks on the "
              f"client's default schedule, {args.seconds:g} s utterances, {args.steps} Euler steps with guidance; a "
              "chunk of several streams at once is charged its whole execute. How each part is measured: the "
@@ -261,11 +262,15 @@ def main(argv: Optional[list] = None) -> int:
     sizes = {"small model (FlowConfig.small)": FlowConfig.small()}
     if args.full:
         sizes["full size (FlowConfig)"] = FlowConfig()
-    results = {}
-    with tempfile.TemporaryDirectory(prefix="s3flow-overhead-") as tmp:
+    results, tmp = {}, Path(tempfile.mkdtemp(prefix="s3flow-overhead-"))
+    try:
         for label, config in sizes.items():
-            results[label] = measure(config, label.split()[0], Path(tmp), args.alone, args.rounds, args.at_once,
+            results[label] = measure(config, label.split()[0], tmp, args.alone, args.rounds, args.at_once,
                                      args.seconds, args.steps)
+    except Exception:
+        log(f"failed: the servers' logs and traces are kept in {tmp}")
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
     write(results, args, args.output)
     print(args.output.read_text())
     return 0

@@ -18,6 +18,7 @@ never evicts a sequence while one of its chunks is being served), and the solver
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -82,10 +83,22 @@ class BlsModel:
                  device_id: int | None = None):
         self.model_name, self.inputs, self.outputs = model_name, inputs, outputs
         self.output_list = list(outputs)
-        self.trace = None   # the traced request a call belongs to (Triton's tracing shows the call as its child)
+        # the traced request this thread's calls belong to (Triton's tracing shows them as its children): per
+        # thread, as the calibration thread calls too, and a trace outlives neither its request nor its execute
+        # (a call under a finished request's trace crashed tritonserver: SIGSEGV in TRITONSERVER_ServerInferAsync)
+        self._traced = threading.local()
         # on a GPU instance, ask for outputs in that GPU's memory: the Euler loop never leaves the device
         self.memory = ({} if device_id is None else
                        {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, device_id)})
+
+    @contextlib.contextmanager
+    def traced(self, trace):
+        """This thread's calls inside the block are children of ``trace`` (None: untraced)."""
+        self._traced.trace = trace
+        try:
+            yield
+        finally:
+            self._traced.trace = None
 
     def call(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         if tuple(tensors) != self.inputs:  # a bug of the caller, not of the callee: INTERNAL
@@ -95,7 +108,7 @@ class BlsModel:
         request = pb_utils.InferenceRequest(
             model_name=self.model_name, requested_output_names=self.output_list,
             inputs=[_to_triton(k, v) for k, v in tensors.items()], **self.memory,
-            **({} if self.trace is None else {"trace": self.trace}))
+            **({} if getattr(self._traced, "trace", None) is None else {"trace": self._traced.trace}))
         response = request.exec()
         if response.has_error():
             raise ModelCallError(f"model '{self.model_name}' failed: {response.error().message()}")
@@ -253,9 +266,11 @@ class TritonPythonModel(TritonModel):
             if i.ready and i.start:   # the id is in use again
                 self.slots.started(i.corr_id)
                 self.gone.take(i.corr_id)
-        self._trace_calls(requests[0])
+        trace = self._trace_of(requests[0])
         try:
-            handled = iter(self.session.handle([i for i, mine in zip(incoming, own) if not mine]))
+            with self.encoder.traced(trace), self.estimator.traced(trace):
+                handled = list(self.session.handle([i for i, mine in zip(incoming, own) if not mine]))
+            handled = iter(handled)
             outcomes = [Outcome() if mine else next(handled) for mine in own]
         finally:
             self.capacity.worked(self.metrics.book.clock() - started, len(self.session.engine.sequences))
@@ -270,10 +285,11 @@ class TritonPythonModel(TritonModel):
         self.metrics.book.end(started)  # s3flow_chunk_seconds etc. of the chunks answered
         return responses
 
-    def _trace_calls(self, request) -> None:
-        """The execute's BLS calls are traced (with Triton's tracing on) as children of its first request."""
+    @staticmethod
+    def _trace_of(request):
+        """The trace the execute's BLS calls go under (with Triton's tracing on: children of its first request)."""
         trace = getattr(request, "trace", None)   # (a python backend without trace context: untraced)
-        self.encoder.trace = self.estimator.trace = trace() if trace is not None else None
+        return trace() if trace is not None else None
 
     def _response(self, o: Outcome, resume: bytes = b""):
         if o.error is not None:
