@@ -13,9 +13,8 @@ Python thread runs again (seen: the solver's stub alive 9 minutes after its serv
 in ``Metric::SendSetValueRequest``, a Python watch thread waiting for the GIL). :func:`watch_parent` therefore
 starts a small ``/bin/sh`` loop beside the stub, its child: once a second it reads the stub's parent PID from
 ``/proc``; when that is no longer the server's it SIGKILLs the stub and ends; when the stub is gone (the loop is
-reparented) it ends too, and a stub that exits normally kills it and its ``sleep`` on the way out
-(``atexit``). What the server left
-in ``/dev/shm`` (its regions, the models' per-run folders) the next start sweeps
+reparented) it ends too, and a stub that exits normally kills it and its ``sleep`` on the way out (``atexit``).
+What the server left in ``/dev/shm`` (its regions, the models' per-run folders) the next start sweeps
 (``s3flow.server.leftovers.remove_stale``): nothing maps it any more.
 
 Example::
