@@ -28,7 +28,7 @@ from s3flow.model.vocoder import VocoderConfig, random_vocoder
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import RepositorySettings
 from s3flow.server.leftovers import REGION_MIN_AGE_S, SHM
-from s3flow.server.processes import tree_pids
+from s3flow.server.processes import is_running, read_cmdline, tree_pids
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
@@ -156,21 +156,6 @@ def test_a_server_leaves_nothing_in_dev_shm_and_a_new_one_sweeps_what_dead_ones_
     assert ours() - before == set(), f"left behind: {sorted(ours() - before)}"
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie, dead but not reaped, is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def test_a_server_killed_alone_takes_its_stubs_with_it_and_the_next_start_sweeps_its_folders(repo, tmp_path):
     """SIGKILL to the tritonserver PID alone, as the OOM killer sends it, and left unreaped a while (its parent
     busy): every python stub and its watch go within seconds (the stub's own check, ``kill(pid, 0)``, still sees
@@ -181,13 +166,14 @@ def test_a_server_killed_alone_takes_its_stubs_with_it_and_the_next_start_sweeps
     server.wait_ready()
     [r] = StreamingClient(server.grpc_url, "token2wav").synthesize([utterance(6)])
     below = tree_pids(server.pid)[1:]   # the stubs and their watches
-    stubs = [p for p in below if "triton_python_backend_stub" in _cmdline(p)]
+    stubs = [p for p in below if "triton_python_backend_stub" in " ".join(read_cmdline(p) or [])]
     assert len(stubs) >= 5, f"expected a stub per model, got {below}"
     os.kill(server.pid, signal.SIGKILL)
     t0 = time.monotonic()
-    while any(_alive(p) for p in below) and time.monotonic() - t0 < STUBS_EXIT_WITHIN_S:
+    while any(is_running(p) for p in below) and time.monotonic() - t0 < STUBS_EXIT_WITHIN_S:
         time.sleep(0.1)
-    took, left_alive = time.monotonic() - t0, [(p, _cmdline(p)[:80]) for p in below if _alive(p)]
+    took = time.monotonic() - t0
+    left_alive = [(p, " ".join(read_cmdline(p) or [])[:80]) for p in below if is_running(p)]
     server.process.wait(30)   # now the parent reaps it
     print(f"\n{len(stubs)} stubs ({len(below)} processes), the last gone {took:.1f} s after the SIGKILL of "
           f"tritonserver alone")

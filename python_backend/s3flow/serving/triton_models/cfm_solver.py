@@ -268,9 +268,8 @@ class TritonPythonModel(TritonModel):
                 self.gone.take(i.corr_id)
         trace = self._trace_of(requests[0])
         try:
-            with self.encoder.traced(trace), self.estimator.traced(trace):
-                handled = list(self.session.handle([i for i, mine in zip(incoming, own) if not mine]))
-            handled = iter(handled)
+            with self.encoder.traced(trace), self.estimator.traced(trace):   # (handle solves the whole batch)
+                handled = iter(self.session.handle([i for i, mine in zip(incoming, own) if not mine]))
             outcomes = [Outcome() if mine else next(handled) for mine in own]
         finally:
             self.capacity.worked(self.metrics.book.clock() - started, len(self.session.engine.sequences))
