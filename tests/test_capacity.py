@@ -324,3 +324,25 @@ def test_a_stopped_calibration_makes_no_call_and_its_thread_ends():
     engine.sequences.end(1, "cancelled")      # the stream ends after the stop: still no call
     time.sleep(0.3)
     assert calls == []
+
+
+def test_chunks_given_fewer_steps_leave_the_capacity_and_the_streams_demand_at_full_steps():
+    """The same chunks, once at their 10 steps and once given 6 of them (each busy stretch the priced time of what
+    it did): the measured capacity is the same, and so is the stream's work its demand is priced from; only the
+    correction sees the shorter stretches as the work they were."""
+    full = Work(row_frames=2000, steps=10, chunks=1, encoder_tokens=0, frames=50)
+    fewer = Work(row_frames=1200, steps=6, chunks=1, encoder_tokens=0, frames=50,
+                 skipped_row_frames=800, skipped_steps=4)
+    assert fewer.full() == full
+    capacities, streams = [], []
+    for work in (full, fewer):
+        model = _fitted(fixed=0.01, per_unit=1e-5)
+        for _ in range(50):
+            model.estimator_step(1, 2, 100)
+            model.chunk_work(1, work)
+            model.worked(1.3 * model._costs(1.0).seconds(work, 1))
+        capacities.append(model.capacity())
+        streams.append(model.keep_only([1])[1])
+        assert model.correction == pytest.approx(1.3)
+    assert capacities[1] == pytest.approx(capacities[0], rel=1e-9) and capacities[0] > 0
+    assert streams[0] == streams[1] == Work(100000, 500, 50, 0, 2500)

@@ -30,3 +30,27 @@ def test_playback_stalls_follow_the_chunk_arrivals_of_a_stream():
     assert r.playback_stalls(0.5)[0] == 1 and r.playback_stalls(0.6) == (0, 0.0)
     assert StreamResult(mel=np.zeros((80, 0)), chunk_latencies_s=[0.1, 0.1], chunk_frames=[0, 10],
                         wall_s=0.2).playback_stalls() == (0, 0.0), "an empty first response starts nothing"
+
+
+def test_a_replay_sends_each_answered_chunk_with_the_steps_its_answer_said():
+    """Chunk 0 was solved at 6 steps, chunk 1 at 10, chunk 2 never answered: a replay (a new attempt from the
+    first chunk) sends chunk 0 with chunk_steps 6 and chunk 1 with 10, chunk 2 without (the server chooses); an
+    answer that said nothing (an older server) leaves the server to choose too. A chunk's steps are kept once, at
+    its first answer."""
+    s = UtteranceState(0, demo_utterance(1.0, seed=1), [5, 10, 10], tolerance=1e-3)
+    s.keep_steps(np.array([[6]], np.int32), 0)
+    s.keep_steps(np.array([[10]], np.int32), 1)
+    s.keep_steps(np.array([[3]], np.int32), 0)   # a replayed chunk's answer again: already kept
+    s.answered = 2
+    s.start_attempt(from_snapshot=False)
+    sent = []
+    for i in range(3):
+        s.next_chunk = i
+        sent.append(s.tensors().get("chunk_steps"))
+    assert [None if t is None else int(t[0, 0]) for t in sent] == [6, 10, None]
+    s.next_chunk = 0
+    assert "prompt_mel" in s.tensors(), "the replayed START carries the prompt too"
+    old = UtteranceState(1, demo_utterance(1.0, seed=1), [5, 20], tolerance=1e-3)
+    old.keep_steps(None, 0)
+    old.start_attempt(from_snapshot=False)
+    assert "chunk_steps" not in old.tensors()

@@ -376,7 +376,7 @@ def test_check_ensemble_names_an_unconnected_tensor():
     config = wav_ensemble_config(80, RepositorySettings())
     del config.ensemble_scheduling.step[2]
     with pytest.raises(ValueError, match=r"token2wav: outputs \['audio', 'frame_offset', 'mel', 'sample_offset', "
-                                         r"'snapshot'\] are made by no step"):
+                                         r"'snapshot', 'steps'\] are made by no step"):
         check_ensemble(config)
 
 

@@ -111,7 +111,7 @@ def every_input() -> dict:
     """A START carrying every request tensor (the resume snapshot empty: none)."""
     return {**start_inputs(), "n_timesteps": np.array([[3]], np.int32), "guidance_rate": np.array([[0.5]], np.float32),
             "seed": np.array([[1]], np.int64), "token_offset": np.array([[0]], np.int64),
-            "resume": np.array([[b""]], dtype=object)}
+            "resume": np.array([[b""]], dtype=object), "chunk_steps": np.array([[2]], np.int32)}
 
 
 @pytest.mark.parametrize("name", list(INPUT_DTYPES))

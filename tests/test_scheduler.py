@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from s3flow.engine.playback import PlaybackBook, PlaybackSettings
-from s3flow.engine.scheduler import Candidate, StepBudget, pick, slack
+from s3flow.engine.scheduler import Candidate, StepBudget, pick, slack, steps_in_time
 from s3flow_tools.schedule_sim import SMALL_ON_2_CORES, CostModel, Load, saturation, simulate
 
 
@@ -83,3 +83,15 @@ def test_below_capacity_the_deadline_scheduler_keeps_streams_fed_where_fifo_lets
     assert stalled["fifo"] >= 1 and stalled["deadline"] == 0, stalled
     assert max(deadline.first_audio) < max(fifo.first_audio)
     assert saturation(cost, base, "deadline") >= c
+
+
+def test_a_chunk_gets_fewer_steps_only_when_its_full_count_misses_its_deadline_and_never_below_min_steps():
+    c = cand("a", arrival=0.0, deadline=1.0, steps=10)
+    assert steps_in_time(c, now=0.0, step_s=0.1, min_steps=4) == 10, "10 steps of 0.1 s meet a deadline 1 s away"
+    assert steps_in_time(c, now=0.0, step_s=0.125, min_steps=4) == 8, "8 of 0.125 s do"
+    assert steps_in_time(c, now=0.5, step_s=0.125, min_steps=4) == 4, "4 do, just"
+    assert steps_in_time(c, now=0.9, step_s=0.125, min_steps=4) == 4, "none would: still min_steps"
+    assert steps_in_time(c, now=2.0, step_s=0.125, min_steps=4) == 4, "past its deadline: min_steps"
+    assert steps_in_time(c, now=2.0, step_s=0.125, min_steps=0) == 10, "min_steps 0: never fewer"
+    short = cand("b", arrival=0.0, deadline=0.0, steps=2)
+    assert steps_in_time(short, now=1.0, step_s=0.1, min_steps=4) == 2, "fewer than min_steps to make: all of them"

@@ -4,7 +4,8 @@ default, ``fifo``; this module runs both and compares them.
 
 Two repositories of the small seeded flow and vocoder, differing only in ``RepositorySettings.scheduling``; each
 served model is the same ONNX Runtime graph, so a stream alone must come out the same from both (1e-5), and
-streams that share steps within the batched tolerance (2e-4).
+streams that share steps within the batched tolerance (2e-4). A third, ``late``, is the deadline solver whose every
+START is late on arrival (``first_audio_s`` 0, no player buffer, ``min_steps`` 2): fewer steps end to end.
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from s3flow.engine.settings import SolverSettings
 from s3flow.model.checkpoint import load_flow
 from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
 from s3flow.model.vocoder import VocoderConfig, random_vocoder
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import RepositorySettings
+from s3flow.server.metrics_reader import metric_sum, read_metrics
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
@@ -37,9 +40,13 @@ def servers(tmp_path_factory):
     out = {}
     for mode in ("fifo", "deadline"):
         write_repository(root / mode, flow, RepositorySettings(ort_threads=1, scheduling=mode), vocoder=hift)
+    late = SolverSettings.of(first_audio_s=0.0, start_buffer_s=0.0, min_steps=2)
+    write_repository(root / "late", flow, RepositorySettings(ort_threads=1, scheduling="deadline", solver=late),
+                     vocoder=hift)
     with TritonServer(root / "fifo", log_file=root / "fifo.log") as fifo, \
-            TritonServer(root / "deadline", log_file=root / "deadline.log") as deadline:
-        out.update(fifo=fifo, deadline=deadline)
+            TritonServer(root / "deadline", log_file=root / "deadline.log") as deadline, \
+            TritonServer(root / "late", log_file=root / "late.log") as late:
+        out.update(fifo=fifo, deadline=deadline, late=late)
         yield out
 
 
@@ -103,3 +110,49 @@ def test_the_decoupled_solver_answers_over_streams_only(servers):
     with pytest.raises(InferenceServerException, match="decoupled"):
         servers["deadline"].client().infer("token2mel", infer_inputs(u.request(0, len(u.speech_tokens), True)),
                                            sequence_id=3101, sequence_start=True, sequence_end=True)
+
+
+def raw_stream(url: str, model: str, u, corr_id: int, steps=None) -> list[tuple[np.ndarray, int]]:
+    """The utterance's chunks one at a time over one gRPC stream (plain tritonclient), ``steps[k]`` sent as chunk
+    k's ``chunk_steps`` (a replay); each answer's (mel, steps)."""
+    events = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    out, lo = [], 0
+    try:
+        for k, n in enumerate(u.chunks):
+            arrays = u.request(lo, lo + n, k == 0, chunk_steps=None if steps is None else steps[k])
+            client.async_stream_infer(model, infer_inputs(arrays), sequence_id=corr_id, sequence_start=k == 0,
+                                      sequence_end=k == len(u.chunks) - 1)
+            result, error = events.get(timeout=60)
+            assert error is None, error
+            out.append((result.as_numpy("mel")[0], int(result.as_numpy("steps").reshape(-1)[0])))
+            lo += n
+    finally:
+        client.stop_stream()
+        client.close()
+    return out
+
+
+@pytest.mark.parametrize("model", ["token2mel", "token2wav"])
+def test_a_late_start_is_given_fewer_steps_says_so_and_its_replay_elsewhere_makes_the_same_frames(servers, model):
+    """On ``late`` every START misses its deadline at its 4 steps and is given min_steps 2: its answer says 2 (through
+    token2wav's vocoder too) and the metric counts it; the FIFO server, sent the same chunks with the steps the
+    answers said (what a client's replay sends), makes the same frames. Without them it makes other frames."""
+    u = utterance(1.6, 41)
+    u.chunks = [10, len(u.speech_tokens) - 10]
+    def fewer_steps() -> float:
+        metrics = read_metrics(f"127.0.0.1:{servers['late'].metrics_port}")
+        return metric_sum(metrics, "s3flow_fewer_steps_chunks_total")
+
+    before = fewer_steps()
+    got = raw_stream(servers["late"].grpc_url, model, u, 4101)
+    steps = [k for _, k in got]
+    assert steps[0] == 2 and all(k in (2, 4) for k in steps), steps
+    assert fewer_steps() >= before + 1
+    again = raw_stream(servers["fifo"].grpc_url, model, u, 4102, steps=steps)
+    assert [k for _, k in again] == steps
+    np.testing.assert_allclose(np.concatenate([m for m, _ in again], axis=1),
+                               np.concatenate([m for m, _ in got], axis=1), atol=1e-5, rtol=0)
+    full = raw_stream(servers["fifo"].grpc_url, model, u, 4103)
+    assert [k for _, k in full] == [4, 4] and np.abs(full[0][0] - got[0][0]).max() > 1e-3

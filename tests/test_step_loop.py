@@ -14,7 +14,8 @@ from s3flow.engine.playback import PlaybackBook, PlaybackSettings
 from s3flow.engine.scheduler import StepBudget
 from s3flow.engine.step_loop import StepCancelled, StepLoop
 from s3flow.engine.settings import SolverSettings
-from s3flow.protocol import RequestRules, parse_request
+from s3flow.engine.observer import Observer
+from s3flow.protocol import RequestError, RequestRules, parse_request
 from s3flow_client.demo import demo_utterance
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -153,3 +154,55 @@ def test_a_cancelled_request_leaves_alone_and_the_others_go_on(flow):
     assert 81 not in engine.sequences and 82 not in engine.sequences, "a START rolled back; b ended at END"
     [alone] = stream_in_process(make_engine(flow, SETTINGS), [b], [b.chunks])
     np.testing.assert_allclose(done[82].result.mel, alone[0].mel, atol=2e-4)
+
+
+class _FewerSteps(Observer):
+    def __init__(self):
+        self.cut = []
+
+    def fewer_steps(self, corr_id, full, steps):
+        self.cut.append((corr_id, full, steps))
+
+
+def test_a_late_chunk_gets_fewer_steps_and_its_replay_with_those_steps_makes_the_same_frames(flow):
+    """The clock stands still at 0 and a START is due at its arrival (first_audio_s 0): at its 4 steps it is late,
+    so with min_steps 2 it is given 2 (the observer hears it, the answer says so); the next chunk is due 0.4 s
+    after the first answer and gets its 4. The same chunks sent with those steps (``chunk_steps``, as a replay
+    does) make the same frames on a fresh engine's FIFO path, bit for bit; a loop does not change pinned steps, and
+    at full steps the first chunk differs."""
+    u = utterance(1.0, 61, [10, 15])
+    seen = _FewerSteps()
+    engine = make_engine(flow, SETTINGS, observer=seen)
+    late = PlaybackSettings(start_buffer_s=0.0, first_audio_s=0.0)
+    loop = StepLoop(engine, PlaybackBook(late), clock=lambda: 0.0, min_steps=2)
+    got = through_loop(engine, loop, [u], [71])[0]
+    assert [r.steps for r in got] == [2, 4] and seen.cut == [(71, 4, 2)]
+
+    def replayed(engine, k, corr_id, steps):
+        lo = sum(u.chunks[:k])
+        req = parse_request(u.request(lo, lo + u.chunks[k], k == 0, chunk_steps=steps), start=k == 0,
+                            end=k == len(u.chunks) - 1, rules=RequestRules(), n_feats=engine.n_feats)
+        return engine.admit(corr_id, req)
+
+    fifo = make_engine(flow, SETTINGS)
+    again = [fifo.run([replayed(fifo, k, 72, r.steps)])[0] for k, r in enumerate(got)]
+    assert [r.steps for r in again] == [2, 4]
+    np.testing.assert_array_equal(mels(again), mels(got))
+    pinned_engine = make_engine(flow, SETTINGS)
+    pinned = StepLoop(pinned_engine, PlaybackBook(late), clock=lambda: 0.0, min_steps=2)
+    out = []
+    pinned.submit(replayed(pinned_engine, 0, 73, 4), on_done=out.append)
+    while pinned.busy:
+        pinned.run_once()
+    assert out[0].result.steps == 4, "a chunk whose request named its steps keeps them"
+    assert np.abs(out[0].result.mel - got[0].mel).max() > 1e-3, "2 steps make other frames than 4"
+
+
+def test_chunk_steps_above_the_streams_steps_are_refused_and_leave_nothing_in_flight(flow):
+    u = utterance(1.0, 62, [10, 15])
+    engine = make_engine(flow, SETTINGS)
+    req = parse_request(u.request(0, 10, True, chunk_steps=5), start=True, end=False, rules=RequestRules(),
+                        n_feats=engine.n_feats)
+    with pytest.raises(RequestError, match="chunk_steps 5 is above the stream's n_timesteps 4"):
+        engine.admit(81, req)
+    assert len(engine.sequences) == 0

@@ -201,7 +201,7 @@ def test_the_solver_reads_every_request_tensor_of_the_contract():
     model = cfm_solver.TritonPythonModel()
     arrays = contract.request_arrays([1, 2, 3], start=True, prompt_tokens=[4], prompt_mel=np.zeros((2, 80)),
                                      speaker_embedding=np.zeros(192), n_timesteps=3, guidance_rate=0.5, seed=1,
-                                     voice_id="v-0", token_offset=0, resume=b"S3FS1")
+                                     voice_id="v-0", token_offset=0, resume=b"S3FS1", chunk_steps=2)
     request = Request(arrays, START=np.array([[1]], np.int32), READY=np.array([[1]], np.int32),
                       CORRID=np.array([[9]], np.uint64))
     request.is_cancelled = lambda: False

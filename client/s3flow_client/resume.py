@@ -286,6 +286,7 @@ class Run:
             return
         s.keep_snapshot(result.as_numpy("snapshot"), i)
         if fresh:
+            s.keep_steps(result.as_numpy("steps"), i)
             if i == 0:   # the START that was admitted went out this long after the utterance began
                 s.admitted_after = s.sent_at - s.t0
             s.latencies.append(now - s.sent_at)

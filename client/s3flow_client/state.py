@@ -52,6 +52,9 @@ class UtteranceState:
         self.snapshot: Optional[tuple[bytes, int, int, int]] = None
         self.use_snapshots = True                      # False once a server refused one: replay instead
         self.replayed_chunks = 0
+        #: the Euler steps each answered chunk was solved at (its answer's ``steps``; 0: not said): a replay
+        #: sends them back, so the server makes the same frames (a late chunk may have been given fewer)
+        self.chunk_steps: list[int] = []
         self.server_frames = self.server_samples = 0   # what this attempt's responses covered
         self.parts: list[np.ndarray] = []              # delivered mel, in order
         self.audio_parts: list[np.ndarray] = []
@@ -115,7 +118,14 @@ class UtteranceState:
         lo = sum(self.sizes[:i])
         start = i == self.first_chunk
         resume = self.snapshot[0] if start and self.first_chunk else None
-        return self.utt.request(lo, lo + self.sizes[i], start=start, by_voice_id=self.by_voice_id, resume=resume)
+        steps = self.chunk_steps[i] if i < len(self.chunk_steps) and self.chunk_steps[i] > 0 else None
+        return self.utt.request(lo, lo + self.sizes[i], start=start, by_voice_id=self.by_voice_id, resume=resume,
+                                chunk_steps=steps)
+
+    def keep_steps(self, steps: Optional[np.ndarray], chunk: int) -> None:
+        """The Euler steps the answer to chunk ``chunk`` (answered for the first time) says it was solved at."""
+        if chunk == len(self.chunk_steps):
+            self.chunk_steps.append(0 if steps is None else int(steps.reshape(-1)[0]))
 
     def keep_snapshot(self, snapshot: Optional[np.ndarray], chunk: int) -> None:
         """The snapshot answered with chunk ``chunk`` (if any): a resume goes on from it."""

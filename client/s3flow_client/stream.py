@@ -77,18 +77,20 @@ class Utterance:
     voice_id: Optional[str] = None
 
     def request(self, lo: int, hi: int, start: bool, by_voice_id: bool = False,
-                resume: Optional[bytes] = None) -> dict[str, np.ndarray]:
+                resume: Optional[bytes] = None, chunk_steps: Optional[int] = None) -> dict[str, np.ndarray]:
         """The tensors of the chunk ``speech_tokens[lo:hi]`` (``s3flow_contract.tensors.request_arrays``), with
         its ``token_offset`` (so the server never applies it twice): a START carries the prompt (or,
-        ``by_voice_id``, the voice id instead), the seed and the options, and for a resume the snapshot."""
+        ``by_voice_id``, the voice id instead), the seed and the options, and for a resume the snapshot; a chunk
+        replayed carries the Euler steps its first answer said (``chunk_steps``)."""
         tokens = self.speech_tokens[lo:hi]
         if not start:
-            return request_arrays(tokens, token_offset=lo)
+            return request_arrays(tokens, token_offset=lo, chunk_steps=chunk_steps)
         prompt = (dict(voice_id=self.voice_id) if by_voice_id else
                   dict(prompt_tokens=self.prompt_tokens, prompt_mel=self.prompt_mel,
                        speaker_embedding=self.speaker_embedding))
         return request_arrays(tokens, start=True, seed=self.seed, n_timesteps=self.n_timesteps,
-                              guidance_rate=self.guidance_rate, token_offset=lo, resume=resume, **prompt)
+                              guidance_rate=self.guidance_rate, token_offset=lo, resume=resume,
+                              chunk_steps=chunk_steps, **prompt)
 
 
 @dataclass

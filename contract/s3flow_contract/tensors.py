@@ -96,6 +96,11 @@ def by_name(tensors: Iterable[Tensor]) -> dict[str, Tensor]:
 # resume             BYTES    [1, 1]      START only, optional: the last ``snapshot`` an answer carried; the
 #                                         stream goes on from there (this chunk's token_offset is then the
 #                                         tokens the snapshot covers), with the START's own prompt and options
+# chunk_steps        INT32    [1, 1]      optional: the Euler steps to solve this chunk at, 1 to the stream's
+#                                         n_timesteps: what its answer said (``steps``) when the chunk is
+#                                         sent again in a replay, so the replay makes the same frames.
+#                                         Absent: the stream's n_timesteps, or fewer when the server is behind
+#                                         (``min_steps``, deadline scheduling)
 # =================  =======  ==========  ==========================================================
 #
 # Response tensors: ``mel`` FP32 [1, 80, F] the frames that became final with this request, and
@@ -103,6 +108,9 @@ def by_name(tensors: Iterable[Tensor]) -> dict[str, Tensor]:
 # (the prompt region excluded). Offsets continue without gap; after END the total is 2 per speech token.
 # ``snapshot`` BYTES [1, 1]: the stream's state after this chunk, sealed (``s3flow.engine.snapshot``), empty when
 # the server gives none (prefix mode, no snapshot key, the END): what a ``resume`` START sends back.
+# ``steps`` INT32 [1, 1]: the Euler steps this chunk was solved at (the stream's n_timesteps, or fewer when the
+# deadline scheduler gave it fewer to keep the stream ahead of its player): a replay sends it as ``chunk_steps``.
+# (A response parameter cannot carry it: Triton 2.51's python backend InferenceResponse takes none.)
 REQUEST = (
     Tensor("speech_tokens", "int64", (-1,), ragged=True),
     Tensor("prompt_tokens", "int64", (-1,), optional=True, ragged=True, start_only=True),
@@ -116,6 +124,8 @@ REQUEST = (
     Tensor("token_offset", "int64", (1,), optional=True, ragged=True),
     #: a stream's snapshot (an earlier answer's ``snapshot``): the START of a resume goes on from it
     Tensor("resume", "bytes", (1,), optional=True, start_only=True),
+    #: the Euler steps of this chunk (a replay of an answer's ``steps``)
+    Tensor("chunk_steps", "int32", (1,), optional=True, ragged=True),
 )
 VOICE_ID = "voice_id"
 _REQUEST_BY_NAME = by_name(REQUEST)
@@ -130,11 +140,13 @@ ADMISSION_OUTPUTS = (Tensor("admitted", "bool", (1,)),)
 SOLVER_INPUTS = REQUEST + (Tensor("admitted", "bool", (1,), optional=True),)
 
 MEL_RESPONSE = (Tensor("mel", "float32", (FEATS, -1)), Tensor("frame_offset", "int64", (1,)))
+#: the Euler steps the chunk was solved at (what a replay sends back as ``chunk_steps``)
+STEPS = Tensor("steps", "int32", (1,))
 AUDIO_RESPONSE = (Tensor("audio", "float32", (-1,)), Tensor("sample_offset", "int64", (1,)))
 #: the stream's state after the chunk, for a resume elsewhere (b"" when none is given)
 SNAPSHOT = Tensor("snapshot", "bytes", (1,))
 #: what ``token2mel`` answers
-STREAM_RESPONSE = MEL_RESPONSE + (SNAPSHOT,)
+STREAM_RESPONSE = MEL_RESPONSE + (SNAPSHOT, STEPS)
 #: the solver answers its utterance's noise seed too, for the vocoder's source, and passes a resume START's
 #: snapshot on (the vocoder's part is in it): in token2wav every vocoder input must come from the solver (Triton
 #: refuses an ensemble step whose inputs come from a decoupled model and from elsewhere, and the solver is
@@ -177,7 +189,7 @@ def stateless_tensors(model: str, meanflow: bool = False) -> tuple[tuple[Tensor,
 # -- the vocoder (token2wav's second step) and its two ONNX graphs --------------------------------------
 VOCODER_INPUTS = (Tensor("mel", "float32", (FEATS, -1), ragged=True), Tensor("frame_offset", "int64", (1,)),
                   Tensor("seed", "int64", (1,), optional=True), Tensor("snapshot", "bytes", (1,), optional=True),
-                  Tensor("resume", "bytes", (1,), optional=True))
+                  Tensor("resume", "bytes", (1,), optional=True), Tensor("steps", "int32", (1,), optional=True))
 #: The vocoder passes the mel it was given and its offset on, so that every output of ``token2wav`` is made by
 #: its last step: an ensemble prunes the steps whose outputs a request did not name, and an ensemble output that
 #: was also the vocoder's input would take the vocoder (and with it the audio) away from a client that names
@@ -186,7 +198,7 @@ VOCODER_OUTPUTS = AUDIO_RESPONSE + STREAM_RESPONSE
 #: Inside ``token2wav``: the solver's outputs, by the ensemble tensor names the vocoder reads them from (never an
 #: ensemble output, see above). The vocoder answers the solver's snapshot with its own section after it.
 SOLVER_TO_VOCODER = {"mel": "solver_mel", "frame_offset": "solver_frame_offset", "seed": "solver_seed",
-                     "snapshot": "solver_snapshot", "resume": "solver_resume"}
+                     "snapshot": "solver_snapshot", "resume": "solver_resume", "steps": "solver_steps"}
 HIFT_F0 = ((Tensor("mel", "float32", (-1, FEATS, -1)),), (Tensor("f0", "float32", (-1, -1)),))
 HIFT_DECODER = ((Tensor("mel", "float32", (-1, FEATS, -1)), Tensor("harmonics", "float32", (-1, -1, -1))),
                 (Tensor("audio", "float32", (-1, -1)),))
@@ -207,7 +219,7 @@ def request_arrays(speech_tokens, *, start: bool = False, prompt_tokens=None, pr
                    speaker_embedding=None, n_timesteps: Optional[int] = None,
                    guidance_rate: Optional[float] = None, seed: Optional[int] = None,
                    voice_id: Optional[str] = None, token_offset: Optional[int] = None,
-                   resume: Optional[bytes] = None) -> dict[str, np.ndarray]:
+                   resume: Optional[bytes] = None, chunk_steps: Optional[int] = None) -> dict[str, np.ndarray]:
     """One request's tensors, batch dimension 1, dtypes as declared. ``None`` values are left out; the
     START-only ones are refused unless ``start`` (prompt_mel is frames-major: (2 Np, FEATS))."""
     given = {"prompt_tokens": prompt_tokens, "prompt_mel": prompt_mel, "speaker_embedding": speaker_embedding,
@@ -218,6 +230,8 @@ def request_arrays(speech_tokens, *, start: bool = False, prompt_tokens=None, pr
         raise ValueError(f"{sorted(given)} may only be sent with a sequence's START request")
     if token_offset is not None:
         given["token_offset"] = token_offset
+    if chunk_steps is not None:
+        given["chunk_steps"] = chunk_steps
     spec = _REQUEST_BY_NAME
     out = {"speech_tokens": np.asarray(speech_tokens, dtype=spec["speech_tokens"].np_dtype).reshape(1, -1)}
     for name, value in given.items():

@@ -150,6 +150,7 @@ class ChunkRequest:
     guidance_rate: Optional[float] = None
     seed: int = 0
     token_offset: Optional[int] = None              # the chunk's first token in the utterance (None: append)
+    chunk_steps: Optional[int] = None               # this chunk's Euler steps (a replay's; None: the server's)
     resume: Optional[bytes] = None                  # START: the snapshot the stream goes on from
 
 
@@ -205,7 +206,11 @@ def parse_request(inputs: Mapping[str, np.ndarray], *, start: bool, end: bool, r
     offset = _scalar(inputs, "token_offset")
     if offset is not None and offset < 0:
         raise RequestError(f"token_offset must be >= 0, got {offset}")
-    req = ChunkRequest(speech_tokens=tokens, start=start, end=end, token_offset=None if offset is None else int(offset))
+    chunk_steps = _scalar(inputs, "chunk_steps")
+    if chunk_steps is not None and not 1 <= chunk_steps <= rules.max_steps:
+        raise RequestError(f"chunk_steps must be in [1, {rules.max_steps}], got {chunk_steps}")
+    req = ChunkRequest(speech_tokens=tokens, start=start, end=end, token_offset=None if offset is None else int(offset),
+                       chunk_steps=None if chunk_steps is None else int(chunk_steps))
     if not start:
         given = [n for n in START_ONLY if n in inputs]
         if given:

@@ -120,12 +120,16 @@ class CostFit:
 @dataclass
 class Work:
     """What chunks cost, in the units the fits price: estimator rows x padded frames summed over every step,
-    estimator steps, encoder calls (one per chunk) and tokens, and the mel frames made final (the audio)."""
+    estimator steps, encoder calls (one per chunk) and tokens, and the mel frames made final (the audio); and the
+    estimator work that chunks given fewer Euler steps than their stream's did not do (``skipped_*``: capacity
+    is defined at full steps, :meth:`full`)."""
     row_frames: float = 0.0
     steps: int = 0
     chunks: int = 0
     encoder_tokens: int = 0
     frames: int = 0
+    skipped_row_frames: float = 0.0
+    skipped_steps: int = 0
 
     def add(self, other: "Work") -> None:
         self.row_frames += other.row_frames
@@ -133,6 +137,13 @@ class Work:
         self.chunks += other.chunks
         self.encoder_tokens += other.encoder_tokens
         self.frames += other.frames
+        self.skipped_row_frames += other.skipped_row_frames
+        self.skipped_steps += other.skipped_steps
+
+    def full(self) -> "Work":
+        """The same chunks at their streams' full step counts."""
+        return Work(self.row_frames + self.skipped_row_frames, self.steps + self.skipped_steps, self.chunks,
+                    self.encoder_tokens, self.frames)
 
     @property
     def audio_s(self) -> float:
@@ -225,8 +236,9 @@ class CapacityModel(Observer):
             self.encoder.observe(tokens, seconds)
 
     def chunk_work(self, corr_id, work: Work) -> None:
+        """A chunk answered: its stream's demand counts it at full steps, the window at what it did."""
         with self._lock:
-            self._streams.setdefault(corr_id, Work()).add(work)
+            self._streams.setdefault(corr_id, Work()).add(work.full())
             self._made.add(work)
 
     def worked(self, seconds: float, streams: int = 0) -> None:
@@ -244,15 +256,19 @@ class CapacityModel(Observer):
             fits = self._costs(1.0)
             priced = fits.seconds(made, self._share()) if fits.known else 0.0
             full = fits.seconds(made, self.max_batch) if fits.known else 0.0
+            # audio made at fewer steps counts for the share of its full-step work it took: capacity stays
+            # defined at full steps (fewer steps never make admission take more)
+            at_full_steps = fits.seconds(made.full(), self._share()) if fits.known and made.skipped_steps else 0.0
+            audio = made.audio_s * (priced / at_full_steps if at_full_steps > 0 else 1.0)
             self._busy = decay * self._busy + seconds
             self._priced = decay * self._priced + priced
             self._full = decay * self._full + full
-            self._audio = decay * self._audio + made.audio_s
+            self._audio = decay * self._audio + audio
             if streams >= self.max_batch and wall < SATURATED_GAP_S:   # a full batch held: the server at capacity
                 d = 0.5 ** (wall / self.window_s)
                 self._sat_wall, self._sat_busy = d * self._sat_wall + wall, d * self._sat_busy + seconds
                 self._sat_priced, self._sat_full = d * self._sat_priced + priced, d * self._sat_full + full
-                self._sat_audio = d * self._sat_audio + made.audio_s
+                self._sat_audio = d * self._sat_audio + audio
 
     @property
     def correction(self) -> Optional[float]:

@@ -13,6 +13,8 @@ method has a default that does nothing, so an observer implements only what it n
   each execute itself) holding ``streams`` streams, and made the chunks answered since the last report;
 * ``chunk_answered(corr_id, start, nfe, frames)``: a chunk's solve succeeded and its newly final ``frames``
   go out; ``nfe`` its network evaluations (steps, x2 with guidance); ``start`` whether it was a START;
+* ``fewer_steps(corr_id, full, steps)``: the deadline scheduler gave a late chunk ``steps`` Euler steps instead of
+  its stream's ``full`` (``s3flow.engine.step_loop``);
 * ``sequence_dropped(corr_id, reason)``: a sequence's state went before its END
   (``s3flow.engine.sequences.DROP_REASONS``);
 * ``sequence_ended(corr_id)``: a sequence's END was answered and its state went (the one place a model learns
@@ -47,6 +49,9 @@ class Observer:
 
     def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
         pass
+
+    def fewer_steps(self, corr_id, full: int, steps: int) -> None:
+        """The scheduler gave a late chunk ``steps`` Euler steps instead of its stream's ``full``."""
 
     def worked(self, seconds: float, streams: int = 0) -> None:
         pass
@@ -83,6 +88,10 @@ class Observers(Observer):
     def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
         for o in self.observers:
             o.chunk_answered(corr_id, start, nfe, frames)
+
+    def fewer_steps(self, corr_id, full: int, steps: int) -> None:
+        for o in self.observers:
+            o.fewer_steps(corr_id, full, steps)
 
     def worked(self, seconds: float, streams: int = 0) -> None:
         for o in self.observers:

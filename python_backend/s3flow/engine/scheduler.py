@@ -14,6 +14,10 @@ Policies:
   (its steps x the cost of one of its steps). The least slack goes first: the stream closest to running dry.
 * ``fifo``: oldest arrival first, for comparison (what Triton's ``oldest`` batcher does, one step at a time).
 
+Fewer steps (:func:`steps_in_time`): a chunk about to make its first step whose deadline comes before its full step
+count can be made may be given fewer Euler steps (a cosine grid of its own, at least ``min_steps``), so that a late
+stream gets slightly coarser frames rather than a gap; capacity and admission stay defined at full steps.
+
 A step's rows are capped by a :class:`StepBudget` (estimator rows and rows x padded frames), so that a step, and
 with it every stream's wait for its turn, stays about one step long whatever the load; a chunk that does not fit
 waits for the next step (a smaller one behind it in the order may still fit).
@@ -30,6 +34,8 @@ from typing import Callable, Literal, Sequence
 
 from s3flow.protocol import NumericSettings, check_numbers
 
+#: the fewest Euler steps a late chunk may be given by default (results/fewer_steps.md: the quality they cost)
+MIN_STEPS = 6
 Policy = Literal["deadline", "fifo"]
 POLICIES = ("deadline", "fifo")
 #: seconds one step of ``rows`` estimator rows over ``frames`` padded frames takes (a cost model)
@@ -51,14 +57,16 @@ class StepBudget:
 @dataclass
 class StepScheduling(NumericSettings):
     """The deadline scheduler's knobs (``cfm_solver`` parameters, with ``scheduling: deadline``): the step
-    budget, and the playback clock's start-up buffer and first-audio target (``s3flow.engine.playback``)."""
+    budget, the playback clock's start-up buffer and first-audio target (``s3flow.engine.playback``), and the
+    fewest Euler steps a late chunk may be given (``min_steps``; 0: never fewer than its stream's)."""
     max_step_rows: int = 32
     max_step_row_frames: int = 32 * 400
     start_buffer_s: float = 0.3
     first_audio_s: float = 0.5
+    min_steps: int = MIN_STEPS
 
     def check(self) -> None:
-        check_numbers(self, "scheduling setting", lowest={"start_buffer_s": 0, "first_audio_s": 0})
+        check_numbers(self, "scheduling setting", lowest={"start_buffer_s": 0, "first_audio_s": 0, "min_steps": 0})
 
     def budget(self) -> StepBudget:
         return StepBudget(self.max_step_rows, self.max_step_row_frames)
@@ -99,3 +107,12 @@ def pick(candidates: Sequence[Candidate], now: float, budget: StepBudget, cost: 
         chosen.append(c)
         rows, frames = r, f
     return chosen
+
+
+def steps_in_time(c: Candidate, now: float, step_s: float, min_steps: int) -> int:
+    """The Euler steps a chunk not begun gets: all it has left when they meet its deadline at ``step_s`` seconds a
+    step, else as many as do, but at least ``min_steps`` (0: all of them, always)."""
+    if not min_steps or min_steps >= c.steps_left or c.deadline - now >= c.steps_left * step_s:
+        return c.steps_left
+    fit = int((c.deadline - now) // step_s) if step_s > 0 else c.steps_left
+    return max(min_steps, min(c.steps_left, fit))

@@ -13,7 +13,7 @@ part                     fields                                     read by
                          default_steps, default_guidance_rate,
                          max_utterance_frames
 ``StepScheduling``       max_step_rows, max_step_row_frames,        ``s3flow.engine.step_loop.StepLoop`` (the
-(``engine.scheduler``)   start_buffer_s, first_audio_s              ``deadline`` scheduling only)
+(``engine.scheduler``)   start_buffer_s, first_audio_s, min_steps   ``deadline`` scheduling only)
 =======================  =========================================  ===========================================
 
 Every field is a ``parameters`` entry of the cfm_solver config, by its own name (the names are distinct

@@ -8,19 +8,23 @@ iteration:
    (``StreamingEngine.prepare``); a failed call fails exactly those chunks;
 2. chunks whose request was cancelled leave (only their rows; rolled back, answered cancelled);
 3. the policy (``s3flow.engine.scheduler.pick``: least slack against each stream's playback deadline, or FIFO)
-   picks the rows of the next step within the step budget, and one estimator call steps them
-   (``s3flow.engine.stepping.StepBatch``); a failed call fails every chunk in it;
+   picks the rows of the next step within the step budget; a picked chunk about to make its first step that
+   cannot meet its deadline at its full step count gets fewer (``s3flow.engine.scheduler.steps_in_time``, at
+   least ``min_steps``; 0: never); one estimator call steps them (``s3flow.engine.stepping.StepBatch``); a failed
+   call fails every chunk in it;
 4. a chunk whose last step is made is committed (``StreamingEngine.commit``: its state changes now, after
    success) and answered with its result.
 
 The one outcome of a chunk (:class:`Done`) is its result, or its failure's cause with the chunk already rolled
 back (``SequenceTable.rollback``: a START's new state goes, a later chunk's state is as before it): the caller
-only maps causes to answers. The step cost the slack uses is measured online (seconds per row-frame, an
-exponential average over the steps made), the playback clock is the engine's (``s3flow.engine.playback``).
+only maps causes to answers. The step cost the slack and the fewer steps use is the instance's measurement of its
+work (``costs``: ``s3flow.engine.capacity.CapacityModel.costs``, what admission and the gauge price with too), the
+playback clock is the engine's (``s3flow.engine.playback``).
 
 Example (what a test or the solver's thread does)::
 
-    loop = StepLoop(engine, PlaybackBook(), policy="deadline", budget=StepBudget(32, 32 * 400))
+    loop = StepLoop(engine, PlaybackBook(), policy="deadline", budget=StepBudget(32, 32 * 400),
+                    costs=capacity.costs, min_steps=6)
     loop.submit(engine.admit(7, request), on_done=answers.append)
     while loop.busy:
         loop.run_once()
@@ -32,8 +36,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from s3flow.engine.capacity import Costs
 from s3flow.engine.playback import PlaybackBook
-from s3flow.engine.scheduler import Candidate, Policy, StepBudget, pick
+from s3flow.engine.scheduler import Candidate, Policy, StepBudget, pick, steps_in_time
 from s3flow.engine.stepping import RowSolve, StepBatch
 from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
 
@@ -59,12 +64,18 @@ class _InFlight:
     solve: Optional[RowSolve] = None
 
 
+#: the step cost before anything is measured (and in tests that give none): 1 us per row-frame
+UNMEASURED = Costs(est_per_unit=1e-6)
+
+
 class StepLoop:
     def __init__(self, engine: StreamingEngine, playback: PlaybackBook, policy: Policy = "deadline",
                  budget: StepBudget = StepBudget(), clock: Callable[[], float] = time.monotonic,
-                 seconds_per_row_frame: float = 1e-6, smoothing: float = 0.2):
+                 costs: Callable[[], Costs] = lambda: UNMEASURED, min_steps: int = 0):
+        """``costs``: what a step costs now (the instance's measurement); ``min_steps``: the fewest Euler steps a
+        late chunk may be given (0: always its full count)."""
         self.engine, self.playback, self.policy, self.budget, self.clock = engine, playback, policy, budget, clock
-        self.seconds_per_row_frame, self.smoothing = seconds_per_row_frame, smoothing
+        self.costs, self.min_steps = costs, int(min_steps)
         self._new: list[_InFlight] = []        # submitted (any thread), not yet prepared
         self._solving: list[_InFlight] = []    # the loop's own (one thread runs run_once)
         self._lock = threading.Lock()
@@ -87,8 +98,13 @@ class StepLoop:
                 self.playback.arrived(chunk.corr_id, now)
             self._new.append(_InFlight(chunk, on_done, is_cancelled, now))
 
-    def step_cost(self, rows: int, frames: int) -> float:
-        return self.seconds_per_row_frame * rows * frames
+    def step_cost(self) -> Callable[[int, int], float]:
+        """Seconds of one step of ``rows`` estimator rows over ``frames`` padded frames, at the costs measured now
+        (the fits times the instance's correction: what a step really takes here)."""
+        c = self.costs()
+        if not c.known:
+            c = UNMEASURED
+        return lambda rows, frames: c.est_fixed + c.est_per_unit * rows * frames
 
     def run_once(self) -> int:
         """One iteration (the module docstring); returns the chunks answered. Its time is reported to the engine's
@@ -105,30 +121,41 @@ class StepLoop:
             answered += self._fail([f], StepCancelled("cancelled by the client before its last Euler step"))
         if not self._solving:
             return answered
-        now = self.clock()
+        now, cost = self.clock(), self.step_cost()
         cands = [Candidate(f, f.arrival, self.playback.deadline(f.chunk.corr_id), f.solve.steps - f.solve.step,
                            f.solve.rows, f.solve.frames) for f in self._solving]
-        chosen = [c.key for c in pick(cands, now, self.budget, self.step_cost, self.policy)]
+        picked = pick(cands, now, self.budget, cost, self.policy)
+        chosen = [c.key for c in picked]
         batch = StepBatch([f.solve for f in chosen], self.engine.meanflow)
+        if self.min_steps:
+            self._fewer_steps(picked, now, cost(batch.rows, batch.frames))
         self.engine.observer.estimator_step(len(chosen), batch.rows, batch.frames)
         t0 = self.clock()
         try:
             batch.step(self.engine.estimator)
         except Exception as exc:
             return answered + self._fail(chosen, exc)
-        elapsed = self.clock() - t0
-        self.engine.observer.estimator_timed(batch.rows, batch.frames, elapsed)
+        self.engine.observer.estimator_timed(batch.rows, batch.frames, self.clock() - t0)
         self.steps += 1
         self.engine.estimator_calls += 1
         self.engine.solved_frames += batch.frames * len(chosen)
-        if elapsed > 0:
-            measured = elapsed / (batch.rows * batch.frames)
-            self.seconds_per_row_frame += self.smoothing * (measured - self.seconds_per_row_frame)
         for f in [f for f in chosen if f.solve.done]:
             with self._lock:
                 self._solving.remove(f)
             answered += self._commit(f)
         return answered
+
+    def _fewer_steps(self, picked: list[Candidate], now: float, step_s: float) -> None:
+        """Each picked chunk about to make its first step (its request did not name its steps) gets the steps
+        that meet its deadline at ``step_s`` a step (this step's cost), at least ``min_steps``."""
+        for c in picked:
+            f: _InFlight = c.key
+            if f.solve.step or f.chunk.pinned:
+                continue
+            k = steps_in_time(c, now, step_s, self.min_steps)
+            if k < c.steps_left:
+                self.engine.fewer_steps(f.chunk, f.solve, k)
+                self.engine.observer.fewer_steps(f.chunk.corr_id, c.steps_left, k)
 
     def _prepare_new(self) -> int:
         with self._lock:

@@ -133,6 +133,10 @@ class Chunk:
     first_frame: int                   # first generated frame in the solve (0 in prefix mode)
     valid_frames: int                  # generated frames valid after this chunk
     final_frames: int                  # generated frames final after this chunk
+    #: Euler steps of its solve: the stream's ``n_steps``, the request's ``chunk_steps`` (a replay), or fewer
+    #: given by the scheduler before its first step (``StreamingEngine.fewer_steps``)
+    steps: int = 0
+    pinned: bool = False               # the request named its steps: no scheduler changes them
 
     @property
     def frames(self) -> int:
@@ -140,20 +144,32 @@ class Chunk:
         return self.start.shape[1]
 
     @property
+    def rows(self) -> int:
+        """Estimator rows of one of its steps (2 with guidance)."""
+        return 2 if self.state.guidance_rate else 1
+
+    @property
     def nfe(self) -> int:
         """Network evaluations of the chunk's solve: steps, twice over with guidance."""
-        return self.state.n_steps * (2 if self.state.guidance_rate else 1)
+        return self.steps * self.rows
+
+    @property
+    def full_nfe(self) -> int:
+        """The same at its stream's full step count (what capacity is defined at)."""
+        return self.state.n_steps * self.rows
 
 
 @dataclass
 class ChunkResult:
     """mel: (n_feats, F) the newly final frames; frame_offset: index of the first of them; seed: the
     utterance's noise seed (the vocoder's source is seeded by it too); snapshot: the stream's state after the
-    chunk, sealed (b"" when there is none to give: prefix mode, no key, END)."""
+    chunk, sealed (b"" when there is none to give: prefix mode, no key, END); steps: the Euler steps it was
+    solved at (a replay sends them back as ``chunk_steps``)."""
     mel: np.ndarray
     frame_offset: int
     seed: int = 0
     snapshot: bytes = b""
+    steps: int = 0
 
 
 def check_bucket_ratio(ratio: float, name: str = "bucket_ratio") -> None:
@@ -274,9 +290,13 @@ class StreamingEngine:
         valid = first + length - used
         final = valid if req.end else max(valid - self.solving.holdback_frames, e)
         start = starting_point(s.noise, s.prompt_noise[:, s.prompt_frames - used:], first, valid, s.noised_mels)
+        if req.chunk_steps is not None and req.chunk_steps > s.n_steps:
+            raise RequestError(f"chunk_steps {req.chunk_steps} is above the stream's n_timesteps {s.n_steps} (a "
+                               f"replay sends the steps its answer said)")
         return Chunk(corr_id, s, req.speech_tokens, finalize=req.end, started=req.start, replaced=replaced,
                      encoder_tokens=tokens, prefix_mel=prefix_mel, prompt_frames=used, start=start,
-                     first_frame=first, valid_frames=valid, final_frames=final)
+                     first_frame=first, valid_frames=valid, final_frames=final,
+                     steps=req.chunk_steps or s.n_steps, pinned=req.chunk_steps is not None)
 
     # -- one step for several sequences --------------------------------------------------------------
     def run(self, chunks: list[Chunk], on_step: Optional[Callable[[int], None]] = None) -> list[ChunkResult]:
@@ -292,7 +312,7 @@ class StreamingEngine:
         solved: list[Optional[np.ndarray]] = [None] * len(chunks)
         groups: dict[tuple, list[int]] = {}
         for i, c in enumerate(chunks):
-            groups.setdefault((c.state.n_steps, c.state.guidance_rate), []).append(i)
+            groups.setdefault((c.steps, c.state.guidance_rate), []).append(i)
         try:
             for (steps, _rate), idx in groups.items():
                 for part in self._buckets(chunks, idx):
@@ -347,9 +367,19 @@ class StreamingEngine:
             x = torch.from_numpy(np.ascontiguousarray(c.start)).to(dev)
             solves.append(RowSolve(mu=cond.mu[i, :, :f], mask=cond.mask[i, :, :f], spks=cond.spks[i],
                                    cond=cond.cond[i, :, :f], x=x,
-                                   grid=cfm_grid(c.state.n_steps, self.meanflow, cond.mu),
+                                   grid=cfm_grid(c.steps, self.meanflow, cond.mu),
                                    rate=0.0 if self.meanflow else c.state.guidance_rate))
         return solves
+
+    def fewer_steps(self, c: Chunk, solve: RowSolve, steps: int) -> None:
+        """Solve ``c`` (its ``solve`` not begun) at ``steps`` Euler steps instead, on their own grid (a cosine grid
+        of ``steps``, as a stream started with ``n_timesteps=steps`` would have): what the scheduler gives a chunk
+        that cannot meet its stream's deadline at full steps. Its answer says so (``ChunkResult.steps``)."""
+        if c.pinned or solve.step or not 1 <= steps <= c.state.n_steps:
+            raise ValueError(f"chunk of sequence {c.corr_id}: cannot solve at {steps} steps (pinned {c.pinned}, "
+                             f"{solve.step} steps made, the stream's {c.state.n_steps})")
+        c.steps = int(steps)
+        solve.grid = cfm_grid(c.steps, self.meanflow, solve.mu)
 
     def _solve(self, chunks: list[Chunk], steps: int, on_step) -> list[np.ndarray]:
         """One padded batch of chunks sharing steps and guidance: encoder, condition, then every Euler step
@@ -388,12 +418,14 @@ class StreamingEngine:
                          if c.valid_frames > keep_from else None)
         s.emitted = c.final_frames
         result = ChunkResult(mel=mel, frame_offset=e, seed=s.noise.seed,
-                             snapshot=b"" if c.finalize else self.snapshots.make(s))
+                             snapshot=b"" if c.finalize else self.snapshots.make(s), steps=c.steps)
         s.last = Answered(s.received_tokens - int(c.tokens.size), c.tokens, c.finalize, result)
         if c.replaced is not None:  # a START on a live id restarted that utterance: the old state went
             self.observer.sequence_dropped(c.corr_id, "replaced by a new START")
         self.sequences.commit(c.corr_id, end=c.finalize)  # idle time counts from the answer, not the request
-        self.observer.chunk_work(c.corr_id, Work(row_frames=float(c.nfe * c.frames), steps=c.state.n_steps, chunks=1,
-                                                 encoder_tokens=int(c.encoder_tokens.size), frames=int(mel.shape[1])))
+        self.observer.chunk_work(c.corr_id, Work(
+            row_frames=float(c.nfe * c.frames), steps=c.steps, chunks=1, encoder_tokens=int(c.encoder_tokens.size),
+            frames=int(mel.shape[1]), skipped_row_frames=float((c.full_nfe - c.nfe) * c.frames),
+            skipped_steps=c.state.n_steps - c.steps))
         self.observer.chunk_answered(c.corr_id, c.started, c.nfe, int(mel.shape[1]))
         return result

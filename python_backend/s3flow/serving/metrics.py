@@ -24,6 +24,9 @@ metric (labels ``model``, ``instance``)       kind       what
                                                          first answer, at real time); negative: that player
                                                          ran dry, a gap a listener hears (no per-stream label)
 ``s3flow_stream_underruns_total``             counter    streams whose lead went negative (once each)
+``s3flow_fewer_steps_chunks_total``           counter    chunks the deadline scheduler gave fewer Euler
+                                                         steps than their stream's, to meet its deadline
+                                                         (``min_steps``; each answer says its ``steps``)
 ``s3flow_first_audio_seconds``                histogram  the vocoder (token2wav): from a START's arrival
                                                          at the ensemble (admission) to its first samples
                                                          beyond the silent 40 ms start (what a listener
@@ -100,6 +103,8 @@ STREAM_LEAD = Family("s3flow_stream_lead_seconds", "histogram",
                      "player started (start_buffer_s after the first answer, at real time); negative: the player ran "
                      "dry", LEAD_BUCKETS)
 UNDERRUNS = Family("s3flow_stream_underruns_total", "counter", "streams whose lead went negative (once each)")
+FEWER_STEPS = Family("s3flow_fewer_steps_chunks_total", "counter",
+                     "chunks the deadline scheduler gave fewer Euler steps than their stream's to meet its deadline")
 
 FIRST_AUDIO_SECONDS = Family("s3flow_first_audio_seconds", "histogram",
                              "seconds from a START's arrival at the token2wav ensemble to the vocoder's first samples "
@@ -122,7 +127,7 @@ ADMISSION_RETRY_AFTER = Family("s3flow_admission_retry_after_seconds", "histogra
 ADMISSION_FAMILIES = (ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER)
 
 SOLVER_FAMILIES = (LIVE, DROPPED, CHUNK_SECONDS, FIRST_CHUNK_SECONDS, CHUNK_NFE, CHUNK_FRAMES, STEP_BATCH,
-                   STREAM_LEAD, UNDERRUNS, UTILIZATION, CAPACITY)
+                   STREAM_LEAD, UNDERRUNS, FEWER_STEPS, UTILIZATION, CAPACITY)
 VOCODER_FAMILIES = (FIRST_AUDIO_SECONDS, VOCODER_LIVE, UTILIZATION, CAPACITY)
 FAMILIES = SOLVER_FAMILIES + tuple(f for f in VOCODER_FAMILIES if f not in SOLVER_FAMILIES) + ADMISSION_FAMILIES
 #: the solver's histograms (every token2mel and token2wav load shows them; the load test checks their counts)
@@ -160,6 +165,9 @@ class SolverBook(Observer):
 
     def sequence_ended(self, corr_id) -> None:
         self._ended.append(corr_id)
+
+    def fewer_steps(self, corr_id, full: int, steps: int) -> None:
+        self.publish(FEWER_STEPS, 1, {})
 
     def sequence_dropped(self, corr_id, reason: str) -> None:
         self._streams.pop(corr_id, None)

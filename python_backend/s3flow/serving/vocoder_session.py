@@ -45,7 +45,7 @@ from s3flow.engine.vocoder_stream import AudioChunk, NetworkCallError, StreamErr
 from s3flow.protocol import RequestError, UnknownSequence, one_bytes
 from s3flow.serving.responses import INTERNAL, INVALID_ARG, UNAVAILABLE
 
-_MEL, _FRAME_OFFSET, _SEED, _SNAPSHOT, _RESUME = (t.name for t in VOCODER_INPUTS)
+_MEL, _FRAME_OFFSET, _SEED, _SNAPSHOT, _RESUME = (t.name for t in VOCODER_INPUTS[:5])
 
 
 @dataclass

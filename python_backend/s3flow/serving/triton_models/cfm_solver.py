@@ -57,8 +57,8 @@ from s3flow.serving.warmup import warm_up_solver
 
 #: After a batch that made this many frames, give the freed heap back (s3flow.serving.heap).
 _TRIM_AFTER_FRAMES = 500
-_MEL, _FRAME_OFFSET, _SEED, _SNAPSHOT, _RESUME = (by_name(SOLVER_OUTPUTS)[n] for n in
-                                                   ("mel", "frame_offset", "seed", "snapshot", "resume"))
+_MEL, _FRAME_OFFSET, _SEED, _SNAPSHOT, _RESUME, _STEPS = (
+    by_name(SOLVER_OUTPUTS)[n] for n in ("mel", "frame_offset", "seed", "snapshot", "resume", "steps"))
 #: How far out of order requests may reach the batcher after admission marked them (s3flow.serving.arrivals.OnTheWay;
 #: the batcher's own queue delay comes on top)
 ARRIVAL_SLACK_S = 1.0
@@ -211,7 +211,8 @@ class TritonPythonModel(TritonModel):
                 raise ValueError("scheduling 'deadline' needs model_transaction_policy { decoupled: true }")
             sched = self.settings.scheduling
             loop = StepLoop(engine, PlaybackBook(PlaybackSettings(sched.start_buffer_s, sched.first_audio_s)),
-                            policy="deadline", budget=sched.budget())
+                            policy="deadline", budget=sched.budget(), costs=self.capacity.costs,
+                            min_steps=sched.min_steps)
             self.stepped = SteppedSolver(self.session, loop, self.name, log=self.logger.log_error)
         # admission (the ensembles' first step) refuses STARTs when the instances are full: it reads these
         self.live_counts = LiveCounts(LiveCounts.default_folder())
@@ -300,7 +301,8 @@ class TritonPythonModel(TritonModel):
             _FRAME_OFFSET.name: np.array([[o.result.frame_offset]], dtype=_FRAME_OFFSET.np_dtype),
             _SNAPSHOT.name: np.array([[o.result.snapshot]], dtype=object),
             _SEED.name: np.array([[o.result.seed]], dtype=_SEED.np_dtype),
-            _RESUME.name: np.array([[resume]], dtype=object)})
+            _RESUME.name: np.array([[resume]], dtype=object),
+            _STEPS.name: np.array([[o.result.steps]], dtype=_STEPS.np_dtype)})
 
     def _execute_decoupled(self, requests):
         """scheduling "deadline": each request goes to its sequence's queue (step_service) and execute returns;

@@ -10,8 +10,9 @@ snapshots and the mapping of failures to answers are ``s3flow.serving.vocoder_se
 (``contract.VOCODER_INPUTS`` / ``_OUTPUTS``): ``mel`` [1, n_feats, F] the newly final frames, ``frame_offset``
 [1, 1], ``seed`` [1, 1] (START: the source noise's seed), the solver's ``snapshot`` and a resume START's
 ``resume`` in; ``audio`` [1, S] the newly final samples and ``sample_offset`` [1, 1] the index of the first, the
-``mel`` and ``frame_offset`` it was given passed on (so that every ``token2wav`` output is the vocoder's: a
-request may name any subset of them), and the snapshot with the vocoder's section out.
+``mel``, ``frame_offset`` and the solver's ``steps`` it was given passed on (so that every ``token2wav`` output is
+the vocoder's: a request may name any subset of them; ``steps`` 0 when it was called without them), and the
+snapshot with the vocoder's section out.
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ from s3flow.serving.vocoder_session import VocoderIncoming, VocoderSession
 from s3flow.serving.warmup import warm_up_vocoder
 
 _MEL, _FRAME_OFFSET = (t.name for t in VOCODER_INPUTS[:2])
-_AUDIO, _SAMPLE_OFFSET, _MEL_OUT, _FRAME_OFFSET_OUT, _SNAPSHOT = (
-    by_name(VOCODER_OUTPUTS)[n] for n in ("audio", "sample_offset", "mel", "frame_offset", "snapshot"))
+_AUDIO, _SAMPLE_OFFSET, _MEL_OUT, _FRAME_OFFSET_OUT, _SNAPSHOT, _STEPS = (
+    by_name(VOCODER_OUTPUTS)[n] for n in ("audio", "sample_offset", "mel", "frame_offset", "snapshot", "steps"))
 
 
 def source_params_from(params: Params) -> SourceParams:
@@ -147,7 +148,8 @@ class TritonPythonModel(TritonModel):
             _AUDIO.name: o.chunk.audio[None].astype(_AUDIO.np_dtype, copy=False),
             _SAMPLE_OFFSET.name: np.array([[o.chunk.sample_offset]], dtype=_SAMPLE_OFFSET.np_dtype),
             _MEL_OUT.name: inputs[_MEL], _FRAME_OFFSET_OUT.name: inputs[_FRAME_OFFSET],
-            _SNAPSHOT.name: np.array([[o.snapshot]], dtype=object)})
+            _SNAPSHOT.name: np.array([[o.snapshot]], dtype=object),
+            _STEPS.name: inputs.get(_STEPS.name, np.zeros((1, 1), _STEPS.np_dtype))})
 
     def _first_audio(self, c, samples_out: int) -> None:
         """Observe a START-to-first-sound time once per utterance (and forget it at END)."""
