@@ -35,7 +35,7 @@ from typing import Callable, Literal, Sequence
 from s3flow.protocol import NumericSettings, check_numbers
 
 #: the fewest Euler steps a late chunk may be given by default (results/fewer_steps.md: the quality they cost)
-MIN_STEPS = 6
+MIN_STEPS = 4
 Policy = Literal["deadline", "fifo"]
 POLICIES = ("deadline", "fifo")
 #: seconds one step of ``rows`` estimator rows over ``frames`` padded frames takes (a cost model)

@@ -24,7 +24,7 @@ playback clock is the engine's (``s3flow.engine.playback``).
 Example (what a test or the solver's thread does)::
 
     loop = StepLoop(engine, PlaybackBook(), policy="deadline", budget=StepBudget(32, 32 * 400),
-                    costs=capacity.costs, min_steps=6)
+                    costs=capacity.costs, min_steps=4)
     loop.submit(engine.admit(7, request), on_done=answers.append)
     while loop.busy:
         loop.run_once()

@@ -2,20 +2,22 @@
 
 Example::
 
-    .venv/bin/python -m s3flow_tools.measure.qos                        # -> results/qos.md (about 6 minutes)
+    .venv/bin/python -m s3flow_tools.measure.qos                        # -> results/qos.md
     .venv/bin/python -m s3flow_tools.measure.qos --loads 0.5,0.8 --runs 1 --out /tmp/qos.md
 
-Two repositories of the trained small model (``checkpoints/trained``: teacher, 10 guided steps, and its
-vocoder), the repository defaults but for ``--scheduling fifo`` / ``deadline``, served one after the other on
-this host (``token2mel`` by default). On each server:
+Repositories of the trained small model (``checkpoints/trained``: teacher, 10 guided steps, and its vocoder), the
+repository defaults but for the scheduling (``--modes``: ``fifo``; ``deadline``, every chunk at its full steps,
+``--min-steps 0``; ``fewer``, the deadline scheduler giving late chunks fewer steps, ``--min-steps`` its default),
+served one after the other on this host (``token2mel`` by default). On each server:
 
 1. **C**, the saturation throughput: ``--at-once`` streams of held-out sentences started together, seconds of
    audio per second of wall time;
 2. **loads** of k C (C being FIFO's, measured in this run), round(k C) streams of held-out sentences (3-6 s,
    their own prompts), started evenly over 2 s or all at once, each a plain ``StreamingClient`` of its own with
    the client's chunk schedule; per stream its first audio and whether a real-time player, started at its first
-   audio with no buffer or with 0.3 s, runs dry (``StreamResult.playback_stalls``), and the server's
-   ``s3flow_stream_underruns_total``.
+   audio with no buffer or with 0.3 s, runs dry (``StreamResult.playback_stalls``), the server's
+   ``s3flow_stream_underruns_total`` and ``s3flow_fewer_steps_chunks_total``, and the streams' ESTOI against the
+   recordings (their mel vocoded by the trained vocoder, after the server has stopped).
 
 Beside them the simulator (``s3flow_tools.schedule_sim``, the same policy code) on a cost model scaled so that
 its FIFO C is the server's: how far the model is from the server. Exits non-zero when a stream fails.
@@ -41,16 +43,40 @@ from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient, Utterance
 from s3flow_tools.bench.report import machine
 from s3flow_tools.schedule_sim import SMALL_ON_2_CORES, CostModel, Load, saturation, simulate
-from s3flow_training.package import load_heldout
+from s3flow_training.package import HeldoutUtterance, load_heldout
 
 TRAINED = ROOT / "checkpoints" / "trained"
 BUFFER_S = 0.3
+#: the scheduling modes: their build flags (``fewer``: the deadline scheduler at its default ``min_steps``)
+MODES = {"fifo": ["--scheduling", "fifo"], "deadline": ["--scheduling", "deadline", "--min-steps", "0"],
+         "fewer": ["--scheduling", "deadline"]}
+
+
+def held(n: int, offset: int = 0) -> list[HeldoutUtterance]:
+    """n held-out sentences of 3-6 s, from the ``offset``-th on (round the list)."""
+    held = [u for u in load_heldout(TRAINED / "heldout.npz") if 3.0 <= len(u.speech_tokens) / TOKENS_PER_SECOND <= 6.0]
+    return [held[(offset + k) % len(held)] for k in range(n)]
 
 
 def utterances(n: int, offset: int = 0) -> list[Utterance]:
-    held = [u for u in load_heldout(TRAINED / "heldout.npz") if 3.0 <= len(u.speech_tokens) / TOKENS_PER_SECOND <= 6.0]
     return [Utterance(u.speech_tokens, u.prompt_tokens, np.ascontiguousarray(u.prompt_mel.T), u.xvector, seed=k)
-            for k, u in ((k, held[(offset + k) % len(held)]) for k in range(n))]
+            for k, u in enumerate(held(n, offset))]
+
+
+def fewer_steps(server) -> float:
+    return metric_sum(read_metrics(f"127.0.0.1:{server.metrics_port}"), "s3flow_fewer_steps_chunks_total")
+
+
+def estoi(rows: list) -> None:
+    """Each row's mean ESTOI against the recordings (its streams' mel vocoded by the trained vocoder)."""
+    from s3flow.model.vocoder import load_vocoder
+    from s3flow.runtime.vocoder import vocode
+    from s3flow_training.intelligibility import intelligibility
+
+    hift = load_vocoder(TRAINED / "vocoder.safetensors")
+    for r in rows:
+        r["estoi"] = float(np.mean([intelligibility(h.reference, vocode(hift, m)).estoi
+                                    for h, m in zip(r.pop("held"), r.pop("mels"))]))
 
 
 def streams(url: str, model: str, utts: list[Utterance], spread_s: float) -> tuple[list, float]:
@@ -74,7 +100,8 @@ def underruns(server) -> float:
     return metric_sum(read_metrics(f"127.0.0.1:{server.metrics_port}"), "s3flow_stream_underruns_total")
 
 
-def row(label: str, mode: str, results: list, dry: float, model: str) -> dict:
+def row(label: str, mode: str, results: list, dry: float, model: str, cut: float = 0.0,
+        heldout: tuple = ()) -> dict:
     bad = [r.error for r in results if r.error is not None]
     if bad:
         raise SystemExit(f"{label} {mode}: {len(bad)} streams failed: {bad[0]}")
@@ -83,7 +110,9 @@ def row(label: str, mode: str, results: list, dry: float, model: str) -> dict:
     stalls = [r.playback_stalls(BUFFER_S) for r in results]
     return {"label": label, "mode": mode, "n": len(results), "first": first,
             "dry0": sum(r.playback_stalls(0.0)[0] > 0 for r in results), "dry": sum(s[0] > 0 for s in stalls),
-            "stall_p95": float(np.percentile([s[1] for s in stalls], 95)), "underruns": dry}
+            "stall_p95": float(np.percentile([s[1] for s in stalls], 95)), "underruns": dry, "cut": cut,
+            "chunks": sum(len(r.chunk_frames) for r in results), "held": list(heldout),
+            "mels": [r.mel for r in results]}
 
 
 def main(argv=None) -> int:
@@ -92,16 +121,22 @@ def main(argv=None) -> int:
     p.add_argument("--loads", default="0.5,0.8,1.0", help="offered loads in units of FIFO's C (%(default)s)")
     p.add_argument("--at-once", type=int, default=16, help="streams that measure C (%(default)s)")
     p.add_argument("--runs", type=int, default=1, help="runs of each load (%(default)s)")
+    p.add_argument("--modes", default="fifo,deadline,fewer", help="scheduling modes, fifo first (%(default)s)")
+    p.add_argument("--at-once-loads", default="", help="loads run only at once, not spread (e.g. 1.5)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "qos.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
+    at_once = [float(x) for x in args.at_once_loads.split(",") if x]
+    modes = args.modes.split(",")
+    if modes[0] != "fifo" or not set(modes) <= set(MODES):
+        raise SystemExit(f"--modes: fifo first, then any of {sorted(MODES)}; got {args.modes}")
     rows, cs = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("fifo", "deadline"):
+        for mode in modes:
             repo = Path(tmp) / mode
             if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--vocoder-checkpoint",
                                       str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice",
-                                      "--scheduling", mode]) != 0:
+                                      *MODES[mode]]) != 0:
                 raise SystemExit("building the repository failed")
             with TritonServer(repo, log_file=Path(tmp) / f"{mode}.log") as server:
                 streams(server.grpc_url, args.model, utterances(2), 0.0)   # warm the client path
@@ -111,15 +146,18 @@ def main(argv=None) -> int:
                 c = cs["fifo"]
                 plan = [("1 stream", 1, 0.0)] + [(f"{k:g} C {'over 2 s' if spread else 'at once'}",
                                                   max(1, round(k * c)), spread) for k in loads for spread in (2.0, 0.0)]
+                plan += [(f"{k:g} C at once", max(1, round(k * c)), 0.0) for k in at_once]
                 for label, n, spread in plan:
                     for run in range(args.runs):
-                        before = underruns(server)
+                        before, cut = underruns(server), fewer_steps(server)
                         results, _ = streams(server.grpc_url, args.model, utterances(n, offset=7 * run), spread)
-                        rows.append(row(label, mode, results, underruns(server) - before, args.model))
+                        rows.append(row(label, mode, results, underruns(server) - before, args.model,
+                                        fewer_steps(server) - cut, held(n, offset=7 * run)))
                         r = rows[-1]
                         print(f"  {label} run {run + 1}: {n} streams, first audio p95 "
                               f"{1000 * np.percentile(r['first'], 95):.0f} ms, dry {r['dry0']}/{r['dry']} of {n}",
                               flush=True)
+    estoi(rows)
     # the simulator on a cost model scaled to this run's FIFO C
     base = Load(streams=1)
     scale = saturation(SMALL_ON_2_CORES, base) / cs["fifo"]
@@ -130,7 +168,8 @@ def main(argv=None) -> int:
         if (r["label"], r["mode"]) in sim:
             continue
         spread = 0.0 if "at once" in r["label"] else 2.0
-        s = simulate(replace(base, streams=r["n"], spread_s=spread), cost, r["mode"])
+        s = simulate(replace(base, streams=r["n"], spread_s=spread), cost,
+                     "fifo" if r["mode"] == "fifo" else "deadline")
         sim[(r["label"], r["mode"])] = (np.percentile(s.first_audio, 95), sum(x > 0 for x in s.stalls[BUFFER_S]))
     lines = [
         "# Streams under load: FIFO vs the step-level deadline scheduler",
@@ -141,19 +180,23 @@ def main(argv=None) -> int:
         f"client's chunk schedule, each stream its own `StreamingClient`; the two servers one after the other, "
         f"{args.runs} run(s) of each load, every run reported.",
         "",
-        f"Saturation throughput C ({args.at_once} streams at once): **FIFO {cs['fifo']:.2f}**, deadline "
-        f"{cs['deadline']:.2f} s of audio per second ({cs['deadline'] / cs['fifo']:.2f}x). A load of k C is "
-        f"round(k x {cs['fifo']:.2f}) streams.",
+        f"Saturation throughput C ({args.at_once} streams at once), s of audio per second: **FIFO "
+        f"{cs['fifo']:.2f}**" + "".join(f", {m} {cs[m]:.2f} ({cs[m] / cs['fifo']:.2f}x)" for m in modes[1:]) +
+        f". A load of k C is round(k x {cs['fifo']:.2f}) streams. Modes: `deadline` every chunk at its full "
+        f"steps (`--min-steps 0`), `fewer` late chunks given fewer (the default `--min-steps`); chunks at fewer "
+        f"steps: of all the row's chunks.",
         "",
         f"| load | scheduling | streams | first {'audio' if args.model == 'token2wav' else 'mel'} p50 / p95 (ms) | ran dry, no buffer | ran dry, {BUFFER_S} s "
-        f"buffer | stall s p95 ({BUFFER_S} s) | server underruns | simulator: first audio p95, ran dry ({BUFFER_S} s) |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"buffer | stall s p95 ({BUFFER_S} s) | server underruns | chunks at fewer steps | ESTOI | "
+        f"simulator: first audio p95, ran dry ({BUFFER_S} s) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         f95, sdry = sim[(r["label"], r["mode"])]
         lines.append(f"| {r['label']} | {r['mode']} | {r['n']} | {1000 * np.percentile(r['first'], 50):.0f} / "
                      f"{1000 * np.percentile(r['first'], 95):.0f} | {r['dry0']} / {r['n']} | {r['dry']} / {r['n']} | "
-                     f"{r['stall_p95']:.2f} | {r['underruns']:.0f} | {1000 * f95:.0f} ms, {sdry} / {r['n']} |")
+                     f"{r['stall_p95']:.2f} | {r['underruns']:.0f} | {r['cut']:.0f} / {r['chunks']} | "
+                     f"{r['estoi']:.3f} | {1000 * f95:.0f} ms, {sdry} / {r['n']} |")
     lines += ["", "The simulator's cost model is the stated small-CPU one scaled by "
                   f"{scale:.1f} so that its FIFO C equals this run's (the server's overheads: BLS hops, python, "
                   "the ensemble).", ""]
