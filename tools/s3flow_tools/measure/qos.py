@@ -8,7 +8,9 @@ Example::
 Repositories of the trained small model (``checkpoints/trained``: teacher, 10 guided steps, and its vocoder), the
 repository defaults but for the scheduling (``--modes``: ``fifo``; ``deadline``, every chunk at its full steps,
 ``--min-steps 0``; ``fewer``, the deadline scheduler giving late chunks fewer steps, ``--min-steps`` its default),
-served one after the other on this host (``token2mel`` by default). On each server:
+served one after the other on this host (``token2mel`` by default), admission off (every load is offered whole:
+what each scheduling does with more than it can carry; the admission section is ``s3flow_tools.measure.admission``'s).
+On each server:
 
 1. **C**, the saturation throughput: ``--at-once`` streams of held-out sentences started together, seconds of
    audio per second of wall time;
@@ -123,6 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=1, help="runs of each load (%(default)s)")
     p.add_argument("--modes", default="fifo,deadline,fewer", help="scheduling modes, fifo first (%(default)s)")
     p.add_argument("--at-once-loads", default="", help="loads run only at once, not spread (e.g. 1.5)")
+    p.add_argument("--deadline-flags", default="", help="more build_repository flags for the deadline modes "
+                   "(e.g. '--first-audio-s 0.15')")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "qos.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
@@ -136,7 +140,8 @@ def main(argv=None) -> int:
             repo = Path(tmp) / mode
             if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--vocoder-checkpoint",
                                       str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice",
-                                      *MODES[mode]]) != 0:
+                                      "--no-admission", *MODES[mode],
+                                      *(args.deadline_flags.split() if mode != "fifo" else [])]) != 0:
                 raise SystemExit("building the repository failed")
             with TritonServer(repo, log_file=Path(tmp) / f"{mode}.log") as server:
                 streams(server.grpc_url, args.model, utterances(2), 0.0)   # warm the client path
@@ -177,14 +182,15 @@ def main(argv=None) -> int:
         f"Made by `python -m s3flow_tools.measure.qos` on {', '.join(f'{k} {v}' for k, v in machine().items())}: "
         f"the trained "
         f"small teacher (10 guided steps), `{args.model}`, held-out sentences of 3-6 s with their own prompts, the "
-        f"client's chunk schedule, each stream its own `StreamingClient`; the two servers one after the other, "
+        f"client's chunk schedule, each stream its own `StreamingClient`; the servers one after the other, "
         f"{args.runs} run(s) of each load, every run reported.",
         "",
         f"Saturation throughput C ({args.at_once} streams at once), s of audio per second: **FIFO "
         f"{cs['fifo']:.2f}**" + "".join(f", {m} {cs[m]:.2f} ({cs[m] / cs['fifo']:.2f}x)" for m in modes[1:]) +
         f". A load of k C is round(k x {cs['fifo']:.2f}) streams. Modes: `deadline` every chunk at its full "
         f"steps (`--min-steps 0`), `fewer` late chunks given fewer (the default `--min-steps`); chunks at fewer "
-        f"steps: of all the row's chunks.",
+        f"steps: of all the row's chunks." + (f" Deadline modes built with `{args.deadline_flags}`."
+                                              if args.deadline_flags else ""),
         "",
         f"| load | scheduling | streams | first {'audio' if args.model == 'token2wav' else 'mel'} p50 / p95 (ms) | ran dry, no buffer | ran dry, {BUFFER_S} s "
         f"buffer | stall s p95 ({BUFFER_S} s) | server underruns | chunks at fewer steps | ESTOI | "
@@ -200,7 +206,10 @@ def main(argv=None) -> int:
     lines += ["", "The simulator's cost model is the stated small-CPU one scaled by "
                   f"{scale:.1f} so that its FIFO C equals this run's (the server's overheads: BLS hops, python, "
                   "the ensemble).", ""]
-    args.out.write_text("\n".join(lines))
+    from s3flow_tools.measure.admission import BEGIN   # (admission reads this module's sentences)
+    old = args.out.read_text() if args.out.exists() else ""
+    kept = "\n" + old[old.index(BEGIN):] if BEGIN in old else ""   # the admission section is its driver's
+    args.out.write_text("\n".join(lines) + kept)
     print("\n".join(lines))
     return 0
 
