@@ -182,12 +182,15 @@ def main(argv=None) -> int:
         f"Made by `python -m s3flow_tools.measure.qos` on {', '.join(f'{k} {v}' for k, v in machine().items())}: "
         f"the trained "
         f"small teacher (10 guided steps), `{args.model}`, held-out sentences of 3-6 s with their own prompts, the "
-        f"client's chunk schedule, each stream its own `StreamingClient`; the servers one after the other, "
+        f"client's chunk schedule, each stream its own `StreamingClient`, admission off; the servers one after the "
+        f"other, "
         f"{args.runs} run(s) of each load, every run reported.",
         "",
         f"Saturation throughput C ({args.at_once} streams at once), s of audio per second: **FIFO "
         f"{cs['fifo']:.2f}**" + "".join(f", {m} {cs[m]:.2f} ({cs[m] / cs['fifo']:.2f}x)" for m in modes[1:]) +
-        f". A load of k C is round(k x {cs['fifo']:.2f}) streams. Modes: `deadline` every chunk at its full "
+        f" (`fewer`'s is not at full steps: at saturation most chunks are late and given fewer; capacity and "
+        f"admission stay at full steps). A load of k C is round(k x {cs['fifo']:.2f}) streams. Modes: `deadline` "
+        f"every chunk at its full "
         f"steps (`--min-steps 0`), `fewer` late chunks given fewer (the default `--min-steps`); chunks at fewer "
         f"steps: of all the row's chunks." + (f" Deadline modes built with `{args.deadline_flags}`."
                                               if args.deadline_flags else ""),
