@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from s3flow_contract.tensors import LOOKAHEAD_FRAMES
 from s3flow.engine.capacity import DUTY_PRIOR, WINDOW_S, CapacityModel, Costs, CostFit, Work, default_plan
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
@@ -16,6 +17,20 @@ from s3flow.serving.calibration import planned_start
 from s3flow.serving.load import InstanceLoad, LoadFiles, LoadReport
 
 PLAN, STEPS, ROWS = planned_start(SolverSettings(), n_feats=80, meanflow=False)
+
+
+def plan_sizes() -> list[int]:
+    """The plan's chunk sizes (tokens): the first chunk's frames are its tokens' less the lookahead held back."""
+    return [(w.frames + (LOOKAHEAD_FRAMES if k == 0 else 0)) // 2 for k, w in enumerate(PLAN.chunks)]
+
+
+def stand_in_engine(observer=None) -> StreamingEngine:
+    """The served engine over zero networks (what the plan is made with)."""
+    def encode(tokens, token_len, embedding):
+        return torch.zeros(tokens.shape[0], 80, 2 * tokens.shape[1]), None, torch.zeros(tokens.shape[0], 80)
+
+    kw = {} if observer is None else {"observer": observer}
+    return StreamingEngine(encode, lambda inputs: torch.zeros_like(inputs.x), n_feats=80, meanflow=False, **kw)
 
 
 def test_the_fit_recovers_a_fixed_and_a_per_unit_cost_and_follows_a_change():
@@ -37,8 +52,10 @@ def test_the_fit_recovers_a_fixed_and_a_per_unit_cost_and_follows_a_change():
 def test_the_default_plan_is_the_clients_schedule_and_the_plan_ends_on_whole_chunks():
     from s3flow_client.chunking import chunk_schedule
     assert default_plan(8.0) == chunk_schedule(200)
-    sizes = [w.frames // 2 for w in PLAN.chunks]
+    sizes = plan_sizes()
     assert sizes[:5] == [10, 20, 40, 80, 100] and set(sizes[4:]) == {100}
+    assert [w.frames for w in PLAN.chunks][:3] == [20 - LOOKAHEAD_FRAMES, 40, 80], \
+        "each chunk's frames are those its answer makes final (the first holds its lookahead back)"
     assert STEPS == 10 and ROWS == 2 and PLAN.expected_frames == 250
     assert all(w.steps == STEPS and w.chunks == 1 for w in PLAN.chunks)
 
@@ -56,7 +73,7 @@ def test_a_plan_counts_the_estimator_calls_the_engine_really_makes():
 
     engine = StreamingEngine(encode, estimate, n_feats=80, meanflow=False)
     rng = np.random.default_rng(1)
-    sizes = [w.frames // 2 for w in PLAN.chunks]
+    sizes = plan_sizes()
     for k, n in enumerate(sizes):
         inputs = {"speech_tokens": rng.integers(0, 6561, (1, n), dtype=np.int64)}
         if k == 0:
@@ -346,3 +363,23 @@ def test_chunks_given_fewer_steps_leave_the_capacity_and_the_streams_demand_at_f
         assert model.correction == pytest.approx(1.3)
     assert capacities[1] == pytest.approx(capacities[0], rel=1e-9) and capacities[0] > 0
     assert streams[0] == streams[1] == Work(100000, 500, 50, 0, 2500)
+
+
+def test_a_stream_like_the_plan_is_priced_like_the_plan_after_every_answer():
+    """The default plan's chunks streamed through the engine (a 6 s prompt, capped as served; never ended): after
+    each answer the stream's work equals the plan's for as much audio, so a young stream's demand is the plan's
+    (a START pending and one just answered are priced alike: a burst of STARTs is judged evenly)."""
+    model = CapacityModel()
+    engine = stand_in_engine(model)
+    rng = np.random.default_rng(2)
+    for k, n in enumerate(plan_sizes()[:5]):
+        inputs = {"speech_tokens": rng.integers(0, 6561, (1, n), dtype=np.int64)}
+        if k == 0:
+            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, 150), dtype=np.int64),
+                          prompt_mel=np.zeros((1, 300, 80), np.float32), speaker_embedding=np.ones((1, 192), np.float32))
+        engine.run([engine.admit(1, parse_request(inputs, start=k == 0, end=False,
+                                                  rules=RequestRules(max_chunk_tokens=200), n_feats=80))])
+        work = model.keep_only([1])[1]
+        planned = PLAN.prefix(work.frames)
+        assert (work.row_frames, work.steps, work.chunks) == pytest.approx(
+            (planned.row_frames, planned.steps, planned.chunks)), f"after chunk {k + 1}"

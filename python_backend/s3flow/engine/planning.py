@@ -30,7 +30,15 @@ def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], conte
     """The (batch rows, frames) of every estimator call of one utterance streamed in ``chunks`` (guided unless
     ``meanflow``), planned by the real ``StreamingEngine`` over stand-in models (zeros): the cost of any model
     size without running it. ``prompt_frames`` and ``slide_prompt`` are the ``ChunkSolving`` fields."""
+    return _planned(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow, prompt_frames, slide_prompt)[0]
+
+
+def _planned(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
+             meanflow: bool, prompt_frames: int, slide_prompt: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """:func:`planned_calls`, and the mel frames each chunk's answer made final (the last chunk: as if the stream
+    went on, so the frames its lookahead held back are not counted twice)."""
     calls: list[tuple[int, int]] = []
+    final: list[int] = []
 
     def encode(tokens, token_len, embedding):
         t = 2 * tokens.shape[1]
@@ -53,19 +61,24 @@ def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], conte
                           speaker_embedding=np.ones((1, 192), np.float32), n_timesteps=np.array([[steps]], np.int32),
                           guidance_rate=np.array([[0.7]], np.float32))
         req = parse_request(inputs, start=k == 0, end=k == len(chunks) - 1, rules=rules, n_feats=n_feats)
-        engine.run([engine.admit(1, req)])
-    return calls
+        [answer] = engine.run([engine.admit(1, req)])
+        final.append(int(answer.mel.shape[1]))
+    if len(final) > 1:   # an END makes the held-back frames final too: a stream that goes on does not
+        final[-1] = 2 * chunks[-1]
+    return calls, final
 
 
 def plan_work(n_feats: int, meanflow: bool, steps: int, guided: bool, chunks: list[int], prompt_tokens: int,
               context_frames: int, prompt_frames: int = -1, slide_prompt: int = 0) -> list[Work]:
     """The work of each chunk of one utterance streamed in ``chunks`` (token counts), planned by the real engine
-    over stand-in networks (:func:`planned_calls`): what a START is priced at before it sent anything."""
-    calls = planned_calls(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow or not guided,
-                          prompt_frames, slide_prompt)
+    over stand-in networks (:func:`planned_calls`): what a START is priced at before it sent anything. Each chunk's
+    frames are those its answer makes final, as a served stream's are (the first: its tokens' frames less the
+    lookahead held back), so a stream like the plan is priced like the plan at every answer."""
+    calls, final = _planned(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow or not guided,
+                            prompt_frames, slide_prompt)
     out = []
     for k, tokens in enumerate(chunks):   # every chunk is ``steps`` estimator calls, one encoder call
         mine = calls[k * steps:(k + 1) * steps]
         out.append(Work(row_frames=float(sum(r * f for r, f in mine)), steps=len(mine), chunks=1,
-                        encoder_tokens=mine[0][1] // 2 if mine else 0, frames=2 * tokens))
+                        encoder_tokens=mine[0][1] // 2 if mine else 0, frames=final[k]))
     return out
