@@ -118,11 +118,46 @@ def test_a_start_over_the_utilization_target_is_refused_busy_with_a_retry_after(
     o = a.check(4, True, False, START)                                # 3 admitted, not yet held: counted
     assert o.code == "UNAVAILABLE" and o.answer.disposition is Disposition.BUSY and o.answer.sequence == 4
     assert 0.2 <= o.answer.retry_after_s <= 5.0
-    assert "at capacity: utilization 0.90 + 0.30 for this stream is above the target 0.97" in o.error
+    assert "at capacity: the solver's utilization 0.90 + 0.30 for this stream is above the target 0.97" in o.error
     cheap = dict(START, n_timesteps=np.array([[2]], np.int32))        # 2 of the default 10 steps: 0.06 fits
     assert a.check(5, True, False, cheap) is None
     off = Admission(RequestRules(), 80, live=live, load=files, capacity=Capacity(utilization_target=0.0))
     assert all(off.check(10 + k, True, False, START) is None for k in range(5)), "target 0: no capacity check"
+
+
+def _vocoder_report(files, live_ids, per_stream: float):
+    """A vocoder instance's report whose streams (2 s of audio each) each need ``per_stream`` of the device."""
+    from s3flow.engine.capacity import CapacityModel, Work
+    from s3flow.serving.load import InstanceLoad
+
+    model = CapacityModel(max_batch=1, duty_prior=None)
+    model.estimator_timed(1, 100, 2.0 * per_stream)
+    for c in live_ids:
+        model.chunk_work(c, Work(row_frames=100, steps=1, frames=100))
+    InstanceLoad(files, "vocoder_0", "vocoder", model).publish(live_ids)
+
+
+def test_token2wav_admits_by_its_busiest_stage_not_the_solvers_and_vocoders_demands_added(tmp_path):
+    """The solver's costs are measured with the vocoder beside it on the device (issue 39: token2wav admitted 1
+    stream where floor(0.8 C) = 2 fit, the vocoder's demand added on top of the solver's): a START fits when it fits
+    the solver and the vocoder each; a vocoder with no room refuses it, naming the vocoder."""
+    from s3flow.engine.sequences import Capacity
+
+    live = LiveCounts(tmp_path / "live")
+    live.write("cfm_solver_0", [1, 2], cap=64)
+    files = _solver_load(tmp_path / "load", [1, 2], per_stream=0.25)
+    _vocoder_report(files, [1, 2], per_stream=0.1)
+    a = Admission(RequestRules(), 80, live=live, load=files, capacity=Capacity(utilization_target=0.8))
+    assert a.check(3, True, False, START) is None, "solver 0.5 + 0.25, vocoder 0.2 + 0.1: both fit (added: 1.05)"
+    assert files.read().utilization() == pytest.approx(0.5, rel=1e-3), "the busiest stage's"
+
+    busy = tmp_path / "busy"
+    files = _solver_load(busy, [1, 2], per_stream=0.1)
+    _vocoder_report(files, [1, 2], per_stream=0.35)
+    a = Admission(RequestRules(), 80, live=live, load=files, capacity=Capacity(utilization_target=0.8))
+    o = a.check(3, True, False, START)
+    assert o is not None and o.answer.disposition is Disposition.BUSY
+    assert "the vocoder's utilization 0.70 + 0.35 for this stream is above the target 0.80" in o.error, o.error
 
 
 def test_before_the_solver_priced_anything_only_the_live_cap_applies(tmp_path):

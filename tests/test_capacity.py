@@ -217,13 +217,21 @@ def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tm
     assert load.known and load.solver_ids == {1, 2, 3} and len(load.reports) == 2
     costs = model.costs()
     assert load.capacity == pytest.approx(costs.capacity(PLAN.expected())), "before any work: the calibrated prior"
-    streams = 2 * costs.demand(PLAN.window(100), 3) + costs.demand(PLAN.window(0), 3)   # 3: by the plan's start
-    assert load.utilization() == pytest.approx(streams + 0.01 / 2, rel=1e-6)   # + the vocoder: 0.01 s per 2 s
+    def streams(share):   # stream 3 has no answer yet: priced by the plan's start
+        return 2 * costs.demand(PLAN.window(100), share) + costs.demand(PLAN.window(0), share)
+
+    solver, vocoder = load.stages()
+    assert (solver.name, vocoder.name) == ("solver", "vocoder")
+    assert solver.now == pytest.approx(streams(4), rel=1e-6), "the calls shared with the START asking, as it will be"
+    assert vocoder.now == pytest.approx(0.01 / 2)                                      # 0.01 s per 2 s of audio
+    assert load.utilization() == pytest.approx(max(streams(3), 0.01 / 2), rel=1e-6), "the busiest stage, not the sum"
     assert load.utilization(pending=2) > load.utilization()
-    solver_part = costs.demand(PLAN.window(0), 4)
-    assert load.start_demand() == pytest.approx(solver_part + 0.005 / 3, rel=1e-6), "a third of streams vocode"
-    unguided = load.start_demand(steps=10, guidance_rate=0.0) - 0.005 / 3
-    assert unguided < 0.6 * solver_part and load.start_demand(steps=20) > 1.8 * solver_part
+    assert solver.need == pytest.approx(costs.demand(PLAN.window(0), 4), rel=1e-6)
+    assert vocoder.need == pytest.approx(0.005 / 3, rel=1e-6), "a third of the streams vocode"
+    def need(**kw):
+        return load.stages(**kw)[0].need
+
+    assert need(steps=10, guidance_rate=0.0) < 0.6 * solver.need and need(steps=20) > 1.8 * solver.need
     assert LoadReport.from_json(load.reports[0].to_json()) == load.reports[0]
 
 
@@ -262,12 +270,13 @@ def test_the_wait_is_until_enough_streams_end_or_young_ones_leave_their_costly_s
     InstanceLoad(files, "s", "solver", model, PLAN, STEPS, ROWS).publish([1, 2])
     load = files.read()
     d = load.reports[0].demand()
-    one = load.start_demand()
+    [stage] = load.stages()
+    one = stage.need
     assert load.utilization() == pytest.approx(d[1] + d[2])
-    assert load.wait_until(target=d[1] + d[2] + one, need=one, expected_s=8.0) == 0.0
-    wait = load.wait_until(target=d[2] + one, need=one, expected_s=8.0)
+    assert load.wait_until(stage, target=d[1] + d[2] + one, expected_s=8.0) == 0.0
+    wait = load.wait_until(stage, target=d[2] + one, expected_s=8.0)
     assert 1.0 < wait <= 3.0, "about when stream 1 ends (2 s), as stream 2's demand goes by then"
-    assert load.wait_until(target=0.5 * one, need=one, expected_s=8.0) == 8.0, "never enough: the longest wait"
+    assert load.wait_until(stage, target=0.5 * one, expected_s=8.0) == 8.0, "never enough: the longest wait"
 
     young = LoadFiles(tmp_path / "young")     # two STARTs a moment ago: their first chunks are the costliest
     InstanceLoad(young, "s", "solver", model, PLAN, STEPS, ROWS).publish([5, 6])
@@ -275,7 +284,7 @@ def test_the_wait_is_until_enough_streams_end_or_young_ones_leave_their_costly_s
     start = load.utilization()
     steady = 2 * load.reports[0].stream_demand(PLAN.prefix(150), 1.0)   # the same two, 3 s on
     assert steady < 0.9 * start
-    wait = load.wait_until(target=steady + one, need=one, expected_s=8.0)
+    wait = load.wait_until(load.stages()[0], target=steady + one, expected_s=8.0)
     assert 0 < wait <= 3.0, "a third START comes in once the two have left their start, not when they end"
 
 def test_the_calibration_calls_no_network_before_the_models_are_ready():

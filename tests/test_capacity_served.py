@@ -86,7 +86,7 @@ def test_a_start_over_capacity_is_refused_busy_at_admission_to_a_plain_client(se
         assert result is None and error is not None
         answer = answer_of(str(error))
         assert answer.disposition is Disposition.BUSY and 0.2 <= answer.retry_after_s <= 5.0, str(error)
-        assert "admission" in str(error) and "at capacity: utilization" in str(error)
+        assert "admission" in str(error) and "at capacity: the solver's utilization" in str(error)
     metrics = read_metrics(f"127.0.0.1:{server.metrics_port}")
     assert metric_sum(metrics, "s3flow_admission_refusals_total", reason="capacity") >= 8
     assert metric_sum(metrics, "s3flow_admission_retry_after_seconds_count") >= 8

@@ -1381,14 +1381,15 @@ def test_the_hpa_owns_the_replicas_and_scales_on_utilization_below_the_admission
         "one drain at a time"
 
 
-def test_the_adapter_rule_serves_the_utilization_the_hpa_reads_summed_per_pod(rendered):
+def test_the_adapter_rule_serves_the_utilization_the_hpa_reads_per_pod_its_busiest_model(rendered):
     [cm] = [d for d in by_kind(rendered, "ConfigMap") if d["metadata"]["name"] == "s3flow-adapter-rules"]
     [rule] = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
     [hpa] = by_kind(rendered, "HorizontalPodAutoscaler")
     name = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
     assert rule["seriesQuery"].startswith(name + "{") and rule["name"]["as"] == name
     assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
-    assert rule["metricsQuery"].startswith("sum(") and "by (<<.GroupBy>>)" in rule["metricsQuery"]
+    assert rule["metricsQuery"].startswith("max by (<<.GroupBy>>) (sum by (<<.GroupBy>>, model) ("), \
+        "each model's instances summed, the busiest model's per pod (as admission weighs its stages)"
 
 
 def test_alert_rules_read_only_metrics_the_fleet_exports():

@@ -14,10 +14,10 @@ refused there never reaches the sequence batcher and holds nothing. It reads the
 * when the solver instances hold as many live sequences as they may (their live ids, written by each instance
   after every execute into ``LiveCounts``, plus the STARTs admitted in the last ``grace_s`` that they have not
   listed yet, as held or as ended): ``busy`` with a retry time;
-* when the stream would take the server's utilization above ``utilization_target`` (``Capacity``: the live
-  streams' summed demand of the device against the capacity measured from their work, plus what this START needs
-  by the default plan at its own steps; ``s3flow.serving.load``): ``busy``, with ``retry_after`` the time until
-  the server expects room (young streams past their costly start, or streams of ``expected_utterance_s`` ended),
+* when the stream would take a stage's utilization above ``utilization_target`` (``Capacity``; a stage: the
+  solver, or token2wav's vocoder, ``s3flow.serving.load.Stage``: its live streams' summed demand of the device
+  against the capacity measured from their work, plus what this START needs, by the default plan at its own
+  steps for the solver): ``busy``, with ``retry_after`` the time until the server expects room (young streams past their costly start, or streams of ``expected_utterance_s`` ended),
   clamped to [0.2, 5] s. Before the solver has priced anything (its calibration at load) only the live-sequence
   cap applies, and a server that holds no stream takes one whatever its estimate.
 
@@ -210,14 +210,15 @@ class Admission:
         pending = sum(1 for c in self._admitted if c not in held and c != corr_id)   # admitted, not yet held
         if not held and not pending:   # an idle server takes a stream whatever its estimate: none is better served
             return None
-        now = load.utilization(pending)
-        mine = load.start_demand(req.n_timesteps, req.guidance_rate, pending)
+        stages = load.stages(req.n_timesteps, req.guidance_rate, pending)
         target = self.capacity.utilization_target
-        if now + mine <= target or (corr_id in held and now <= target):   # a restart on a live id replaces it
+        over = [s for s in stages if not s.fits(target)]
+        if not over or (corr_id in held and all(s.now <= target for s in stages)):   # a restart replaces its id
             return None
-        wait = load.wait_until(target, mine, self.capacity.expected_utterance_s, pending)
-        wait = min(max(wait, MIN_RETRY_S), MAX_RETRY_S)
-        return self._refuse(corr_id, ServerBusy(f"the server is at capacity: utilization {now:.2f} + {mine:.2f} for "
-                                                f"this stream is above the target {target:.2f} (capacity "
-                                                f"{load.capacity:.1f} audio s per s); retry in {wait:.1f} s or on "
-                                                f"another server", wait), "capacity")
+        waits = {s.name: load.wait_until(s, target, self.capacity.expected_utterance_s, pending) for s in over}
+        stage = max(over, key=lambda s: waits[s.name])
+        wait = min(max(waits[stage.name], MIN_RETRY_S), MAX_RETRY_S)
+        return self._refuse(corr_id, ServerBusy(f"the server is at capacity: the {stage.name}'s utilization "
+                                                f"{stage.now:.2f} + {stage.need:.2f} for this stream is above the "
+                                                f"target {target:.2f} (capacity {load.capacity:.1f} audio s per s); "
+                                                f"retry in {wait:.1f} s or on another server", wait), "capacity")

@@ -7,24 +7,28 @@ execute and every reaper period (its cost fits and each stream's work so far), a
 solver call's fixed part shared by all the solver's streams (those held, the STARTs admitted but not yet held, and
 the one asking):
 
-* ``utilization(pending)``: the summed demand of every stream held (device seconds per second), the solver's and
-  the vocoder's, on the one device they share;
+* ``stages(steps, guidance_rate, pending)``: for the solver and (token2wav) the vocoder, a :class:`Stage`: the
+  summed demand of the streams it holds (device seconds per second; the solver's with the STARTs admitted but not
+  yet held) and what a new START adds to it (the solver's: the default plan at the START's own steps and guidance;
+  the vocoder's: its per-stream demand as often as the live streams go through it). A stream fits when it fits
+  every stage. The stages are not added: each one's costs are measured while the other runs beside it on the
+  same device (cores, or one GPU), so the solver's already hold what the vocoder takes from it (16 token2wav
+  streams at once on 2 cores: solver 2.70 audio s per s, vocoder 8.5, served 2.60; added, 2.05), and the
+  server's ``utilization`` is the busiest stage's;
 * ``capacity``: audio seconds per second of default streams at full batches, measured from the solver's work
   (``CapacityModel.capacity``; ``wav_capacity``: token2wav's, the solver's bounded by the vocoder's);
   each solver demand is scaled so that N default streams need N / capacity (the costs only price one stream
   against another);
-* ``start_demand(steps, guidance_rate)``: what a new START adds (the default plan at its own steps and
-  guidance; plus the vocoder's per-stream demand as often as the live streams go through the vocoder);
-* ``wait_until(target, need, expected_s)``: the time until there is room for ``need`` more under ``target``,
-  looking ahead: young streams leave their costly start (STARTs that came together go in one after another), and
-  streams end, each assumed to last ``expected_s`` of audio (no stream says how long it will be).
+* ``wait_until(stage, target, expected_s)``: the time until ``stage`` has room for its ``need`` under ``target``,
+  looking ahead: streams end, each assumed to last ``expected_s`` of audio (no stream says how long it will be),
+  and the solver's young streams leave their costly start (STARTs that came together go in one after another).
 
 Example::
 
     files = LoadFiles(LoadFiles.default_folder())
     InstanceLoad(files, "cfm_solver_0", "solver", capacity_model, *planned_start(settings, 80, False)).publish(ids)
     load = files.read()
-    load.utilization(), load.capacity, load.start_demand()
+    load.utilization(), load.capacity, load.stages()
 """
 from __future__ import annotations
 
@@ -136,6 +140,18 @@ class LoadReport:
 
 
 @dataclass
+class Stage:
+    """One stage of the server's work (the solver, or the vocoder) as admission weighs it: ``now`` the summed
+    demand of what it holds (device seconds per second), ``need`` what a new START adds."""
+    name: str
+    now: float
+    need: float
+
+    def fits(self, target: float) -> bool:
+        return self.now + self.need <= target
+
+
+@dataclass
 class ServerLoad:
     """The reports of a server's instances, summed (module docstring)."""
     reports: list
@@ -168,63 +184,88 @@ class ServerLoad:
         return min(self.capacity, vocoder) if vocoder > 0 else self.capacity
 
     def utilization(self, pending: int = 0) -> float:
-        """The summed demand of every stream held, and of ``pending`` more by the default plan (admitted, not yet
-        held), each solver call's fixed part shared by them all."""
-        total = 0.0
-        for r in self.reports:
-            extra = pending if r.kind == "solver" else 0
-            total += sum(r.demand(extra).values())
+        """The busiest stage's demand (module docstring), with ``pending`` more STARTs by the default plan
+        (admitted, not yet held)."""
+        vocoder = self._vocoder_stage()
+        return max(self._solver_now(pending, pending), vocoder.now if vocoder else 0.0)
+
+    def stages(self, steps: Optional[int] = None, guidance_rate: Optional[float] = None,
+               pending: int = 0) -> list:
+        """The solver's :class:`Stage` and, where a vocoder reports, the vocoder's, for a START at its own
+        ``steps`` and ``guidance_rate`` after ``pending`` more: every solver stream priced with the calls' fixed
+        part shared by the START too (as it will be), so a stream held and one asking are priced alike."""
+        out = [Stage("solver", self._solver_now(pending, pending + 1), self._solver_need(steps, guidance_rate, pending))]
+        vocoder = self._vocoder_stage()
+        return out + [vocoder] if vocoder else out
+
+    def _vocoder_stage(self) -> Optional[Stage]:
+        """The vocoders' streams' summed demand, and their mean stream's times the share of the solver's streams
+        that go through a vocoder (None: no vocoder reports)."""
+        vocoders = [r for r in self.reports if r.kind == "vocoder"]
+        if not vocoders:
+            return None
+        demand = {c: d for v in vocoders for c, d in v.demand().items() if d > 0}
+        live = self.solver_ids
+        need = sum(demand.values()) / len(demand) * min(1.0, len(demand) / len(live)) if demand and live else 0.0
+        return Stage("vocoder", sum(demand.values()), need)
+
+    def _solver_now(self, pending: int, sharing: int) -> float:
+        """The solvers' streams' summed demand, and ``pending`` more by the default plan, each solver call's fixed
+        part shared by them all and ``sharing`` more."""
+        total = sum(sum(r.demand(sharing).values()) for r in self._solvers)
         solvers = [r for r in self._solvers if r.planned is not None and r.costs.known]
         if pending and solvers:
             r = solvers[0]
-            total += pending * r.planned_demand(r.costs.share(len(r.streams) + len(r.waiting) + pending))
+            total += pending * r.planned_demand(r.costs.share(len(r.streams) + len(r.waiting) + sharing))
         return total
 
-    def start_demand(self, steps: Optional[int] = None, guidance_rate: Optional[float] = None,
-                     pending: int = 0) -> float:
-        """What a new START adds: the default plan at its own ``steps`` and ``guidance_rate``, sharing calls with
-        the streams held and ``pending`` more, plus the vocoder's per-stream demand times the fraction of the
-        solver's streams that go through the vocoder (``token2wav``)."""
+    def _solver_need(self, steps: Optional[int], guidance_rate: Optional[float], pending: int) -> float:
+        """What a new START adds to the solver: the default plan at its own ``steps`` and ``guidance_rate``,
+        sharing calls with the streams held and ``pending`` more."""
         solvers = [r for r in self._solvers if r.planned is not None and r.costs.known]
         if not solvers:
             return 0.0
         r = solvers[0]
-        solver = r.planned_demand(r.costs.share(len(r.streams) + len(r.waiting) + pending + 1), steps, guidance_rate)
-        vocoder = {c: d for v in self.reports if v.kind == "vocoder" for c, d in v.demand().items() if d > 0}
-        live = self.solver_ids
-        if not vocoder or not live:
-            return solver
-        return solver + sum(vocoder.values()) / len(vocoder) * min(1.0, len(vocoder) / len(live))
+        return r.planned_demand(r.costs.share(len(r.streams) + len(r.waiting) + pending + 1), steps, guidance_rate)
 
-    def wait_until(self, target: float, need: float, expected_s: float, pending: int = 0) -> float:
-        """Seconds until the streams held leave room for ``need`` under ``target``, looked at every
-        ``WAIT_STEP_S``: in that time each stream makes as much more audio by the plan (a young stream's demand
-        falls as it leaves its costly start: STARTs that come together are let in one after another) and those
-        past ``expected_s`` of audio end (one older than that is taken to end within the next second); 0 if there
-        is room now, ``expected_s`` if even their ending is not enough."""
-        if self.utilization(pending) + need <= target:
+    def wait_until(self, stage: Stage, target: float, expected_s: float, pending: int = 0) -> float:
+        """Seconds until ``stage`` has room for its ``need`` under ``target``, looked at every ``WAIT_STEP_S``: in
+        that time each stream makes as much more audio by the plan (the solver: a young stream's demand falls as it
+        leaves its costly start, so STARTs that come together are let in one after another) and those past
+        ``expected_s`` of audio end (one older than that is taken to end within the next second); 0 if there is
+        room now, ``expected_s`` if even their ending is not enough."""
+        if stage.fits(target):
             return 0.0
-        vocoder = {c: d for v in self.reports if v.kind == "vocoder" for c, d in v.demand().items()}
+        ahead_load = self._solver_ahead if stage.name == "solver" else self._vocoder_ahead
         for k in range(1, int(expected_s / WAIT_STEP_S) + 1):
-            ahead = k * WAIT_STEP_S
-            load = 0.0
-            for r in self._solvers:
-                if r.planned is None:
-                    continue
-                made = {c: r.streams[c].frames if c in r.streams else 0 for c in list(r.streams) + r.waiting}
-                left = {c: f for c, f in made.items()
-                        if ahead < max(expected_s - f / FRAMES_PER_SECOND, 1.0)}   # those still going then
-                share = r.costs.share(len(left) + pending)
-                for c, f in left.items():
-                    work = r.streams.get(c, Work())
-                    later = Work(work.row_frames, work.steps, work.chunks, work.encoder_tokens, work.frames)
-                    later.add(r.planned.window(f, ahead * FRAMES_PER_SECOND))
-                    load += r.stream_demand(later, share) + vocoder.get(c, 0.0)
-                if pending:
-                    load += pending * r.stream_demand(r.planned.prefix(ahead * FRAMES_PER_SECOND), share)
-            if load + need <= target:
-                return ahead
+            if ahead_load(k * WAIT_STEP_S, expected_s, pending) + stage.need <= target:
+                return k * WAIT_STEP_S
         return expected_s
+
+    def _vocoder_ahead(self, ahead: float, expected_s: float, pending: int) -> float:
+        """The vocoder's demand ``ahead`` seconds from now: that of its streams still going then."""
+        return sum(d for v in self.reports if v.kind == "vocoder" for c, d in v.demand().items()
+                   if ahead < max(expected_s - v.streams.get(c, Work()).frames / FRAMES_PER_SECOND, 1.0))
+
+    def _solver_ahead(self, ahead: float, expected_s: float, pending: int) -> float:
+        """The solvers' demand ``ahead`` seconds from now, each stream further along the plan, with ``pending``
+        more STARTs as far along."""
+        load = 0.0
+        for r in self._solvers:
+            if r.planned is None:
+                continue
+            made = {c: r.streams[c].frames if c in r.streams else 0 for c in list(r.streams) + r.waiting}
+            left = {c: f for c, f in made.items()
+                    if ahead < max(expected_s - f / FRAMES_PER_SECOND, 1.0)}   # those still going then
+            share = r.costs.share(len(left) + pending + 1)   # the START asking shares the calls too
+            for c, f in left.items():
+                work = r.streams.get(c, Work())
+                later = Work(work.row_frames, work.steps, work.chunks, work.encoder_tokens, work.frames)
+                later.add(r.planned.window(f, ahead * FRAMES_PER_SECOND))
+                load += r.stream_demand(later, share)
+            if pending:
+                load += pending * r.stream_demand(r.planned.prefix(ahead * FRAMES_PER_SECOND), share)
+        return load
 
 
 class LoadFiles:

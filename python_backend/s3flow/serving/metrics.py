@@ -33,9 +33,10 @@ metric (labels ``model``, ``instance``)       kind       what
                                                          waits for; ``s3flow.serving.arrivals``)
 ``s3flow_vocoder_live_sequences``             gauge      streams whose state the vocoder instance holds
 ``s3flow_utilization``                        gauge      the share of the device's time the instance's
-                                                         live streams need (solver and vocoder; summed
-                                                         per server: what admission compares with its
-                                                         target; ``s3flow.engine.capacity``)
+                                                         live streams need (solver and vocoder; each
+                                                         model's summed over its instances, the busiest
+                                                         model's is what admission compares with its
+                                                         target; ``s3flow.serving.load``)
 ``s3flow_capacity_audio_seconds_per_second``  gauge      audio seconds per second the server makes at full
   ``{ensemble}``                                         batches, measured from its recent work: the
                                                          solver's for ``token2mel``, the vocoder's for
@@ -114,7 +115,7 @@ VOCODER_LIVE = Family("s3flow_vocoder_live_sequences", "gauge", "streams whose s
 
 UTILIZATION = Family("s3flow_utilization", "gauge",
                      "share of the device's time the instance's live streams need to keep up with real time "
-                     "(sum over a server's instances: its utilization)")
+                     "(each model's summed over its instances; a server's: its busiest model's)")
 CAPACITY = Family("s3flow_capacity_audio_seconds_per_second", "gauge",
                   "audio seconds per second the server makes for default streams at full batches, measured from its "
                   "recent work, per ensemble (token2mel: the solver's; token2wav: bounded by the vocoder's)")
