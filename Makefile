@@ -5,7 +5,7 @@
 #               MEANFLOW=1: the 2-step student; SIZE=full: full-size seeded random weights (cost only);
 #               VOICE=1: start by a voice registered from a reference wav made here (voice_encoder);
 #               TEXT="..." [SPEAKER=0-7]: speak your own sentence in one of the corpus' voices (espeak-ng)
-#   make test   set up and run the test suite (what .ci/run calls)
+#   make test   set up and run the test suite (what .ci/run calls; it installs perf_analyzer, see below)
 PY311   ?= /usr/bin/python3.11
 VENV    ?= .venv
 PYTHON  := $(VENV)/bin/python
@@ -13,7 +13,7 @@ SIZE    ?= small
 SECONDS ?= 5
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast benchmark clean train espeak
+.PHONY: setup demo test test-fast benchmark clean train espeak perf-analyzer prometheus
 
 $(STAMP): pyproject.toml contract/pyproject.toml client/pyproject.toml
 	@test -x $(PY311) || { echo "need the system Python 3.11 at $(PY311) (the Triton stub embeds it): apt-get install python3.11-venv"; exit 1; }
@@ -29,7 +29,7 @@ demo: setup $(if $(TEXT),espeak)
 	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS) $(if $(MEANFLOW),--meanflow) $(if $(VOICE),--voice) \
 	  $(if $(TEXT),--text "$(TEXT)" --speaker $(or $(SPEAKER),0))
 
-test: setup espeak
+test: setup espeak perf-analyzer prometheus
 	$(PYTHON) -m pytest -q -rs
 
 test-fast: setup
@@ -47,6 +47,21 @@ clean:
 # an hour (run again to go on from where it stopped). Figures: scripts/evaluate_small.py (results/small_model.md).
 train: setup espeak
 	$(PYTHON) scripts/train_small.py $(if $(BUDGET),--budget-min $(BUDGET))
+
+# perf_analyzer (Triton's load generator, docs/operations.md) into .tools/perf_analyzer/: the binary of the
+# tritonclient 2.41.1 wheel and the CUDA runtime it links (loads without a GPU; s3flow_tools.perf_analyzer), and
+# Debian's libb64-0d, installed when missing
+perf-analyzer: setup
+	@ldconfig -p | grep -q 'libb64\.so\.0d' || { echo "installing libb64-0d (apt-get)"; \
+	  apt-get update -qq && apt-get install -y -qq libb64-0d >/dev/null; } || \
+	  { echo "perf_analyzer needs libb64-0d: apt-get install -y libb64-0d (as root)"; exit 1; }
+	$(PYTHON) -m s3flow_tools.perf_analyzer install
+
+# Prometheus with promtool (Debian's package) for tests/test_prometheus.py; installed when missing
+prometheus:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { echo "installing prometheus (apt-get)"; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } || \
+	  { echo "prometheus is needed: apt-get install -y prometheus (as root)"; exit 1; }
 
 # espeak-ng (Debian) for the corpus and for `make demo TEXT=...`; installed when missing
 espeak:

@@ -1392,13 +1392,21 @@ def test_the_adapter_rule_serves_the_utilization_the_hpa_reads_per_pod_its_busie
         "each model's instances summed, the busiest model's per pod (as admission weighs its stages)"
 
 
-def test_alert_rules_read_only_metrics_the_fleet_exports():
+def exported() -> set[str]:
+    """Every series name the fleet exports: our families (a histogram's _bucket, _sum and _count) and Triton's."""
     from s3flow.serving.metrics import FAMILIES
 
+    ours = set()
+    for f in FAMILIES:
+        ours |= {f.name} | ({f"{f.name}_bucket", f"{f.name}_sum", f"{f.name}_count"} if f.kind == "histogram" else set())
+    return ours | TRITON_METRICS
+
+
+def test_alert_rules_read_only_metrics_the_fleet_exports():
     [doc] = load_yaml_docs(K8S / "prometheusrule.yaml")
     exprs = [r["expr"] for g in doc["spec"]["groups"] for r in g["rules"]]
-    used = set(re.findall(r"\b(s3flow_[a-z0-9_]+)", " ".join(exprs)))
-    assert used and used <= {f.name for f in FAMILIES}, sorted(used - {f.name for f in FAMILIES})
+    used = set(re.findall(r"\b((?:s3flow|nv)_[a-z0-9_]+)", " ".join(exprs)))
+    assert used and used <= exported(), sorted(used - exported())
     assert {"s3flow_utilization", "s3flow_stream_underruns_total"} <= used, "above target, and what a listener hears"
     assert all(r["labels"]["severity"] in ("warning", "critical") and r["annotations"]["summary"]
                for g in doc["spec"]["groups"] for r in g["rules"])
@@ -1418,17 +1426,13 @@ def dashboard_metrics(dashboard: dict) -> set[str]:
 
 
 def test_grafana_dashboard_reads_only_metrics_the_fleet_exports():
-    from s3flow.serving.metrics import FAMILIES
-
     dashboard = json.loads((DOCKER / "grafana" / "s3flow.json").read_text())
-    ours = set()
-    for f in FAMILIES:
-        ours |= {f.name} | ({f"{f.name}_bucket", f"{f.name}_sum", f"{f.name}_count"} if f.kind == "histogram" else set())
+    ours = exported()
     used = dashboard_metrics(dashboard)
-    assert used and used <= ours | TRITON_METRICS, sorted(used - ours - TRITON_METRICS)
+    assert used and used <= ours, sorted(used - ours)
     assert {"s3flow_first_audio_seconds_bucket", "s3flow_stream_underruns_total"} <= used, "what a listener feels"
     assert {"s3flow_utilization", "s3flow_admission_refusals_total"} <= used, "how full, and who was turned away"
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids)) and all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])
     broken = json.loads(json.dumps(dashboard).replace("s3flow_stream_underruns_total", "s3flow_stream_underrun_total"))
-    assert dashboard_metrics(broken) - ours - TRITON_METRICS == {"s3flow_stream_underrun_total"}
+    assert dashboard_metrics(broken) - ours == {"s3flow_stream_underrun_total"}

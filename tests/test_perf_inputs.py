@@ -279,7 +279,8 @@ def test_documented_perf_analyzer_commands_fit_the_written_file():
         assert int(args["--sequence-length"]) == writers[args["--input-data"]], "steps per stream differ"
         assert float(args["--sequence-length-variation"]) == 0
         lo, hi = map(int, args["--sequence-id-range"].split(":"))
-        top = int(args["--concurrency-range"].split(":")[1])
+        span = args["--concurrency-range"].split(":")   # start[:end[:step]]
+        top = int(span[1] if len(span) > 1 else span[0])
         assert hi - lo >= top
         ranges.append((lo, hi))
     ranges.sort()

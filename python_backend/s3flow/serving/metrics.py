@@ -2,8 +2,8 @@
 
 No Triton import here: ``s3flow.serving.triton_models.cfm_solver`` publishes what :class:`SolverBook` observes through
 the python backend's metric API (``pb_utils.MetricFamily``); the tests, the drain supervisor and the load test
-read ``/metrics`` back with ``s3flow.server.metrics_reader``. The metrics and example
-alert rules are documented in ``docs/operations.md``.
+read ``/metrics`` back with ``s3flow.server.metrics_reader``. The metrics are documented in
+``docs/operations.md``, the alert rules are ``docker/k8s/prometheusrule.yaml``.
 
 ============================================  =========  ===============================================
 metric (labels ``model``, ``instance``)       kind       what
@@ -84,11 +84,15 @@ class Family:
     kind: str                  # "gauge" | "counter" | "histogram"
     description: str
     buckets: tuple = ()
+    #: labels beyond model and instance, given per observation; a family without them is exported (at 0) from
+    #: the instance's start, so that rate() sees its first increments
+    labels: tuple = ()
 
 
 LIVE = Family("s3flow_live_sequences", "gauge", "sequences whose state the solver instance holds")
 DROPPED = Family("s3flow_sequences_dropped_total", "counter",
-                 "sequence states dropped before their END, by reason (idle, cancelled, error, ...)")
+                 "sequence states dropped before their END, by reason (idle, cancelled, error, ...)",
+                 labels=("reason",))
 CHUNK_SECONDS = Family("s3flow_chunk_seconds", "histogram",
                        "seconds a chunk spent in the solver's execute (encoder and Euler loop)", SECONDS_BUCKETS)
 FIRST_CHUNK_SECONDS = Family("s3flow_first_chunk_seconds", "histogram",
@@ -118,11 +122,12 @@ UTILIZATION = Family("s3flow_utilization", "gauge",
                      "(each model's summed over its instances; a server's: its busiest model's)")
 CAPACITY = Family("s3flow_capacity_audio_seconds_per_second", "gauge",
                   "audio seconds per second the server makes for default streams at full batches, measured from its "
-                  "recent work, per ensemble (token2mel: the solver's; token2wav: bounded by the vocoder's)")
+                  "recent work, per ensemble (token2mel: the solver's; token2wav: bounded by the vocoder's)",
+                  labels=("ensemble",))
 
 ADMISSION_REFUSALS = Family("s3flow_admission_refusals_total", "counter",
                             "STARTs refused by admission before the sequence batcher, by reason (capacity, live, "
-                            "draining, voice, invalid)")
+                            "draining, voice, invalid)", labels=("reason",))
 ADMISSION_RETRY_AFTER = Family("s3flow_admission_retry_after_seconds", "histogram",
                                "the retry_after given with each busy refusal", SECONDS_BUCKETS)
 ADMISSION_FAMILIES = (ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER)
