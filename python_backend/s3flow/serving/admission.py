@@ -17,9 +17,10 @@ refused there never reaches the sequence batcher and holds nothing. It reads the
 * when the stream would take a stage's utilization above ``utilization_target`` (``Capacity``; a stage: the
   solver, or token2wav's vocoder, ``s3flow.serving.load.Stage``: its live streams' summed demand of the device
   against the capacity measured from their work, plus what this START needs, by the default plan at its own
-  steps for the solver): ``busy``, with ``retry_after`` the time until the server expects room (young streams past their costly start, or streams of ``expected_utterance_s`` ended),
-  clamped to [0.2, 5] s. Before the solver has priced anything (its calibration at load) only the live-sequence
-  cap applies, and a server that holds no stream takes one whatever its estimate.
+  steps for the solver): ``busy``, with ``retry_after`` the time until the server expects room (young streams
+  past their costly start, or streams of ``expected_utterance_s`` ended), clamped to [0.2, 5] s. Before the
+  solver has priced anything (its calibration at load) only the live-sequence cap applies, and a server that
+  holds no stream takes one whatever its estimate.
 
 Chunks after the START pass unchecked (their sequence holds its slot legitimately; the solver validates them),
 except those of a sequence the solver dropped (``gone``: answered ``resume`` with the solver's reason);

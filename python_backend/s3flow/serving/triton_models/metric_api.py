@@ -2,8 +2,8 @@
 
 One ``TritonMetrics`` per model instance: labels ``model`` and ``instance`` on every series, more per call
 (``reason`` of a drop). A family with no more labels is made at once, at 0: a series that first appears already
-counting hides its first increments from Prometheus's rate() (seen: first audio p95 NaN after a load). A family the stub cannot make (no custom metrics, or no HISTOGRAM) is left out; the
-others still publish. Thread-safe (the solver's execute and its idle reaper both publish).
+counting hides its first increments from Prometheus's rate() (seen: first audio p95 NaN after a load). A family
+the stub cannot make (no custom metrics, or no HISTOGRAM) is left out; the others still publish. Thread-safe (the solver's execute and its idle reaper both publish).
 """
 from __future__ import annotations
 
@@ -32,10 +32,7 @@ class TritonMetrics:
     def publish(self, family: Family, value: float, extra: dict) -> None:
         """Observe (histogram), increment (counter) or set (gauge) ``family``'s series for ``extra`` labels."""
         with self._lock:
-            metrics_family = self._families.get(family.name)
-            if metrics_family is None:
-                return
-            metric = self._series(family, extra)
+            metric = self._series(family, extra) if family.name in self._families else None
             if metric is None:
                 return
             if family.kind == "histogram":
