@@ -51,23 +51,20 @@ def test_the_documented_commands_are_the_ones_run():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from s3flow.engine.settings import SolverSettings
-    from s3flow.model.checkpoint import load_flow
-    from s3flow.model.vocoder import VocoderConfig, random_vocoder
-    from s3flow.repository.generator import write_repository
     from s3flow.repository.settings import Batching, RepositorySettings
     from s3flow.server.triton_server import TritonServer
+    from s3flow_tools.bench.repos import trained_repository
 
     root = tmp_path_factory.mktemp("perf_analyzer")
-    flow = load_flow(ROOT / "checkpoints" / "trained" / "teacher.safetensors")
     # as fast as answered, not real time: admission by capacity off (docs/operations.md)
     settings = RepositorySettings(solver=SolverSettings.of(max_live_sequences=8, utilization_target=0.0),
                                   batching=Batching(max_queue_delay_us=20_000, max_candidate_sequences=16),
                                   ort_threads=1)
-    write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=0))
+    repo = trained_repository(root, settings)
     data = root / "perf_inputs.json"
     assert perf_inputs.main(["--limit", "8", "--sequence-length", str(STEPS), "--n-timesteps", "2",
                              "--output", str(data)]) == 0
-    with TritonServer(root / "repo", log_file=root / "server.log") as server:
+    with TritonServer(repo, log_file=root / "server.log") as server:
         server.perf_data = data
         yield server
 

@@ -184,21 +184,17 @@ def test_command_line_writes_and_checks(tmp_path):
 # ------------------------------------------------------------------------------------------ served
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from s3flow.model.checkpoint import load_flow
     from s3flow.engine.settings import SolverSettings
-    from s3flow.repository.generator import write_repository
     from s3flow.repository.settings import Batching, RepositorySettings
     from s3flow.server.triton_server import TritonServer
-    from s3flow.model.vocoder import VocoderConfig, random_vocoder
+    from s3flow_tools.bench.repos import trained_repository
 
     root = tmp_path_factory.mktemp("perf_inputs")
-    flow = load_flow(ROOT / "checkpoints" / "trained" / "teacher.safetensors")
     # a replay as fast as it is answered, not real-time streams: admission by capacity off, as for perf_analyzer
     settings = RepositorySettings(solver=SolverSettings.of(max_live_sequences=8, utilization_target=0.0),
                                   batching=Batching(max_queue_delay_us=20_000, max_candidate_sequences=16),
                                   ort_threads=1)
-    write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=0))
-    with TritonServer(root / "repo", log_file=root / "server.log") as server:
+    with TritonServer(trained_repository(root, settings), log_file=root / "server.log") as server:
         yield server
 
 

@@ -109,20 +109,17 @@ def test_promtool_fails_a_case_that_is_wrong(tmp_path):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from s3flow.engine.settings import SolverSettings
-    from s3flow.model.checkpoint import load_flow
-    from s3flow.model.vocoder import VocoderConfig, random_vocoder
-    from s3flow.repository.generator import write_repository
     from s3flow.repository.settings import Batching, RepositorySettings
     from s3flow.server.triton_server import TritonServer
+    from s3flow_tools.bench.repos import trained_repository
 
     root = tmp_path_factory.mktemp("prometheus")
-    flow = load_flow(ROOT / "checkpoints" / "trained" / "teacher.safetensors")
     # admission by capacity on (its refusals and retry_after are on the dashboard), a short idle window (drops)
     settings = RepositorySettings(solver=SolverSettings.of(max_live_sequences=16, idle_timeout_s=2.0),
                                   batching=Batching(max_queue_delay_us=2000, max_candidate_sequences=32),
                                   ort_threads=1)
-    write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=0))
-    with TritonServer(root / "repo", log_file=root / "server.log") as server:
+    repo = trained_repository(root, settings)
+    with TritonServer(repo, log_file=root / "server.log") as server:
         yield server
 
 

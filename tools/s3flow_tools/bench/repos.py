@@ -18,6 +18,8 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import Batching, RepositorySettings
 
+TRAINED_TEACHER = Path(__file__).resolve().parents[3] / "checkpoints" / "trained" / "teacher.safetensors"
+
 
 def small_repository(out: Path, settings: RepositorySettings, *, seed: int = 0, vocoder: bool = False,
                      config: Optional[FlowConfig] = None) -> Path:
@@ -30,6 +32,16 @@ def small_repository(out: Path, settings: RepositorySettings, *, seed: int = 0, 
         from s3flow.model.vocoder import VocoderConfig, random_vocoder
         hift = random_vocoder(VocoderConfig.small(), seed=seed)
     write_repository(out / "repo", flow, settings, vocoder=hift)
+    return out / "repo"
+
+
+def trained_repository(out: Path, settings: RepositorySettings) -> Path:
+    """``out/repo`` for the small teacher trained here (``checkpoints/trained/``) with a small seeded HiFT
+    (``token2wav`` too). Returns the repository's path."""
+    from s3flow.model.vocoder import VocoderConfig, random_vocoder
+
+    write_repository(out / "repo", load_flow(TRAINED_TEACHER), settings,
+                     vocoder=random_vocoder(VocoderConfig.small(), seed=0))
     return out / "repo"
 
 
