@@ -21,7 +21,7 @@ docs/operations.md.
 
 Examples (from the repository root)::
 
-    # the trained small model's 71 held-out sentences, 4 chunks each
+    # the trained small model's 64 held-out sentences, 4 chunks each
     .venv/bin/python scripts/perf_inputs.py --output out/perf_inputs.json
 
     # 16 seeded utterances of 10 s (for full-size random weights), 6 chunks, 2 Euler steps per chunk

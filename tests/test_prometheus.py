@@ -14,6 +14,7 @@ import yaml
 
 from s3flow_tools import prometheus
 from s3flow_tools.prometheus import GPU_ONLY, HEALTH, Prometheus, adapter_query, alert_rules, dashboard_queries
+from test_overload import at_once  # noqa: E402 (tests/ is on the path: conftest)
 
 ROOT = Path(__file__).resolve().parents[1]
 HPA_TARGET = 0.7   # docker/k8s/hpa.yaml's averageValue 700m (test_deploy checks the file)
@@ -123,29 +124,6 @@ def served(tmp_path_factory):
         yield server
 
 
-def overload(url: str, model: str, n: int) -> list:
-    """n utterances at once through ``model`` (no retry); the errors."""
-    from s3flow_client import StreamingClient
-    from s3flow_client.demo import demo_utterance
-    from s3flow_client.stream import StreamError
-
-    errors = []
-
-    def one(k):
-        try:
-            StreamingClient([url], model, timeout_s=120, max_retries=0, max_resumes=0).synthesize(
-                [demo_utterance(3.0, seed=k, noise_seed=k)])
-        except StreamError as exc:
-            errors.append(str(exc))
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors
-
-
 def vanishing_client(url: str) -> None:
     """A START and no END: the solver evicts it after its idle window (a drop, by reason idle)."""
     import tritonclient.grpc as grpcclient
@@ -176,7 +154,8 @@ def test_the_adapter_rule_and_every_dashboard_query_return_data_from_a_live_scra
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
-            errors = overload(served.grpc_url, "token2wav", 12) + overload(served.grpc_url, "token2mel", 12)
+            errors = [r for model in ("token2wav", "token2mel") for r in at_once(served.grpc_url, model, 12)
+                      if isinstance(r, str)]   # 12 at once through each, no retry: the refusals
         finally:
             stop.set()
             watcher.join()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
+
+from s3flow.server.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "docker" / "k8s"
@@ -75,12 +76,6 @@ def dashboard_queries(rate_interval: str = "30s", namespace: str = NAMESPACE) ->
     panels = json.loads(DASHBOARD.read_text())["panels"]
     return [(p.get("title", ""), t["expr"].replace("$__rate_interval", rate_interval).replace("$namespace", namespace))
             for p in panels for t in p.get("targets", [])]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:

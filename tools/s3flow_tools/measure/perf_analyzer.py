@@ -62,10 +62,13 @@ def main(argv=None) -> int:
                     perf_inputs.replay({"data": doc["data"][:2]}, server.grpc_url, model, 2, sid)   # warm
                     sid += 10
                     for n in args.concurrency:
-                        pa = perf_analyzer.run(server.grpc_url, model, data, [n], STEPS, first_sequence_id=sid,
+                        # the same utterances for both: perf_analyzer cycles through them, the replay plays each once
+                        streams = {"data": doc["data"][:max(4 * n, 8)]}
+                        subset = tmp / f"perf_inputs_{len(streams['data'])}.json"
+                        subset.write_text(json.dumps(streams))
+                        pa = perf_analyzer.run(server.grpc_url, model, subset, [n], STEPS, first_sequence_id=sid,
                                                window_requests=args.window_utterances * STEPS * n)
                         sid += 200_000
-                        streams = {"data": doc["data"][:max(4 * n, 8)]}
                         rp = perf_inputs.replay(streams, server.grpc_url, model, n, sid)
                         sid += 1_000
                         ok = pa.ok and rp.ok
@@ -80,12 +83,13 @@ def main(argv=None) -> int:
     lines = ["# perf_analyzer against the project's replay", "",
              f"Made by `python -m s3flow_tools.measure.perf_analyzer` on "
              f"{', '.join(f'{k} {v}' for k, v in machine().items())}: the trained small teacher (10 guided steps), "
-             f"admission off, one server per scheduling, the same input file (`scripts/perf_inputs.py`: the 71 "
-             f"held-out sentences, {STEPS} requests each) for both. perf_analyzer: docs/operations.md's command "
+             f"admission off, one server per scheduling, the same input file (`scripts/perf_inputs.py`: the 64 "
+             f"held-out sentences, {STEPS} requests each; at concurrency N both play the first max(4N, 8) of them). "
+             f"perf_analyzer: docs/operations.md's command "
              f"(gRPC streaming, `--measurement-mode count_windows`, `--stability-percentage 60 --max-trials 15`) "
              f"with a window of {args.window_utterances} utterances per stream in flight; the replay: "
-             f"`scripts/perf_inputs.py --replay` at the same concurrency (4 utterances per stream in flight, at "
-             f"least 8), right after it on the same server. Requests are chunks; perf_analyzer's latency is its "
+             f"`scripts/perf_inputs.py --replay` at the same concurrency, each utterance once, right after it on "
+             f"the same server. Requests are chunks; perf_analyzer's latency is its "
              f"median over the stable windows.", "",
              f"**{within} of {len(rows)}** rows within 15 % of each other.", "",
              "| ensemble | scheduling | concurrency | perf_analyzer requests/s | perf_analyzer latency p50 (ms) | "
