@@ -9,7 +9,8 @@ import pytest
 from helpers import request_inputs
 from s3flow_contract.answers import Disposition
 from s3flow.protocol import RequestRules
-from s3flow.serving.admission import Admission, LiveCounts
+from s3flow.serving.admission import Admission
+from s3flow.serving.load import InstanceLoad, LoadFiles
 from s3flow.serving.voice_registry import UnknownVoice
 from s3flow_client.demo import demo_utterance
 
@@ -42,10 +43,29 @@ def test_an_unknown_voice_asks_for_the_prompt_and_draining_sends_elsewhere():
     assert o.code == "UNAVAILABLE" and o.answer.disposition is Disposition.RESUME and "draining" in o.error
 
 
+class Live:
+    """A solver instance's load report as admission reads it: its live ids, its cap and those it ended moments ago
+    (nothing priced yet)."""
+
+    def __init__(self, folder):
+        self.files = LoadFiles(folder)
+
+    def write(self, instance, live_ids, cap, recent=()):
+        from s3flow.engine.capacity import CapacityModel
+        InstanceLoad(self.files, instance, "solver", CapacityModel(), cap=cap).publish(live_ids, recent)
+
+    def remove(self, instance):
+        self.files.remove(instance)
+
+    def read(self):
+        load = self.files.read()
+        return load.solver_ids, load.cap
+
+
 def test_capacity_counts_live_ids_and_recent_admissions_once(tmp_path):
-    live = LiveCounts(tmp_path)
+    live = Live(tmp_path)
     now = [0.0]
-    a = Admission(RequestRules(), 80, live=live, grace_s=1.0, clock=lambda: now[0])
+    a = Admission(RequestRules(), 80, load=live.files, grace_s=1.0, clock=lambda: now[0])
     live.write("cfm_solver_0", [], cap=2)
     assert a.check(1, True, False, START) is None            # admitted, not yet listed by the solver
     live.write("cfm_solver_0", [1], cap=2)                    # the solver lists it: counted once, not twice
@@ -64,10 +84,10 @@ def test_capacity_counts_live_ids_and_recent_admissions_once(tmp_path):
 
 
 def test_live_counts_sum_the_instances_and_forget_one_that_unloads(tmp_path):
-    live = LiveCounts(tmp_path)
+    live = Live(tmp_path)
     live.write("cfm_solver_0", [1, 2], cap=4)
     live.write("cfm_solver_1", [7], cap=4)
-    (tmp_path / "cfm_solver_2.tmp").write_text("garbage")     # a half-written file is not read
+    (tmp_path / "cfm_solver_2.tmp123-4").write_text("garbage")     # a half-written file is not read
     assert live.read() == ({1, 2, 7}, 8)
     live.remove("cfm_solver_1")
     assert live.read() == ({1, 2}, 4)
@@ -79,7 +99,6 @@ def _solver_load(folder, live_ids, per_stream: float):
     from s3flow.engine.capacity import CapacityModel
     from s3flow.engine.settings import SolverSettings
     from s3flow.serving.calibration import planned_start
-    from s3flow.serving.load import InstanceLoad, LoadFiles
 
     plan, steps, rows = planned_start(SolverSettings(), 80, False)
     model = CapacityModel(max_batch=1)
@@ -94,11 +113,9 @@ def test_a_start_right_after_the_last_end_is_judged_by_the_report_written_at_tha
     """The solver rewrites its report at every END; a START a few ms later sees it (issue 39: reports cached 50 ms
     refused a START on an idle server by the stream that had just ended)."""
     from s3flow.engine.sequences import Capacity
-    from s3flow.serving.load import LoadFiles
 
-    live = LiveCounts(tmp_path / "live")
     files = _solver_load(tmp_path / "load", [1], per_stream=0.3)
-    a = Admission(RequestRules(), 80, live=live, load=files, capacity=Capacity(utilization_target=0.2))
+    a = Admission(RequestRules(), 80, load=files, capacity=Capacity(utilization_target=0.2))
     assert a.check(2, True, False, START) is not None, "0.3 held + 0.3 is over 0.2"
     assert a.load.read() is a.load.read(), "unchanged reports are parsed once"
     _solver_load(tmp_path / "load", [], per_stream=0.3)   # the END: the same file, rewritten
@@ -109,10 +126,8 @@ def test_a_start_right_after_the_last_end_is_judged_by_the_report_written_at_tha
 def test_a_start_over_the_utilization_target_is_refused_busy_with_a_retry_after(tmp_path):
     from s3flow.engine.sequences import Capacity
 
-    live = LiveCounts(tmp_path / "live")
-    live.write("cfm_solver_0", [1, 2], cap=64)
     files = _solver_load(tmp_path / "load", [1, 2], per_stream=0.3)
-    a = Admission(RequestRules(), 80, live=live, load=files, capacity=Capacity(utilization_target=0.97))
+    a = Admission(RequestRules(), 80, load=files, capacity=Capacity(utilization_target=0.97))
     assert a.check(1, True, False, START) is None, "a restart on a live id replaces its stream"
     assert a.check(3, True, False, START) is None                     # 0.6 + 0.3 fits
     o = a.check(4, True, False, START)                                # 3 admitted, not yet held: counted
@@ -121,7 +136,7 @@ def test_a_start_over_the_utilization_target_is_refused_busy_with_a_retry_after(
     assert "at capacity: the solver's utilization 0.90 + 0.30 for this stream is above the target 0.97" in o.error
     cheap = dict(START, n_timesteps=np.array([[2]], np.int32))        # 2 of the default 10 steps: 0.06 fits
     assert a.check(5, True, False, cheap) is None
-    off = Admission(RequestRules(), 80, live=live, load=files, capacity=Capacity(utilization_target=0.0))
+    off = Admission(RequestRules(), 80, load=files, capacity=Capacity(utilization_target=0.0))
     assert all(off.check(10 + k, True, False, START) is None for k in range(5)), "target 0: no capacity check"
 
 
@@ -143,18 +158,16 @@ def test_token2wav_admits_by_its_busiest_stage_not_the_solvers_and_vocoders_dema
     the solver and the vocoder each; a vocoder with no room refuses it, naming the vocoder."""
     from s3flow.engine.sequences import Capacity
 
-    live = LiveCounts(tmp_path / "live")
-    live.write("cfm_solver_0", [1, 2], cap=64)
     files = _solver_load(tmp_path / "load", [1, 2], per_stream=0.25)
     _vocoder_report(files, [1, 2], per_stream=0.1)
-    a = Admission(RequestRules(), 80, live=live, load=files, capacity=Capacity(utilization_target=0.8))
+    a = Admission(RequestRules(), 80, load=files, capacity=Capacity(utilization_target=0.8))
     assert a.check(3, True, False, START) is None, "solver 0.5 + 0.25, vocoder 0.2 + 0.1: both fit (added: 1.05)"
     assert files.read().utilization() == pytest.approx(0.5, rel=1e-3), "the busiest stage's"
 
     busy = tmp_path / "busy"
     files = _solver_load(busy, [1, 2], per_stream=0.1)
     _vocoder_report(files, [1, 2], per_stream=0.35)
-    a = Admission(RequestRules(), 80, live=live, load=files, capacity=Capacity(utilization_target=0.8))
+    a = Admission(RequestRules(), 80, load=files, capacity=Capacity(utilization_target=0.8))
     o = a.check(3, True, False, START)
     assert o is not None and o.answer.disposition is Disposition.BUSY
     assert "the vocoder's utilization 0.70 + 0.35 for this stream is above the target 0.80" in o.error, o.error
@@ -164,18 +177,18 @@ def test_before_the_solver_priced_anything_only_the_live_cap_applies(tmp_path):
     from s3flow.engine.sequences import Capacity
     from s3flow.serving.load import LoadFiles
 
-    live = LiveCounts(tmp_path / "live")
+    live = Live(tmp_path / "load")
     live.write("cfm_solver_0", [], cap=64)
-    a = Admission(RequestRules(), 80, live=live, load=LoadFiles(tmp_path / "load"), capacity=Capacity())
+    a = Admission(RequestRules(), 80, load=live.files, capacity=Capacity())
     assert all(a.check(k, True, False, START) is None for k in range(1, 10))
 
 
 def test_live_counts_list_the_recently_ended_for_the_vocoder_but_admission_counts_only_the_live(tmp_path):
-    live = LiveCounts(tmp_path)
-    live.write("cfm_solver_0", [1, 2], cap=4, recent=[9])
+    live = Live(tmp_path)
+    live.write("cfm_solver_0", [1, 2], cap=4, recent=[9, 2])
     live.write("cfm_solver_1", [7], cap=4)
     assert live.read() == ({1, 2, 7}, 8)
-    assert live.read_recent() == {1, 2, 7, 9}
+    assert live.files.read().solver_recent_ids == {1, 2, 7, 9}
 
 
 # ------------------------------------------------------------------------------------------ as the solver answers
@@ -196,9 +209,9 @@ def test_admission_answers_each_refusal_it_shares_with_the_solver_as_the_solver_
 
     engine = StreamingEngine(None, None, n_feats=80, meanflow=False, capacity=Capacity(max_live_sequences=1))
     solver = SolverSession(engine, RequestRules(), name="cfm_solver")   # refusals never reach the models
-    live = LiveCounts(tmp_path / "live")
+    live = Live(tmp_path / "load")
     live.write("cfm_solver_0", [], cap=1)
-    admission = Admission(RequestRules(), 80, live=live, gone=ArrivalMarks(tmp_path / "gone"))
+    admission = Admission(RequestRules(), 80, load=live.files, gone=ArrivalMarks(tmp_path / "gone"))
     inputs, start = START, True
     if name == "invalid request":
         inputs = dict(START, speech_tokens=np.array([[1, 7000]], np.int64))

@@ -30,6 +30,7 @@ from s3flow.repository.settings import RepositorySettings
 from s3flow.server.leftovers import REGION_MIN_AGE_S, SHM
 from s3flow.server.processes import is_running, read_cmdline, tree_pids
 from s3flow.server.triton_server import TritonServer
+from s3flow.serving.records import SERVER_FOLDERS
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
 from s3flow_client.wire import infer_inputs
@@ -151,6 +152,9 @@ def test_a_server_leaves_nothing_in_dev_shm_and_a_new_one_sweeps_what_dead_ones_
             assert r.error is None
             during = ours() - before
             assert any(name.endswith(f"-{server.pid}") for name in during), during
+            records = {n.removeprefix("s3flow-").removesuffix(f"-{server.pid}") for n in during
+                       if n.endswith(f"-{server.pid}")}
+            assert records <= set(SERVER_FOLDERS), f"a folder no record declares: {records - set(SERVER_FOLDERS)}"
     finally:
         young_region.unlink(missing_ok=True)
     assert ours() - before == set(), f"left behind: {sorted(ours() - before)}"

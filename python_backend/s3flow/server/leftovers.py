@@ -1,8 +1,7 @@
 """What a server leaves in ``/dev/shm``, and removing it: at its stop, and at the next start for servers long gone.
 
 A server's python models share small per-server folders, named by the server's PID (the models' parent):
-``s3flow-<name>-<pid>`` (``s3flow.serving.arrivals.server_folder``: ``LiveCounts`` and each kind of
-``ArrivalMarks``); the python backend maps its shared-memory regions there as well, named
+``s3flow-<name>-<pid>`` (``s3flow.serving.records``: one folder per record); the python backend maps its shared-memory regions there as well, named
 by ``--backend-config=python,shm-region-prefix-name`` (``s3flow_<launcher pid>_<random>`` for ``TritonServer``). A
 server that exits cleanly removes its regions but not our folders, and one that is killed removes neither.
 
@@ -19,14 +18,16 @@ import shutil
 import time
 from pathlib import Path
 
-from s3flow.serving.arrivals import SERVER_FOLDERS, server_folder
+from s3flow.serving.records import SERVER_FOLDERS, server_folder
 
 SHM = Path("/dev/shm")
 #: the python-backend regions of our servers (``TritonServer.shm_prefix``; the entrypoint's prefix too)
 REGION_PREFIX = "s3flow_"
 #: a region younger than this may belong to a server starting now (created, not yet mapped): left alone
 REGION_MIN_AGE_S = 60.0
-_FOLDER = re.compile(r"^s3flow-(?:" + "|".join(SERVER_FOLDERS) + r")-(\d+)$")
+#: folders older servers made that no record has now ("live": the live counts, in the load reports since)
+RETIRED_FOLDERS = ("live",)
+_FOLDER = re.compile(r"^s3flow-(?:" + "|".join(SERVER_FOLDERS + RETIRED_FOLDERS) + r")-(\d+)$")
 
 
 def server_folders(server_pid: int) -> list[Path]:

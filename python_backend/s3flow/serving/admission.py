@@ -11,9 +11,9 @@ refused there never reaches the sequence batcher and holds nothing. It reads the
 * a request that does not validate (``s3flow.protocol.parse_request``): ``fail``;
 * a voice this server does not hold: ``retry`` with ``resend=prompt``;
 * while the server drains: ``resume``;
-* when the solver instances hold as many live sequences as they may (their live ids, written by each instance
-  after every execute into ``LiveCounts``, plus the STARTs admitted in the last ``grace_s`` that they have not
-  listed yet, as held or as ended): ``busy`` with a retry time;
+* when the solver instances hold as many live sequences as they may (the live ids and cap of each instance's
+  load report, ``s3flow.serving.load``, written after every answer, plus the STARTs admitted in the last
+  ``grace_s`` that they have not listed yet, as held or as ended): ``busy`` with a retry time;
 * when the stream would take a stage's utilization above ``utilization_target`` (``Capacity``; a stage: the
   solver, or token2wav's vocoder, ``s3flow.serving.load.Stage``: its live streams' summed demand of the device
   against the capacity measured from their work, plus what this START needs, by the default plan at its own
@@ -29,92 +29,27 @@ The solver keeps every check of its own, so a request sent to it directly is ref
 
 Example::
 
-    admission = Admission(RequestRules(), n_feats=80, live=LiveCounts(folder))
+    admission = Admission(RequestRules(), n_feats=80, load=LoadFiles(folder))
     outcome = admission.check(corr_id=7, start=True, inputs=tensors)   # None: admitted
 """
 from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 
 from s3flow.engine.observer import Observer
 from s3flow.engine.sequences import Capacity
 from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence
-from s3flow.serving.arrivals import server_folder
-from s3flow.serving.load import LoadFiles
+from s3flow.serving.load import LoadFiles, ServerLoad
 from s3flow.serving.session import Draining, Incoming, Outcome, naming_sequence, parse_incoming, refused
 from s3flow.serving.voice_registry import UnknownVoice
 
 
 #: the bounds of a capacity refusal's retry_after (seconds)
 MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
-
-
-class LiveCounts:
-    """Each solver instance's live sequences (their correlation ids) and cap, as small files in one folder
-    (``/dev/shm`` by default: the instances are separate processes): written by the solver after every
-    execute, read by admission. A second line lists the sequences the solver ended in the last moments: their last
-    mel may still be on its way to the vocoder, which must not take them for idle (:meth:`read_recent`)."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-
-    @staticmethod
-    def default_folder(server_pid: Optional[int] = None) -> Path:
-        """The per-run folder of a server (``s3flow.serving.arrivals.server_folder``)."""
-        return server_folder("live", server_pid)
-
-    def write(self, instance: str, live_ids: Iterable[int], cap: int, recent: Iterable[int] = ()) -> None:
-        path = self.folder / instance
-        tmp = path.with_suffix(f".tmp{threading.get_ident()}")   # the solver writes from several threads
-        tmp.write_text(" ".join([str(int(cap))] + [str(int(i)) for i in live_ids]) + "\n"
-                       + " ".join(str(int(i)) for i in recent) + "\n")
-        tmp.replace(path)
-
-    def remove(self, instance: str) -> None:
-        """An instance that unloads stops counting."""
-        (self.folder / instance).unlink(missing_ok=True)
-
-    def _lines(self) -> list[list[str]]:
-        out = []
-        for path in self.folder.iterdir():
-            if path.suffix.startswith(".tmp"):
-                continue
-            try:
-                out.append(path.read_text().split("\n"))
-            except OSError:
-                continue
-        return out
-
-    def read(self) -> tuple[set, int]:
-        """(live correlation ids, cap) over the instances that wrote."""
-        ids, cap = set(), 0
-        for lines in self._lines():
-            try:
-                fields = [int(x) for x in lines[0].split()]
-            except ValueError:
-                continue
-            if fields:
-                cap += fields[0]
-                ids.update(fields[1:])
-        return ids, cap
-
-    def read_recent(self) -> set:
-        """The ids live, and those ended in the last moments, over the instances that wrote."""
-        ids = set()
-        for lines in self._lines():
-            try:
-                live = [int(x) for x in lines[0].split()][1:]   # (after the cap)
-                ended = [int(x) for x in lines[1].split()] if len(lines) > 1 else []
-            except ValueError:
-                continue
-            ids.update(live, ended)
-        return ids
 
 
 class RecentlyEnded(Observer):
@@ -140,17 +75,16 @@ class RecentlyEnded(Observer):
 class Admission:
     """Decides whether a request may go on to the solver (module docstring)."""
 
-    def __init__(self, rules: RequestRules, n_feats: int, live: Optional[LiveCounts] = None,
+    def __init__(self, rules: RequestRules, n_feats: int, load: Optional[LoadFiles] = None,
                  voices: Optional[Callable[[str, str], dict]] = None, draining: Callable[[], bool] = lambda: False,
                  name: str = "admission", grace_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 starts=None, seen=None, gone=None, load: Optional[LoadFiles] = None,
-                 capacity: Capacity = Capacity()):
+                 starts=None, seen=None, gone=None, capacity: Capacity = Capacity()):
         """``starts``, ``seen``: ``s3flow.serving.arrivals.ArrivalMarks`` for each admitted START (first audio)
         and for every request (a chunk waiting in the queue keeps its sequence from going idle); ``gone``: the
         solver's marks of the sequences it dropped (a later chunk of one is answered here: Triton freed its
-        slot, so it would never reach the solver); ``load``: the instances' load reports (admission by capacity,
-        with ``capacity``'s target and expected utterance length)."""
-        self.rules, self.n_feats, self.live, self.voices, self.draining = rules, n_feats, live, voices, draining
+        slot, so it would never reach the solver); ``load``: the instances' load reports (their live sequences and
+        cap; admission by capacity, with ``capacity``'s target and expected utterance length)."""
+        self.rules, self.n_feats, self.voices, self.draining = rules, n_feats, voices, draining
         self.load, self.capacity = load, capacity
         self.starts, self.seen, self.gone = starts, seen, gone
         self.name, self.grace_s, self.clock = name, grace_s, clock
@@ -176,18 +110,19 @@ class Admission:
             return self._refuse(corr_id, exc, "voice" if isinstance(exc, UnknownVoice) else "invalid")
         if self.draining():
             return self._refuse(corr_id, Draining(), "draining")
-        if self.live is not None:
+        if self.load is not None:
             now = self.clock()
-            live, cap = self.live.read()
-            seen = self.live.read_recent()   # held now, or ended in the last moments: counted by the solver
+            load = self.load.read()
+            live, cap = load.solver_ids, load.cap
+            seen = load.solver_recent_ids   # held now, or ended in the last moments: counted by the solver
             self._admitted = {c: t for c, t in self._admitted.items() if now - t <= self.grace_s and c not in seen}
             held = len(live) + len(self._admitted) - (corr_id in live)   # a restart on a live id takes no slot
             if cap and held >= cap:
                 wait = self.grace_s
                 return self._refuse(corr_id, ServerBusy(f"too many live sequences ({held}, max_live_sequences "
                                                         f"{cap}); retry in {wait:.1f} s", wait), "live")
-            if self.load is not None and self.capacity.utilization_target > 0:
-                refusal = self._over_capacity(corr_id, req, live)
+            if self.capacity.utilization_target > 0:
+                refusal = self._over_capacity(corr_id, req, load)
                 if refusal is not None:
                     return refusal
             self._admitted[corr_id] = now
@@ -202,9 +137,8 @@ class Admission:
         sequence; ``reason``: its label in the refusals metric."""
         return refused(corr_id, f"{self.name}: {naming_sequence(corr_id, exc)}", exc, reason)
 
-    def _over_capacity(self, corr_id: int, req, live: set) -> Optional[Outcome]:
+    def _over_capacity(self, corr_id: int, req, load: ServerLoad) -> Optional[Outcome]:
         """The capacity check (module docstring): None when the stream fits under the target."""
-        load = self.load.read()
         if not load.known:
             return None
         held = load.solver_ids

@@ -36,14 +36,13 @@ Example::
 from __future__ import annotations
 
 import fcntl
-import os
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from s3flow.engine.observer import Observer
+from s3flow.serving.records import server_folder, write_atomic
 
 MAX_AGE_S = 600.0
 SWEEP_EVERY = 256
@@ -52,20 +51,8 @@ LOCK = ".lock"
 #: a request counted by admission and not seen by the solver this long after is taken for one that never comes
 #: (its client cancelled it between the two), even while the solver never idles (overload)
 MAX_TRANSIT_S = 60.0
-#: the per-server folders (module docstring); "gone": sequences a model dropped before their END, with why
+#: the records kept as marks (``s3flow.serving.records``: their writers and readers)
 KINDS = ("starts", "seen", "gone", "vocoded")
-
-
-#: every per-server folder: the marks' kinds, "live" (``s3flow.serving.admission.LiveCounts``), "load"
-#: (``s3flow.serving.load.LoadFiles``) and "voices" (``s3flow.serving.voice_registry``, unless ``voice_dir``)
-SERVER_FOLDERS = ("live", "load", "voices") + KINDS
-
-
-def server_folder(name: str, server_pid: Optional[int] = None) -> Path:
-    """``/dev/shm/s3flow-<name>-<server pid>``: a folder the python models of one server share (they are its
-    children: the default PID is our parent's). ``s3flow.server.leftovers`` removes them."""
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return Path(root) / f"s3flow-{name}-{server_pid if server_pid is not None else os.getppid()}"
 
 
 class ArrivalMarks:
@@ -83,10 +70,7 @@ class ArrivalMarks:
 
     def mark(self, corr_id: int, note: str = "") -> None:
         """Mark ``corr_id`` now, with an optional one-line ``note`` (:meth:`note` reads it back)."""
-        path = self.folder / str(int(corr_id))
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(f"{self.clock():.6f} {note}".rstrip() + "\n")
-        tmp.replace(path)
+        write_atomic(self.folder / str(int(corr_id)), f"{self.clock():.6f} {note}".rstrip() + "\n")
         self._marks += 1
         if self._marks % SWEEP_EVERY == 0:
             self.sweep()

@@ -14,6 +14,8 @@ import pathlib
 import time
 from typing import Callable, Optional
 
+from s3flow.serving.records import write_atomic
+
 DRAIN_FILE_ENV = "S3FLOW_DRAIN_FILE"
 _DRAINING, _CLOSING = "draining", "closing"
 
@@ -57,6 +59,4 @@ def mark_closing(path: str) -> None:
 def _write(path: str, phase: str) -> None:
     p = pathlib.Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(f"{phase} since {time.time():.3f}\n")
-    tmp.replace(p)
+    write_atomic(p, f"{phase} since {time.time():.3f}\n")

@@ -35,14 +35,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.engine.capacity import CapacityModel, Costs, Plan, Work
-from s3flow.serving.arrivals import server_folder
+from s3flow.serving.records import is_temporary, server_folder, write_atomic
 
 
 #: how finely ``ServerLoad.wait_until`` looks ahead (seconds)
@@ -73,6 +72,10 @@ class LoadReport:
     #: what it is made of (diagnostics): audio per busy second in the window, the busy share at capacity
     throughput: float = 0.0
     duty: float = 1.0
+    #: a solver's: the most live sequences it may hold (``max_live_sequences``: admission's cap), and the
+    #: sequences whose END it answered in the last moments (their last mel may still be on its way to the vocoder)
+    cap: int = 0
+    ended: list = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "costs": dataclasses.asdict(self.costs),
@@ -82,7 +85,8 @@ class LoadReport:
                                "chunks": [_work(w) for w in self.planned.chunks],
                                "expected_frames": self.planned.expected_frames},
                            "planned_steps": self.planned_steps, "planned_rows": self.planned_rows,
-                           "capacity": self.capacity, "throughput": self.throughput, "duty": self.duty})
+                           "capacity": self.capacity, "throughput": self.throughput, "duty": self.duty,
+                           "cap": self.cap, "ended": [int(c) for c in self.ended]})
 
     @classmethod
     def from_json(cls, text: str) -> "LoadReport":
@@ -94,7 +98,8 @@ class LoadReport:
                                                                   int(d["planned"]["expected_frames"])),
                    planned_steps=int(d["planned_steps"]), planned_rows=int(d["planned_rows"]),
                    capacity=float(d.get("capacity", 0.0)), throughput=float(d.get("throughput", 0.0)),
-                   duty=float(d.get("duty", 1.0)))
+                   duty=float(d.get("duty", 1.0)), cap=int(d.get("cap", 0)),
+                   ended=[int(c) for c in d.get("ended", [])])
 
     @functools.cached_property
     def planned_capacity(self) -> float:
@@ -162,7 +167,18 @@ class ServerLoad:
 
     @property
     def solver_ids(self) -> set:
+        """The sequences the solver instances hold."""
         return {c for r in self._solvers for c in list(r.streams) + r.waiting}
+
+    @property
+    def cap(self) -> int:
+        """The most live sequences the solver instances may hold together (0: none reports)."""
+        return sum(r.cap for r in self._solvers)
+
+    @property
+    def solver_recent_ids(self) -> set:
+        """The sequences the solver instances hold, or whose END they answered in the last moments."""
+        return self.solver_ids | {c for r in self._solvers for c in r.ended}
 
     @property
     def known(self) -> bool:
@@ -283,10 +299,7 @@ class LoadFiles:
         return server_folder("load", server_pid)
 
     def write(self, instance: str, report: LoadReport) -> None:
-        path = self.folder / instance
-        tmp = path.with_name(f"{path.name}.tmp{threading.get_ident()}")
-        tmp.write_text(report.to_json())
-        tmp.replace(path)
+        write_atomic(self.folder / instance, report.to_json())
 
     def remove(self, instance: str) -> None:
         (self.folder / instance).unlink(missing_ok=True)
@@ -294,7 +307,7 @@ class LoadFiles:
     def read(self) -> ServerLoad:
         texts = []
         for path in sorted(self.folder.iterdir()):
-            if ".tmp" in path.name:
+            if is_temporary(path):
                 continue
             try:
                 texts.append(path.read_text())
@@ -317,16 +330,19 @@ class InstanceLoad:
     a solver, the default START's planned work; :meth:`publish` writes its report for admission."""
 
     def __init__(self, files: LoadFiles, instance: str, kind: str, model: CapacityModel,
-                 planned: Optional[Plan] = None, planned_steps: int = 0, planned_rows: int = 0):
+                 planned: Optional[Plan] = None, planned_steps: int = 0, planned_rows: int = 0, cap: int = 0):
         self.files, self.instance, self.kind, self.model = files, instance, kind, model
         self.planned, self.planned_steps, self.planned_rows = planned, planned_steps, planned_rows
+        self.cap = cap
 
-    def publish(self, live_ids) -> LoadReport:
-        """The report of the streams held now (``live_ids``), written out; returned."""
+    def publish(self, live_ids, ended=()) -> LoadReport:
+        """The report of the streams held now (``live_ids``) and of those ``ended`` moments ago, written out;
+        returned."""
         live = list(live_ids)
         streams = self.model.keep_only(live)
         report = LoadReport(self.kind, self.model.costs(), streams, [c for c in live if c not in streams],
-                            self.planned, self.planned_steps, self.planned_rows)
+                            self.planned, self.planned_steps, self.planned_rows, cap=self.cap,
+                            ended=[c for c in ended if c not in live])
         report.capacity = self.model.capacity() or (report.planned_capacity if self.planned is not None else 0.0)
         report.throughput, report.duty = self.model.throughput, self.model.duty
         try:

@@ -44,7 +44,7 @@ from typing import Optional
 import numpy as np
 
 from s3flow.protocol import RequestError
-from s3flow.serving.arrivals import server_folder
+from s3flow.serving.records import server_folder, write_atomic
 from s3flow.serving.config_params import Params
 from s3flow.serving.keys import voice_key
 
@@ -58,7 +58,7 @@ class UnknownVoice(RequestError):
 
 
 def default_dir(server_pid: Optional[int] = None) -> Path:
-    """The per-run folder of a server (``s3flow.serving.arrivals.server_folder``: swept with the others once
+    """The per-run folder of a server (``s3flow.serving.records.server_folder``: swept with the others once
     the server is gone, however it went)."""
     return server_folder("voices", server_pid)
 
@@ -125,9 +125,7 @@ class VoiceRegistry:
             buf = io.BytesIO()
             np.savez(buf, prompt_tokens=prompt_tokens.astype(np.int64), prompt_mel=prompt_mel.astype(np.float32),
                      speaker_embedding=speaker_embedding.astype(np.float32))
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(buf.getvalue())
-            os.replace(tmp, path)
+            write_atomic(path, buf.getvalue())
         (path.parent / "evicted" / voice_id).unlink(missing_ok=True)
         os.utime(path)
         self._evict(keep=voice_id, tenant=tenant)

@@ -12,7 +12,7 @@ from s3flow_contract.answers import Answer, Disposition
 from s3flow_contract.tensors import ADMISSION_OUTPUTS, REQUEST
 from s3flow.engine.sequences import Capacity
 from s3flow.protocol import RequestError, RequestRules, tenant_of
-from s3flow.serving.admission import Admission, LiveCounts
+from s3flow.serving.admission import Admission
 from s3flow.serving.draining import draining_probe
 from s3flow.serving.load import LoadFiles
 from s3flow.serving.metrics import ADMISSION_FAMILIES, ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER
@@ -35,12 +35,12 @@ class TritonPythonModel(TritonModel):
             from s3flow.serving.voice_registry import VoiceRegistry
             voices = VoiceRegistry.from_params(p).get
         self.metrics = TritonMetrics(ADMISSION_FAMILIES, self.name, args.get("model_instance_name", self.name))
-        live = LiveCounts(LiveCounts.default_folder())
-        self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, live, voices, draining_probe(),
-                                   name=self.name, starts=ArrivalMarks(ArrivalMarks.default_folder("starts")),
+        self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, LoadFiles(LoadFiles.default_folder()),
+                                   voices, draining_probe(), name=self.name,
+                                   starts=ArrivalMarks(ArrivalMarks.default_folder("starts")),
                                    seen=ArrivalMarks(ArrivalMarks.default_folder("seen")),
                                    gone=ArrivalMarks(ArrivalMarks.default_folder("gone")),
-                                   load=LoadFiles(LoadFiles.default_folder()), capacity=Capacity.from_parameters(p.raw))
+                                   capacity=Capacity.from_parameters(p.raw))
 
     def respond(self, request):
         flags = request.flags()

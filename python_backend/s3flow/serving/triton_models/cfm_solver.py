@@ -35,7 +35,7 @@ from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import RequestError, one_bytes, tenant_of
-from s3flow.serving.admission import LiveCounts, RecentlyEnded
+from s3flow.serving.admission import RecentlyEnded
 from s3flow.serving.arrivals import ArrivalMarks, Delivery, OnTheWay
 from s3flow.serving.draining import closing_probe, draining_probe
 from s3flow.serving.heap import trim_heap
@@ -187,7 +187,8 @@ class TritonPythonModel(TritonModel):
         if p.bool("warmup", True):  # s3flow.serving.warmup: no first-run cost on a real chunk
             self.logger.log_info(warm_up_solver(engine, self.settings.rules).describe())
         self.instance = args.get("model_instance_name", self.name)
-        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), self.instance, "solver", self.capacity, *plan)
+        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), self.instance, "solver", self.capacity, *plan,
+                                 cap=self.settings.capacity.max_live_sequences)
         # Triton has called execute (its model_warmup request, or a client's): the instance is set up, BLS works
         self.set_up = threading.Event()
         self._publishing = threading.Lock()   # one report at a time: the last written is the last taken
@@ -214,8 +215,7 @@ class TritonPythonModel(TritonModel):
                             policy="deadline", budget=sched.budget(), costs=self.capacity.costs,
                             min_steps=sched.min_steps)
             self.stepped = SteppedSolver(self.session, loop, self.name, log=self.logger.log_error)
-        # admission (the ensembles' first step) refuses STARTs when the instances are full: it reads these
-        self.live_counts = LiveCounts(LiveCounts.default_folder())
+        # admission (the ensembles' first step) refuses STARTs when the instances are full: it reads the reports
         self._publish_live()
         self.reaper = IdleReaper(self.session.evict_idle, self.settings.capacity.idle_timeout_s, self.name,
                                  on_evicted=self._publish_live, then=self._free_slots, log=self.logger.log_error)
@@ -340,8 +340,8 @@ class TritonPythonModel(TritonModel):
         self._publish_live()   # every period: the load's costs and the streams' ages move between executes too
 
     def _publish_live(self) -> None:
-        """The live count to the metrics and to admission (``LiveCounts``). Execute, the step loop and the reaper
-        all publish: without the lock a report taken before an END could land after the END's own."""
+        """The live count and load to the metrics and to admission (the load report). Execute, the step loop and
+        the reaper all publish: without the lock a report taken before an END could land after the END's own."""
         session = self.session
         if session is None:
             return
@@ -350,13 +350,8 @@ class TritonPythonModel(TritonModel):
 
     def _publish(self, ids) -> None:
         self.metrics.live(len(ids))
-        load = self.load.publish(ids)
+        load = self.load.publish(ids, self.ended.recent())   # (their last mel may still go to the vocoder)
         self.metrics.load(load.utilization, load.capacity)
-        recent = [c for c in self.ended.recent() if c not in ids]   # their last mel may still go to the vocoder
-        try:
-            self.live_counts.write(self.instance, ids, self.settings.capacity.max_live_sequences, recent)
-        except OSError as exc:   # admission then counts this instance as it last wrote (or not at all)
-            self.logger.log_warn(f"{self.name}: cannot write the live count: {exc}")
 
     def _dropped(self, corr_id, reason: str) -> None:
         """A sequence's state went before its END (counted by the metrics as ``s3flow_sequences_dropped_total``):
@@ -380,7 +375,6 @@ class TritonPythonModel(TritonModel):
         self.reaper.stop()
         self.session = None
         self.metrics.close()
-        self.live_counts.remove(self.instance)
         self.load.remove()
 
 

@@ -34,7 +34,6 @@ from s3flow.serving.draining import closing_probe
 from s3flow.serving.keys import snapshot_key
 from s3flow.serving.load import InstanceLoad, LoadFiles
 from s3flow.serving.metrics import CAPACITY, FIRST_AUDIO_SECONDS, UTILIZATION, VOCODER_FAMILIES, VOCODER_LIVE
-from s3flow.serving.admission import LiveCounts
 from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.reaper import IdleReaper
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
@@ -66,12 +65,14 @@ class TritonPythonModel(TritonModel):
         runner_settings = VocoderRunnerSettings.from_args(p.raw, self.instance_kind, self.device_id)
         runner = open_vocoder_runner(self.version_dir, runner_settings)
         self.stream = VocoderStream(runner.f0, runner.decode, self.source, self.settings, n_feats=self.n_feats)
+        # its share of the device for admission by capacity (s3flow.serving.load): every push timed, one call each
+        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), args.get("model_instance_name", self.name),
+                                 "vocoder", CapacityModel(max_batch=1, duty_prior=None))
         # a stream the solver still holds, or ended moments ago, may get more mel (its chunk may wait in the solver's
         # queue, its last mel in the vocoder's): not idle
-        solver_live = LiveCounts(LiveCounts.default_folder())
         capacity = Capacity.from_parameters(p.raw)
         self.sequences = SequenceTable(capacity, _LogDrops(self),
-                                       pending=lambda corr_id: corr_id in solver_live.read_recent())
+                                       pending=lambda corr_id: corr_id in self.load.files.read().solver_recent_ids)
         self.session = VocoderSession(self.stream, self.sequences, VocoderSnapshots(snapshot_key(), self.stream),
                                       self.name)
         # first audio (s3flow_first_audio_seconds): admission marked each START's arrival
@@ -80,9 +81,6 @@ class TritonPythonModel(TritonModel):
         self.vocoded = ArrivalMarks(ArrivalMarks.default_folder("vocoded"))
         self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
         self.metrics = TritonMetrics(VOCODER_FAMILIES, self.name, args.get("model_instance_name", self.name))
-        # its share of the device for admission by capacity (s3flow.serving.load): every push timed, one call each
-        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), args.get("model_instance_name", self.name),
-                                 "vocoder", CapacityModel(max_batch=1, duty_prior=None))
         self.logger.log_info(f"{self.name}: HiFT in {runner_settings.backend} on {runner_settings.device}")
         if p.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no store entry
             self.logger.log_info(warm_up_vocoder(self.stream).describe())

@@ -1,0 +1,98 @@
+"""The records a server's python-model instances share: what each publishes, who reads it, one way to write it.
+
+Every instance of a python model is a stub process of its own (and so is each instance of ``admission``), so a
+fact one of them knows and another needs crosses between processes. Each such fact is published once, by one
+writer, as a small file in a per-server folder (:func:`server_folder`, ``/dev/shm/s3flow-<record>-<server pid>``)
+or, for the drain, in the file the launcher names; every file is replaced whole (:func:`write_atomic`), so a
+reader sees the last complete version or the one before it, never half of one. ``RECORDS`` is the schema:
+
+=========  =====================================  =======================================  =====================
+record     writer (one per file)                  readers                                  a file holds
+=========  =====================================  =======================================  =====================
+load       each solver and vocoder instance, its  admission (capacity, the live cap), the  ``LoadReport`` JSON
+           own file, after every answer and       vocoder (a stream the solver holds or
+           reaper period                          ended moments ago is not idle), the
+                                                  vocoder's capacity gauge
+starts     admission: each START it admits        the vocoder (first audio; takes it)      arrival time
+seen       admission: every request it lets       the solver (``OnTheWay``: a chunk on its  time and count
+           through, counted                       way keeps its sequence from going idle)
+gone       the solver: each sequence it dropped   admission (answers its late chunks;      time and why
+           before its END, with why               takes it at a new START)
+vocoded    the vocoder: every answer, counted     the solver (``Delivery``: a token2wav    time and count
+                                                  stream is idle from its vocoder answer)
+voices     the voice_encoder                      the solver and admission (a START's      the prompt (npz)
+                                                  ``voice_id``)
+drain      the drain supervisor                   the solver, the vocoder, admission       ``draining`` or
+           (``s3flow.server.drain``)                                                       ``closing``
+=========  =====================================  =======================================  =====================
+
+Why files (docs/reliability.md): the readers need the last word of another process, at any moment and without a
+round trip through it (admission answers a burst of STARTs while the solver is busy solving; a BLS call into the
+solver would queue behind its batch). A process that dies leaves its files, which the next start sweeps
+(``s3flow.server.leftovers``); a shared-memory region would need the same sweep and a lock of its own.
+
+Example::
+
+    folder = server_folder("load")                 # this server's (the models' parent PID)
+    write_atomic(folder / "cfm_solver_0", text)    # a reader never sees half of it
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Record:
+    """One kind of record (the module's table): its name, its one writer, its readers, what a file holds."""
+    name: str
+    writer: str
+    readers: tuple[str, ...]
+    holds: str
+    per_server: bool = True     # in a per-server folder (the drain file is the launcher's to name)
+
+
+RECORDS = (
+    Record("load", "each solver and vocoder instance (its own file)", ("admission", "vocoder"), "LoadReport JSON"),
+    Record("starts", "admission", ("vocoder",), "a START's arrival time"),
+    Record("seen", "admission", ("cfm_solver",), "time and count of a sequence's requests"),
+    Record("gone", "cfm_solver", ("admission",), "time and why a sequence was dropped"),
+    Record("vocoded", "vocoder", ("cfm_solver",), "time and count of a sequence's vocoder answers"),
+    Record("voices", "voice_encoder", ("cfm_solver", "admission"), "a voice's prompt tensors (npz)"),
+    Record("drain", "drain supervisor", ("cfm_solver", "vocoder", "admission"), "draining or closing, since when",
+           per_server=False),
+)
+#: the per-server folders (``s3flow.server.leftovers`` removes them)
+SERVER_FOLDERS = tuple(r.name for r in RECORDS if r.per_server)
+#: what a file being written is called until it is complete (readers pass over it)
+TEMPORARY = ".tmp"
+
+
+def server_folder(name: str, server_pid: Optional[int] = None) -> Path:
+    """``/dev/shm/s3flow-<name>-<server pid>``: the folder of record ``name`` of one server (its python models are
+    its children: the default PID is our parent's)."""
+    if name not in SERVER_FOLDERS:
+        raise ValueError(f"record must be one of {SERVER_FOLDERS}, got {name!r}")
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return Path(root) / f"s3flow-{name}-{server_pid if server_pid is not None else os.getppid()}"
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Replace ``path`` with ``data`` whole: written beside it under a name no other process or thread uses, then
+    renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}{TEMPORARY}{os.getpid()}-{threading.get_ident()}")
+    if isinstance(data, bytes):
+        tmp.write_bytes(data)
+    else:
+        tmp.write_text(data)
+    os.replace(tmp, path)
+
+
+def is_temporary(path: Path) -> bool:
+    """A file :func:`write_atomic` has not finished (readers pass over it)."""
+    return TEMPORARY in Path(path).name

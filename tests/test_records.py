@@ -1,0 +1,57 @@
+"""The records the python models share between processes (s3flow.serving.records): one schema, one writer each,
+written whole. A real server's folders are checked against the schema in tests/test_shutdown.py."""
+import multiprocessing
+import os
+
+import pytest
+
+from s3flow.server.leftovers import remove_server_files, server_folders
+from s3flow.serving.arrivals import KINDS, ArrivalMarks
+from s3flow.serving.load import LoadFiles
+from s3flow.serving.records import RECORDS, SERVER_FOLDERS, is_temporary, server_folder, write_atomic
+from s3flow.serving.voice_registry import default_dir
+
+
+def test_every_folder_the_models_open_is_a_record_with_one_writer_and_leftovers_sweeps_them_all():
+    opened = {ArrivalMarks.default_folder(kind, 1).name for kind in KINDS}
+    opened |= {LoadFiles.default_folder(1).name, default_dir(1).name}
+    assert opened == {server_folder(name, 1).name for name in SERVER_FOLDERS}
+    assert {p.name for p in server_folders(1)} == opened
+    assert all(r.writer and r.readers for r in RECORDS) and len({r.name for r in RECORDS}) == len(RECORDS)
+    with pytest.raises(ValueError, match="record must be one of"):
+        server_folder("live", 1)
+
+
+def _writer(path, n):
+    for i in range(n):
+        write_atomic(path, f"{i}\n" + "x" * 20000 + f"\n{i}\n")
+
+
+def test_a_reader_never_sees_half_a_file_while_another_process_rewrites_it(tmp_path):
+    path = tmp_path / "cfm_solver_0"
+    write_atomic(path, "0\n" + "x" * 20000 + "\n0\n")
+    writer = multiprocessing.get_context("fork").Process(target=_writer, args=(path, 400))
+    writer.start()
+    seen = 0
+    while writer.is_alive() or seen == 0:
+        lines = path.read_text().split("\n")   # "i", the body, "i", ""
+        assert len(lines) == 4 and lines[0] == lines[2] and len(lines[1]) == 20000, "a half-written file"
+        seen += 1
+    writer.join()
+    assert writer.exitcode == 0 and seen > 1
+    assert [p.name for p in tmp_path.iterdir()] == ["cfm_solver_0"], "no temporary file left"
+
+
+def test_a_file_being_written_is_passed_over_by_its_readers(tmp_path):
+    (tmp_path / f"cfm_solver_0.tmp{os.getpid()}-1").write_text("{half")
+    assert is_temporary(tmp_path / f"cfm_solver_0.tmp{os.getpid()}-1") and not is_temporary(tmp_path / "x")
+    assert LoadFiles(tmp_path).read().reports == []
+
+
+def test_remove_server_files_removes_every_records_folder(tmp_path):
+    pid = 999_999_991   # no such process
+    for folder in server_folders(pid):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "7").write_text("1.0\n")
+    assert remove_server_files(pid) == len(SERVER_FOLDERS)
+    assert not any(f.exists() for f in server_folders(pid))
