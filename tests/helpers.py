@@ -8,6 +8,7 @@ import torch
 from s3flow.model.random_checkpoint import random_flow
 from s3flow.model.flow import FlowConfig, TorchEstimator, synthesize
 from s3flow.engine.observer import NO_OBSERVER, Observer
+from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.protocol import RequestRules, parse_request
 from s3flow.engine.streaming import StreamingEngine
@@ -36,13 +37,19 @@ class DropLog(Observer):
         self.drops.append((corr_id, reason))
 
 
-def make_engine(flow, settings: SolverSettings | None = None, observer: Observer = NO_OBSERVER) -> StreamingEngine:
+def make_engine(flow, settings: SolverSettings | None = None, observer: Observer = NO_OBSERVER,
+                clock=None, playback=None) -> StreamingEngine:
     """The served engine over the flow's torch modules, with ``settings``' chunk solving and capacity (the
-    request rules are the driver's: ``stream_in_process(..., rules=settings.rules)``)."""
+    request rules are the driver's: ``stream_in_process(..., rules=settings.rules)``); ``clock`` and ``playback``
+    (``PlaybackSettings``) for its sequence table where given."""
     settings = settings or SolverSettings()
+    table = None
+    if clock is not None or playback is not None:
+        table = SequenceTable(settings.capacity, observer, **({"clock": clock} if clock is not None else {}),
+                              **({"playback": playback} if playback is not None else {}))
     return StreamingEngine(torch_encoder(flow), TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
                            meanflow=flow.config.meanflow, solving=settings.solving, capacity=settings.capacity,
-                           observer=observer)
+                           observer=observer, table=table)
 
 
 def request_inputs(u: Utterance, lo: int, hi: int, first: bool) -> dict:

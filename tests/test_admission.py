@@ -51,8 +51,9 @@ class Live:
         self.files = LoadFiles(folder)
 
     def write(self, instance, live_ids, cap, recent=()):
-        from s3flow.engine.capacity import CapacityModel
-        InstanceLoad(self.files, instance, "solver", CapacityModel(), cap=cap).publish(live_ids, recent)
+        from s3flow.engine.capacity import CapacityModel, Work
+        InstanceLoad(self.files, instance, "solver", CapacityModel(), cap=cap).publish(
+            {c: Work() for c in live_ids}, recent)
 
     def remove(self, instance):
         self.files.remove(instance)
@@ -96,7 +97,7 @@ def test_live_counts_sum_the_instances_and_forget_one_that_unloads(tmp_path):
 def _solver_load(folder, live_ids, per_stream: float):
     """A solver instance's load report whose streams (no answer yet: priced by the plan) each need ``per_stream``
     of the device: costs scaled to make it so."""
-    from s3flow.engine.capacity import CapacityModel
+    from s3flow.engine.capacity import CapacityModel, Work
     from s3flow.engine.settings import SolverSettings
     from s3flow.serving.calibration import planned_start
 
@@ -105,7 +106,7 @@ def _solver_load(folder, live_ids, per_stream: float):
     work = plan.window(0)   # a stream with nothing answered yet: the plan's first seconds
     model.estimator_timed(1, 1000, 1000 * per_stream * work.audio_s / work.row_frames)   # per unit only
     files = LoadFiles(folder)
-    InstanceLoad(files, "cfm_solver_0", "solver", model, plan, steps, rows).publish(live_ids)
+    InstanceLoad(files, "cfm_solver_0", "solver", model, plan, steps, rows).publish({c: Work() for c in live_ids})
     return files
 
 
@@ -147,9 +148,8 @@ def _vocoder_report(files, live_ids, per_stream: float):
 
     model = CapacityModel(max_batch=1, duty_prior=None)
     model.estimator_timed(1, 100, 2.0 * per_stream)
-    for c in live_ids:
-        model.chunk_work(c, Work(row_frames=100, steps=1, frames=100))
-    InstanceLoad(files, "vocoder_0", "vocoder", model).publish(live_ids)
+    InstanceLoad(files, "vocoder_0", "vocoder", model).publish({c: Work(row_frames=100, steps=1, frames=100)
+                                                                 for c in live_ids})
 
 
 def test_token2wav_admits_by_its_busiest_stage_not_the_solvers_and_vocoders_demands_added(tmp_path):
@@ -238,19 +238,3 @@ def test_admission_answers_each_refusal_it_shares_with_the_solver_as_the_solver_
     if name != "full":   # the same words after each model's name (the solver says more of why it holds none)
         mine, its = by_admission.error.removeprefix("admission: "), by_solver.error.removeprefix("cfm_solver: ")
         assert mine == its or name == "sequence not held" and its.startswith(mine), (mine, its)
-
-
-def test_the_solver_lists_the_sequences_ended_by_their_end_for_a_while_and_not_the_dropped():
-    from s3flow.engine.sequences import Capacity, SequenceTable
-    from s3flow.serving.admission import RecentlyEnded
-
-    now = [0.0]
-    ended = RecentlyEnded(30.0, clock=lambda: now[0])
-    table = SequenceTable(Capacity(), ended)
-    for c in (1, 2):
-        table.begin(c, object())
-    table.commit(1, end=True)                 # its END answered
-    table.end(2, "cancelled")                 # dropped before its END
-    assert ended.recent() == [1]
-    now[0] = 30.1
-    assert ended.recent() == [], "forgotten after the grace"

@@ -193,12 +193,12 @@ def test_at_capacity_the_wall_time_the_instance_waits_for_the_rest_of_the_pipeli
 
 def test_the_capacity_model_keeps_no_book_that_grows_with_chunks_or_ended_streams():
     """What the vocoder and the step loop report between ``worked`` calls is summed, not listed; a stream's work
-    goes with its END."""
+    is the sequence table's (it goes with the stream)."""
     model = _fitted()
     for c in range(5000):
         model.chunk_work(c, Work(row_frames=10, steps=1, chunks=1, frames=2))
-        model.sequence_ended(c)
-    assert model.keep_only([]) == {} and isinstance(model._made, Work)
+    assert isinstance(model._made, Work) and model._made.chunks == 5000
+    assert not [k for k, v in vars(model).items() if isinstance(v, (dict, list)) and len(v) > 10], "nothing listed"
 
 
 def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tmp_path):
@@ -207,11 +207,12 @@ def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tm
     model.encoder_timed(100, 0.001)
     for c in (1, 2):
         model.chunk_work(c, PLAN.prefix(100))
-    InstanceLoad(files, "cfm_solver_0", "solver", model, PLAN, STEPS, ROWS).publish([1, 2, 3])   # 3: no answer yet
+    InstanceLoad(files, "cfm_solver_0", "solver", model, PLAN, STEPS, ROWS).publish(
+        {1: PLAN.prefix(100), 2: PLAN.prefix(100), 3: Work()})   # 3: no answer yet
     vocoder = CapacityModel(max_batch=1)
     vocoder.estimator_timed(1, 100, 0.01)
     vocoder.chunk_work(1, Work(row_frames=100, steps=1, frames=100))
-    InstanceLoad(files, "vocoder_0", "vocoder", vocoder).publish([1])
+    InstanceLoad(files, "vocoder_0", "vocoder", vocoder).publish({1: Work(row_frames=100, steps=1, frames=100)})
     (tmp_path / "vocoder_1.tmp123").write_text("half written")
     load = files.read()
     assert load.known and load.solver_ids == {1, 2, 3} and len(load.reports) == 2
@@ -242,11 +243,11 @@ def test_a_measured_capacity_rescales_every_solver_demand_and_token2wav_adds_the
     model = _fitted(fixed=0.002, per_unit=2e-5)
     model.chunk_work(1, PLAN.prefix(100))
     solver = InstanceLoad(files, "s", "solver", model, PLAN, STEPS, ROWS)
-    prior = solver.publish([1])
+    prior = solver.publish({1: PLAN.prefix(100)})
     model.estimator_step(1, 2, 100)
     model.chunk_work(2, PLAN.expected())
     model.worked(PLAN.expected().audio_s / 2.0)      # it made 2 audio s per busy s
-    measured = solver.publish([1])
+    measured = solver.publish({1: PLAN.prefix(100)})
     assert measured.capacity == pytest.approx(model.capacity()) and measured.capacity != prior.capacity
     share = measured.costs.share(8)
     planned = measured.planned_demand(share) / measured.costs.demand(PLAN.window(0), share)
@@ -255,7 +256,7 @@ def test_a_measured_capacity_rescales_every_solver_demand_and_token2wav_adds_the
     vocoder.estimator_timed(1, 100, 0.01)
     vocoder.chunk_work(1, Work(row_frames=100, steps=1, frames=100))   # 2 s of audio ...
     vocoder.worked(0.25)                                                # ... in 0.25 s: 8 audio s per s
-    InstanceLoad(files, "v", "vocoder", vocoder).publish([1])
+    InstanceLoad(files, "v", "vocoder", vocoder).publish({1: Work(row_frames=100, steps=1, frames=100)})
     load = files.read()
     assert load.capacity == pytest.approx(measured.capacity)
     assert load.wav_capacity == pytest.approx(min(measured.capacity, 8.0)), "the vocoder bounds token2wav's"
@@ -267,7 +268,7 @@ def test_the_wait_is_until_enough_streams_end_or_young_ones_leave_their_costly_s
     model.estimator_timed(1, 100, 0.01)
     model.chunk_work(1, PLAN.prefix(300))     # 6 s made of 8 expected: ends in about 2 s
     model.chunk_work(2, PLAN.prefix(50))      # 1 s made: ends in about 7 s
-    InstanceLoad(files, "s", "solver", model, PLAN, STEPS, ROWS).publish([1, 2])
+    InstanceLoad(files, "s", "solver", model, PLAN, STEPS, ROWS).publish({1: PLAN.prefix(300), 2: PLAN.prefix(50)})
     load = files.read()
     d = load.reports[0].demand()
     [stage] = load.stages()
@@ -279,7 +280,7 @@ def test_the_wait_is_until_enough_streams_end_or_young_ones_leave_their_costly_s
     assert load.wait_until(stage, target=0.5 * one, expected_s=8.0) == 8.0, "never enough: the longest wait"
 
     young = LoadFiles(tmp_path / "young")     # two STARTs a moment ago: their first chunks are the costliest
-    InstanceLoad(young, "s", "solver", model, PLAN, STEPS, ROWS).publish([5, 6])
+    InstanceLoad(young, "s", "solver", model, PLAN, STEPS, ROWS).publish({5: Work(), 6: Work()})
     load = young.read()
     start = load.utilization()
     steady = 2 * load.reports[0].stream_demand(PLAN.prefix(150), 1.0)   # the same two, 3 s on
@@ -354,13 +355,14 @@ def test_a_stopped_calibration_makes_no_call_and_its_thread_ends():
 
 def test_chunks_given_fewer_steps_leave_the_capacity_and_the_streams_demand_at_full_steps():
     """The same chunks, once at their 10 steps and once given 6 of them (each busy stretch the priced time of what
-    it did): the measured capacity is the same, and so is the stream's work its demand is priced from; only the
-    correction sees the shorter stretches as the work they were."""
+    it did): the measured capacity is the same; only the correction sees the shorter stretches as the work they
+    were. (The stream's own work, what its demand is priced from, is kept at full steps by the sequence table:
+    ``test_a_stream_given_fewer_steps_is_priced_at_full_steps``.)"""
     full = Work(row_frames=2000, steps=10, chunks=1, encoder_tokens=0, frames=50)
     fewer = Work(row_frames=1200, steps=6, chunks=1, encoder_tokens=0, frames=50,
                  skipped_row_frames=800, skipped_steps=4)
     assert fewer.full() == full
-    capacities, streams = [], []
+    capacities = []
     for work in (full, fewer):
         model = _fitted(fixed=0.01, per_unit=1e-5)
         for _ in range(50):
@@ -368,10 +370,8 @@ def test_chunks_given_fewer_steps_leave_the_capacity_and_the_streams_demand_at_f
             model.chunk_work(1, work)
             model.worked(1.3 * model._costs(1.0).seconds(work, 1))
         capacities.append(model.capacity())
-        streams.append(model.keep_only([1])[1])
         assert model.correction == pytest.approx(1.3)
     assert capacities[1] == pytest.approx(capacities[0], rel=1e-9) and capacities[0] > 0
-    assert streams[0] == streams[1] == Work(100000, 500, 50, 0, 2500)
 
 
 def test_a_stream_like_the_plan_is_priced_like_the_plan_after_every_answer():
@@ -388,7 +388,7 @@ def test_a_stream_like_the_plan_is_priced_like_the_plan_after_every_answer():
                           prompt_mel=np.zeros((1, 300, 80), np.float32), speaker_embedding=np.ones((1, 192), np.float32))
         engine.run([engine.admit(1, parse_request(inputs, start=k == 0, end=False,
                                                   rules=RequestRules(max_chunk_tokens=200), n_feats=80))])
-        work = model.keep_only([1])[1]
+        work = engine.sequences.works()[1]
         planned = PLAN.prefix(work.frames)
         assert (work.row_frames, work.steps, work.chunks) == pytest.approx(
             (planned.row_frames, planned.steps, planned.chunks)), f"after chunk {k + 1}"

@@ -88,61 +88,75 @@ def test_book_observes_each_answered_chunk_and_each_euler_step(meanflow, rate, p
     assert engine.estimator_calls == 2 * steps == 2 * calls_after_first
 
 
-def test_book_follows_each_streams_lead_over_a_real_time_player_and_counts_underruns_once():
-    """A player with no buffer here (the leads are the plain arithmetic); the next test gives it one."""
+def _table_and_book(start_buffer_s: float):
+    """A sequence table on a clock the test moves (its playback clocks: players with ``start_buffer_s``), and a
+    book publishing what its commits say, answer by answer."""
+    from s3flow.engine.playback import PlaybackSettings
+    from s3flow.engine.sequences import Capacity, SequenceTable
+
     rec, now = Recorder(), [0.0]
-    book = m.SolverBook(rec, clock=lambda: now[0], start_buffer_s=0.0)
+    table = SequenceTable(Capacity(), clock=lambda: now[0], playback=PlaybackSettings(start_buffer_s=start_buffer_s))
+    book = m.SolverBook(rec)
 
     def answer(at: float, *chunks):
+        now[0] = at
         t0 = book.begin()
         for corr_id, start, frames in chunks:
-            book.chunk_answered(corr_id, start, 2, frames)
-        now[0] = at
+            if start:
+                table.begin(corr_id, object())
+            else:
+                table.serve(corr_id)
+            book.chunk_answered(corr_id, start, 2, frames, table.commit(corr_id, end=False, frames=frames))
         book.end(t0)
 
-    answer(0.2, (1, True, 14), (2, True, 14))     # 0.28 s of audio each
-    answer(0.4, (1, False, 40))                   # stream 1: 0.28 s delivered, 0.2 s played: lead 0.08
-    answer(0.7, (2, False, 40))                   # stream 2: 0.28 s delivered, 0.5 s played: dry
-    answer(1.5, (2, False, 40), (1, False, 10))   # 2: 1.08 - 1.3 < 0 again (counted once); 1: 1.08 - 1.3
+    return table, rec, answer
+
+
+def test_the_table_follows_each_streams_lead_over_a_real_time_player_and_the_book_counts_underruns_once():
+    """A player with no buffer here (the leads are the plain arithmetic); the next test gives it one."""
+    table, rec, answer = _table_and_book(start_buffer_s=0.0)
+    answer(0.0, (1, True, 14), (2, True, 14))     # 0.28 s of audio each
+    answer(0.2, (1, False, 40))                   # stream 1: 0.28 s delivered, 0.2 s played: lead 0.08
+    answer(0.5, (2, False, 40))                   # stream 2: 0.28 s delivered, 0.5 s played: dry
+    answer(1.3, (2, False, 40), (1, False, 10))   # 2: 1.08 - 1.3 < 0 again (counted once); 1: 1.08 - 1.3
     lead = rec.values("s3flow_stream_lead_seconds")
     assert lead == pytest.approx([0.08, -0.22, -0.22, -0.22])
     assert rec.values("s3flow_stream_underruns_total") == [1, 1], "once per stream"
-    book.sequence_dropped(1, "idle")
-    answer(2.0, (1, False, 10))                   # a dropped stream is not followed any more
-    assert len(rec.values("s3flow_stream_lead_seconds")) == 4
-
-
-
-def test_book_forgets_a_stream_at_its_end_after_the_end_chunks_lead():
-    """The table reports the END (sequence_ended) inside the execute, before the book publishes that execute's
-    chunks: the END chunk's lead is still published, and the stream is followed no more (1,000 utterances grew the
-    solver by 0.07 MiB per 100 while the book kept up to 4,096 ended streams)."""
-    rec, now = Recorder(), [0.0]
-    book = m.SolverBook(rec, clock=lambda: now[0], start_buffer_s=0.0)
-    for at, start in ((0.2, True), (0.4, False)):
-        t0 = book.begin()
-        book.chunk_answered(1, start, 2, 14)
-        if not start:
-            book.sequence_ended(1)
-        now[0] = at
-        book.end(t0)
-    assert rec.values("s3flow_stream_lead_seconds") == pytest.approx([0.08]), "the END chunk's lead"
-    assert len(book) == 0, "an ended stream is not followed"
+    assert table.lead(1) == pytest.approx(1.28 - 1.3) and table.deadline(1) == pytest.approx(1.28)
+    table.end(1, "idle")
+    assert 1 not in table and table.works().keys() == {2}, "a dropped stream is not followed any more"
 
 
 def test_a_player_buffer_is_what_a_listener_hears_before_a_gap():
     """The default player starts 0.3 s after the first answer: an answer 0.2 s late against the bare arithmetic
     is still in time; 0.4 s late is a gap, counted."""
-    assert m.PLAYER_BUFFER_S == 0.3
-    rec, now = Recorder(), [0.0]
-    book = m.SolverBook(rec, clock=lambda: now[0])
-    for at, corr_id, start in ((0.0, 1, True), (0.0, 2, True), (0.7, 1, False), (0.9, 2, False)):
-        t0 = book.begin()
-        book.chunk_answered(corr_id, start, 2, 25)   # 0.5 s of audio each
-        now[0] = at
-        book.end(t0)
+    from s3flow.engine.playback import PlaybackSettings
+
+    assert PlaybackSettings().start_buffer_s == 0.3
+    table, rec, answer = _table_and_book(start_buffer_s=0.3)
+    answer(0.0, (1, True, 25), (2, True, 25))     # 0.5 s of audio each
+    answer(0.7, (1, False, 25))
+    answer(0.9, (2, False, 25))
     assert rec.values("s3flow_stream_lead_seconds") == pytest.approx([0.1, -0.1])
     assert rec.values("s3flow_stream_underruns_total") == [1], "stream 2 only"
+
+
+def test_the_table_forgets_a_stream_at_its_end_and_lists_it_as_ended_for_a_while():
+    """An END answered takes the stream out of the table (1,000 utterances grew the solver by 0.07 MiB per 100
+    while a second book in the metrics kept up to 4,096 ended streams) and lists it for the vocoder for
+    ``ENDED_GRACE_S``; a stream dropped before its END is not listed."""
+    from s3flow.engine.sequences import ENDED_GRACE_S
+
+    table, rec, answer = _table_and_book(start_buffer_s=0.0)
+    answer(0.0, (1, True, 14), (2, True, 14))
+    table.serve(1)
+    assert table.commit(1, end=True, frames=20).lead == pytest.approx(0.28)
+    table.end(2, "cancelled")
+    assert len(table) == 0 and table.works() == {}
+    assert table.recently_ended() == [1]
+    answer(ENDED_GRACE_S + 0.1, (3, True, 14))
+    assert table.recently_ended() == [], "forgotten after the grace"
+
 
 def test_book_observes_nothing_for_a_failed_run_and_counts_drops_by_reason():
     rec, heard = Recorder(), []

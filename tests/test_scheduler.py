@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from s3flow.engine.playback import PlaybackBook, PlaybackSettings
+from s3flow.engine.playback import Playback, PlaybackSettings
 from s3flow.engine.scheduler import Candidate, StepBudget, pick, slack, steps_in_time
 from s3flow_tools.schedule_sim import SMALL_ON_2_CORES, CostModel, Load, saturation, simulate
 
@@ -48,18 +48,17 @@ def test_a_step_keeps_within_its_budget_and_a_smaller_chunk_may_fill_it():
 
 
 def test_the_playback_clock_gives_lead_and_deadline():
-    book = PlaybackBook(PlaybackSettings(start_buffer_s=0.3, first_audio_s=0.5))
-    book.arrived(7, 10.0)
-    assert book.deadline(7) == pytest.approx(10.5), "before its first answer: arrival + the first-audio target"
-    assert book.delivered(7, 50, 10.2) is None                  # first answer: 1 s of audio
-    assert book.deadline(7) == pytest.approx(10.2 + 0.3 + 1.0)
-    assert book.lead(7, 10.7) == pytest.approx(0.5)
-    assert book.delivered(7, 25, 11.5) == pytest.approx(-0.3)   # a player started at 10.2 ran dry at 11.2
-    assert book.deadline(7) == pytest.approx(10.2 + 0.3 + 1.5)
-    book.arrived(7, 20.0)                                       # a restart: a new clock
-    assert book.deadline(7) == pytest.approx(20.5) and len(book) == 1
-    book.forget(7)
-    assert 7 not in book
+    settings = PlaybackSettings(start_buffer_s=0.3, first_audio_s=0.5)
+    clock = Playback(arrived=10.0)
+    assert clock.deadline(settings) == pytest.approx(10.5), "before its first answer: arrival + the first-audio target"
+    assert clock.delivered(50, 10.2, settings).lead is None        # first answer: 1 s of audio
+    assert clock.deadline(settings) == pytest.approx(10.2 + 0.3 + 1.0)
+    assert clock.lead(10.7, settings) == pytest.approx(0.8)
+    late = clock.delivered(25, 11.8, settings)                      # a player started at 10.5 ran dry at 11.5
+    assert late.lead == pytest.approx(-0.3) and late.went_dry
+    assert clock.deadline(settings) == pytest.approx(10.2 + 0.3 + 1.5)
+    again = clock.delivered(25, 12.5, settings)                     # dry again: counted once
+    assert again.lead == pytest.approx(-0.5) and not again.went_dry
 
 
 def test_one_stream_alone_is_served_the_same_by_both_policies():

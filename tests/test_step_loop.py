@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import make_engine, small_flow, stream_in_process
-from s3flow.engine.playback import PlaybackBook, PlaybackSettings
+from s3flow.engine.playback import PlaybackSettings
 from s3flow.engine.scheduler import StepBudget
 from s3flow.engine.step_loop import StepCancelled, StepLoop
 from s3flow.engine.settings import SolverSettings
@@ -71,7 +71,7 @@ def test_a_stream_alone_through_the_loop_is_the_fifo_path_exactly(flow):
     u = utterance(1.6, 3, [10, 12, 18])
     want = stream_in_process(make_engine(flow, SETTINGS), [u], [u.chunks])[0]
     engine = make_engine(flow, SETTINGS)
-    got = through_loop(engine, StepLoop(engine, PlaybackBook()), [u], [5])[0]
+    got = through_loop(engine, StepLoop(engine), [u], [5])[0]
     assert [r.frame_offset for r in got] == [r.frame_offset for r in want]
     np.testing.assert_array_equal(mels(got), mels(want))
     assert len(engine.sequences) == 0, "END ended the sequence"
@@ -82,7 +82,7 @@ def test_streams_sharing_steps_under_a_tight_budget_each_equal_their_solo_stream
     policy picks a different set from step to step and chunks finish at different steps."""
     utts = [utterance(1.6, 11, [10, 30]), utterance(1.2, 12, [10, 20]), utterance(2.0, 13, [10, 20, 20])]
     engine = make_engine(flow, SETTINGS)
-    loop = StepLoop(engine, PlaybackBook(), budget=StepBudget(max_rows=4, max_row_frames=10**6))
+    loop = StepLoop(engine, budget=StepBudget(max_rows=4, max_row_frames=10**6))
     got = through_loop(engine, loop, utts, [21, 22, 23])
     assert loop.steps > 4 * 3, "the rows were never split over steps"
     for u, res in zip(utts, got):
@@ -92,22 +92,24 @@ def test_streams_sharing_steps_under_a_tight_budget_each_equal_their_solo_stream
 
 @pytest.mark.parametrize("policy,first", [("deadline", "b"), ("fifo", "a")])
 def test_the_stream_closest_to_running_dry_is_stepped_first(flow, policy, first):
-    """Two STARTs, one guided chunk per step (budget 2 rows): a arrives first but its stream's deadline is later
-    (3.0 against b's 1.5), so the deadline policy finishes b first; FIFO finishes a first."""
-    engine = make_engine(flow, SETTINGS)
-    book = PlaybackBook(PlaybackSettings(first_audio_s=1.0))
+    """One guided chunk per step (budget 2 rows). Stream b's first answer (14 frames) went out at 0, so its player
+    needs more at 0.3 + 0.28; a arrives first, a START due at 1.0 (first_audio_s), and b's next chunk at 0.5: the
+    deadline policy finishes b first, FIFO a (the clock is the engine's table's, standing still)."""
     now = [0.0]
-    loop = StepLoop(engine, book, policy=policy, budget=StepBudget(max_rows=2, max_row_frames=10**6),
-                    clock=lambda: now[0])
+    engine = make_engine(flow, SETTINGS, clock=lambda: now[0], playback=PlaybackSettings(first_audio_s=1.0))
+    loop = StepLoop(engine, policy=policy, budget=StepBudget(max_rows=2, max_row_frames=10**6))
     order = []
-    a, b = utterance(1.0, 31, [25]), utterance(1.0, 32, [25])
-    loop.submit(admit(engine, a, 0, 41), on_done=lambda d: order.append("a"))
-    now[0] = 0.5
-    loop.submit(admit(engine, b, 0, 42), on_done=lambda d: order.append("b"))
-    book.arrived(41, 2.0)             # a's deadline: 2.0 + 1.0; b's: 0.5 + 1.0
+    a, b = utterance(1.0, 31, [25]), utterance(1.4, 32, [10, 25])
+    loop.submit(admit(engine, b, 0, 42), on_done=lambda d: order.append("b0"))
     while loop.busy:
         loop.run_once()
-    assert order[0] == first and sorted(order) == ["a", "b"]
+    assert engine.sequences.deadline(42) == pytest.approx(0.3 + 14 / 50)
+    loop.submit(admit(engine, a, 0, 41), on_done=lambda d: order.append("a"))
+    now[0] = 0.5
+    loop.submit(admit(engine, b, 1, 42), on_done=lambda d: order.append("b"))
+    while loop.busy:
+        loop.run_once()
+    assert order[0] == "b0" and order[1] == first and sorted(order[1:]) == ["a", "b"]
 
 
 def test_a_failed_step_fails_its_chunks_once_rolled_back_and_a_resend_continues_exactly(flow):
@@ -123,7 +125,7 @@ def test_a_failed_step_fails_its_chunks_once_rolled_back_and_a_resend_continues_
         return real(inputs)
 
     engine.estimator = flaky
-    loop = StepLoop(engine, PlaybackBook())
+    loop = StepLoop(engine)
     done = []
     loop.submit(admit(engine, u, 0, 61), on_done=done.append)
     while loop.busy:
@@ -141,7 +143,7 @@ def test_a_failed_step_fails_its_chunks_once_rolled_back_and_a_resend_continues_
 
 def test_a_cancelled_request_leaves_alone_and_the_others_go_on(flow):
     engine = make_engine(flow, SETTINGS)
-    loop = StepLoop(engine, PlaybackBook())
+    loop = StepLoop(engine)
     cancelled, done = [False], {}
     a, b = utterance(1.0, 71, [25]), utterance(1.0, 72, [25])
     loop.submit(admit(engine, a, 0, 81), on_done=lambda d: done.setdefault(81, d), is_cancelled=lambda: cancelled[0])
@@ -172,9 +174,9 @@ def test_a_late_chunk_gets_fewer_steps_and_its_replay_with_those_steps_makes_the
     at full steps the first chunk differs."""
     u = utterance(1.0, 61, [10, 15])
     seen = _FewerSteps()
-    engine = make_engine(flow, SETTINGS, observer=seen)
     late = PlaybackSettings(start_buffer_s=0.0, first_audio_s=0.0)
-    loop = StepLoop(engine, PlaybackBook(late), clock=lambda: 0.0, min_steps=2)
+    engine = make_engine(flow, SETTINGS, observer=seen, clock=lambda: 0.0, playback=late)
+    loop = StepLoop(engine, min_steps=2)
     got = through_loop(engine, loop, [u], [71])[0]
     assert [r.steps for r in got] == [2, 4] and seen.cut == [(71, 4, 2)]
 
@@ -188,8 +190,8 @@ def test_a_late_chunk_gets_fewer_steps_and_its_replay_with_those_steps_makes_the
     again = [fifo.run([replayed(fifo, k, 72, r.steps)])[0] for k, r in enumerate(got)]
     assert [r.steps for r in again] == [2, 4]
     np.testing.assert_array_equal(mels(again), mels(got))
-    pinned_engine = make_engine(flow, SETTINGS)
-    pinned = StepLoop(pinned_engine, PlaybackBook(late), clock=lambda: 0.0, min_steps=2)
+    pinned_engine = make_engine(flow, SETTINGS, clock=lambda: 0.0, playback=late)
+    pinned = StepLoop(pinned_engine, min_steps=2)
     out = []
     pinned.submit(replayed(pinned_engine, 0, 73, 4), on_done=out.append)
     while pinned.busy:
@@ -206,3 +208,21 @@ def test_chunk_steps_above_the_streams_steps_are_refused_and_leave_nothing_in_fl
     with pytest.raises(RequestError, match="chunk_steps 5 is above the stream's n_timesteps 4"):
         engine.admit(81, req)
     assert len(engine.sequences) == 0
+
+
+def test_a_stream_given_fewer_steps_is_priced_at_full_steps(flow):
+    """A late START given 2 of its 4 steps: the sequence table keeps the stream's work as if at 4 (what its demand
+    is priced from: capacity and admission stay at full steps), the same work a stream served at 4 has."""
+    late = PlaybackSettings(start_buffer_s=0.0, first_audio_s=0.0)
+    works = []
+    for min_steps in (2, 0):
+        u = utterance(1.0, 61, [10, 15])
+        engine = make_engine(flow, SETTINGS, clock=lambda: 0.0, playback=late)
+        loop = StepLoop(engine, min_steps=min_steps)
+        out = []
+        loop.submit(admit(engine, u, 0, 91), on_done=out.append)
+        while loop.busy:
+            loop.run_once()
+        assert out[0].result.steps == (2 if min_steps else 4)
+        works.append(engine.sequences.works()[91])
+    assert works[0] == works[1] and works[0].steps == 4

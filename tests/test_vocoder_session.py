@@ -141,7 +141,7 @@ def test_a_chunk_sent_again_gets_its_answer_again_and_the_stream_goes_on():
     s, _ = session()
     head = run(s, range(3))
     again = s.handle(incoming(2))
-    assert again.chunk is head[-1].chunk and again.snapshot == head[-1].snapshot and again.pushed == 0
+    assert again.chunk is head[-1].chunk and again.snapshot == head[-1].snapshot and again.work is None
     rest = run(s, range(3, len(SIZES)))
     assert np.array_equal(audio(head + rest), whole)
 

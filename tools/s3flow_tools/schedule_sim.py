@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND
-from s3flow.engine.playback import PlaybackBook, PlaybackSettings
+from s3flow.engine.playback import Playback, PlaybackSettings
 from s3flow.engine.scheduler import Candidate, StepBudget, pick
 
 TOKEN_FRAMES = 2
@@ -158,7 +158,7 @@ def simulate(load: Load, cost: CostModel, policy: str, budget: StepBudget = Step
     streams = [_Stream(arrival=(load.spread_s * k / max(1, load.streams - 1) if load.streams > 1 else 0.0),
                        plan=plan) for k in range(load.streams)]
     rows = 2 if load.guided else 1
-    book = PlaybackBook(playback)
+    clocks: dict[int, Playback] = {}   # each stream's playback clock, as the server's sequence table keeps it
     events = [(s.arrival, k, 0) for k, s in enumerate(streams)]   # (time a chunk is sent, stream, chunk index)
     heapq.heapify(events)
     waiting: list[_Chunk] = []
@@ -171,7 +171,7 @@ def simulate(load: Load, cost: CostModel, policy: str, budget: StepBudget = Step
         if s.first is None:
             s.first = t
         s.answers.append((t, c.delivers))
-        book.delivered(c.stream, c.delivers, t)
+        clocks[c.stream].delivered(c.delivers, t, playback)
         if c.index + 1 < len(s.plan):
             heapq.heappush(events, (t, c.stream, c.index + 1))
 
@@ -179,7 +179,7 @@ def simulate(load: Load, cost: CostModel, policy: str, budget: StepBudget = Step
         while events and events[0][0] <= now:
             t, k, index = heapq.heappop(events)
             if index == 0:
-                book.arrived(k, t)
+                clocks[k] = Playback(arrived=t)
             waiting.append(_next_chunk(load, streams[k], k, index, t))
         if not waiting and not flight:
             now = events[0][0]
@@ -202,7 +202,7 @@ def simulate(load: Load, cost: CostModel, policy: str, budget: StepBudget = Step
             now += cost.encoder(sum(c.tokens for c in waiting))
             flight += waiting
             waiting = []
-        cands = [Candidate(c, c.arrival, book.deadline(c.stream), c.steps_left, rows, c.frames) for c in flight]
+        cands = [Candidate(c, c.arrival, clocks[c.stream].deadline(playback), c.steps_left, rows, c.frames) for c in flight]
         chosen = pick(cands, now, budget, cost.step, "fifo" if policy == "stepfifo" else "deadline")
         now += cost.step(rows * len(chosen), max(c.frames for c in chosen))
         calls, rows_sum = calls + 1, rows_sum + rows * len(chosen)

@@ -28,11 +28,11 @@ keeps the busy time, the audio made, and the fits' price of that work at the bat
 
 Before any served work, the calibration at load (``s3flow.serving.calibration``) gives the fits, and the costs'
 capacity for the plan is the prior. The gauge, admission's price of a stream (``s3flow.serving.load``: demands
-scaled so that N default streams need N / capacity) and its ``retry_after`` read these same numbers (the step
-loop's slack still prices a step by its own running average: issue 40).
+scaled so that N default streams need N / capacity), its ``retry_after`` and the step loop's slack and fewer steps
+(``s3flow.engine.step_loop``) read these same numbers.
 
 Work. A stream's chunks report what they cost (:class:`Work`: estimator row-frames over all steps, steps,
-chunks, encoder tokens, frames made final). The server knows neither an utterance's length nor a live client's
+chunks, encoder tokens, frames made final); the sequence table adds them up per stream. The server knows neither an utterance's length nor a live client's
 next chunks: a stream's demand is the default plan's (:class:`Plan`) over the next ``HORIZON_S`` of its audio,
 scaled by how much heavier than the plan its chunks so far have been; a START's is the plan's first
 ``HORIZON_S`` (at its own steps and guidance).
@@ -52,7 +52,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.engine.observer import Observer
@@ -201,8 +201,9 @@ class Costs:
 
 class CapacityModel(Observer):
     """The instance's cost fits (every estimator and encoder call the engine reports), the correction that makes
-    them price what the instance really takes, and its live streams' work (module docstring). Thread-safe (the
-    decoupled path reports from its step thread)."""
+    them price what the instance really takes, and its capacity (module docstring); each stream's own work is the
+    sequence table's (``s3flow.engine.sequences.SequenceTable.works``). Thread-safe (the decoupled path reports
+    from its step thread)."""
 
     def __init__(self, max_batch: int = 8, halflife: float = 200.0, prior_correction: float = 1.0,
                  window_s: float = WINDOW_S, clock=time.monotonic, duty_prior: Optional[float] = DUTY_PRIOR):
@@ -219,7 +220,6 @@ class CapacityModel(Observer):
         self.clock, self._last, self.duty_prior = clock, None, duty_prior
         self._made = Work()                                 # answered since the last ``worked``
         self._fill = 1.0                                    # streams per estimator call, averaged over recent calls
-        self._streams: dict = {}
         self._lock = threading.Lock()
 
     # -- the engine's reports ----------------------------------------------------------------------------
@@ -236,9 +236,8 @@ class CapacityModel(Observer):
             self.encoder.observe(tokens, seconds)
 
     def chunk_work(self, corr_id, work: Work) -> None:
-        """A chunk answered: its stream's demand counts it at full steps, the window at what it did."""
+        """A chunk answered: the window counts what it did (its stream's work is the sequence table's)."""
         with self._lock:
-            self._streams.setdefault(corr_id, Work()).add(work.full())
             self._made.add(work)
 
     def worked(self, seconds: float, streams: int = 0) -> None:
@@ -308,23 +307,6 @@ class CapacityModel(Observer):
         if self._sat_wall < MIN_SATURATED_S or self._sat_full <= 0 or self._sat_priced <= 0:
             return self.duty_prior
         return min(1.0, self._sat_busy / self._sat_wall * self._sat_full / self._sat_priced)
-
-    def sequence_dropped(self, corr_id, reason: str) -> None:
-        with self._lock:
-            self._streams.pop(corr_id, None)
-
-    def sequence_ended(self, corr_id) -> None:
-        with self._lock:
-            self._streams.pop(corr_id, None)
-
-    def keep_only(self, live: Iterable) -> dict:
-        """Forget the streams not in ``live`` (ended, or gone); corr_id -> a copy of the work of those followed."""
-        live = set(live)
-        with self._lock:
-            for c in [c for c in self._streams if c not in live]:
-                del self._streams[c]
-            return {c: Work(w.row_frames, w.steps, w.chunks, w.encoder_tokens, w.frames)
-                    for c, w in self._streams.items()}
 
     def costs(self) -> Costs:
         """The fits times the correction: what the work costs the instance."""

@@ -11,8 +11,10 @@ method has a default that does nothing, so an observer implements only what it n
 * ``chunk_work(corr_id, work)``: what an answered chunk cost (``s3flow.engine.capacity.Work``);
 * ``worked(seconds, streams)``: the instance was busy this long (a step-loop iteration; the FIFO solver reports
   each execute itself) holding ``streams`` streams, and made the chunks answered since the last report;
-* ``chunk_answered(corr_id, start, nfe, frames)``: a chunk's solve succeeded and its newly final ``frames``
-  go out; ``nfe`` its network evaluations (steps, x2 with guidance); ``start`` whether it was a START;
+* ``chunk_answered(corr_id, start, nfe, frames, delivered)``: a chunk's solve succeeded and its newly final
+  ``frames`` go out; ``nfe`` its network evaluations (steps, x2 with guidance); ``start`` whether it was a START;
+  ``delivered`` what the answer did to its stream's playback clock (``s3flow.engine.playback.Delivered``: the
+  lead just before it, kept by the sequence table);
 * ``fewer_steps(corr_id, full, steps)``: the deadline scheduler gave a late chunk ``steps`` Euler steps instead of
   its stream's ``full`` (``s3flow.engine.step_loop``);
 * ``sequence_dropped(corr_id, reason)``: a sequence's state went before its END
@@ -31,6 +33,10 @@ Example::
 """
 from __future__ import annotations
 
+from s3flow.engine.playback import Delivered
+
+NOT_FOLLOWED = Delivered()
+
 
 class Observer:
     """Receives the engine's reports (see the module docstring); the defaults ignore them."""
@@ -47,7 +53,8 @@ class Observer:
     def chunk_work(self, corr_id, work) -> None:
         pass
 
-    def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
+    def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int,
+                       delivered: Delivered = NOT_FOLLOWED) -> None:
         pass
 
     def fewer_steps(self, corr_id, full: int, steps: int) -> None:
@@ -85,9 +92,10 @@ class Observers(Observer):
         for o in self.observers:
             o.chunk_work(corr_id, work)
 
-    def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
+    def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int,
+                       delivered: Delivered = NOT_FOLLOWED) -> None:
         for o in self.observers:
-            o.chunk_answered(corr_id, start, nfe, frames)
+            o.chunk_answered(corr_id, start, nfe, frames, delivered)
 
     def fewer_steps(self, corr_id, full: int, steps: int) -> None:
         for o in self.observers:

@@ -18,13 +18,13 @@ iteration:
 The one outcome of a chunk (:class:`Done`) is its result, or its failure's cause with the chunk already rolled
 back (``SequenceTable.rollback``: a START's new state goes, a later chunk's state is as before it): the caller
 only maps causes to answers. The step cost the slack and the fewer steps use is the instance's measurement of its
-work (``costs``: ``s3flow.engine.capacity.CapacityModel.costs``, what admission and the gauge price with too), the
-playback clock is the engine's (``s3flow.engine.playback``).
+work (``costs``: ``s3flow.engine.capacity.CapacityModel.costs``, what admission and the gauge price with too); each
+stream's deadline is its playback clock's, kept by the engine's sequence table (``s3flow.engine.playback``), and
+"now" is the table's clock.
 
 Example (what a test or the solver's thread does)::
 
-    loop = StepLoop(engine, PlaybackBook(), policy="deadline", budget=StepBudget(32, 32 * 400),
-                    costs=capacity.costs, min_steps=4)
+    loop = StepLoop(engine, policy="deadline", budget=StepBudget(32, 32 * 400), costs=capacity.costs, min_steps=4)
     loop.submit(engine.admit(7, request), on_done=answers.append)
     while loop.busy:
         loop.run_once()
@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from s3flow.engine.capacity import Costs
-from s3flow.engine.playback import PlaybackBook
 from s3flow.engine.scheduler import Candidate, Policy, StepBudget, pick, steps_in_time
 from s3flow.engine.stepping import RowSolve, StepBatch
 from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
@@ -69,12 +68,13 @@ UNMEASURED = Costs(est_per_unit=1e-6)
 
 
 class StepLoop:
-    def __init__(self, engine: StreamingEngine, playback: PlaybackBook, policy: Policy = "deadline",
-                 budget: StepBudget = StepBudget(), clock: Callable[[], float] = time.monotonic,
-                 costs: Callable[[], Costs] = lambda: UNMEASURED, min_steps: int = 0):
+    def __init__(self, engine: StreamingEngine, policy: Policy = "deadline", budget: StepBudget = StepBudget(),
+                 costs: Callable[[], Costs] = lambda: UNMEASURED, min_steps: int = 0,
+                 timer: Callable[[], float] = time.perf_counter):
         """``costs``: what a step costs now (the instance's measurement); ``min_steps``: the fewest Euler steps a
-        late chunk may be given (0: always its full count)."""
-        self.engine, self.playback, self.policy, self.budget, self.clock = engine, playback, policy, budget, clock
+        late chunk may be given (0: always its full count); ``timer``: what the loop's work is timed with."""
+        self.engine, self.policy, self.budget, self.timer = engine, policy, budget, timer
+        self.clock = engine.sequences.clock          # the streams' deadlines are on the table's clock
         self.costs, self.min_steps = costs, int(min_steps)
         self._new: list[_InFlight] = []        # submitted (any thread), not yet prepared
         self._solving: list[_InFlight] = []    # the loop's own (one thread runs run_once)
@@ -91,11 +91,9 @@ class StepLoop:
 
     def submit(self, chunk: Chunk, on_done: Callable[[Done], None],
                is_cancelled: Callable[[], bool] = lambda: False) -> None:
-        """An admitted chunk joins at the next step (a START starts its stream's playback clock). Any thread."""
+        """An admitted chunk joins at the next step. Any thread."""
         now = self.clock()
         with self._lock:
-            if chunk.started:
-                self.playback.arrived(chunk.corr_id, now)
             self._new.append(_InFlight(chunk, on_done, is_cancelled, now))
 
     def step_cost(self) -> Callable[[int, int], float]:
@@ -109,11 +107,11 @@ class StepLoop:
     def run_once(self) -> int:
         """One iteration (the module docstring); returns the chunks answered. Its time is reported to the engine's
         observer (``worked``: what the instance's capacity is measured from)."""
-        started = self.clock()
+        started = self.timer()
         try:
             return self._iterate()
         finally:
-            self.engine.observer.worked(self.clock() - started, len(self.engine.sequences))
+            self.engine.observer.worked(self.timer() - started, len(self.engine.sequences))
 
     def _iterate(self) -> int:
         answered = self._prepare_new()
@@ -122,7 +120,8 @@ class StepLoop:
         if not self._solving:
             return answered
         now, cost = self.clock(), self.step_cost()
-        cands = [Candidate(f, f.arrival, self.playback.deadline(f.chunk.corr_id), f.solve.steps - f.solve.step,
+        table = self.engine.sequences
+        cands = [Candidate(f, f.arrival, table.deadline(f.chunk.corr_id), f.solve.steps - f.solve.step,
                            f.solve.rows, f.solve.frames) for f in self._solving]
         picked = pick(cands, now, self.budget, cost, self.policy)
         chosen = [c.key for c in picked]
@@ -130,12 +129,12 @@ class StepLoop:
         if self.min_steps:
             self._fewer_steps(picked, now, cost(batch.rows, batch.frames))
         self.engine.observer.estimator_step(len(chosen), batch.rows, batch.frames)
-        t0 = self.clock()
+        t0 = self.timer()
         try:
             batch.step(self.engine.estimator)
         except Exception as exc:
             return answered + self._fail(chosen, exc)
-        self.engine.observer.estimator_timed(batch.rows, batch.frames, self.clock() - t0)
+        self.engine.observer.estimator_timed(batch.rows, batch.frames, self.timer() - t0)
         self.steps += 1
         self.engine.estimator_calls += 1
         self.engine.solved_frames += batch.frames * len(chosen)
@@ -179,9 +178,6 @@ class StepLoop:
             self.engine.sequences.end(f.chunk.corr_id, "error")
             f.on_done(Done(f.chunk, cause=exc))
             return 1
-        self.playback.delivered(f.chunk.corr_id, result.mel.shape[1], self.clock())
-        if f.chunk.finalize:
-            self.playback.forget(f.chunk.corr_id)
         f.on_done(Done(f.chunk, result=result))
         return 1
 
@@ -193,7 +189,5 @@ class StepLoop:
                         self._solving.remove(f)
             c = f.chunk
             self.engine.sequences.rollback(c.corr_id, c.replaced, started=c.started)
-            if c.started:
-                self.playback.forget(c.corr_id)
             f.on_done(Done(c, cause=cause))
         return len(flights)

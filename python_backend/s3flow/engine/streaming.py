@@ -422,10 +422,11 @@ class StreamingEngine:
         s.last = Answered(s.received_tokens - int(c.tokens.size), c.tokens, c.finalize, result)
         if c.replaced is not None:  # a START on a live id restarted that utterance: the old state went
             self.observer.sequence_dropped(c.corr_id, "replaced by a new START")
-        self.sequences.commit(c.corr_id, end=c.finalize)  # idle time counts from the answer, not the request
-        self.observer.chunk_work(c.corr_id, Work(
-            row_frames=float(c.nfe * c.frames), steps=c.steps, chunks=1, encoder_tokens=int(c.encoder_tokens.size),
-            frames=int(mel.shape[1]), skipped_row_frames=float((c.full_nfe - c.nfe) * c.frames),
-            skipped_steps=c.state.n_steps - c.steps))
-        self.observer.chunk_answered(c.corr_id, c.started, c.nfe, int(mel.shape[1]))
+        work = Work(row_frames=float(c.nfe * c.frames), steps=c.steps, chunks=1,
+                    encoder_tokens=int(c.encoder_tokens.size), frames=int(mel.shape[1]),
+                    skipped_row_frames=float((c.full_nfe - c.nfe) * c.frames), skipped_steps=c.state.n_steps - c.steps)
+        # idle time counts from the answer, not the request; the stream's clock and work move on
+        delivered = self.sequences.commit(c.corr_id, end=c.finalize, frames=int(mel.shape[1]), work=work.full())
+        self.observer.chunk_work(c.corr_id, work)
+        self.observer.chunk_answered(c.corr_id, c.started, c.nfe, int(mel.shape[1]), delivered)
         return result

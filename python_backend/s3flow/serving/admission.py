@@ -40,7 +40,6 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from s3flow.engine.observer import Observer
 from s3flow.engine.sequences import Capacity
 from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence
 from s3flow.serving.load import LoadFiles, ServerLoad
@@ -50,26 +49,6 @@ from s3flow.serving.voice_registry import UnknownVoice
 
 #: the bounds of a capacity refusal's retry_after (seconds)
 MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
-
-
-class RecentlyEnded(Observer):
-    """The sequences whose END the table answered in the last ``grace_s`` (its ``sequence_ended``; a sequence
-    dropped before its END is not one): the vocoder keeps them, their last mel perhaps still on its way."""
-
-    def __init__(self, grace_s: float, clock=time.monotonic):
-        self.grace_s, self.clock = grace_s, clock
-        self._ended: dict = {}
-        self._lock = threading.Lock()
-
-    def sequence_ended(self, corr_id) -> None:
-        with self._lock:
-            self._ended[corr_id] = self.clock()
-
-    def recent(self) -> list:
-        now = self.clock()
-        with self._lock:
-            self._ended = {c: t for c, t in self._ended.items() if now - t < self.grace_s}
-            return list(self._ended)
 
 
 class Admission:

@@ -26,7 +26,8 @@ the one asking):
 Example::
 
     files = LoadFiles(LoadFiles.default_folder())
-    InstanceLoad(files, "cfm_solver_0", "solver", capacity_model, *planned_start(settings, 80, False)).publish(ids)
+    InstanceLoad(files, "cfm_solver_0", "solver", capacity_model, *planned_start(settings, 80, False)).publish(
+        table.works(), table.recently_ended())
     load = files.read()
     load.utilization(), load.capacity, load.stages()
 """
@@ -335,14 +336,13 @@ class InstanceLoad:
         self.planned, self.planned_steps, self.planned_rows = planned, planned_steps, planned_rows
         self.cap = cap
 
-    def publish(self, live_ids, ended=()) -> LoadReport:
-        """The report of the streams held now (``live_ids``) and of those ``ended`` moments ago, written out;
-        returned."""
-        live = list(live_ids)
-        streams = self.model.keep_only(live)
-        report = LoadReport(self.kind, self.model.costs(), streams, [c for c in live if c not in streams],
+    def publish(self, works: dict, ended=()) -> LoadReport:
+        """The report of the streams held now (``works``: corr_id -> its work so far at full steps, the sequence
+        table's ``works()``) and of those ``ended`` moments ago, written out; returned."""
+        streams = {c: w for c, w in works.items() if w.steps or w.chunks}   # (the rest: nothing answered yet)
+        report = LoadReport(self.kind, self.model.costs(), streams, [c for c in works if c not in streams],
                             self.planned, self.planned_steps, self.planned_rows, cap=self.cap,
-                            ended=[c for c in ended if c not in live])
+                            ended=[c for c in ended if c not in works])
         report.capacity = self.model.capacity() or (report.planned_capacity if self.planned is not None else 0.0)
         report.throughput, report.duty = self.model.throughput, self.model.duty
         try:

@@ -57,12 +57,11 @@ Example::
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.engine.observer import Observer
+from s3flow.engine.playback import Delivered
 
 #: Latency buckets (seconds): a chunk takes about 10 ms (small model, GPU) to 10 s (full size, CPU).
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -71,11 +70,6 @@ FRAMES_BUCKETS = (0, 10, 25, 50, 100, 200, 400, 800, 1600, 3200)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 #: Lead buckets (seconds of audio ahead of a real-time player; below 0: it ran dry).
 LEAD_BUCKETS = (-10.0, -5.0, -2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-#: the player buffer a stream's lead assumes by default (the client's: ``PlaybackSettings.start_buffer_s``)
-PLAYER_BUFFER_S = 0.3
-#: streams whose lead the book follows at once (each until its END or drop; the least recently answered are
-#: forgotten beyond it: streams abandoned without an END that the solver never dropped)
-MAX_STREAMS_FOLLOWED = 4096
 
 
 @dataclass(frozen=True)
@@ -143,40 +137,32 @@ Publish = Callable[[Family, float, dict], None]
 
 
 class SolverBook(Observer):
-    """What the solver observes per ``execute``: an engine ``Observer`` (``s3flow.engine.observer``) that
-    publishes the engine's reports, plus the ``execute`` time of the chunks it answered.
+    """What the solver observes: an engine ``Observer`` (``s3flow.engine.observer``) that publishes the engine's
+    reports, plus the latency of the chunks it answered (their ``execute`` time, or arrival to answer). It keeps
+    no book of the streams: each answer's lead comes with it from the sequence table (``Delivered``).
 
     ``publish(family, value, labels)`` receives each observation (histograms) or increment (the counter);
     ``labels`` holds the labels beyond model and instance (``reason`` of a drop). ``on_drop(corr_id,
-    reason)``, when given, also hears of every dropped sequence (the model's log line). A stream's lead is a
-    player's that starts ``start_buffer_s`` after the first answer (what a listener hears: results/qos.md has 4 of
-    4 streams behind a player with no buffer where 0-1 of 4 stall with 0.3 s).
+    reason)``, when given, also hears of every dropped sequence (the model's log line).
     """
 
     def __init__(self, publish: Publish, clock: Callable[[], float] = time.perf_counter,
-                 on_drop: Callable[[object, str], None] = lambda corr_id, reason: None,
-                 start_buffer_s: float = PLAYER_BUFFER_S):
-        self.publish, self.clock, self.on_drop, self.start_buffer_s = publish, clock, on_drop, start_buffer_s
-        self._pending: list[tuple[object, bool, int, int]] = []   # (corr_id, START, nfe, frames) answered
-        #: corr_id -> [first answer's time, frames delivered, went dry] of the streams followed
-        self._streams: OrderedDict = OrderedDict()
-        self._ended: list = []   # ENDs answered since the last flush: forgotten once their last chunk is
+                 on_drop: Callable[[object, str], None] = lambda corr_id, reason: None):
+        self.publish, self.clock, self.on_drop = publish, clock, on_drop
+        self._pending: list[tuple[bool, int, int, Delivered]] = []   # (START, nfe, frames, delivered) answered
 
     # -- the engine's reports --------------------------------------------------------------------------
     def estimator_step(self, sequences: int, rows: int, frames: int) -> None:
         self.publish(STEP_BATCH, sequences, {})
 
-    def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int) -> None:
-        self._pending.append((corr_id, bool(start), int(nfe), int(frames)))
-
-    def sequence_ended(self, corr_id) -> None:
-        self._ended.append(corr_id)
+    def chunk_answered(self, corr_id, start: bool, nfe: int, frames: int,
+                       delivered: Delivered = Delivered()) -> None:
+        self._pending.append((bool(start), int(nfe), int(frames), delivered))
 
     def fewer_steps(self, corr_id, full: int, steps: int) -> None:
         self.publish(FEWER_STEPS, 1, {})
 
     def sequence_dropped(self, corr_id, reason: str) -> None:
-        self._streams.pop(corr_id, None)
         self.publish(DROPPED, 1, {"reason": reason})
         self.on_drop(corr_id, reason)
 
@@ -193,38 +179,17 @@ class SolverBook(Observer):
 
     def flush(self, seconds: float) -> int:
         """Publish the chunks answered since the last call with latency ``seconds`` (the decoupled solver: each
-        chunk's time from its arrival in ``execute`` to its answer, one at a time)."""
-        now = self.clock()
-        for corr_id, new, n, frames in self._pending:
+        chunk's time from its arrival in ``execute`` to its answer, one at a time), and each one's lead (after a
+        stream's first answer) and first underrun."""
+        for new, n, frames, delivered in self._pending:
             self.publish(CHUNK_SECONDS, seconds, {})
             if new:
                 self.publish(FIRST_CHUNK_SECONDS, seconds, {})
             self.publish(CHUNK_NFE, n, {})
             self.publish(CHUNK_FRAMES, frames, {})
-            self._follow(corr_id, new, frames, now)
-        for corr_id in self._ended:
-            self._streams.pop(corr_id, None)
-        count, self._pending, self._ended = len(self._pending), [], []
+            if delivered.lead is not None:
+                self.publish(STREAM_LEAD, delivered.lead, {})
+            if delivered.went_dry:
+                self.publish(UNDERRUNS, 1, {})
+        count, self._pending = len(self._pending), []
         return count
-
-    def __len__(self) -> int:
-        """The streams followed (each until its END or its drop)."""
-        return len(self._streams)
-
-    def _follow(self, corr_id, new: bool, frames: int, now: float) -> None:
-        """The stream's lead at this answer (``s3flow_stream_lead_seconds``), and its first underrun."""
-        if new:
-            self._streams[corr_id] = [now, frames, False]
-            while len(self._streams) > MAX_STREAMS_FOLLOWED:
-                self._streams.popitem(last=False)
-            return
-        st = self._streams.get(corr_id)
-        if st is None:
-            return
-        self._streams.move_to_end(corr_id)
-        lead = st[1] / FRAMES_PER_SECOND + self.start_buffer_s - (now - st[0])
-        self.publish(STREAM_LEAD, lead, {})
-        if lead < 0 and not st[2]:
-            st[2] = True
-            self.publish(UNDERRUNS, 1, {})
-        st[1] += frames

@@ -14,7 +14,7 @@ answers every chunk not yet submitted with ``resume``; those in the loop are fin
 
 Example::
 
-    stepped = SteppedSolver(session, StepLoop(engine, PlaybackBook()))
+    stepped = SteppedSolver(session, StepLoop(engine))
     stepped.submit(incoming, reply=lambda outcome: send(outcome))      # from execute(), any thread
     ...
     stepped.close()                                                     # finalize()

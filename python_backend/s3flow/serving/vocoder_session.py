@@ -38,6 +38,7 @@ import numpy as np
 
 from s3flow_contract.answers import Answer, Disposition
 from s3flow_contract.tensors import VOCODER_INPUTS
+from s3flow.engine.capacity import Work
 from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.snapshot import SnapshotError
 from s3flow.engine.vocoder_snapshot import VocoderSnapshots
@@ -60,10 +61,11 @@ class VocoderIncoming:
 @dataclass
 class VocoderOutcome:
     """The answer: the audio chunk and the snapshot (``b""`` when none is given), or an error with its code and
-    disposition; ``pushed``: frames the networks ran over (0 for an answer sent again)."""
+    disposition; ``work``: what the networks did for it (one pass over its frames; None for an answer sent again,
+    which ran none), priced by ``s3flow.serving.load``."""
     chunk: Optional[AudioChunk] = None
     snapshot: bytes = b""
-    pushed: int = 0
+    work: Optional[Work] = None
     error: Optional[str] = None
     code: Optional[str] = None
     answer: Optional[Answer] = None
@@ -135,8 +137,9 @@ class VocoderSession:
         snapshot = b"" if r.end else self.snapshots.make(state, solver_snapshot)
         held.state = state
         held.last = _Answered(offset, mel.tobytes(), chunk, snapshot)
-        self.table.commit(r.corr_id, end=r.end)
-        return VocoderOutcome(chunk=chunk, snapshot=snapshot, pushed=int(mel.shape[1]))
+        work = Work(row_frames=mel.shape[1], steps=1, frames=mel.shape[1])   # one pass of the networks
+        self.table.commit(r.corr_id, end=r.end, frames=mel.shape[1], work=work)
+        return VocoderOutcome(chunk=chunk, snapshot=snapshot, work=work)
 
     def _parse(self, r: VocoderIncoming):
         mel, offset = r.inputs.get(_MEL), r.inputs.get(_FRAME_OFFSET)

@@ -35,14 +35,13 @@ from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import RequestError, one_bytes, tenant_of
-from s3flow.serving.admission import RecentlyEnded
 from s3flow.serving.arrivals import ArrivalMarks, Delivery, OnTheWay
 from s3flow.serving.draining import closing_probe, draining_probe
 from s3flow.serving.heap import trim_heap
 from s3flow.serving.load import InstanceLoad, LoadFiles
 from s3flow.serving.metrics import CAPACITY, LIVE, SOLVER_FAMILIES, UTILIZATION, SolverBook
 from s3flow.serving.reaper import IdleReaper
-from s3flow.engine.playback import PlaybackBook, PlaybackSettings
+from s3flow.engine.playback import PlaybackSettings
 from s3flow.engine.step_loop import StepLoop
 from s3flow.serving.session import Incoming, ModelCallError, Outcome, SolverSession
 from s3flow.serving.step_service import SteppedSolver
@@ -62,8 +61,6 @@ _MEL, _FRAME_OFFSET, _SEED, _SNAPSHOT, _RESUME, _STEPS = (
 #: How far out of order requests may reach the batcher after admission marked them (s3flow.serving.arrivals.OnTheWay;
 #: the batcher's own queue delay comes on top)
 ARRIVAL_SLACK_S = 1.0
-#: How long a sequence the solver ended is still listed for the vocoder (its last mel on the way, behind a queue)
-ENDED_GRACE_S = 30.0
 
 
 def _to_triton(name: str, t: torch.Tensor):
@@ -152,10 +149,7 @@ class TritonPythonModel(TritonModel):
                                   names(ENCODER_OUTPUTS), device_id)
         self.estimator = BlsEstimator(p.str("estimator_model", ESTIMATOR_MODEL), names(estimator_inputs(self.meanflow)),
                                       names(ESTIMATOR_OUTPUTS), device_id)
-        # the sequences ended by their END in the last ENDED_GRACE_S (the table tells of each)
-        self.ended = RecentlyEnded(ENDED_GRACE_S)
-        self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name), self._dropped,
-                                      self.settings.scheduling.start_buffer_s)
+        self.metrics = _SolverMetrics(self.name, args.get("model_instance_name", self.name), self._dropped)
         # a dropped sequence's Triton slot is freed at once (slots.py); admission answers its late chunks
         self.gone = ArrivalMarks(ArrivalMarks.default_folder("gone"))
         tokens = by_name(REQUEST)["speech_tokens"]
@@ -169,11 +163,10 @@ class TritonPythonModel(TritonModel):
         self.delivery = Delivery(ArrivalMarks(ArrivalMarks.default_folder("vocoded")),
                                  idle_s=self.settings.capacity.idle_timeout_s)
         self.stepped = None   # scheduling "deadline": the decoupled path (s3flow.serving.step_service)
-        table = SequenceTable(self.settings.capacity,
-                              Observers(self.metrics.book, self.on_the_way, self.delivery, self.ended),
-                              pending=self._pending)
-        # what the server can carry (s3flow.engine.capacity): every call timed, each stream's work, for admission
         sched = self.settings.scheduling
+        table = SequenceTable(self.settings.capacity, Observers(self.metrics.book, self.on_the_way, self.delivery),
+                              pending=self._pending, playback=PlaybackSettings(sched.start_buffer_s, sched.first_audio_s))
+        # what the server can carry (s3flow.engine.capacity): every call timed, for admission
         rows_per_stream = 1 if self.meanflow or not self.settings.solving.default_guidance_rate else 2
         max_batch = (max(1, sched.max_step_rows // rows_per_stream) if p.str("scheduling", "fifo") == "deadline"
                      else int(self.config.get("max_batch_size", 1)))
@@ -210,9 +203,7 @@ class TritonPythonModel(TritonModel):
         if self.scheduling == "deadline":
             if not pb_utils.using_decoupled_model_transaction_policy(self.config):
                 raise ValueError("scheduling 'deadline' needs model_transaction_policy { decoupled: true }")
-            sched = self.settings.scheduling
-            loop = StepLoop(engine, PlaybackBook(PlaybackSettings(sched.start_buffer_s, sched.first_audio_s)),
-                            policy="deadline", budget=sched.budget(), costs=self.capacity.costs,
+            loop = StepLoop(engine, policy="deadline", budget=sched.budget(), costs=self.capacity.costs,
                             min_steps=sched.min_steps)
             self.stepped = SteppedSolver(self.session, loop, self.name, log=self.logger.log_error)
         # admission (the ensembles' first step) refuses STARTs when the instances are full: it reads the reports
@@ -345,13 +336,12 @@ class TritonPythonModel(TritonModel):
         session = self.session
         if session is None:
             return
+        table = session.engine.sequences
         with self._publishing:
-            self._publish(session.engine.sequences.ids())
-
-    def _publish(self, ids) -> None:
-        self.metrics.live(len(ids))
-        load = self.load.publish(ids, self.ended.recent())   # (their last mel may still go to the vocoder)
-        self.metrics.load(load.utilization, load.capacity)
+            works = table.works()
+            self.metrics.live(len(works))
+            load = self.load.publish(works, table.recently_ended())   # (their last mel may still go to the vocoder)
+            self.metrics.load(load.utilization, load.capacity)
 
     def _dropped(self, corr_id, reason: str) -> None:
         """A sequence's state went before its END (counted by the metrics as ``s3flow_sequences_dropped_total``):
@@ -382,9 +372,9 @@ class _SolverMetrics:
     """The solver's Prometheus metrics (``s3flow.serving.metrics``: ``SolverBook`` observes, documented in
     docs/operations.md), published through ``TritonMetrics``."""
 
-    def __init__(self, model: str, instance: str, on_drop, start_buffer_s: float):
+    def __init__(self, model: str, instance: str, on_drop):
         self.api = TritonMetrics(SOLVER_FAMILIES, model, instance)
-        self.book = SolverBook(self.api.publish, on_drop=on_drop, start_buffer_s=start_buffer_s)
+        self.book = SolverBook(self.api.publish, on_drop=on_drop)
         self.live(0)  # the gauge shows from the load on, not from the first request
 
     def live(self, n: int) -> None:

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from s3flow_contract.tensors import SILENT_START_SAMPLES, VOCODER_INPUTS, VOCODER_OUTPUTS, by_name
-from s3flow.engine.capacity import CapacityModel, Work
+from s3flow.engine.capacity import CapacityModel
 from s3flow.engine.observer import Observer
 from s3flow.engine.sequences import Capacity, SequenceTable
 from s3flow.engine.vocoder_snapshot import VocoderSnapshots
@@ -107,7 +107,7 @@ class TritonPythonModel(TritonModel):
 
     def _publish_live(self) -> None:
         self.metrics.publish(VOCODER_LIVE, len(self.sequences), {})
-        self.metrics.publish(UTILIZATION, self.load.publish(self.sequences.ids()).utilization, {})
+        self.metrics.publish(UTILIZATION, self.load.publish(self.sequences.works()).utilization, {})
         # token2wav's capacity: the solver's, bounded by this vocoder's (s3flow.serving.load.ServerLoad.wav_capacity)
         self.metrics.publish(CAPACITY, self.load.files.read().wav_capacity, {"ensemble": "token2wav"})
 
@@ -137,9 +137,9 @@ class TritonPythonModel(TritonModel):
             return self.error(o.error, o.code, o.answer)
         if started is not None:
             self.awaiting_audio[c.corr_id] = started
-        if o.pushed:   # its share of the device (an answer sent again ran no network)
-            self.load.model.estimator_timed(1, o.pushed, time.perf_counter() - t0)
-            self.load.model.chunk_work(c.corr_id, Work(row_frames=o.pushed, steps=1, frames=o.pushed))
+        if o.work is not None:   # its share of the device (an answer sent again ran no network)
+            self.load.model.estimator_timed(1, o.work.row_frames, time.perf_counter() - t0)
+            self.load.model.chunk_work(c.corr_id, o.work)
             self.load.model.worked(time.perf_counter() - t0)
         self._first_audio(c, o.chunk.sample_offset + o.chunk.audio.size)
         return ok_response({   # the mel and its offset passed on (contract.VOCODER_OUTPUTS says why)
