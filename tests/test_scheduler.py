@@ -26,7 +26,7 @@ def test_least_slack_goes_first_whatever_the_arrival_order():
     assert slack(long_work, now, cost) < slack(soon, now, cost) < slack(late, now, cost)
     assert [c.key for c in pick([late, soon, long_work], now, StepBudget(64, 10**9), cost)] == \
         ["less time, more work", "runs dry soon", "late deadline"]
-    assert [c.key for c in pick([late, soon, long_work], now, StepBudget(64, 10**9), cost, "fifo")] == \
+    assert [c.key for c in pick([late, soon, long_work], now, StepBudget(64, 10**9), cost, "arrival")] == \
         ["late deadline", "less time, more work", "runs dry soon"]
 
 

@@ -152,7 +152,7 @@ def test_cancelled_batch_stops_before_a_step_and_drops_the_state():
     s.handle([chunk(U, 1, 0, 10, start=True)])
     calls = models.calls
     [o] = s.handle([chunk(U, 1, 10, 20, is_cancelled=lambda: True)])
-    assert o.code == CANCELLED and "before Euler step 0" in o.error
+    assert o.code == CANCELLED and "cancelled by the client before its last Euler step" in o.error
     assert models.calls == calls and s.live == 0 and drops == [(1, "cancelled")]
 
 

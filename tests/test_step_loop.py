@@ -90,11 +90,11 @@ def test_streams_sharing_steps_under_a_tight_budget_each_equal_their_solo_stream
         assert np.abs(mels(res) - mels(alone)).max() < 2e-4
 
 
-@pytest.mark.parametrize("policy,first", [("deadline", "b"), ("fifo", "a")])
+@pytest.mark.parametrize("policy,first", [("deadline", "b"), ("arrival", "a")])
 def test_the_stream_closest_to_running_dry_is_stepped_first(flow, policy, first):
     """One guided chunk per step (budget 2 rows). Stream b's first answer (14 frames) went out at 0, so its player
     needs more at 0.3 + 0.28; a arrives first, a START due at 1.0 (first_audio_s), and b's next chunk at 0.5: the
-    deadline policy finishes b first, FIFO a (the clock is the engine's table's, standing still)."""
+    deadline policy finishes b first, arrival order a (the clock is the engine's table's, standing still)."""
     now = [0.0]
     engine = make_engine(flow, SETTINGS, clock=lambda: now[0], playback=PlaybackSettings(first_audio_s=1.0))
     loop = StepLoop(engine, policy=policy, budget=StepBudget(max_rows=2, max_row_frames=10**6))

@@ -152,7 +152,7 @@ def _stalls(answers: list, first: float, buffer_s: float) -> float:
 
 def simulate(load: Load, cost: CostModel, policy: str, budget: StepBudget = StepBudget(), max_batch: int = 8,
              playback: PlaybackSettings = PlaybackSettings()) -> Result:
-    """One run of ``load`` through ``policy`` ("fifo": Triton's whole-solve batching; "deadline" or "stepfifo":
+    """One run of ``load`` through ``policy`` ("fifo": Triton's whole-solve batching; "deadline" or "arrival":
     the step-level loop with ``s3flow.engine.scheduler.pick`` under that policy)."""
     plan = load.chunks()
     streams = [_Stream(arrival=(load.spread_s * k / max(1, load.streams - 1) if load.streams > 1 else 0.0),
@@ -203,7 +203,7 @@ def simulate(load: Load, cost: CostModel, policy: str, budget: StepBudget = Step
             flight += waiting
             waiting = []
         cands = [Candidate(c, c.arrival, clocks[c.stream].deadline(playback), c.steps_left, rows, c.frames) for c in flight]
-        chosen = pick(cands, now, budget, cost.step, "fifo" if policy == "stepfifo" else "deadline")
+        chosen = pick(cands, now, budget, cost.step, "arrival" if policy == "arrival" else "deadline")
         now += cost.step(rows * len(chosen), max(c.frames for c in chosen))
         calls, rows_sum = calls + 1, rows_sum + rows * len(chosen)
         for cand in chosen:

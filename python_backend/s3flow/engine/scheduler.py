@@ -1,18 +1,22 @@
 """Which chunks' rows go into the next Euler step: the scheduling policy, apart from the mechanism that steps them.
 
-The mechanism (``s3flow.engine.stepping``: one estimator call over the rows of any in-flight solves) lets every
-step carry a different set of chunks. This module only chooses the set, from what it is told of each chunk in
-flight (a :class:`Candidate`) and a cost per step; it knows nothing of tensors, Triton or how a step is run (as
-vLLM's scheduler sits beside its engine and workers). The served solver and the simulator
-(``s3flow_tools.schedule_sim``) run the same :func:`pick`.
+The mechanism (``s3flow.engine.stepping``: one estimator call over the rows of any in-flight solves; the loop,
+``s3flow.engine.step_loop``) lets every step carry a different set of chunks. This module only chooses the set,
+from what it is told of each chunk in flight (a :class:`Candidate`) and a cost per step; it knows nothing of
+tensors, Triton or how a step is run (as vLLM's scheduler sits beside its engine and workers). The served solver
+and the simulator (``s3flow_tools.schedule_sim``) run the same :func:`pick`.
 
 Policies:
 
+* ``whole`` (the ``fifo`` scheduling: Triton's ``oldest`` batcher hands the solver a batch, solved whole): every
+  chunk in flight, whatever the budget; with length bucketing (``bucket_ratio`` r >= 1) only the bucket of the
+  shortest chunks (sorted by frames, a new bucket where a chunk is more than r times its bucket's shortest), so
+  short rows do not pay for the padding of long ones and each bucket is solved whole before the next;
 * ``deadline`` (least slack first): a chunk's *slack* is its stream's playback deadline (when a real-time player,
   started at the stream's first audio plus a start-up buffer, needs the next frame; for a START: its arrival plus
   a first-audio target; ``s3flow.engine.playback``) minus now minus the work the chunk has left
-  (its steps x the cost of one of its steps). The least slack goes first: the stream closest to running dry.
-* ``fifo``: oldest arrival first, for comparison (what Triton's ``oldest`` batcher does, one step at a time).
+  (its steps x the cost of one of its steps). The least slack goes first: the stream closest to running dry;
+* ``arrival``: oldest arrival first, a step at a time within the budget (the simulator's comparison).
 
 Fewer steps (:func:`steps_in_time`): a chunk about to make its first step whose deadline comes before its full step
 count can be made may be given fewer Euler steps (a cosine grid of its own, at least ``min_steps``), so that a late
@@ -36,8 +40,8 @@ from s3flow.protocol import NumericSettings, check_numbers
 
 #: the fewest Euler steps a late chunk may be given by default (results/fewer_steps.md: the quality they cost)
 MIN_STEPS = 4
-Policy = Literal["deadline", "fifo"]
-POLICIES = ("deadline", "fifo")
+Policy = Literal["whole", "deadline", "arrival"]
+POLICIES = ("whole", "deadline", "arrival")
 #: seconds one step of ``rows`` estimator rows over ``frames`` padded frames takes (a cost model)
 StepCost = Callable[[int, int], float]
 
@@ -89,12 +93,15 @@ def slack(c: Candidate, now: float, cost: StepCost) -> float:
 
 
 def pick(candidates: Sequence[Candidate], now: float, budget: StepBudget, cost: StepCost,
-         policy: Policy = "deadline") -> list[Candidate]:
-    """The candidates whose rows make the next step, in the policy's order, within ``budget``. Never empty when
-    there are candidates: the first in order goes even when it alone exceeds the budget."""
+         policy: Policy = "deadline", bucket_ratio: float = 0.0) -> list[Candidate]:
+    """The candidates whose rows make the next step, in the policy's order, within ``budget`` (``whole``: every
+    one, or its first bucket). Never empty when there are candidates: the first in order goes even when it alone
+    exceeds the budget."""
+    if policy == "whole":
+        return first_bucket(candidates, bucket_ratio)
     if policy == "deadline":
         order = sorted(candidates, key=lambda c: (slack(c, now, cost), c.arrival))
-    elif policy == "fifo":
+    elif policy == "arrival":
         order = sorted(candidates, key=lambda c: c.arrival)
     else:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -107,6 +114,22 @@ def pick(candidates: Sequence[Candidate], now: float, budget: StepBudget, cost: 
         chosen.append(c)
         rows, frames = r, f
     return chosen
+
+
+def first_bucket(candidates: Sequence[Candidate], ratio: float) -> list[Candidate]:
+    """All candidates (``ratio`` 0), or those of the shortest length bucket: by frames, up to ``ratio`` times the
+    shortest (in arrival order)."""
+    if not ratio or len(candidates) < 2:
+        return list(candidates)
+    shortest = min(c.frames for c in candidates)
+    return [c for c in candidates if c.frames <= ratio * shortest]
+
+
+def check_bucket_ratio(ratio: float, name: str = "bucket_ratio") -> None:
+    """Length bucketing's ratio is 0 (off) or >= 1; ValueError naming ``name`` (the engine's argument, or the
+    repository setting that becomes it) otherwise."""
+    if ratio and ratio < 1:
+        raise ValueError(f"{name} must be 0 (off) or >= 1, got {ratio}")
 
 
 def steps_in_time(c: Candidate, now: float, step_s: float, min_steps: int) -> int:

@@ -1,26 +1,35 @@
-"""Step-level serving's mechanism: admitted chunks join, one Euler step at a time, each answered exactly once.
+"""The one way chunks are solved: admitted chunks join, one Euler step at a time, each answered exactly once.
 
-The decoupled solver hands every chunk the engine admitted (``StreamingEngine.admit``: its sequence's state in
-flight) to a :class:`StepLoop` with a callback, and a thread runs :meth:`StepLoop.run_once` in a loop. Each
-iteration:
+Both of the solver's schedulings run this loop; only who drives it and its policy differ:
+
+* ``fifo`` (Triton's ``oldest`` batcher hands the solver a batch of chunks): ``execute`` submits the batch's chunks
+  and runs the loop on its own thread until they are answered (:meth:`StepLoop.solve`), under the ``whole`` policy:
+  every chunk in flight goes into every step (longest first into the padded batch, or, with length bucketing, the
+  bucket of the shortest first), so a batch is solved whole, in arrival order, and ``execute`` returns its answers;
+* ``deadline`` (decoupled): ``execute`` hands each chunk over and returns; a thread runs :meth:`StepLoop.run_once`
+  in a loop under the ``deadline`` policy (least slack first, within a step budget; ``s3flow.engine.scheduler``)
+  and each chunk is answered through its callback.
+
+Each iteration:
 
 1. the chunks submitted since the last one get their encoder call (one batch) and a ``RowSolve`` each
    (``StreamingEngine.prepare``); a failed call fails exactly those chunks;
-2. chunks whose request was cancelled leave (only their rows; rolled back, answered cancelled);
-3. the policy (``s3flow.engine.scheduler.pick``: least slack against each stream's playback deadline, or FIFO)
-   picks the rows of the next step within the step budget; a picked chunk about to make its first step that
-   cannot meet its deadline at its full step count gets fewer (``s3flow.engine.scheduler.steps_in_time``, at
-   least ``min_steps``; 0: never); one estimator call steps them (``s3flow.engine.stepping.StepBatch``); a failed
-   call fails every chunk in it;
-4. a chunk whose last step is made is committed (``StreamingEngine.commit``: its state changes now, after
-   success) and answered with its result.
+2. chunks whose request was cancelled leave (only their rows; rolled back, answered cancelled); a cancellation
+   probe shared by several chunks (a ``fifo`` batch: all of its requests gone) is asked once;
+3. the policy (``s3flow.engine.scheduler.pick``) picks the rows of the next step; a picked chunk about to make its
+   first step that cannot meet its deadline at its full step count gets fewer (``steps_in_time``, at least
+   ``min_steps``; 0: never); one estimator call steps them (``s3flow.engine.stepping.StepBatch``, kept while the
+   rows stay the same); a failed call fails every chunk in it;
+4. a chunk whose last step is made is committed (``StreamingEngine.commit``: its state changes now, after success)
+   and answered with its result.
 
 The one outcome of a chunk (:class:`Done`) is its result, or its failure's cause with the chunk already rolled
 back (``SequenceTable.rollback``: a START's new state goes, a later chunk's state is as before it): the caller
 only maps causes to answers. The step cost the slack and the fewer steps use is the instance's measurement of its
 work (``costs``: ``s3flow.engine.capacity.CapacityModel.costs``, what admission and the gauge price with too); each
 stream's deadline is its playback clock's, kept by the engine's sequence table (``s3flow.engine.playback``), and
-"now" is the table's clock.
+"now" is the table's clock. Whoever drives the loop reports its busy time (``worked``): the deadline thread per
+iteration, the ``fifo`` solver per ``execute``.
 
 Example (what a test or the solver's thread does)::
 
@@ -28,18 +37,22 @@ Example (what a test or the solver's thread does)::
     loop.submit(engine.admit(7, request), on_done=answers.append)
     while loop.busy:
         loop.run_once()
+
+    done = StepLoop(engine, policy="whole").solve(chunks)      # a batch, solved whole on this thread
 """
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from s3flow.engine.capacity import Costs
 from s3flow.engine.scheduler import Candidate, Policy, StepBudget, pick, steps_in_time
 from s3flow.engine.stepping import RowSolve, StepBatch
-from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
+
+if TYPE_CHECKING:   # (the engine runs its batches through this loop: it imports this module)
+    from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
 
 
 class StepCancelled(RuntimeError):
@@ -49,14 +62,14 @@ class StepCancelled(RuntimeError):
 @dataclass
 class Done:
     """A chunk's one outcome: ``result`` (committed), or ``cause`` (failed; rolled back already)."""
-    chunk: Chunk
-    result: Optional[ChunkResult] = None
+    chunk: "Chunk"
+    result: Optional["ChunkResult"] = None
     cause: Optional[BaseException] = None
 
 
 @dataclass
 class _InFlight:
-    chunk: Chunk
+    chunk: "Chunk"
     on_done: Callable[[Done], None]
     is_cancelled: Callable[[], bool]
     arrival: float
@@ -67,17 +80,23 @@ class _InFlight:
 UNMEASURED = Costs(est_per_unit=1e-6)
 
 
+def never_cancelled() -> bool:
+    return False
+
+
 class StepLoop:
-    def __init__(self, engine: StreamingEngine, policy: Policy = "deadline", budget: StepBudget = StepBudget(),
-                 costs: Callable[[], Costs] = lambda: UNMEASURED, min_steps: int = 0,
+    def __init__(self, engine: "StreamingEngine", policy: Policy = "deadline", budget: StepBudget = StepBudget(),
+                 costs: Callable[[], Costs] = lambda: UNMEASURED, min_steps: int = 0, bucket_ratio: float = 0.0,
                  timer: Callable[[], float] = time.perf_counter):
         """``costs``: what a step costs now (the instance's measurement); ``min_steps``: the fewest Euler steps a
-        late chunk may be given (0: always its full count); ``timer``: what the loop's work is timed with."""
+        late chunk may be given (0: always its full count); ``bucket_ratio``: the ``whole`` policy's length
+        bucketing (``s3flow.engine.scheduler.pick``); ``timer``: what the loop's work is timed with."""
         self.engine, self.policy, self.budget, self.timer = engine, policy, budget, timer
         self.clock = engine.sequences.clock          # the streams' deadlines are on the table's clock
-        self.costs, self.min_steps = costs, int(min_steps)
+        self.costs, self.min_steps, self.bucket_ratio = costs, int(min_steps), float(bucket_ratio)
         self._new: list[_InFlight] = []        # submitted (any thread), not yet prepared
-        self._solving: list[_InFlight] = []    # the loop's own (one thread runs run_once)
+        self._solving: list[_InFlight] = []    # the loop's own (one thread runs it)
+        self._batch: Optional[StepBatch] = None   # the last step's, kept while the rows stay the same
         self._lock = threading.Lock()
         self.steps = 0
 
@@ -89,12 +108,27 @@ class StepLoop:
     def __len__(self) -> int:
         return len(self._new) + len(self._solving)
 
-    def submit(self, chunk: Chunk, on_done: Callable[[Done], None],
-               is_cancelled: Callable[[], bool] = lambda: False) -> None:
+    def submit(self, chunk: "Chunk", on_done: Callable[[Done], None],
+               is_cancelled: Callable[[], bool] = never_cancelled) -> None:
         """An admitted chunk joins at the next step. Any thread."""
         now = self.clock()
         with self._lock:
             self._new.append(_InFlight(chunk, on_done, is_cancelled, now))
+
+    def solve(self, chunks: Sequence["Chunk"], is_cancelled: Callable[[], bool] = never_cancelled) -> list[Done]:
+        """Submit ``chunks`` and run the loop on this thread until every one is answered (the ``fifo`` solver's
+        batch; what it runs is not reported as ``worked``: the caller times its own); their outcomes, in order."""
+        done: list[Optional[Done]] = [None] * len(chunks)
+        for k, c in enumerate(chunks):
+            self.submit(c, lambda d, k=k: done.__setitem__(k, d), is_cancelled)
+        try:
+            while any(d is None for d in done):
+                self._iterate()
+        except Exception as exc:   # a bug of the loop itself: nothing admitted may stay in flight
+            with self._lock:
+                flights, self._new, self._solving, self._batch = self._new + self._solving, [], [], None
+            self._fail(flights, exc, solving=False)
+        return done
 
     def step_cost(self) -> Callable[[int, int], float]:
         """Seconds of one step of ``rows`` estimator rows over ``frames`` padded frames, at the costs measured now
@@ -114,18 +148,16 @@ class StepLoop:
             self.engine.observer.worked(self.timer() - started, len(self.engine.sequences))
 
     def _iterate(self) -> int:
-        answered = self._prepare_new()
-        for f in [f for f in self._solving if f.is_cancelled()]:
-            answered += self._fail([f], StepCancelled("cancelled by the client before its last Euler step"))
+        answered = self._prepare_new() + self._leave_cancelled()
         if not self._solving:
             return answered
         now, cost = self.clock(), self.step_cost()
         table = self.engine.sequences
         cands = [Candidate(f, f.arrival, table.deadline(f.chunk.corr_id), f.solve.steps - f.solve.step,
                            f.solve.rows, f.solve.frames) for f in self._solving]
-        picked = pick(cands, now, self.budget, cost, self.policy)
+        picked = pick(cands, now, self.budget, cost, self.policy, self.bucket_ratio)
         chosen = [c.key for c in picked]
-        batch = StepBatch([f.solve for f in chosen], self.engine.meanflow)
+        batch = self._batch_of([f.solve for f in chosen])
         if self.min_steps:
             self._fewer_steps(picked, now, cost(batch.rows, batch.frames))
         self.engine.observer.estimator_step(len(chosen), batch.rows, batch.frames)
@@ -133,6 +165,7 @@ class StepLoop:
         try:
             batch.step(self.engine.estimator)
         except Exception as exc:
+            self._batch = None
             return answered + self._fail(chosen, exc)
         self.engine.observer.estimator_timed(batch.rows, batch.frames, self.timer() - t0)
         self.steps += 1
@@ -142,7 +175,30 @@ class StepLoop:
             with self._lock:
                 self._solving.remove(f)
             answered += self._commit(f)
+        if not self._solving:
+            self._batch = None   # (its buffers go with the rows)
         return answered
+
+    def _batch_of(self, solves: list[RowSolve]) -> StepBatch:
+        """The step's estimator buffers: the last step's when it steps the same rows (a batch solved whole), else
+        new ones."""
+        last = self._batch
+        if last is None or len(last.solves) != len(solves) or any(a is not b for a, b in zip(last.solves, solves)):
+            self._batch = StepBatch(solves, self.engine.meanflow)
+        return self._batch
+
+    def _leave_cancelled(self) -> int:
+        """The chunks whose request was cancelled leave; a probe several chunks share is asked once."""
+        asked: dict[int, bool] = {}
+
+        def cancelled(f: _InFlight) -> bool:
+            key = id(f.is_cancelled)
+            if key not in asked:
+                asked[key] = f.is_cancelled()
+            return asked[key]
+
+        gone = [f for f in self._solving if cancelled(f)]
+        return self._fail(gone, StepCancelled("cancelled by the client before its last Euler step")) if gone else 0
 
     def _fewer_steps(self, picked: list[Candidate], now: float, step_s: float) -> None:
         """Each picked chunk about to make its first step (its request did not name its steps) gets the steps

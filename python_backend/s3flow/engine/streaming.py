@@ -36,8 +36,9 @@ chunk). The sequences' lifetimes
 A request takes three shapes on its way in: the tensors, a validated ``ChunkRequest``
 (``s3flow.protocol``), and an admitted ``Chunk``: the sequence's state with the chunk's planned solve.
 
-Several utterances' chunks that arrive together (Triton's ``oldest`` sequence batching) run as one
-padded, masked batch per Euler step when they share step count and guidance rate.
+Several utterances' chunks that arrive together (Triton's ``oldest`` sequence batching) run as one padded,
+masked batch per Euler step, whatever their step counts and guidance rates (``run``: the one solving loop,
+``s3flow.engine.step_loop``, under its ``whole`` policy; the deadline scheduling runs the same loop step by step).
 
 The engine calls two functions it is given, so it runs in process (tests, benchmarks) or over BLS:
 
@@ -58,8 +59,10 @@ from s3flow.engine.capacity import Work
 from s3flow.engine.observer import NO_OBSERVER, Observer
 from s3flow.engine.sequences import Capacity, SequenceTable
 from s3flow.engine.settings import ChunkSolving
+from s3flow.engine.scheduler import check_bucket_ratio
 from s3flow.engine.solver_snapshot import SolverSnapshots
-from s3flow.engine.stepping import RowSolve, StepBatch
+from s3flow.engine.step_loop import Done, StepLoop, never_cancelled
+from s3flow.engine.stepping import RowSolve
 from s3flow.model.chunks import NoisedMels, condition, solve_frames, starting_point
 from s3flow.model.solver import FrameNoise, cfm_grid, default_steps
 from s3flow.protocol import ChunkRequest, RequestError
@@ -172,13 +175,6 @@ class ChunkResult:
     steps: int = 0
 
 
-def check_bucket_ratio(ratio: float, name: str = "bucket_ratio") -> None:
-    """Length bucketing's ratio is 0 (off) or >= 1 (:meth:`StreamingEngine.run`); ValueError naming ``name``
-    (the engine's argument, or the repository setting that becomes it) otherwise."""
-    if ratio and ratio < 1:
-        raise ValueError(f"{name} must be 0 (off) or >= 1, got {ratio}")
-
-
 class StreamingEngine:
     """Turns a batch of validated chunk requests into newly final mel frames."""
 
@@ -199,6 +195,8 @@ class StreamingEngine:
         self.estimator_calls = 0
         self.solved_frames = 0           # sum over solves of rows' frames x Euler steps (cost figures)
         self.snapshots = snapshots or SolverSnapshots(None, solving, n_feats, meanflow)
+        #: the loop a batch of chunks is solved whole in (``run``; the ``fifo`` scheduling's)
+        self.whole = StepLoop(self, policy="whole", bucket_ratio=self.bucket_ratio)
 
     # -- admission -------------------------------------------------------------------------------
     def admit(self, corr_id, req: ChunkRequest, tenant: str = "") -> Chunk | ChunkResult:
@@ -298,53 +296,24 @@ class StreamingEngine:
                      first_frame=first, valid_frames=valid, final_frames=final,
                      steps=req.chunk_steps or s.n_steps, pinned=req.chunk_steps is not None)
 
-    # -- one step for several sequences --------------------------------------------------------------
-    def run(self, chunks: list[Chunk], on_step: Optional[Callable[[int], None]] = None) -> list[ChunkResult]:
-        """Advance each chunk's sequence by its tokens; same order out.
+    # -- a batch of chunks, solved whole -------------------------------------------------------------
+    def run(self, chunks: list[Chunk], is_cancelled: Callable[[], bool] = never_cancelled) -> list[ChunkResult]:
+        """Advance each chunk's sequence by its tokens; same order out: the solver's one loop
+        (``s3flow.engine.step_loop``) under the ``whole`` policy, every chunk in every step (with ``bucket_ratio``
+        r >= 1, length bucketing: the bucket of the shortest first, so short rows do not pay for the padding of
+        long ones). Each chunk's state changes once its own solve has succeeded; a failed one is rolled back
+        (``SequenceTable.rollback``: a START's new state goes, a state it replaced comes back, a later chunk's state
+        is as before) and, after the others are answered, the first failure's cause is raised
+        (``SolverSession`` maps each chunk's outcome instead: ``solve``)."""
+        done = self.solve(chunks, is_cancelled)
+        failed = [d.cause for d in done if d.cause is not None]
+        if failed:
+            raise failed[0]
+        return [d.result for d in done]
 
-        Chunks are grouped by (steps, guidance rate); each group is one padded batch, or, with
-        ``bucket_ratio`` r >= 1 (length bucketing), several: rows sorted by frames, a new batch begun where
-        a row is more than r times as long as the batch's shortest, so short rows do not pay for the
-        padding of long ones. States change only after every solve has succeeded; on an exception every
-        chunk is rolled back (``SequenceTable.rollback``: a START's new state goes, a state it replaced comes
-        back, a later chunk's state is as before) and the exception propagates.
-        """
-        solved: list[Optional[np.ndarray]] = [None] * len(chunks)
-        groups: dict[tuple, list[int]] = {}
-        for i, c in enumerate(chunks):
-            groups.setdefault((c.steps, c.state.guidance_rate), []).append(i)
-        try:
-            for (steps, _rate), idx in groups.items():
-                for part in self._buckets(chunks, idx):
-                    xs = self._solve([chunks[i] for i in part], steps, on_step)
-                    for i, x in zip(part, xs):
-                        solved[i] = x
-        except BaseException:
-            for c in chunks:
-                self.sequences.rollback(c.corr_id, c.replaced, started=c.started)
-            raise
-        results = []
-        try:
-            for c, x in zip(chunks, solved):
-                results.append(self.commit(c, x))
-        except BaseException:   # a bug while committing: the chunks not yet committed leave nothing in flight
-            for c in chunks[len(results) + 1:]:
-                self.sequences.rollback(c.corr_id, c.replaced, started=c.started)
-            self.sequences.end(chunks[len(results)].corr_id, "error")
-            raise
-        return results
-
-    def _buckets(self, chunks: list[Chunk], idx: list[int]) -> list[list[int]]:
-        if not self.bucket_ratio or len(idx) < 2:
-            return [idx]
-        order = sorted(idx, key=lambda i: chunks[i].frames)
-        parts, shortest = [], None
-        for i in order:
-            if shortest is None or chunks[i].frames > self.bucket_ratio * shortest:
-                parts.append([])
-                shortest = chunks[i].frames
-            parts[-1].append(i)
-        return parts
+    def solve(self, chunks: list[Chunk], is_cancelled: Callable[[], bool] = never_cancelled) -> list[Done]:
+        """:meth:`run`'s outcomes, one per chunk (``s3flow.engine.step_loop.Done``), nothing raised."""
+        return self.whole.solve(chunks, is_cancelled)
 
     def prepare(self, chunks: list[Chunk]) -> list[RowSolve]:
         """The chunks' encoder call (one padded batch) and conditioning: one ``RowSolve`` per chunk, at step 0
@@ -380,22 +349,6 @@ class StreamingEngine:
                              f"{solve.step} steps made, the stream's {c.state.n_steps})")
         c.steps = int(steps)
         solve.grid = cfm_grid(c.steps, self.meanflow, solve.mu)
-
-    def _solve(self, chunks: list[Chunk], steps: int, on_step) -> list[np.ndarray]:
-        """One padded batch of chunks sharing steps and guidance: encoder, condition, then every Euler step
-        of all of them in one estimator call; per row the solved (n_feats, frames)."""
-        solves = self.prepare(chunks)
-        batch = StepBatch(solves, self.meanflow)
-        for i in range(steps):
-            if on_step is not None:
-                on_step(i)           # cancellation checks raise from here, before the step runs
-            self.observer.estimator_step(len(chunks), batch.rows, batch.frames)
-            t0 = time.perf_counter()
-            batch.step(self.estimator)
-            self.observer.estimator_timed(batch.rows, batch.frames, time.perf_counter() - t0)
-        self.estimator_calls += steps
-        self.solved_frames += steps * batch.frames * len(chunks)
-        return [s.x.float().cpu().numpy() for s in solves]
 
     def commit(self, c: Chunk, x: np.ndarray) -> ChunkResult:
         """Apply a solved chunk to its sequence's state; the newly final frames."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from s3flow.engine.settings import SolverSettings
-from s3flow.engine.streaming import check_bucket_ratio
+from s3flow.engine.scheduler import check_bucket_ratio
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES
 
 Target = Literal["cpu", "gpu"]

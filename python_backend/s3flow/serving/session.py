@@ -61,10 +61,6 @@ from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
 from s3flow.serving.responses import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE
 
 
-class Cancelled(RuntimeError):
-    """Every request of the batch was cancelled by its client."""
-
-
 class ModelCallError(RuntimeError):
     """A call to another model (the encoder or the estimator) failed; the message names the model."""
 
@@ -237,7 +233,7 @@ class SolverSession:
     def failed(self, c: Chunk, exc: BaseException) -> Outcome:
         """The answer to a chunk whose solve failed with ``exc`` (the engine rolled it back already), the
         sequence's end reported or made where the failure ends it: the one mapping of causes to answers."""
-        if isinstance(exc, (Cancelled, StepCancelled)):
+        if isinstance(exc, StepCancelled):
             self._gone(c, "cancelled")
             return failed_outcome(c.corr_id, f"{self.name}: sequence {c.corr_id}: {exc}", CANCELLED, Disposition.FAIL)
         if isinstance(exc, ModelCallError):
@@ -265,7 +261,8 @@ class SolverSession:
         return Outcome(result=d.result)
 
     def handle(self, requests: list[Incoming]) -> list[Outcome]:
-        """One batch (the FIFO path): admit every request, solve the admitted chunks together, answer each."""
+        """One batch (the ``fifo`` scheduling): admit every request, solve the admitted chunks whole together
+        (``StreamingEngine.solve``: the one loop, every chunk in every step), answer each."""
         self.evict_idle()
         out = [Outcome() for _ in requests]
         chunks: list[Chunk] = []
@@ -288,20 +285,11 @@ class SolverSession:
             return out
         live = [requests[i] for i in where]
 
-        def check_cancelled(step: int) -> None:
+        def all_cancelled() -> bool:
             # Stop early only when every request of the batch is gone; a cancelled one among live ones
-            # rides along to the end of this chunk and is dropped below.
-            if all(r.is_cancelled() for r in live):
-                raise Cancelled(f"cancelled by the client before Euler step {step}")
+            # rides along to the end of this chunk and is dropped (``done``).
+            return all(r.is_cancelled() for r in live)
 
-        try:
-            results = self.engine.run(chunks, on_step=check_cancelled)
-        except Exception as exc:   # the engine rolled every chunk back
-            for c, i in zip(chunks, where):
-                out[i] = self.failed(c, exc)
-            return out
-        for c, i, result in zip(chunks, where, results):
-            if not c.finalize and requests[i].is_cancelled():
-                self._drop(c.corr_id, "cancelled")
-            out[i] = Outcome(result=result)
+        for i, d in zip(where, self.engine.solve(chunks, is_cancelled=all_cancelled)):
+            out[i] = self.done(d, requests[i].is_cancelled)
         return out
