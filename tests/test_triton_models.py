@@ -21,7 +21,7 @@ from s3flow.model.solver import EstimatorInputs
 from s3flow.protocol import RequestError
 from s3flow.repository import model_config as mc
 from s3flow.serving import responses
-from s3flow.serving.triton_models import (base, cfm_solver, metric_api, onnx_model, torch_model, voice_encoder_model,
+from s3flow.serving.triton_models import (base, bls, cfm_solver, metric_api, onnx_model, torch_model, voice_encoder_model,
                                          vocoder_model)
 
 
@@ -61,11 +61,16 @@ class Tensor:
 
 
 class Request(dict):
-    """Input arrays by name; ``params`` the request parameters (Triton's JSON: forwarded headers)."""
+    """Input arrays by name; ``params`` the request parameters (Triton's JSON: forwarded headers); ``outputs`` the
+    outputs it asks for."""
     params = "{}"
+    outputs = ("mel", "frame_offset")
 
     def parameters(self):
         return self.params
+
+    def requested_output_names(self):
+        return list(self.outputs)
 
 
 def FakePbUtils():  # noqa: N802 (a module stand-in)
@@ -78,7 +83,7 @@ def FakePbUtils():  # noqa: N802 (a module stand-in)
 @pytest.fixture(autouse=True)
 def pb_utils(monkeypatch):
     fake = FakePbUtils()
-    for module in (responses, base, cfm_solver, metric_api, torch_model):
+    for module in (responses, base, cfm_solver, bls, metric_api, torch_model):
         monkeypatch.setattr(module, "pb_utils", fake)
     return fake
 
@@ -209,6 +214,9 @@ def test_the_solver_reads_every_request_tensor_of_the_contract():
     incoming = model._incoming(request)
     assert (incoming.corr_id, incoming.start, incoming.end, incoming.tenant) == (9, True, False, "acme")
     assert sorted(incoming.inputs) == sorted(contract.names(contract.REQUEST))
+    assert not incoming.to_vocoder, "token2mel asks for no seed: its answers end at the client"
+    request.outputs = ("mel", "frame_offset", "seed")
+    assert model._incoming(request).to_vocoder, "token2wav's solver step passes the seed on to the vocoder"
     request.params = '{"s3flow-tenant": "not a tenant"}'   # called directly, past admission: owns no voice
     assert model._incoming(request).tenant == "!invalid"
 
@@ -240,7 +248,7 @@ def test_the_bls_adapters_send_contract_names_in_order_and_refuse_others(pb_util
     pb_utils.get_output_tensor_by_name = lambda response, name: (Tensor(name, response.outputs[name])
                                                                  if name in response.outputs else None)
     wanted = contract.names(contract.estimator_inputs(meanflow))
-    est = cfm_solver.BlsEstimator("estimator", wanted, contract.names(contract.ESTIMATOR_OUTPUTS))
+    est = bls.BlsEstimator("estimator", wanted, contract.names(contract.ESTIMATOR_OUTPUTS))
     g = torch.Generator().manual_seed(0)
     b, t = 2, 5
     rows = lambda *shape: torch.randn(*shape, generator=g)
@@ -260,7 +268,7 @@ def test_the_bls_adapters_send_contract_names_in_order_and_refuse_others(pb_util
     with pytest.raises(TypeError, match=r"model 'estimator' takes \["):
         est.call(dict(reversed(list(inputs.named().items()))))
     assert len(sent) == 1, "a refused call sends nothing"
-    enc = cfm_solver.BlsEncoder("flow_encoder", contract.names(contract.ENCODER_INPUTS),
+    enc = bls.BlsEncoder("flow_encoder", contract.names(contract.ENCODER_INPUTS),
                                 contract.names(contract.ENCODER_OUTPUTS))
     tokens, token_len, embedding = torch.ones(1, 3, dtype=torch.int64), torch.tensor([3]), torch.zeros(1, 192)
     out = enc(tokens, token_len, embedding)

@@ -62,6 +62,14 @@ ENDED_GRACE_S = 30.0
 #: Why a state went before its END (the ``reason`` label of ``s3flow_sequences_dropped_total``).
 DROP_REASONS = ("idle", "cancelled", "invalid END request", "failed START", "failed END", "error",
                 "replaced by a new START", "utterance too long", "broken stream", "server stopping")
+#: Drops whose request ended the sequence in Triton as well (an END), or that keep it in use (a new START on a
+#: live id): no Triton slot to free (``s3flow.serving.triton_models.slots``).
+_SLOT_ENDS_ANYWAY = ("replaced by a new START", "invalid END request", "failed END")
+
+
+def releases_slot(reason: str) -> bool:
+    """Whether a sequence dropped for ``reason`` (one of ``DROP_REASONS``) still holds its Triton slot."""
+    return reason not in _SLOT_ENDS_ANYWAY
 
 
 @dataclass

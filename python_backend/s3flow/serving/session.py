@@ -87,6 +87,7 @@ class Incoming:
     ready: bool = True                                 # False: an empty slot of the direct strategy
     tenant: str = ""                                   # whose voices a START may name (docs/security.md)
     is_cancelled: Callable[[], bool] = field(default=lambda: False)
+    to_vocoder: bool = False                           # its answer goes on to the vocoder (token2wav)
 
 
 @dataclass

@@ -11,6 +11,7 @@ the slot at that END; the model recognises its own END (:meth:`is_release`: its 
 carries the ``s3flow_slot_release`` parameter, so the client's own END racing it is never taken for it) and answers
 it empty.
 
+Which drops still hold a slot is ``s3flow.engine.sequences.releases_slot``'s to say (by the drop's reason).
 A START that arrives for a dropped id before its END was sent cancels the release (the id is in use again).
 A chunk the client sends after the release never reaches the model (Triton would say "must specify the START
 flag"): admission answers it from the ``gone`` mark the model left (``s3flow.serving.admission``).
@@ -32,16 +33,6 @@ from s3flow.serving.responses import pb_utils
 
 #: the request parameter that marks a release END (a client's END of the same id lacks it)
 RELEASE_PARAMETER = "s3flow_slot_release"
-
-
-#: Drops whose request ended the sequence in Triton as well (an END), or that keep it in use (a new START on a
-#: live id): no slot to free.
-_SLOT_ENDS_ANYWAY = ("replaced by a new START", "invalid END request", "failed END")
-
-
-def releases_slot(reason: str) -> bool:
-    """Whether a sequence dropped for ``reason`` (``s3flow.engine.sequences.DROP_REASONS``) still holds its slot."""
-    return reason not in _SLOT_ENDS_ANYWAY
 
 
 class SlotRelease:

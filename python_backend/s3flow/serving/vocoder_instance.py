@@ -1,0 +1,120 @@
+"""One ``vocoder`` instance around its stream, without Triton: what it is built of, and a request through it.
+
+The python model (``s3flow.serving.triton_models.vocoder_model``) opens the networks, turns a request into a
+:class:`VocoderIncoming` and an outcome into a response, and gives this class what only the stub has: the
+metrics' publisher, the slot release (``slots.SlotRelease``) and its logger. Everything else is here: the
+sequence table (each stream's life and work; a stream the solver still holds, or ended moments ago, is not idle:
+its chunk may wait in the solver's queue, its last mel in ours), the session (``s3flow.serving.vocoder_session``),
+and what it keeps in step with the other processes (``s3flow.serving.records``): its load report (admission's
+vocoder stage, token2wav's capacity), each answer counted (``vocoded``: the solver's idle clock for a token2wav
+stream counts from it), the START marks admission left (first audio), the slots of the streams it dropped.
+
+Example (what the model does)::
+
+    vocoder = VocoderInstance(params, "vocoder", "vocoder_0", stream, metrics.publish, slots)
+    outcome = vocoder.handle(VocoderIncoming(corr_id, start, end, inputs))
+    vocoder.close()
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from s3flow_contract.tensors import SILENT_START_SAMPLES
+from s3flow.engine.capacity import CapacityModel
+from s3flow.engine.observer import Observer
+from s3flow.engine.sequences import Capacity, SequenceTable, releases_slot
+from s3flow.engine.vocoder_snapshot import VocoderSnapshots
+from s3flow.engine.vocoder_stream import VocoderStream
+from s3flow.serving.arrivals import ArrivalMarks
+from s3flow.serving.config_params import Params
+from s3flow.serving.draining import closing_probe
+from s3flow.serving.keys import snapshot_key
+from s3flow.serving.load import InstanceLoad, LoadFiles
+from s3flow.serving.metrics import CAPACITY, FIRST_AUDIO_SECONDS, UTILIZATION, VOCODER_LIVE, Publish
+from s3flow.serving.reaper import IdleReaper
+from s3flow.serving.vocoder_session import VocoderIncoming, VocoderOutcome, VocoderSession
+from s3flow.serving.warmup import warm_up_vocoder
+
+
+class VocoderInstance(Observer):
+    """One vocoder instance (module docstring); the observer of its table's drops."""
+
+    def __init__(self, params: Params, name: str, instance: str, stream: VocoderStream, publish: Publish, slots,
+                 log: Callable[[str, str], None] = lambda level, message: None):
+        self.name, self.stream, self.publish_metric, self.slots, self.log = name, stream, publish, slots, log
+        # its share of the device for admission by capacity (s3flow.serving.load): every push timed, one call each
+        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), instance, "vocoder",
+                                 CapacityModel(max_batch=1, duty_prior=None))
+        capacity = Capacity.from_parameters(params.raw)
+        self.table = SequenceTable(capacity, self, pending=lambda c: c in self.load.files.read().solver_recent_ids)
+        self.session = VocoderSession(stream, self.table, VocoderSnapshots(snapshot_key(), stream), name)
+        self.starts = ArrivalMarks(ArrivalMarks.default_folder("starts"))     # admission marked each START's arrival
+        self.vocoded = ArrivalMarks(ArrivalMarks.default_folder("vocoded"))   # every answer counted
+        self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
+        if params.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no table entry
+            log("info", warm_up_vocoder(stream).describe())
+        self.publish()
+        self.closing = closing_probe()
+        self.reaper = IdleReaper(self.table.evict_idle, capacity.idle_timeout_s, name, on_evicted=self.publish,
+                                 then=self._free_slots, log=lambda m: log("error", m))
+
+    def handle(self, r: VocoderIncoming) -> VocoderOutcome:
+        """One request (not the model's own slot-release END): its outcome; the stream's client hears of it now."""
+        self.table.evict_idle()
+        try:
+            return self._handle(r)
+        finally:
+            self.vocoded.count(r.corr_id, start=r.start)
+            self.publish()
+
+    def _handle(self, r: VocoderIncoming) -> VocoderOutcome:
+        started = None
+        if r.start:
+            self.slots.started(r.corr_id)
+            started = self.starts.take(r.corr_id)
+        t0 = time.perf_counter()
+        o = self.session.handle(r)
+        if o.error is not None:
+            return o
+        if started is not None:
+            self.awaiting_audio[r.corr_id] = started
+        if o.work is not None:   # its share of the device (an answer sent again ran no network)
+            model = self.load.model
+            model.estimator_timed(1, o.work.row_frames, time.perf_counter() - t0)
+            model.chunk_work(r.corr_id, o.work)
+            model.worked(time.perf_counter() - t0)
+        self._first_audio(r, o.chunk.sample_offset + o.chunk.audio.size)
+        return o
+
+    def _first_audio(self, r: VocoderIncoming, samples_out: int) -> None:
+        """Observe a START-to-first-sound time once per utterance (and forget it at END)."""
+        started = self.awaiting_audio.get(r.corr_id)
+        if started is not None and samples_out > SILENT_START_SAMPLES:
+            self.publish_metric(FIRST_AUDIO_SECONDS, max(0.0, time.time() - started), {})
+            del self.awaiting_audio[r.corr_id]
+        if r.end:
+            self.awaiting_audio.pop(r.corr_id, None)
+
+    def publish(self) -> None:
+        self.publish_metric(VOCODER_LIVE, len(self.table), {})
+        self.publish_metric(UTILIZATION, self.load.publish(self.table.works()).utilization, {})
+        # token2wav's capacity: the solver's, bounded by this vocoder's (s3flow.serving.load.ServerLoad.wav_capacity)
+        self.publish_metric(CAPACITY, self.load.files.read().wav_capacity, {"ensemble": "token2wav"})
+
+    def sequence_dropped(self, corr_id, reason: str) -> None:
+        self.awaiting_audio.pop(corr_id, None)
+        if releases_slot(reason):
+            self.slots.dropped(corr_id)
+        self.log("info", f"{self.name}: dropped sequence {corr_id} ({reason})")
+
+    def _free_slots(self) -> None:
+        """As the solver's: drop everything when the server closes; free the dropped streams' Triton slots."""
+        if self.closing():
+            self.table.end_all("server stopping")
+        self.slots.send()
+        self.publish()   # every period: the streams' demand ages too
+
+    def close(self) -> None:
+        self.reaper.stop()
+        self.load.remove()
