@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from s3flow_contract.tensors import TOKENS_PER_SECOND  # noqa: E402
 from s3flow.engine.streaming import StreamingEngine  # noqa: E402
 from s3flow.model.flow import FlowConfig  # noqa: E402
-from s3flow.engine.sequences import Capacity  # noqa: E402
+from s3flow.engine.sequences import SequenceLimits  # noqa: E402
 from s3flow.serving.session import Incoming, SolverSession  # noqa: E402
 from s3flow.runtime import tensorrt as tb  # noqa: E402
 from s3flow_tools.gpu_check.flows import (FULL, QUICK, FlowModes, Plan, Utterance, random_flow,  # noqa: E402
@@ -71,7 +71,7 @@ def device_engine(fm: FlowModes, estimator) -> StreamingEngine:
         with torch.inference_mode():
             return enc(tokens.to(dev), token_len.to(dev), embedding.to(dev))
     return StreamingEngine(encode, estimator, n_feats=fm.dev.config.n_feats, meanflow=fm.dev.config.meanflow,
-                           capacity=Capacity(max_live_sequences=256))
+                           limits=SequenceLimits(max_live_sequences=256))
 
 
 def answers(session: SolverSession, incoming: list[Incoming]) -> list:

@@ -45,10 +45,10 @@ def make_engine(flow, settings: SolverSettings | None = None, observer: Observer
     settings = settings or SolverSettings()
     table = None
     if clock is not None or playback is not None:
-        table = SequenceTable(settings.capacity, observer, **({"clock": clock} if clock is not None else {}),
+        table = SequenceTable(settings.sequences, observer, **({"clock": clock} if clock is not None else {}),
                               **({"playback": playback} if playback is not None else {}))
     return StreamingEngine(torch_encoder(flow), TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
-                           meanflow=flow.config.meanflow, solving=settings.solving, capacity=settings.capacity,
+                           meanflow=flow.config.meanflow, solving=settings.solving, limits=settings.sequences,
                            observer=observer, table=table)
 
 

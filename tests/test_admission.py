@@ -113,10 +113,10 @@ def _solver_load(folder, live_ids, per_stream: float):
 def test_a_start_right_after_the_last_end_is_judged_by_the_report_written_at_that_end(tmp_path):
     """The solver rewrites its report at every END; a START a few ms later sees it (issue 39: reports cached 50 ms
     refused a START on an idle server by the stream that had just ended)."""
-    from s3flow.engine.sequences import Capacity
+    from s3flow.engine.capacity import AdmissionTarget
 
     files = _solver_load(tmp_path / "load", [1], per_stream=0.3)
-    a = Admission(RequestRules(), 80, load=files, capacity=Capacity(utilization_target=0.2))
+    a = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.2))
     assert a.check(2, True, False, START) is not None, "0.3 held + 0.3 is over 0.2"
     assert a.load.read() is a.load.read(), "unchanged reports are parsed once"
     _solver_load(tmp_path / "load", [], per_stream=0.3)   # the END: the same file, rewritten
@@ -125,10 +125,10 @@ def test_a_start_right_after_the_last_end_is_judged_by_the_report_written_at_tha
 
 
 def test_a_start_over_the_utilization_target_is_refused_busy_with_a_retry_after(tmp_path):
-    from s3flow.engine.sequences import Capacity
+    from s3flow.engine.capacity import AdmissionTarget
 
     files = _solver_load(tmp_path / "load", [1, 2], per_stream=0.3)
-    a = Admission(RequestRules(), 80, load=files, capacity=Capacity(utilization_target=0.97))
+    a = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.97))
     assert a.check(1, True, False, START) is None, "a restart on a live id replaces its stream"
     assert a.check(3, True, False, START) is None                     # 0.6 + 0.3 fits
     o = a.check(4, True, False, START)                                # 3 admitted, not yet held: counted
@@ -137,7 +137,7 @@ def test_a_start_over_the_utilization_target_is_refused_busy_with_a_retry_after(
     assert "at capacity: the solver's utilization 0.90 + 0.30 for this stream is above the target 0.97" in o.error
     cheap = dict(START, n_timesteps=np.array([[2]], np.int32))        # 2 of the default 10 steps: 0.06 fits
     assert a.check(5, True, False, cheap) is None
-    off = Admission(RequestRules(), 80, load=files, capacity=Capacity(utilization_target=0.0))
+    off = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.0))
     assert all(off.check(10 + k, True, False, START) is None for k in range(5)), "target 0: no capacity check"
 
 
@@ -156,30 +156,30 @@ def test_token2wav_admits_by_its_busiest_stage_not_the_solvers_and_vocoders_dema
     """The solver's costs are measured with the vocoder beside it on the device (issue 39: token2wav admitted 1
     stream where floor(0.8 C) = 2 fit, the vocoder's demand added on top of the solver's): a START fits when it fits
     the solver and the vocoder each; a vocoder with no room refuses it, naming the vocoder."""
-    from s3flow.engine.sequences import Capacity
+    from s3flow.engine.capacity import AdmissionTarget
 
     files = _solver_load(tmp_path / "load", [1, 2], per_stream=0.25)
     _vocoder_report(files, [1, 2], per_stream=0.1)
-    a = Admission(RequestRules(), 80, load=files, capacity=Capacity(utilization_target=0.8))
+    a = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.8))
     assert a.check(3, True, False, START) is None, "solver 0.5 + 0.25, vocoder 0.2 + 0.1: both fit (added: 1.05)"
     assert files.read().utilization() == pytest.approx(0.5, rel=1e-3), "the busiest stage's"
 
     busy = tmp_path / "busy"
     files = _solver_load(busy, [1, 2], per_stream=0.1)
     _vocoder_report(files, [1, 2], per_stream=0.35)
-    a = Admission(RequestRules(), 80, load=files, capacity=Capacity(utilization_target=0.8))
+    a = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.8))
     o = a.check(3, True, False, START)
     assert o is not None and o.answer.disposition is Disposition.BUSY
     assert "the vocoder's utilization 0.70 + 0.35 for this stream is above the target 0.80" in o.error, o.error
 
 
 def test_before_the_solver_priced_anything_only_the_live_cap_applies(tmp_path):
-    from s3flow.engine.sequences import Capacity
+    from s3flow.engine.capacity import AdmissionTarget
     from s3flow.serving.load import LoadFiles
 
     live = Live(tmp_path / "load")
     live.write("cfm_solver_0", [], cap=64)
-    a = Admission(RequestRules(), 80, load=live.files, capacity=Capacity())
+    a = Admission(RequestRules(), 80, load=live.files, target=AdmissionTarget())
     assert all(a.check(k, True, False, START) is None for k in range(1, 10))
 
 
@@ -202,12 +202,12 @@ def test_admission_answers_each_refusal_it_shares_with_the_solver_as_the_solver_
     answer (disposition, sequence, resend, a retry time when busy); where the cause is the request or the server's
     state, not its load, the same words after each model's name."""
     from s3flow_contract.tensors import request_arrays
-    from s3flow.engine.sequences import Capacity
+    from s3flow.engine.sequences import SequenceLimits
     from s3flow.engine.streaming import StreamingEngine
     from s3flow.serving.arrivals import ArrivalMarks
     from s3flow.serving.session import Incoming, SolverSession
 
-    engine = StreamingEngine(None, None, n_feats=80, meanflow=False, capacity=Capacity(max_live_sequences=1))
+    engine = StreamingEngine(None, None, n_feats=80, meanflow=False, limits=SequenceLimits(max_live_sequences=1))
     solver = SolverSession(engine, RequestRules(), name="cfm_solver")   # refusals never reach the models
     live = Live(tmp_path / "load")
     live.write("cfm_solver_0", [], cap=1)

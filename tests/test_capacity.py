@@ -312,7 +312,7 @@ def test_the_calibration_calls_no_network_before_the_models_are_ready():
 
     settings = SolverSettings()
     engine = StreamingEngine(encode, estimate, n_feats=80, meanflow=False, solving=settings.solving,
-                             capacity=settings.capacity)
+                             limits=settings.sequences)
     model = CapacityModel(4)
     calibration = Calibration(engine, model, settings.rules, "solver", ready=ready, log=lambda _: None,
                               retry_s=0.01).start()
@@ -341,7 +341,7 @@ def test_a_stopped_calibration_makes_no_call_and_its_thread_ends():
 
     settings = SolverSettings()
     engine = StreamingEngine(encode, estimate, n_feats=80, meanflow=False, solving=settings.solving,
-                             capacity=settings.capacity)
+                             limits=settings.sequences)
     engine.sequences.begin(1, object())       # a served stream: the calibration waits for it
     calibration = Calibration(engine, CapacityModel(4), settings.rules, "solver", ready=lambda: True,
                               log=lambda _: None, retry_s=0.01).start()

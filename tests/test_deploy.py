@@ -1360,7 +1360,7 @@ def test_probe_modules_import_no_heavy_modules(rendered, compose):
 
 # ---------------------------------------------------------------------------- scaling on load (issue 34)
 def test_the_hpa_owns_the_replicas_and_scales_on_utilization_below_the_admission_target(rendered):
-    from s3flow.engine.sequences import Capacity
+    from s3flow.engine.capacity import AdmissionTarget
     from s3flow.serving.metrics import UTILIZATION
 
     [hpa] = by_kind(rendered, "HorizontalPodAutoscaler")
@@ -1373,7 +1373,7 @@ def test_the_hpa_owns_the_replicas_and_scales_on_utilization_below_the_admission
     assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == UTILIZATION.name
     target = metric["pods"]["target"]["averageValue"]
     value = int(target[:-1]) / 1000 if target.endswith("m") else float(target)
-    assert 0 < value < Capacity().utilization_target, "the fleet must grow before its pods refuse"
+    assert 0 < value < AdmissionTarget().utilization_target, "the fleet must grow before its pods refuse"
     assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
     down = hpa["spec"]["behavior"]["scaleDown"]
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]

@@ -92,10 +92,10 @@ def _table_and_book(start_buffer_s: float):
     """A sequence table on a clock the test moves (its playback clocks: players with ``start_buffer_s``), and a
     book publishing what its commits say, answer by answer."""
     from s3flow.engine.playback import PlaybackSettings
-    from s3flow.engine.sequences import Capacity, SequenceTable
+    from s3flow.engine.sequences import SequenceLimits, SequenceTable
 
     rec, now = Recorder(), [0.0]
-    table = SequenceTable(Capacity(), clock=lambda: now[0], playback=PlaybackSettings(start_buffer_s=start_buffer_s))
+    table = SequenceTable(SequenceLimits(), clock=lambda: now[0], playback=PlaybackSettings(start_buffer_s=start_buffer_s))
     book = m.SolverBook(rec)
 
     def answer(at: float, *chunks):

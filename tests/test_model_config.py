@@ -19,7 +19,7 @@ from google.protobuf.json_format import MessageToDict
 
 from helpers import small_flow
 from s3flow_contract import tensors as contract
-from s3flow.engine.sequences import Capacity
+from s3flow.engine.sequences import SequenceLimits
 from s3flow.engine.settings import SolverSettings
 from s3flow.protocol import RequestRules, numbers_from_parameters
 from s3flow.serving.config_params import Params, check_tensors
@@ -110,7 +110,7 @@ def test_sequence_batching_controls_and_idle_times(repos, case):
     b, found = settings.batching, configs(repos[case])
     # both stateful models: their idle timeout (the solver's capacity) + the target's grace (Triton counts a
     # computing chunk as idle)
-    both = int((SOLVER.capacity.idle_timeout_s + TRITON_IDLE_GRACE_S[settings.target]) * 1e6)
+    both = int((SOLVER.sequences.idle_timeout_s + TRITON_IDLE_GRACE_S[settings.target]) * 1e6)
     idle = {"cfm_solver": both, "vocoder": both}
     for name, config in found.items():
         if name not in idle:
@@ -173,7 +173,7 @@ def test_parameters_read_back_with_their_types(repos, case):
         expected = StreamSettings(max_utterance_frames=solving.max_utterance_frames if solving.context_frames < 0 else 0,
                                   first_lookahead_frames=SERVED_FIRST_LOOKAHEAD_FRAMES)
         assert StreamSettings.from_parameters(params.raw) == expected
-        assert Capacity.from_parameters(params.raw) == SOLVER.capacity, "the vocoder holds what the solver holds"
+        assert SequenceLimits.from_parameters(params.raw) == SOLVER.sequences, "the vocoder holds what the solver holds"
         backend = "onnx" if settings.target == "cpu" or settings.vocoder_backend == "onnx" else "torch"
         assert (params.str("vocoder_backend"), params.int("n_feats"), params.bool("warmup")) == (
             backend, 80, settings.warmup)

@@ -1,5 +1,5 @@
 """Request validation without a server: every branch of ``parse_request`` and of the solver's settings
-(``RequestRules``, ``Capacity``, ``ChunkSolving`` and ``SolverSettings``, which holds the three), and a property
+(``RequestRules``, ``SequenceLimits``, ``AdmissionTarget``, ``ChunkSolving``, ``DeadlineSettings`` and ``SolverSettings``, which holds them), and a property
 test.
 
 Each rejection must be a ``RequestError`` (the solver maps it to INVALID_ARG) whose message names the bad
@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from s3flow.engine.scheduler import StepScheduling
-from s3flow.engine.sequences import Capacity
+from s3flow.engine.scheduler import DeadlineSettings
+from s3flow.engine.capacity import AdmissionTarget
+from s3flow.engine.sequences import SequenceLimits
 from s3flow.engine.settings import ChunkSolving, SolverSettings
 from s3flow.protocol import INPUT_DTYPES, START_ONLY, ChunkRequest, RequestError, RequestRules, parse_request
 from s3flow_contract.tensors import VOCAB_SIZE, XVECTOR_DIM
@@ -230,8 +231,8 @@ def test_settings_from_parameters_parse_types_and_ignore_other_keys():
     settings = SolverSettings.from_parameters({"max_steps": "12", "max_guidance_rate": "2.5", "idle_timeout_s": "0.5",
                                                "max_live_sequences": "1e3", "n_feats": "80", "meanflow": "false"})
     assert settings.rules.max_steps == 12 and isinstance(settings.rules.max_steps, int)
-    assert settings.capacity.max_live_sequences == 1000 and isinstance(settings.capacity.max_live_sequences, int)
-    assert settings.rules.max_guidance_rate == 2.5 and settings.capacity.idle_timeout_s == 0.5
+    assert settings.sequences.max_live_sequences == 1000 and isinstance(settings.sequences.max_live_sequences, int)
+    assert settings.rules.max_guidance_rate == 2.5 and settings.sequences.idle_timeout_s == 0.5
     assert settings.rules.max_chunk_tokens == RequestRules().max_chunk_tokens
     assert settings.solving == ChunkSolving()
 
@@ -239,23 +240,23 @@ def test_settings_from_parameters_parse_types_and_ignore_other_keys():
 def test_settings_round_trip_through_config_strings():
     """What repository.py writes (str of each value) reads back to the same settings, each part too."""
     settings = SolverSettings.of(max_steps=7, idle_timeout_s=2.0, holdback_frames=4, default_guidance_rate=0.0)
-    assert (settings.rules.max_steps, settings.capacity.idle_timeout_s, settings.solving.holdback_frames,
+    assert (settings.rules.max_steps, settings.sequences.idle_timeout_s, settings.solving.holdback_frames,
             settings.solving.default_guidance_rate) == (7, 2.0, 4, 0.0)
     params = {k: str(v) for k, v in settings.parameters().items()}
     assert SolverSettings.from_parameters(params) == settings
-    for part in (settings.rules, settings.capacity, settings.solving):
+    for part in (settings.rules, settings.sequences, settings.admission, settings.solving, settings.deadlines):
         assert type(part).from_parameters(params) == part
 
 
 def test_settings_flat_names_are_distinct_across_the_parts():
     """Every field is a config parameter by its own name: no two parts share one."""
     names = SolverSettings.names()
-    parts = [RequestRules(), Capacity(), ChunkSolving(), StepScheduling()]
+    parts = [RequestRules(), SequenceLimits(), AdmissionTarget(), ChunkSolving(), DeadlineSettings()]
     assert sorted(names) == sorted(k for part in parts for k in vars(part))
     assert names == {k: v for part in parts for k, v in vars(part).items()}, "the defaults"
     assert SolverSettings().parameters() == names
     assert SolverSettings.of(context_frames=-1).replace(max_live_sequences=8) == \
-        SolverSettings(solving=ChunkSolving(context_frames=-1), capacity=Capacity(max_live_sequences=8))
+        SolverSettings(solving=ChunkSolving(context_frames=-1), sequences=SequenceLimits(max_live_sequences=8))
     with pytest.raises(TypeError, match=r"unknown solver settings \['max_frames'\]"):
         SolverSettings.of(max_frames=10)
 
@@ -268,8 +269,8 @@ def test_settings_flat_names_are_distinct_across_the_parts():
     ("max_chunk_tokens", "nan", "max_chunk_tokens must be an integer, got 'nan'"),
     ("max_steps", "0", "request rule max_steps must be > 0, got 0"),
     ("max_request_bytes", "-1", "request rule max_request_bytes must be > 0, got -1"),
-    ("idle_timeout_s", "nan", "capacity idle_timeout_s must be > 0, got nan"),
-    ("idle_timeout_s", "inf", "capacity idle_timeout_s must be finite, got inf"),
+    ("idle_timeout_s", "nan", "sequence limit idle_timeout_s must be > 0, got nan"),
+    ("idle_timeout_s", "inf", "sequence limit idle_timeout_s must be finite, got inf"),
     ("holdback_frames", "-2", "chunk setting holdback_frames must be >= 0, got -2"),
     ("default_guidance_rate", "-0.5", "chunk setting default_guidance_rate must be >= 0, got -0.5"),
     ("default_steps", "60", "default_steps 60 exceeds max_steps 50"),
@@ -284,14 +285,14 @@ def test_settings_from_parameters_errors_name_the_value(key, raw, needle):
 
 
 def test_settings_check_on_direct_construction():
-    with pytest.raises(ValueError, match="capacity max_live_sequences must be > 0, got 0"):
-        Capacity(max_live_sequences=0).check()
+    with pytest.raises(ValueError, match="sequence limit max_live_sequences must be > 0, got 0"):
+        SequenceLimits(max_live_sequences=0).check()
     with pytest.raises(ValueError, match="request rule max_prompt_tokens must be > 0, got 0"):
         RequestRules(max_prompt_tokens=0).check()
     with pytest.raises(ValueError, match="chunk setting context_frames must be >= -1, got -2"):
         ChunkSolving(context_frames=-2).check()
     # the whole is checked when it is made, the rules between the parts too
-    with pytest.raises(ValueError, match="capacity max_live_sequences must be > 0, got 0"):
+    with pytest.raises(ValueError, match="sequence limit max_live_sequences must be > 0, got 0"):
         SolverSettings.of(max_live_sequences=0)
     with pytest.raises(ValueError, match="default_steps 8 exceeds max_steps 4"):
         SolverSettings.of(max_steps=4, default_steps=8)
@@ -387,7 +388,7 @@ def check_parsed(req: ChunkRequest, start: bool, end: bool) -> None:
 def test_random_tensors_give_a_request_or_a_request_error(case, corr_id):
     inputs, start, end = case
     engine = StreamingEngine(_no_op_model, _no_op_model, n_feats=N_FEATS, meanflow=False, solving=SETTINGS.solving,
-                             capacity=SETTINGS.capacity)
+                             limits=SETTINGS.sequences)
     engine.admit(1, parse(start_inputs(n_speech=2), start=True))  # sequence 1 is live; 2 never started
     try:
         req = parse(inputs, start, end)

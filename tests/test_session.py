@@ -43,7 +43,7 @@ def session(settings=SolverSettings(), drops=None):
     models = FakeModels()
     observer = NO_OBSERVER if drops is None else DropLog(drops)
     engine = StreamingEngine(models.encode, models.estimate, n_feats=N_FEATS, meanflow=False,
-                             solving=settings.solving, capacity=settings.capacity, observer=observer)
+                             solving=settings.solving, limits=settings.sequences, observer=observer)
     return SolverSession(engine, settings.rules), models
 
 

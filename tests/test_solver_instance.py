@@ -82,7 +82,7 @@ def test_fifo_solves_a_batch_whole_and_reports_its_load_for_admission(flow, reco
         assert [o.result.frame_offset for o in outcomes] == [0, 0] and all(o.error is None for o in outcomes)
         assert slots.started_ids == [1, 2], "a START's id is in use again: no release pending for it"
         load = LoadFiles(LoadFiles.default_folder()).read()
-        assert load.solver_ids == {1, 2} and load.cap == solver.settings.capacity.max_live_sequences
+        assert load.solver_ids == {1, 2} and load.cap == solver.settings.sequences.max_live_sequences
         assert [r.streams[1].steps for r in load.reports] == [2], "each stream's work, as the table keeps it"
         assert [v for name, v in published if name == LIVE.name][-1] == 2
         [o] = solver.handle([chunk(1, 10, 30, end=True)])

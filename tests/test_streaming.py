@@ -6,7 +6,7 @@ import torch
 from helpers import DropLog, make_engine, offline, small_flow, stream_in_process
 from s3flow.engine.observer import Observers
 from s3flow.serving.arrivals import MAX_TRANSIT_S
-from s3flow.engine.sequences import DROP_REASONS, Capacity, SequenceTable
+from s3flow.engine.sequences import DROP_REASONS, SequenceLimits, SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.model.flow import synthesize
 from s3flow.protocol import RequestError, RequestRules, ServerBusy, parse_request
@@ -179,7 +179,7 @@ class _Clock:
 
 def _table(max_live_sequences: int = 64, idle_timeout_s: float = 5.0):
     clock, log = _Clock(), DropLog()
-    table = SequenceTable(Capacity(max_live_sequences=max_live_sequences, idle_timeout_s=idle_timeout_s), log,
+    table = SequenceTable(SequenceLimits(max_live_sequences=max_live_sequences, idle_timeout_s=idle_timeout_s), log,
                           clock=clock)
     return table, clock, log
 
@@ -220,7 +220,7 @@ def _queue_table(tmp_path, slack_s: float = 1.0):
     clock, log = _Clock(), DropLog()
     seen = ArrivalMarks(tmp_path, clock=lambda: clock.now)
     on_the_way = OnTheWay(seen, slack_s=slack_s, wall=lambda: clock.now)
-    table = SequenceTable(Capacity(idle_timeout_s=5.0), Observers(log, on_the_way), clock=clock,
+    table = SequenceTable(SequenceLimits(idle_timeout_s=5.0), Observers(log, on_the_way), clock=clock,
                           pending=on_the_way.pending)
     return table, clock, log, seen, on_the_way
 
@@ -351,7 +351,7 @@ def test_a_token2wav_stream_is_idle_from_the_vocoders_answer_not_the_solvers(tmp
     clock, log = _Clock(), DropLog()
     vocoded = ArrivalMarks(tmp_path / "vocoded", clock=lambda: clock.now)
     delivery = Delivery(vocoded, idle_s=5.0, wall=lambda: clock.now)
-    table = SequenceTable(Capacity(idle_timeout_s=5.0), Observers(log, delivery), clock=clock,
+    table = SequenceTable(SequenceLimits(idle_timeout_s=5.0), Observers(log, delivery), clock=clock,
                           pending=delivery.pending)
     _answered(table, 1, object())
     delivery.answered(1, start=True)           # the START's mel goes on to the vocoder at 0 s
@@ -675,7 +675,7 @@ def test_a_failed_chunk_leaves_the_state_as_before_and_a_retry_continues_exactly
     [undisturbed] = stream_in_process(make_engine(flow, settings), [u], [sizes])
     est = _FailingEstimator(TorchEstimator(flow.estimator))
     engine = StreamingEngine(torch_encoder(flow), est, n_feats=80, meanflow=False, solving=settings.solving,
-                             capacity=settings.capacity)
+                             limits=settings.sequences)
     d = _Driver(engine, u, sizes)
     got = [d.send(0)]
     state = engine.sequences.peek(7)

@@ -28,7 +28,7 @@ from s3flow.model.checkpoint import flow_state_dict, load_flow
 from s3flow.model.checkpoint_io import CheckpointMismatch, save_tensors
 from s3flow.model.random_checkpoint import random_flow
 from s3flow.model.flow import FlowConfig
-from s3flow.engine.sequences import Capacity, SequenceTable
+from s3flow.engine.sequences import SequenceLimits, SequenceTable
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.vocoder_stream import F0_LOOKAHEAD_FRAMES, StreamError, StreamSettings, VocoderStream
 from s3flow.model.vocoder import (HiFTGenerator, VocoderConfig, hann_window, load_vocoder, random_vocoder,
@@ -411,9 +411,9 @@ def test_default_context_and_lookahead_cover_the_receptive_field():
     src_left, src_right = reach((mel, bumped_source))
     s = StreamSettings()
     print(f"\nreceptive field in frames: mel -{mel_left:.1f} +{mel_right:.1f}, source -{src_left:.1f} "
-          f"+{src_right + 1:.1f}; F0 +{F0_LOOKAHEAD_FRAMES}; defaults context {s.context_frames}, "
+          f"+{src_right + 1:.1f}; F0 +{F0_LOOKAHEAD_FRAMES}; defaults look-behind {s.lookbehind_frames}, "
           f"lookahead {s.lookahead_frames}")
-    assert s.context_frames >= max(mel_left, src_left)
+    assert s.lookbehind_frames >= max(mel_left, src_left)
     assert s.lookahead_frames >= max(mel_right, src_right + 1 + F0_LOOKAHEAD_FRAMES)
 
 
@@ -433,10 +433,10 @@ def test_stream_rejects_broken_input():
         vs.push(state, bad, 10, end=False)
     with pytest.raises(StreamError, match="above max_utterance_frames 50"):
         vs.push(state, stand_in_mel(41), 10, end=False)
-    with pytest.raises(ValueError, match="context_frames must be >= 5"):
-        StreamSettings(context_frames=F0_LOOKAHEAD_FRAMES - 1).check()
+    with pytest.raises(ValueError, match="lookbehind_frames must be >= 5"):
+        StreamSettings(lookbehind_frames=F0_LOOKAHEAD_FRAMES - 1).check()
     with pytest.raises(ValueError, match=r"idle_timeout_s must be > 0, got 0.0$"):
-        Capacity(idle_timeout_s=0.0).check()           # what the vocoder holds: a config parameter too
+        SequenceLimits(idle_timeout_s=0.0).check()           # what the vocoder holds: a config parameter too
     with pytest.raises(ValueError, match=r"lookahead_frames must be >= 0, got -1$"):
         StreamSettings(lookahead_frames=-1).check()
 
@@ -445,7 +445,7 @@ def test_idle_states_are_evicted():
     """The vocoder model's table: a START's state is begun, then committed once its chunk is answered; idle
     time counts from then, and a state whose chunk is still being vocoded is never evicted."""
     now = [0.0]
-    table = SequenceTable(Capacity(idle_timeout_s=5.0, max_live_sequences=2), clock=lambda: now[0])
+    table = SequenceTable(SequenceLimits(idle_timeout_s=5.0, max_live_sequences=2), clock=lambda: now[0])
     hift = small_vocoder()
     vs = VocoderStream(None, None, hift.source_params, StreamSettings())
     table.begin(1, vs.start(0))
@@ -756,7 +756,7 @@ def test_a_killed_token2wav_client_frees_the_solver_and_the_vocoder(served):
         return metric_sum(m, "s3flow_live_sequences"), metric_sum(m, "s3flow_vocoder_live_sequences")
 
     assert live()[1] == 1, "the vocoder holds the stream"
-    idle = SOLVER.capacity.idle_timeout_s
+    idle = SOLVER.sequences.idle_timeout_s
     while live() != (0, 0):
         assert time.monotonic() - killed < 2 * idle + 4, f"live (solver, vocoder) {live()}"
         time.sleep(0.2)

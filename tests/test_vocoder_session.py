@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from s3flow.engine.sequences import Capacity, SequenceTable
+from s3flow.engine.sequences import SequenceLimits, SequenceTable
 from s3flow.engine.snapshot import SnapshotKey
 from s3flow.engine.solver_snapshot import KIND as SOLVER_KIND
 from s3flow.engine.snapshot import pack
@@ -67,7 +67,7 @@ SOLVER_BLOB = KEY.seal(SOLVER_KIND, pack({"stand-in": 1}, {}), tenant="acme")   
 def session(key=KEY, networks=None):
     networks = networks or Flaky()
     stream = VocoderStream(networks.f0, networks.decode, runner().hift.source_params, StreamSettings(), n_feats=80)
-    table = SequenceTable(Capacity(max_live_sequences=8, idle_timeout_s=60.0))
+    table = SequenceTable(SequenceLimits(max_live_sequences=8, idle_timeout_s=60.0))
     return VocoderSession(stream, table, VocoderSnapshots(key, stream)), networks
 
 

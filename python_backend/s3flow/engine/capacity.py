@@ -56,6 +56,7 @@ from typing import Optional
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.engine.observer import Observer
+from s3flow.protocol import NumericSettings, check_numbers
 
 #: how much recent busy time the correction follows (half its weight is in the last this many busy seconds), and
 #: how much it needs before it replaces the prior
@@ -72,6 +73,20 @@ FILL_SMOOTHING = 0.05
 #: how far ahead a stream's demand looks: the next seconds of its audio by the plan
 HORIZON_S = 2.0
 HORIZON_FRAMES = FRAMES_PER_SECOND * HORIZON_S
+
+
+@dataclass
+class AdmissionTarget(NumericSettings):
+    """What admission holds the server's capacity to (``s3flow.serving.admission``): it refuses a START that would
+    take a stage's utilization (its live streams' demand of the device) above ``utilization_target`` (0: no such
+    check), and tells it to come back when enough streams of ``expected_utterance_s`` of audio have ended
+    (``s3flow.serving.load``); a START is planned at that length too (``s3flow.serving.calibration``). Each is a
+    ``parameters`` entry of the config of the models that read it (the solver, admission)."""
+    utilization_target: float = 0.9
+    expected_utterance_s: float = 5.0      # a sentence: what a START is planned at, and how long streams last
+
+    def check(self) -> None:
+        check_numbers(self, "admission setting", lowest={"utilization_target": 0})
 
 
 class CostFit:

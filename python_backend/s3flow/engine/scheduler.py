@@ -59,9 +59,10 @@ class StepBudget:
 
 
 @dataclass
-class StepScheduling(NumericSettings):
-    """The deadline scheduler's knobs (``cfm_solver`` parameters, with ``scheduling: deadline``): the step
-    budget, the playback clock's start-up buffer and first-audio target (``s3flow.engine.playback``), and the
+class DeadlineSettings(NumericSettings):
+    """The streams' deadlines and what the deadline scheduling does to meet them (``cfm_solver`` parameters): the
+    players the deadlines assume, a start-up buffer and a first-audio target (``s3flow.engine.playback``: the
+    lead each answer reports, in either scheduling), and with ``scheduling: deadline`` the step budget and the
     fewest Euler steps a late chunk may be given (``min_steps``; 0: never fewer than its stream's)."""
     max_step_rows: int = 32
     max_step_row_frames: int = 32 * 400
@@ -70,7 +71,7 @@ class StepScheduling(NumericSettings):
     min_steps: int = MIN_STEPS
 
     def check(self) -> None:
-        check_numbers(self, "scheduling setting", lowest={"start_buffer_s": 0, "first_audio_s": 0, "min_steps": 0})
+        check_numbers(self, "deadline setting", lowest={"start_buffer_s": 0, "first_audio_s": 0, "min_steps": 0})
 
     def budget(self) -> StepBudget:
         return StepBudget(self.max_step_rows, self.max_step_row_frames)

@@ -34,7 +34,7 @@ its work so far at full steps (:meth:`works`: what its demand is priced by, ``s3
 
 Example::
 
-    table = SequenceTable(Capacity(max_live_sequences=64, idle_timeout_s=5.0), observer)
+    table = SequenceTable(SequenceLimits(max_live_sequences=64, idle_timeout_s=5.0), observer)
     old = table.begin(7, state)          # START
     ...                                  # solve the chunk with state
     table.commit(7, end=False, frames=14, work=work)   # or table.rollback(7, old, started=True) if it failed
@@ -73,21 +73,16 @@ def releases_slot(reason: str) -> bool:
 
 
 @dataclass
-class Capacity(NumericSettings):
+class SequenceLimits(NumericSettings):
     """What a stateful model holds: at most ``max_live_sequences`` states per instance (at most the batcher's
     ``max_candidate_sequences``); a state whose client has been quiet for ``idle_timeout_s`` seconds (counted
     from its last answer, never while one of its chunks is being served; Triton's own grace comes on top) is
-    reclaimed. Admission refuses a START that would take the server's utilization (its live streams' demand
-    of the device, ``s3flow.engine.capacity``) above ``utilization_target`` (0: no such check), and tells it to
-    come back when enough streams of ``expected_utterance_s`` of audio have ended (``s3flow.serving.load``).
-    Each is a ``parameters`` entry of the model's config."""
+    reclaimed. Each is a ``parameters`` entry of the model's config."""
     max_live_sequences: int = 64
     idle_timeout_s: float = 5.0
-    utilization_target: float = 0.9
-    expected_utterance_s: float = 5.0      # a sentence: what a START is planned at, and how long streams last
 
     def check(self) -> None:
-        check_numbers(self, "capacity", lowest={"utilization_target": 0})
+        check_numbers(self, "sequence limit", lowest={})
 
 
 @dataclass
@@ -104,7 +99,7 @@ class _Held(Generic[State]):
 class SequenceTable(Generic[State]):
     """States keyed by correlation id, and what each stream has had (see the module docstring)."""
 
-    def __init__(self, capacity: Capacity, observer: Observer = NO_OBSERVER,
+    def __init__(self, limits: SequenceLimits, observer: Observer = NO_OBSERVER,
                  clock: Callable[[], float] = time.monotonic,
                  pending: Optional[Callable[[object], bool]] = None,
                  playback: PlaybackSettings = PlaybackSettings()):
@@ -112,7 +107,7 @@ class SequenceTable(Generic[State]):
         not idle however old its last answer (the solver: a request admission let through that has not reached
         it yet; the vocoder: a sequence the solver still holds; ``s3flow.serving.arrivals``). ``playback``: the
         players the streams' clocks assume. ``clock``: the time of idleness and playback alike."""
-        self.capacity, self.observer, self.clock = capacity, observer, clock
+        self.limits, self.observer, self.clock = limits, observer, clock
         self.pending, self.playback = pending, playback
         self._held: OrderedDict[object, _Held[State]] = OrderedDict()
         self._in_flight: set = set()
@@ -140,12 +135,12 @@ class SequenceTable(Generic[State]):
         None. Raises ServerBusy (with the seconds until a slot frees) when the table is full."""
         with self._lock:
             old = self._held.pop(corr_id, None)
-            if len(self._held) >= self.capacity.max_live_sequences:  # (never when it replaces one)
+            if len(self._held) >= self.limits.max_live_sequences:  # (never when it replaces one)
                 if old is not None:
                     self._held[corr_id] = old
                 wait = self._next_eviction_s()
                 raise ServerBusy(f"too many live sequences ({len(self._held)}, max_live_sequences "
-                                 f"{self.capacity.max_live_sequences}); retry in {wait:.1f} s", retry_after_s=wait)
+                                 f"{self.limits.max_live_sequences}); retry in {wait:.1f} s", retry_after_s=wait)
             now = self.clock()
             self._held[corr_id] = _Held(state, now, Playback(arrived=now), replaced=old)
             self._in_flight.add(corr_id)
@@ -157,7 +152,7 @@ class SequenceTable(Generic[State]):
             held = self._held.get(corr_id)
             if held is None:
                 raise UnknownSequence(f"sequence {corr_id} is not active: it never started with a START request, "
-                                   f"already ended, or was evicted after {self.capacity.idle_timeout_s} s idle")
+                                   f"already ended, or was evicted after {self.limits.idle_timeout_s} s idle")
             if corr_id in self._in_flight:   # a caller that serves a sequence's chunks in order never gets here
                 raise RequestError(f"sequence {corr_id} already has a chunk in flight: send its chunks one at a time")
             self._held.move_to_end(corr_id)
@@ -228,7 +223,7 @@ class SequenceTable(Generic[State]):
         with self._lock:
             now = self.clock()
             gone = [c for c, h in self._held.items()
-                    if c not in self._in_flight and now - h.answered > self.capacity.idle_timeout_s
+                    if c not in self._in_flight and now - h.answered > self.limits.idle_timeout_s
                     and not self._queued(c)]
             for corr_id in gone:
                 self._pop(corr_id)
@@ -268,8 +263,8 @@ class SequenceTable(Generic[State]):
     def _next_eviction_s(self) -> float:
         idle = [h.answered for c, h in self._held.items() if c not in self._in_flight]
         if not idle:
-            return self.capacity.idle_timeout_s + 0.1
-        return max(0.0, min(idle) + self.capacity.idle_timeout_s - self.clock()) + 0.1
+            return self.limits.idle_timeout_s + 0.1
+        return max(0.0, min(idle) + self.limits.idle_timeout_s - self.clock()) + 0.1
 
     def _queued(self, corr_id) -> bool:
         return self.pending is not None and self.pending(corr_id)

@@ -1,30 +1,35 @@
-"""The solver's settings, split by meaning: what a request may be, what the server holds, how a chunk is solved.
+"""The solver's settings, split by meaning: what a request may be, what an instance holds, what admission holds the
+server to, how a chunk is solved, and the streams' deadlines.
 
-=======================  =========================================  ===========================================
-part                     fields                                     read by
-=======================  =========================================  ===========================================
-``RequestRules``         max_steps, max_guidance_rate,              ``s3flow.protocol.parse_request``
-(``s3flow.protocol``)    max_prompt_tokens, max_chunk_tokens,
-                         max_request_bytes
-``Capacity``             max_live_sequences, idle_timeout_s         ``s3flow.engine.sequences.SequenceTable``
+=========================  =========================================  =========================================
+part                       fields                                     read by
+=========================  =========================================  =========================================
+``RequestRules``           max_steps, max_guidance_rate,              ``s3flow.protocol.parse_request``
+(``s3flow.protocol``)      max_prompt_tokens, max_chunk_tokens,
+                           max_request_bytes
+``SequenceLimits``         max_live_sequences, idle_timeout_s         ``s3flow.engine.sequences.SequenceTable``
 (``engine.sequences``)
-``ChunkSolving``         context_frames, prompt_frames,             ``s3flow.engine.streaming.StreamingEngine``
-                         slide_prompt, holdback_frames,
-                         default_steps, default_guidance_rate,
-                         max_utterance_frames
-``StepScheduling``       max_step_rows, max_step_row_frames,        ``s3flow.engine.step_loop.StepLoop`` (the
-(``engine.scheduler``)   start_buffer_s, first_audio_s, min_steps   ``deadline`` scheduling only)
-=======================  =========================================  ===========================================
+``AdmissionTarget``        utilization_target, expected_utterance_s   ``s3flow.serving.admission``, the load's
+(``engine.capacity``)                                                 look-ahead and the planned START
+``ChunkSolving``           context_frames, prompt_frames,             ``s3flow.engine.streaming.StreamingEngine``
+                           slide_prompt, holdback_frames,
+                           default_steps, default_guidance_rate,
+                           max_utterance_frames
+``DeadlineSettings``       start_buffer_s, first_audio_s,             the table's playback clocks (both
+(``engine.scheduler``)     max_step_rows, max_step_row_frames,        schedulings); ``s3flow.engine.step_loop``
+                           min_steps                                  (the ``deadline`` scheduling)
+=========================  =========================================  =========================================
 
 Every field is a ``parameters`` entry of the cfm_solver config, by its own name (the names are distinct
-across the parts), and a ``scripts/build_repository.py`` flag. :class:`SolverSettings` holds the three and
+across the parts), and a ``scripts/build_repository.py`` flag. :class:`SolverSettings` holds the five parts and
 moves them to and from that flat form. Which path serves the chunks (``scheduling: fifo | deadline``) is the
-repository's choice (``RepositorySettings.scheduling``: it makes the solver decoupled).
+repository's choice (``RepositorySettings.scheduling``: it makes the solver decoupled), read by the solver
+instance (``s3flow.serving.solver_instance``).
 
 Example::
 
     settings = SolverSettings.of(context_frames=-1, max_live_sequences=8)   # flat names, any part
-    settings.solving.context_frames, settings.capacity.max_live_sequences
+    settings.solving.context_frames, settings.sequences.max_live_sequences
     SolverSettings.from_parameters(settings.parameters()) == settings
 """
 from __future__ import annotations
@@ -33,8 +38,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from s3flow.engine.scheduler import StepScheduling
-from s3flow.engine.sequences import Capacity
+from s3flow.engine.capacity import AdmissionTarget
+from s3flow.engine.scheduler import DeadlineSettings
+from s3flow.engine.sequences import SequenceLimits
 from s3flow.protocol import NumericSettings, RequestRules, check_numbers
 
 
@@ -69,16 +75,18 @@ class ChunkSolving(NumericSettings):
                              "in prefix mode there is no window for the emitted frames to slide through")
 
 
-_PARTS = {"rules": RequestRules, "capacity": Capacity, "solving": ChunkSolving, "scheduling": StepScheduling}
+_PARTS = {"rules": RequestRules, "sequences": SequenceLimits, "admission": AdmissionTarget, "solving": ChunkSolving,
+          "deadlines": DeadlineSettings}
 
 
 @dataclass(frozen=True)
 class SolverSettings:
-    """The solver's four kinds of settings (module docstring)."""
+    """The solver's five kinds of settings (module docstring)."""
     rules: RequestRules = field(default_factory=RequestRules)
-    capacity: Capacity = field(default_factory=Capacity)
+    sequences: SequenceLimits = field(default_factory=SequenceLimits)
+    admission: AdmissionTarget = field(default_factory=AdmissionTarget)
     solving: ChunkSolving = field(default_factory=ChunkSolving)
-    scheduling: StepScheduling = field(default_factory=StepScheduling)
+    deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
 
     def __post_init__(self):
         self.check()
@@ -106,7 +114,7 @@ class SolverSettings:
         return cls(**{part: kind.from_parameters(params) for part, kind in _PARTS.items()})
 
     def parameters(self) -> dict[str, object]:
-        """The flat form: {field name: value} of all three parts."""
+        """The flat form: {field name: value} of every part."""
         return {k: v for part in _PARTS for k, v in dataclasses.asdict(getattr(self, part)).items()}
 
     def replace(self, **flat) -> "SolverSettings":

@@ -57,7 +57,7 @@ import torch
 from s3flow_contract.tensors import TOKEN_MEL_RATIO
 from s3flow.engine.capacity import Work
 from s3flow.engine.observer import NO_OBSERVER, Observer
-from s3flow.engine.sequences import Capacity, SequenceTable
+from s3flow.engine.sequences import SequenceLimits, SequenceTable
 from s3flow.engine.settings import ChunkSolving
 from s3flow.engine.scheduler import check_bucket_ratio
 from s3flow.engine.solver_snapshot import SolverSnapshots
@@ -179,7 +179,7 @@ class StreamingEngine:
     """Turns a batch of validated chunk requests into newly final mel frames."""
 
     def __init__(self, encode: EncodeFn, estimator, *, n_feats: int, meanflow: bool,
-                 solving: ChunkSolving = ChunkSolving(), capacity: Capacity = Capacity(),
+                 solving: ChunkSolving = ChunkSolving(), limits: SequenceLimits = SequenceLimits(),
                  observer: Observer = NO_OBSERVER, bucket_ratio: float = 0.0,
                  table: Optional[SequenceTable] = None, snapshots: Optional[SolverSnapshots] = None):
         """``snapshots``: makes and restores the streams' snapshots (default: none given or taken)."""
@@ -189,7 +189,7 @@ class StreamingEngine:
         self.n_feats, self.meanflow, self.solving = n_feats, meanflow, solving
         self.observer = observer
         self.sequences: SequenceTable[SequenceState] = (table if table is not None
-                                                      else SequenceTable(capacity, observer))
+                                                      else SequenceTable(limits, observer))
         #: None: prefix mode; C >= 0: bounded context of C emitted frames
         self.context_frames = None if solving.context_frames < 0 else int(solving.context_frames)
         self.estimator_calls = 0

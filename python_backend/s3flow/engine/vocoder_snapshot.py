@@ -33,7 +33,7 @@ class VocoderSnapshots:
     def __init__(self, key: Optional[SnapshotKey], stream: VocoderStream):
         self.key, self.stream = key, stream
         s, p = stream.settings, stream.params
-        self.settings = {"version": VERSION, "n_feats": stream.n_feats, "context_frames": s.context_frames,
+        self.settings = {"version": VERSION, "n_feats": stream.n_feats, "lookbehind_frames": s.lookbehind_frames,
                          "lookahead_frames": s.lookahead_frames, "first_lookahead_frames": s.first_lookahead_frames,
                          "crossfade_samples": s.crossfade_samples, "rows": p.rows, "hop": p.hop_samples,
                          "sampling_rate": p.sampling_rate}

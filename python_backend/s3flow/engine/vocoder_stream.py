@@ -8,7 +8,7 @@ stretch of excitation gets the values an offline pass gets).
 :class:`VocoderStream` turns the newly final mel frames of a sequence, chunk by chunk, into newly final
 audio samples. Per correlation id it keeps
 
-* the mel tail of ``context_frames`` frames before the first not-yet-emitted frame (the network's left
+* the mel tail of ``lookbehind_frames`` frames before the first not-yet-emitted frame (the network's left
   receptive field: re-vocoded with the next chunk, its audio is discarded);
 * the excitation of that tail and the harmonics' phase at its end (what upstream calls ``cache_source``),
   advanced only over frames whose F0 is final (``F0_LOOKAHEAD_FRAMES`` of mel after them are known);
@@ -20,7 +20,7 @@ audio samples. Per correlation id it keeps
 ``push`` computes on a copy: the state it was given is left as it was, and the caller keeps the new one once
 the networks have answered (a failed call leaves the stream as before the chunk, so the chunk can be sent again).
 
-With ``context_frames`` and ``lookahead_frames`` at least the network's receptive field (the defaults),
+With ``lookbehind_frames`` and ``lookahead_frames`` at least the network's receptive field (the defaults),
 streamed audio equals offline vocoding of the whole mel up to float rounding; smaller lookaheads trade
 that for latency and the cross-fade hides the difference at the seam. The first ``2 * 480`` samples are
 faded in as upstream does (``trim_fade``: 20 ms of silence, then a 20 ms raised cosine).
@@ -59,13 +59,13 @@ F0_LOOKAHEAD_FRAMES = 5
 @dataclass
 class StreamSettings(NumericSettings):
     """The vocoder's streaming knobs (each a ``parameters`` entry of its Triton config; what it holds is its
-    ``s3flow.engine.sequences.Capacity``, also config parameters).
+    ``s3flow.engine.sequences.SequenceLimits``, also config parameters).
 
-    ``context_frames`` and ``lookahead_frames`` default to cover the full-size HiFT's receptive field (about
+    ``lookbehind_frames`` and ``lookahead_frames`` default to cover the full-size HiFT's receptive field (about
     14 frames of mel each side, plus 5 for the F0 predictor on the right), so streaming is exact; a smaller
     ``lookahead_frames`` lowers latency and leaves a small, cross-faded difference near each seam.
     """
-    context_frames: int = 16             # mel frames re-vocoded before the first unemitted frame
+    lookbehind_frames: int = 16          # mel frames re-vocoded before the first unemitted frame
     lookahead_frames: int = 20           # mel frames of audio withheld until more mel (or END) arrives
     #: the first response's lookahead (-1: ``lookahead_frames``): a smaller one lets the first mel chunk carry
     #: audio at once; its last frames' audio then lacks right context, and the next response cross-fades from
@@ -76,11 +76,11 @@ class StreamSettings(NumericSettings):
 
     def check(self) -> None:
         check_numbers(self, "vocoder setting",
-                      lowest={"context_frames": 0, "lookahead_frames": 0, "crossfade_samples": 0,
+                      lowest={"lookbehind_frames": 0, "lookahead_frames": 0, "crossfade_samples": 0,
                               "max_utterance_frames": 0, "first_lookahead_frames": -1})
-        if self.context_frames < F0_LOOKAHEAD_FRAMES:
-            raise ValueError(f"context_frames must be >= {F0_LOOKAHEAD_FRAMES} (the F0 predictor's context), "
-                             f"got {self.context_frames}")
+        if self.lookbehind_frames < F0_LOOKAHEAD_FRAMES:
+            raise ValueError(f"lookbehind_frames must be >= {F0_LOOKAHEAD_FRAMES} (the F0 predictor's context), "
+                             f"got {self.lookbehind_frames}")
 
 
 #: The first lookahead token2wav serves by default (``s3flow.repository``): the first response carries audio,
@@ -196,7 +196,7 @@ class VocoderStream:
         state.emitted = emit_frame * hop
 
         # keep the left context of the next pass (at least the F0 predictor's before src_done)
-        keep = max(min(emit_frame - s.context_frames, state.src_done - F0_LOOKAHEAD_FRAMES), w0, 0)
+        keep = max(min(emit_frame - s.lookbehind_frames, state.src_done - F0_LOOKAHEAD_FRAMES), w0, 0)
         state.mel = state.mel[:, keep - w0:]
         state.harmonics = state.harmonics[:, (keep - w0) * hop:]
         state.ctx_phase = advance_phase(state.ctx_phase, state.f0[:keep - w0], self.params)

@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--estimator-instances", type=int, default=d.estimator_instances)
     b.add_argument("--ort-threads", type=int, default=0,
                    help="ONNX Runtime threads per instance (0: the cores divided among the model's instances)")
-    lim = p.add_argument_group("request rules, capacity and chunk solving (cfm_solver parameters; "
-                               "s3flow.engine.settings)")
+    lim = p.add_argument_group("request rules, sequence limits, admission target, chunk solving and deadlines "
+                               "(cfm_solver parameters; s3flow.engine.settings)")
     for name, value in SolverSettings.names().items():
         lim.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
                          help="(default: %(default)s)")

@@ -40,7 +40,7 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> ModelC
     and knob a parameter."""
     b, v = s.batching, s.voices
     config = _python("cfm_solver", b.max_batch_size)
-    seq = add_sequence_controls(config, s.triton_idle_us(s.solver.capacity.idle_timeout_s))
+    seq = add_sequence_controls(config, s.triton_idle_us(s.solver.sequences.idle_timeout_s))
     set_strategy(seq, b.strategy, b.max_queue_delay_us, b.max_candidate_sequences, b.preferred_batch_sizes)
     add_tensors(config, SOLVER_INPUTS, SOLVER_OUTPUTS, n_feats=n_feats)
     # on GPU hosts the solver runs on the device its BLS tensors live on
@@ -58,13 +58,13 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> ModelC
 
 def admission_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     """``admission``: the ensembles' first step (``s3flow.serving.admission``): stateless, the request in,
-    ``admitted`` out; the request rules, the voice registry and the capacity settings as parameters."""
+    ``admitted`` out; the request rules, the voice registry and the admission target as parameters."""
     v = s.voices
     config = _python("admission", s.batching.max_batch_size)
     add_tensors(config, REQUEST, ADMISSION_OUTPUTS, n_feats=n_feats)
     add_instances(config, s.batching.admission_instances, gpu=False)
     set_parameters(config, {"n_feats": n_feats, **dataclasses.asdict(s.solver.rules),
-                            **dataclasses.asdict(s.solver.capacity), "voices": v.enabled,
+                            **dataclasses.asdict(s.solver.admission), "voices": v.enabled,
                             "voice_dir": v.voice_dir, "max_voices": v.max_voices,
                             "max_voice_bytes": v.max_voice_bytes})
     return config
@@ -124,19 +124,19 @@ def stateless_config(name: str, n_feats: int, meanflow: bool, settings: Reposito
 
 
 def vocoder_config(n_feats: int, s: RepositorySettings, stream, source) -> ModelConfig:
-    """The stateful ``vocoder``: the solver's sequence controls and capacity (idle eviction, live cap),
+    """The stateful ``vocoder``: the solver's sequence controls and limits (idle eviction, live cap),
     ``stream``: its ``StreamSettings``, no queue delay; ``source``: the HiFT's ``SourceParams``."""
     from s3flow.runtime.vocoder import vocoder_backend_for
 
     backend = vocoder_backend_for(s.target, s.vocoder_backend)   # torch on the gpu target: HiFT on the GPU
     config = _python("vocoder", s.batching.max_batch_size)
-    capacity = s.solver.capacity
-    seq = add_sequence_controls(config, s.triton_idle_us(capacity.idle_timeout_s))
+    limits = s.solver.sequences
+    seq = add_sequence_controls(config, s.triton_idle_us(limits.idle_timeout_s))
     set_strategy(seq, "oldest", 0, s.batching.max_candidate_sequences)
     add_tensors(config, VOCODER_INPUTS, VOCODER_OUTPUTS, n_feats=n_feats)
     add_instances(config, 1, gpu=backend == "torch" and s.target == "gpu")
     set_parameters(config, {"n_feats": n_feats, "vocoder_backend": backend, "intra_op_threads": s.ort_threads,
-                            "warmup": s.warmup, **_fields(stream), **_fields(capacity), **_fields(source)})
+                            "warmup": s.warmup, **_fields(stream), **_fields(limits), **_fields(source)})
     return config
 
 

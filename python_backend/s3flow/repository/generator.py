@@ -119,7 +119,7 @@ def write_vocoder_models(out: Path, vocoder, n_feats: int, s: RepositorySettings
     """Write ``token2wav`` and ``vocoder`` (configs, model.py, and the weights: the two ONNX graphs for the
     onnx backend, ``hift.safetensors`` for the torch one); return the files.
 
-    The vocoder's capacity (idle timeout, live-sequence cap) and utterance length cap follow the solver's (no
+    The vocoder's sequence limits (idle timeout, live-sequence cap) and utterance length cap follow the solver's (no
     cap with bounded context).
     """
     from s3flow.engine.vocoder_stream import SERVED_FIRST_LOOKAHEAD_FRAMES, StreamSettings

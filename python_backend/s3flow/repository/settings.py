@@ -113,7 +113,7 @@ class RepositorySettings:
         self.solver.check()
         self.batching.check()
         self.voices.check()
-        b, live = self.batching, self.solver.capacity.max_live_sequences
+        b, live = self.batching, self.solver.sequences.max_live_sequences
         if b.strategy == "oldest" and live >= b.max_candidate_sequences:
             raise ValueError(
                 f"max_live_sequences ({live}) must be below max_candidate_sequences "

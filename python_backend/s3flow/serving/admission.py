@@ -14,7 +14,7 @@ refused there never reaches the sequence batcher and holds nothing. It reads the
 * when the solver instances hold as many live sequences as they may (the live ids and cap of each instance's
   load report, ``s3flow.serving.load``, written after every answer, plus the STARTs admitted in the last
   ``grace_s`` that they have not listed yet, as held or as ended): ``busy`` with a retry time;
-* when the stream would take a stage's utilization above ``utilization_target`` (``Capacity``; a stage: the
+* when the stream would take a stage's utilization above ``utilization_target`` (``AdmissionTarget``; a stage: the
   solver, or token2wav's vocoder, ``s3flow.serving.load.Stage``: its live streams' summed demand of the device
   against the capacity measured from their work, plus what this START needs, by the default plan at its own
   steps for the solver): ``busy``, with ``retry_after`` the time until the server expects room (young streams
@@ -40,7 +40,7 @@ from typing import Callable, Mapping, Optional
 
 import numpy as np
 
-from s3flow.engine.sequences import Capacity
+from s3flow.engine.capacity import AdmissionTarget
 from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence
 from s3flow.serving.load import LoadFiles, ServerLoad
 from s3flow.serving.session import Draining, Incoming, Outcome, naming_sequence, parse_incoming, refused
@@ -57,14 +57,14 @@ class Admission:
     def __init__(self, rules: RequestRules, n_feats: int, load: Optional[LoadFiles] = None,
                  voices: Optional[Callable[[str, str], dict]] = None, draining: Callable[[], bool] = lambda: False,
                  name: str = "admission", grace_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 starts=None, seen=None, gone=None, capacity: Capacity = Capacity()):
+                 starts=None, seen=None, gone=None, target: AdmissionTarget = AdmissionTarget()):
         """``starts``, ``seen``: ``s3flow.serving.arrivals.ArrivalMarks`` for each admitted START (first audio)
         and for every request (a chunk waiting in the queue keeps its sequence from going idle); ``gone``: the
         solver's marks of the sequences it dropped (a later chunk of one is answered here: Triton freed its
         slot, so it would never reach the solver); ``load``: the instances' load reports (their live sequences and
         cap; admission by capacity, with ``capacity``'s target and expected utterance length)."""
         self.rules, self.n_feats, self.voices, self.draining = rules, n_feats, voices, draining
-        self.load, self.capacity = load, capacity
+        self.load, self.target = load, target
         self.starts, self.seen, self.gone = starts, seen, gone
         self.name, self.grace_s, self.clock = name, grace_s, clock
         self._admitted: dict[int, float] = {}       # STARTs admitted and perhaps not yet counted: id -> time
@@ -100,7 +100,7 @@ class Admission:
                 wait = self.grace_s
                 return self._refuse(corr_id, ServerBusy(f"too many live sequences ({held}, max_live_sequences "
                                                         f"{cap}); retry in {wait:.1f} s", wait), "live")
-            if self.capacity.utilization_target > 0:
+            if self.target.utilization_target > 0:
                 refusal = self._over_capacity(corr_id, req, load)
                 if refusal is not None:
                     return refusal
@@ -125,11 +125,11 @@ class Admission:
         if not held and not pending:   # an idle server takes a stream whatever its estimate: none is better served
             return None
         stages = load.stages(req.n_timesteps, req.guidance_rate, pending)
-        target = self.capacity.utilization_target
+        target = self.target.utilization_target
         over = [s for s in stages if not s.fits(target)]
         if not over or (corr_id in held and all(s.now <= target for s in stages)):   # a restart replaces its id
             return None
-        waits = {s.name: load.wait_until(s, target, self.capacity.expected_utterance_s, pending) for s in over}
+        waits = {s.name: load.wait_until(s, target, self.target.expected_utterance_s, pending) for s in over}
         stage = max(over, key=lambda s: waits[s.name])
         wait = min(max(waits[stage.name], MIN_RETRY_S), MAX_RETRY_S)
         return self._refuse(corr_id, ServerBusy(f"the server is at capacity: the {stage.name}'s utilization "

@@ -47,7 +47,7 @@ PLAN_BEYOND_S = 12.0
 def planned_start(settings: SolverSettings, n_feats: int, meanflow: bool) -> tuple[Plan, int, int]:
     """(plan, steps, rows per step) of a default utterance: the client's default chunk plan, at the default steps
     and guidance, with a 6 s prompt, in the served chunk settings, expected to last ``expected_utterance_s``."""
-    solving, expected_s = settings.solving, settings.capacity.expected_utterance_s
+    solving, expected_s = settings.solving, settings.admission.expected_utterance_s
     steps = solving.default_steps or default_steps(meanflow)
     guided = not meanflow and solving.default_guidance_rate > 0
     sizes = default_plan(expected_s + PLAN_BEYOND_S)

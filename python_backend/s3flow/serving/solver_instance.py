@@ -77,7 +77,7 @@ class SolverInstance:
             raise ValueError(f"scheduling {self.scheduling!r} needs model_transaction_policy {{ decoupled: "
                              f"{'true' if self.scheduling == 'deadline' else 'false'} }}")
         self.n_feats, self.meanflow = p.int("n_feats"), p.bool("meanflow")
-        steps = self.settings.scheduling
+        deadlines = self.settings.deadlines
         self.book = SolverBook(publish, on_drop=self._dropped)
         publish(LIVE, 0, {})   # the gauge shows from the load on, not from the first request
         self.gone = ArrivalMarks(ArrivalMarks.default_folder("gone"))
@@ -86,13 +86,13 @@ class SolverInstance:
         self.on_the_way = OnTheWay(ArrivalMarks(ArrivalMarks.default_folder("seen")),
                                    slack_s=ARRIVAL_SLACK_S + queue_delay_s)
         self.delivery = Delivery(ArrivalMarks(ArrivalMarks.default_folder("vocoded")),
-                                 idle_s=self.settings.capacity.idle_timeout_s)
+                                 idle_s=self.settings.sequences.idle_timeout_s)
         self.stepped: Optional[SteppedSolver] = None
-        table = SequenceTable(self.settings.capacity, Observers(self.book, self.on_the_way, self.delivery),
-                              pending=self._pending, playback=PlaybackSettings(steps.start_buffer_s, steps.first_audio_s))
+        table = SequenceTable(self.settings.sequences, Observers(self.book, self.on_the_way, self.delivery),
+                              pending=self._pending, playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
         # what the server can carry (s3flow.engine.capacity): every call timed, for admission and the step loop
         rows_per_stream = 1 if self.meanflow or not self.settings.solving.default_guidance_rate else 2
-        self.capacity = CapacityModel(max(1, steps.max_step_rows // rows_per_stream) if decoupled else batch_size)
+        self.capacity = CapacityModel(max(1, deadlines.max_step_rows // rows_per_stream) if decoupled else batch_size)
         snapshots = SolverSnapshots(snapshot_key(), self.settings.solving, self.n_feats, self.meanflow)
         engine = StreamingEngine(encoder, estimator, n_feats=self.n_feats, meanflow=self.meanflow,
                                  solving=self.settings.solving, observer=Observers(self.book, self.capacity),
@@ -101,7 +101,7 @@ class SolverInstance:
             log("info", warm_up_solver(engine, self.settings.rules).describe())
         self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), instance, "solver", self.capacity,
                                  *planned_start(self.settings, self.n_feats, self.meanflow),
-                                 cap=self.settings.capacity.max_live_sequences)
+                                 cap=self.settings.sequences.max_live_sequences)
         # Triton has called execute (its model_warmup request, or a client's): the instance is set up, BLS works
         self.set_up = threading.Event()
         self._publishing = threading.Lock()   # one report at a time: the last written is the last taken
@@ -118,11 +118,11 @@ class SolverInstance:
         self.session = SolverSession(engine, self.settings.rules, name=name, draining=draining_probe(),
                                      voices=voices, closing=self.closing)
         if decoupled:
-            loop = StepLoop(engine, policy="deadline", budget=steps.budget(), costs=self.capacity.costs,
-                            min_steps=steps.min_steps)
+            loop = StepLoop(engine, policy="deadline", budget=deadlines.budget(), costs=self.capacity.costs,
+                            min_steps=deadlines.min_steps)
             self.stepped = SteppedSolver(self.session, loop, name, log=lambda m: log("error", m))
         self.publish()   # admission (the ensembles' first step) refuses STARTs when the instances are full
-        self.reaper = IdleReaper(self.session.evict_idle, self.settings.capacity.idle_timeout_s, name,
+        self.reaper = IdleReaper(self.session.evict_idle, self.settings.sequences.idle_timeout_s, name,
                                  on_evicted=self.publish, then=self._free_slots, log=lambda m: log("error", m))
 
     @property
@@ -206,7 +206,7 @@ class SolverInstance:
     def _dropped(self, corr_id, reason: str) -> None:
         """A sequence's state went before its END (counted by the metrics as ``s3flow_sequences_dropped_total``):
         logged, and unless its request ended it in Triton too, marked gone and its Triton slot freed."""
-        idle = self.settings.capacity.idle_timeout_s
+        idle = self.settings.sequences.idle_timeout_s
         if releases_slot(reason):
             self.gone.mark(corr_id, f"evicted after {idle} s idle" if reason == "idle" else f"dropped ({reason})")
             self.slots.dropped(corr_id)

@@ -23,7 +23,7 @@ from typing import Callable
 from s3flow_contract.tensors import SILENT_START_SAMPLES
 from s3flow.engine.capacity import CapacityModel
 from s3flow.engine.observer import Observer
-from s3flow.engine.sequences import Capacity, SequenceTable, releases_slot
+from s3flow.engine.sequences import SequenceLimits, SequenceTable, releases_slot
 from s3flow.engine.vocoder_snapshot import VocoderSnapshots
 from s3flow.engine.vocoder_stream import VocoderStream
 from s3flow.serving.arrivals import ArrivalMarks
@@ -46,8 +46,8 @@ class VocoderInstance(Observer):
         # its share of the device for admission by capacity (s3flow.serving.load): every push timed, one call each
         self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), instance, "vocoder",
                                  CapacityModel(max_batch=1, duty_prior=None))
-        capacity = Capacity.from_parameters(params.raw)
-        self.table = SequenceTable(capacity, self, pending=lambda c: c in self.load.files.read().solver_recent_ids)
+        limits = SequenceLimits.from_parameters(params.raw)
+        self.table = SequenceTable(limits, self, pending=lambda c: c in self.load.files.read().solver_recent_ids)
         self.session = VocoderSession(stream, self.table, VocoderSnapshots(snapshot_key(), stream), name)
         self.starts = ArrivalMarks(ArrivalMarks.default_folder("starts"))     # admission marked each START's arrival
         self.vocoded = ArrivalMarks(ArrivalMarks.default_folder("vocoded"))   # every answer counted
@@ -56,7 +56,7 @@ class VocoderInstance(Observer):
             log("info", warm_up_vocoder(stream).describe())
         self.publish()
         self.closing = closing_probe()
-        self.reaper = IdleReaper(self.table.evict_idle, capacity.idle_timeout_s, name, on_evicted=self.publish,
+        self.reaper = IdleReaper(self.table.evict_idle, limits.idle_timeout_s, name, on_evicted=self.publish,
                                  then=self._free_slots, log=lambda m: log("error", m))
 
     def handle(self, r: VocoderIncoming) -> VocoderOutcome:

@@ -86,7 +86,7 @@ def warm_up_solver(engine, rules=None, prompt_tokens: int = WARMUP_PROMPT_TOKENS
         return torch.zeros_like(inputs.x)
 
     shadow = StreamingEngine(encode, estimate, n_feats=engine.n_feats, meanflow=engine.meanflow,
-                             solving=engine.solving, capacity=engine.sequences.capacity,
+                             solving=engine.solving, limits=engine.sequences.limits,
                              bucket_ratio=engine.bucket_ratio)
     t0 = time.perf_counter()
     _utterances(SolverSession(shadow, rules, name="warm-up"), engine.n_feats, prompt_tokens, chunks, streams=1)
@@ -123,7 +123,7 @@ def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), step
     fastest, t0, calls = Fastest(), time.perf_counter(), 0
     for _ in range(rounds):
         shadow = StreamingEngine(engine.encode, engine.estimator, n_feats=engine.n_feats, meanflow=engine.meanflow,
-                                 solving=engine.solving, capacity=engine.sequences.capacity, observer=fastest)
+                                 solving=engine.solving, limits=engine.sequences.limits, observer=fastest)
         session = SolverSession(shadow, rules or RequestRules(), name="calibration")
         for n in streams:
             wait_idle()

@@ -111,7 +111,7 @@ def repository_settings(setting: dict, solver: SolverSettings) -> RepositorySett
     knobs = {k: v for k, v in setting.items() if k != "ort_threads"}
     batching = dataclasses.replace(Batching(), **knobs)
     if batching.strategy == "oldest":  # as write_repository requires: the solver refuses what Triton would queue
-        solver = solver.replace(max_live_sequences=min(solver.capacity.max_live_sequences,
+        solver = solver.replace(max_live_sequences=min(solver.sequences.max_live_sequences,
                                                        batching.max_candidate_sequences - 1))
     return RepositorySettings(solver=solver, batching=batching, ort_threads=setting.get("ort_threads", 0))
 

@@ -58,7 +58,7 @@ def engine_for(flow, settings: SolverSettings) -> StreamingEngine:
             return flow.encoder(tokens, token_len, embedding)
 
     return StreamingEngine(encode, TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
-                           meanflow=flow.config.meanflow, solving=settings.solving, capacity=settings.capacity)
+                           meanflow=flow.config.meanflow, solving=settings.solving, limits=settings.sequences)
 
 
 def stream(engine: StreamingEngine, settings: SolverSettings, u: HeldoutUtterance, steps: Callable[[int], int],

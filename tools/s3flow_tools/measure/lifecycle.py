@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "lifecycle.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     settings = RepositorySettings(ort_threads=1)
-    idle = settings.solver.capacity.idle_timeout_s
+    idle = settings.solver.sequences.idle_timeout_s
     limit = idle + 15.0
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

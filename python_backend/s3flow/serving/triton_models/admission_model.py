@@ -10,7 +10,7 @@ import numpy as np
 
 from s3flow_contract.answers import Answer, Disposition
 from s3flow_contract.tensors import ADMISSION_OUTPUTS, REQUEST
-from s3flow.engine.sequences import Capacity
+from s3flow.engine.capacity import AdmissionTarget
 from s3flow.protocol import RequestError, RequestRules, tenant_of
 from s3flow.serving.admission import Admission
 from s3flow.serving.draining import draining_probe
@@ -40,7 +40,7 @@ class TritonPythonModel(TritonModel):
                                    starts=ArrivalMarks(ArrivalMarks.default_folder("starts")),
                                    seen=ArrivalMarks(ArrivalMarks.default_folder("seen")),
                                    gone=ArrivalMarks(ArrivalMarks.default_folder("gone")),
-                                   capacity=Capacity.from_parameters(p.raw))
+                                   target=AdmissionTarget.from_parameters(p.raw))
 
     def respond(self, request):
         flags = request.flags()
