@@ -7,7 +7,8 @@ import pytest
 
 from s3flow.engine.playback import Playback, PlaybackSettings
 from s3flow.engine.scheduler import Candidate, StepBudget, pick, slack, steps_in_time
-from s3flow_tools.schedule_sim import SMALL_ON_2_CORES, CostModel, Load, saturation, simulate
+from s3flow.engine.capacity import Costs
+from s3flow_tools.schedule_sim import SMALL_ON_2_CORES, Load, saturation, simulate
 
 
 def cost(rows: int, frames: int) -> float:
@@ -73,7 +74,7 @@ def test_below_capacity_the_deadline_scheduler_keeps_streams_fed_where_fifo_lets
     """The scheduler issue's claim, on the stated small-model cost: at 0.8 C spread over 2 s (C: FIFO's own
     saturation throughput) FIFO's whole-solve batches let streams run dry, the step-level deadline scheduler
     none (0.3 s start-up buffer), with an earlier first audio p95; its saturation throughput is not lower."""
-    cost = CostModel(call_s=0.01, row_frame_s=5e-6, encoder_s=0.005, encoder_token_s=1e-5)
+    cost = Costs(est_fixed=0.01, est_per_unit=5e-6, enc_fixed=0.005, enc_per_unit=1e-5)
     base = Load(streams=1)
     c = saturation(cost, base)
     n = round(0.8 * c)

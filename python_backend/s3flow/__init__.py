@@ -47,14 +47,16 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
 - ``engine/``: Triton-free streaming state and the step mechanism
 
   - ``streaming``: the chunk engine (``StreamingEngine``): prefix and bounded-context modes, commit after success
-  - ``sequences``: the one owner of a sequence's life: begin, serve, commit, roll back, end, evict
-  - ``settings``: the solver's settings (request rules, capacity, chunk solving)
+  - ``sequences``: the one owner of a sequence's life (begin, serve, commit, roll back, end, evict) and of what
+    each stream has had (its playback clock, its work); the sequence limits
+  - ``settings``: the solver's settings (request rules, sequence limits, admission target, chunk solving,
+    deadlines)
   - ``observer``: what the engine reports as it works
   - ``stepping``: one Euler step over the rows of many chunks in one estimator call
-  - ``step_loop``: step-level serving's mechanism: chunks join, one step at a time, each answered once
-  - ``scheduler``: which rows go into the next step (the policy)
-  - ``playback``: each stream's playback clock
-  - ``capacity``: the costs measured online, each stream's demand, the server's capacity
+  - ``step_loop``: the one solving loop: chunks join, one step at a time, each answered once (both schedulings)
+  - ``scheduler``: which rows go into the next step (the policy: whole batches, least slack, arrival)
+  - ``playback``: a stream's playback clock (its deadline and lead)
+  - ``capacity``: the costs measured online, each stream's demand, the server's capacity, the admission target
   - ``planning``: an utterance's estimator calls and chunk work, planned over the real engine
   - ``snapshot``: sealed snapshots of a stream's state, what a resume starts from
   - ``solver_snapshot``: the solver's section of a snapshot
@@ -66,8 +68,9 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
   - ``triton_models/``: the python-backend models, one per file over a shared base
 
     - ``base``: what every python model shares (config checks, one bad request never fails a batch)
-    - ``cfm_solver``: the streaming solver
-    - ``vocoder_model``: the vocoder, mel chunks in, final audio out
+    - ``cfm_solver``: the streaming solver (tensors in, responses out, over ``solver_instance``)
+    - ``bls``: the solver's encoder and estimator calls over BLS
+    - ``vocoder_model``: the vocoder, mel chunks in, final audio out (over ``vocoder_instance``)
     - ``voice_encoder_model``: reference audio in, voice id + prompt out
     - ``admission_model``: the ensembles' first step, refusing STARTs before the sequence batcher
     - ``onnx_model``: one ONNX file in ONNX Runtime (CPU hosts)
@@ -75,6 +78,9 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
     - ``metric_api``: the metric families through the python backend's metric API
     - ``slots``: giving Triton back a dropped sequence's slot
 
+  - ``solver_instance``: one solver instance around its engine, without Triton: built from its parameters, its
+    two ways in, what it keeps in step with the other processes
+  - ``vocoder_instance``: the same for one vocoder instance
   - ``session``: the solver's session: a batch of requests in, one outcome each, the failure table
   - ``local_stream``: one utterance streamed in process through the session (evaluation, benchmarks)
   - ``step_service``: the decoupled solver's request side around the step loop
@@ -82,7 +88,8 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
   - ``voice_registry``: speaker prompts stored once under a voice id
   - ``voice_service``: what the ``voice_encoder`` model does with one request
   - ``admission``: the checks a START passes before it gets a slot
-  - ``load``: each instance's demand, summed where admission reads it
+  - ``records``: what crosses between instances: the schema, one writer each, written whole
+  - ``load``: each instance's load report (live ids, cap, demand), summed where admission reads it
   - ``calibration``: the solver's capacity at load (planned work, timed calls)
   - ``arrivals``: requests counted from admission to the solver, answers from the solver to the vocoder
   - ``warmup``: what each model runs before its first real request

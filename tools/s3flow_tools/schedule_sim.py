@@ -2,9 +2,10 @@
 
 Triton-free and in seconds, for 1 to 1,000 streams: how a fleet is sized before a GPU is lent. The step-level
 side runs the server's own policy (``s3flow.engine.scheduler.pick``) over the server's own playback clock
-(``s3flow.engine.playback``); what is modelled is the rest: a cost per estimator call (:class:`CostModel`: a fixed
-part and a part per row x padded frame, measured on this host or derived from a FLOP count and a chip's rate),
-the encoder's call per batch of new chunks, and the client (an utterance's chunks follow the client's schedule
+(``s3flow.engine.playback``) and prices a call as the server does (``s3flow.engine.capacity.Costs``: an estimator
+call's fixed part and part per row x padded frame, the encoder's per call and per token; the server measures its
+own online, here they are stated, measured on this host by ``--measure`` or derived from a FLOP count and a
+chip's rate); what is modelled is the rest: the encoder's call per batch of new chunks, and the client (an utterance's chunks follow the client's schedule
 of 10, 20, 40, 80, 100 tokens; each is sent when the previous one is answered, its tokens being there).
 
 * ``fifo`` (today's ``cfm_solver``): when the instance is free it takes up to ``max_batch`` waiting chunks,
@@ -33,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND
+from s3flow.engine.capacity import Costs
 from s3flow.engine.playback import Playback, PlaybackSettings
 from s3flow.engine.scheduler import Candidate, StepBudget, pick
 
@@ -40,33 +42,17 @@ TOKEN_FRAMES = 2
 LOOKAHEAD_FRAMES = 6
 
 
-@dataclass(frozen=True)
-class CostModel:
-    """Seconds of one estimator call: ``call_s + row_frame_s x rows x frames``; the encoder's call for new
-    chunks: ``encoder_s`` per call plus ``encoder_token_s`` per token."""
-    call_s: float
-    row_frame_s: float
-    encoder_s: float = 0.0
-    encoder_token_s: float = 0.0
-    name: str = ""
-
-    def step(self, rows: int, frames: int) -> float:
-        return self.call_s + self.row_frame_s * rows * frames
-
-    def encoder(self, tokens: int) -> float:
-        return self.encoder_s + self.encoder_token_s * tokens
-
-
 #: the small trained teacher's estimator (192 x 1 x 2) in ONNX Runtime on this workplace's 2-core hosts: fit of
-#: one call's time over rows x frames (2-32 rows, 100-400 frames); its encoder per chunk. A stated model: pass
-#: --measure to fit it on the host at hand.
-SMALL_ON_2_CORES = CostModel(call_s=2.0e-3, row_frame_s=2.4e-6, encoder_s=2.0e-3, encoder_token_s=2.0e-5,
-                             name="small teacher, ONNX Runtime, 2 CPU cores (stated)")
+#: one call's time over rows x frames (2-32 rows, 100-400 frames); its encoder per chunk. Stated: pass --measure
+#: to fit it on the host at hand.
+SMALL_ON_2_CORES = Costs(est_fixed=2.0e-3, est_per_unit=2.4e-6, enc_fixed=2.0e-3, enc_per_unit=2.0e-5)
 #: the full-size estimator (0.1667 GFLOP per row-frame: 100 GFLOP at 2 rows x 300 frames) on one H200 at 30 % of
 #: its 989 TFLOP/s dense fp16, 1 ms per call; the encoder 19 GFLOP per 150 tokens
-H200_FULL = CostModel(call_s=1e-3, row_frame_s=0.1667e9 / (0.3 * 989e12), encoder_s=1e-3,
-                      encoder_token_s=19e9 / 150 / (0.3 * 989e12), name="full size on one H200 (30 % of fp16 peak)")
-COSTS = {"small-cpu": SMALL_ON_2_CORES, "h200": H200_FULL}
+H200_FULL = Costs(est_fixed=1e-3, est_per_unit=0.1667e9 / (0.3 * 989e12), enc_fixed=1e-3,
+                  enc_per_unit=19e9 / 150 / (0.3 * 989e12))
+#: the stated costs, by name (``--gpu``)
+COSTS = {"small teacher, ONNX Runtime, 2 CPU cores (stated)": SMALL_ON_2_CORES,
+         "full size on one H200 (30 % of fp16 peak)": H200_FULL}
 
 
 @dataclass(frozen=True)
@@ -150,7 +136,7 @@ def _stalls(answers: list, first: float, buffer_s: float) -> float:
     return waited
 
 
-def simulate(load: Load, cost: CostModel, policy: str, budget: StepBudget = StepBudget(), max_batch: int = 8,
+def simulate(load: Load, cost: Costs, policy: str, budget: StepBudget = StepBudget(), max_batch: int = 8,
              playback: PlaybackSettings = PlaybackSettings()) -> Result:
     """One run of ``load`` through ``policy`` ("fifo": Triton's whole-solve batching; "deadline" or "arrival":
     the step-level loop with ``s3flow.engine.scheduler.pick`` under that policy)."""
@@ -191,7 +177,7 @@ def simulate(load: Load, cost: CostModel, policy: str, budget: StepBudget = Step
                     batch.append(c)
                     seen.add(c.stream)
             waiting = [c for c in waiting if c not in batch]
-            took = cost.encoder(sum(c.tokens for c in batch)) + load.steps * cost.step(
+            took = cost.encoder_seconds(sum(c.tokens for c in batch)) + load.steps * cost.step_seconds(
                 rows * len(batch), max(c.frames for c in batch))
             calls, rows_sum = calls + load.steps, rows_sum + load.steps * rows * len(batch)
             now += took
@@ -199,12 +185,12 @@ def simulate(load: Load, cost: CostModel, policy: str, budget: StepBudget = Step
                 answer(c, now)
             continue
         if waiting:   # the new chunks' encoder call, then they join the steps
-            now += cost.encoder(sum(c.tokens for c in waiting))
+            now += cost.encoder_seconds(sum(c.tokens for c in waiting))
             flight += waiting
             waiting = []
         cands = [Candidate(c, c.arrival, clocks[c.stream].deadline(playback), c.steps_left, rows, c.frames) for c in flight]
-        chosen = pick(cands, now, budget, cost.step, "arrival" if policy == "arrival" else "deadline")
-        now += cost.step(rows * len(chosen), max(c.frames for c in chosen))
+        chosen = pick(cands, now, budget, cost.step_seconds, "arrival" if policy == "arrival" else "deadline")
+        now += cost.step_seconds(rows * len(chosen), max(c.frames for c in chosen))
         calls, rows_sum = calls + 1, rows_sum + rows * len(chosen)
         for cand in chosen:
             c = cand.key
@@ -219,7 +205,7 @@ def simulate(load: Load, cost: CostModel, policy: str, budget: StepBudget = Step
                   rows_sum / max(1, calls))
 
 
-def saturation(cost: CostModel, load: Load, policy: str = "fifo", streams: int = 32) -> float:
+def saturation(cost: Costs, load: Load, policy: str = "fifo", streams: int = 32) -> float:
     """C: seconds of audio per second with ``streams`` streams ready at once."""
     return simulate(replace(load, streams=streams, spread_s=0.0), cost, policy).throughput
 
@@ -242,8 +228,8 @@ def table(results: list[tuple[str, Result]], buffer_s: float) -> str:
     return "\n".join(lines)
 
 
-def measure_cost(trained: str) -> CostModel:
-    """Fit :class:`CostModel` on this host: the trained teacher's estimator and encoder in ONNX Runtime."""
+def measure_cost(trained: str) -> Costs:
+    """Fit the step and encoder costs (``Costs``) on this host: the trained teacher's estimator and encoder in ONNX Runtime."""
     import tempfile
     import time
     from pathlib import Path
@@ -283,9 +269,8 @@ def measure_cost(trained: str) -> CostModel:
             enc(tokens, torch.full((4,), n), torch.randn(4, 192))
             toks.append((4 * n, time.perf_counter() - t0))
         tslope = (toks[1][1] - toks[0][1]) / (toks[1][0] - toks[0][0])
-    return CostModel(call_s=max(float(intercept), 0.0), row_frame_s=float(slope),
-                     encoder_s=max(toks[0][1] - tslope * toks[0][0], 0.0), encoder_token_s=max(tslope, 0.0),
-                     name="measured here (ONNX Runtime)")
+    return Costs(est_fixed=max(float(intercept), 0.0), est_per_unit=float(slope),
+                 enc_fixed=max(toks[0][1] - tslope * toks[0][0], 0.0), enc_per_unit=max(tslope, 0.0))
 
 
 def main(argv=None) -> int:
@@ -305,7 +290,8 @@ def main(argv=None) -> int:
     budget = StepBudget(args.max_rows, args.max_row_frames)
     base = Load(streams=1, seconds=args.seconds, steps=args.steps)
     c = saturation(cost, base, streams=args.streams_at_once)
-    print(f"cost model: {cost.name or cost}; call {cost.call_s * 1e3:.2f} ms + {cost.row_frame_s * 1e9:.1f} ns per "
+    name = "measured here (ONNX Runtime)" if args.measure else next(k for k, v in COSTS.items() if v is cost)
+    print(f"costs: {name}; call {cost.est_fixed * 1e3:.2f} ms + {cost.est_per_unit * 1e9:.1f} ns per "
           f"row-frame; step budget {budget.max_rows} rows, {budget.max_row_frames} row-frames")
     print(f"C (FIFO, {args.streams_at_once} streams at once): {c:.1f} s of audio per second; step-level deadline: "
           f"{saturation(cost, base, 'deadline', args.streams_at_once):.1f}")

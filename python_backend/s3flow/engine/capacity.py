@@ -185,6 +185,19 @@ class Costs:
     def known(self) -> bool:
         return self.est_fixed > 0 or self.est_per_unit > 0
 
+    def step_seconds(self, rows: int, frames: int) -> float:
+        """One estimator call of ``rows`` rows over ``frames`` padded frames (the step loop's step cost)."""
+        return self.est_fixed + self.est_per_unit * rows * frames
+
+    def encoder_seconds(self, tokens: int) -> float:
+        """One encoder call over ``tokens`` tokens."""
+        return self.enc_fixed + self.enc_per_unit * tokens
+
+    def scaled(self, k: float) -> "Costs":
+        """Every part ``k`` times (a host ``k`` times slower)."""
+        return Costs(k * self.est_fixed, k * self.est_per_unit, k * self.enc_fixed, k * self.enc_per_unit,
+                     self.max_batch)
+
     def share(self, streams: int) -> float:
         return float(min(max(streams, 1), self.max_batch))
 

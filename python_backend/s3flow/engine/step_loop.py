@@ -134,9 +134,7 @@ class StepLoop:
         """Seconds of one step of ``rows`` estimator rows over ``frames`` padded frames, at the costs measured now
         (the fits times the instance's correction: what a step really takes here)."""
         c = self.costs()
-        if not c.known:
-            c = UNMEASURED
-        return lambda rows, frames: c.est_fixed + c.est_per_unit * rows * frames
+        return (c if c.known else UNMEASURED).step_seconds
 
     def run_once(self) -> int:
         """One iteration (the module docstring); returns the chunks answered. Its time is reported to the engine's

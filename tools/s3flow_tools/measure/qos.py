@@ -44,7 +44,7 @@ from s3flow.server.metrics_reader import metric_sum, read_metrics
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient, Utterance
 from s3flow_tools.bench.report import machine
-from s3flow_tools.schedule_sim import SMALL_ON_2_CORES, CostModel, Load, saturation, simulate
+from s3flow_tools.schedule_sim import SMALL_ON_2_CORES, Load, saturation, simulate
 from s3flow_training.package import HeldoutUtterance, load_heldout
 
 TRAINED = ROOT / "checkpoints" / "trained"
@@ -166,8 +166,7 @@ def main(argv=None) -> int:
     # the simulator on a cost model scaled to this run's FIFO C
     base = Load(streams=1)
     scale = saturation(SMALL_ON_2_CORES, base) / cs["fifo"]
-    cost = CostModel(SMALL_ON_2_CORES.call_s * scale, SMALL_ON_2_CORES.row_frame_s * scale,
-                     SMALL_ON_2_CORES.encoder_s * scale, SMALL_ON_2_CORES.encoder_token_s * scale)
+    cost = SMALL_ON_2_CORES.scaled(scale)
     sim = {}
     for r in rows:
         if (r["label"], r["mode"]) in sim:
