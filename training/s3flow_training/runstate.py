@@ -11,6 +11,11 @@ When that file is gone (a fresh clone), a phase can go on from its committed che
 (``warm_start``): the shipped EMA weights become both the weights and the EMA, the optimiser starts
 afresh with a short warm-up, and the step comes from ``training.json``.
 
+A phase with more than one network (an adversarial one: the generator and its discriminators) names the
+others in ``extra`` (anything with ``state_dict`` / ``load_state_dict``: modules, optimisers), and a run's
+running numbers (the losses of the steps since the last log line) go in ``running``, so that the log and
+the record of a run cut in two are those of one run too.
+
 Example::
 
     state = RunState(path, model=flow, optimizer=opt, ema=ema)
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -34,9 +39,12 @@ class RunState:
     """The resumable state of one training phase (see the module docstring)."""
 
     def __init__(self, path: Optional[Path], model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema,
-                 tag: str = ""):
+                 tag: str = "", extra: Optional[dict[str, Any]] = None):
         self.path = Path(path) if path is not None else None
         self.model, self.optimizer, self.ema, self.tag = model, optimizer, ema, tag
+        self.extra = dict(extra or {})
+        #: The running numbers of the loaded state (``save``'s ``running``; empty when there was none).
+        self.running: dict = {}
 
     def load(self) -> int:
         """Restore the last saved state; returns its step (0 when there is none)."""
@@ -46,18 +54,30 @@ class RunState:
         if state["tag"] != self.tag:
             raise ValueError(f"{self.path} holds the state of {state['tag']!r}, not of {self.tag!r}: "
                              "delete it to start afresh")
+        missing = set(self.extra) - set(state.get("extra", {}))
+        if missing:
+            raise ValueError(f"{self.path} holds no state of {sorted(missing)}: delete it to start afresh")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.ema.shadow = state["ema"]
+        for name, part in self.extra.items():
+            part.load_state_dict(state["extra"][name])
+        self.running = state.get("running", {})
         return int(state["step"])
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, running: Optional[dict] = None) -> None:
+        """Write the state at ``step``; ``running``: plain numbers (lists, dicts, floats) to restore with it."""
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        torch.save({"tag": self.tag, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "ema": self.ema.shadow, "step": step}, tmp)
+        state = {"tag": self.tag, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "ema": self.ema.shadow, "step": step}
+        if self.extra:
+            state["extra"] = {name: part.state_dict() for name, part in self.extra.items()}
+        if running is not None:
+            state["running"] = running
+        torch.save(state, tmp)
         tmp.replace(self.path)   # a run killed mid-write leaves the previous state intact
 
 

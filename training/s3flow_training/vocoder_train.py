@@ -11,14 +11,15 @@ Targets, per training utterance of the corpus (``VocoderCorpus``):
 * F0 per mel frame from WORLD's DIO + StoneMask (``pitch_track``, the ``pyworld`` package), read at each
   mel frame's centre, 0 where unvoiced; cached beside the corpus (``<corpus>.f0.npy``).
 
-Losses as HiFT's generator without its discriminators (``vocoder_loss``): L1 between the log-mels of the
-output and the target (S3Gen's mel, weight ``mel_weight``), a multi-resolution STFT loss (spectral
-convergence + L1 of log magnitudes at four FFT sizes), and L1 of the F0 predictor's output against the
-tracked F0 (Hz). The decoder's source is the harmonic excitation of the *tracked* F0 for the first
-``true_f0_steps`` steps (so the upsampling stack learns to use it while the F0 predictor is still
-wrong), then of the F0 the predictor gives (detached), as at inference; the source merge is held at a
-fixed start for the first ``source_frozen_steps`` (``VocoderTrainSettings``: without it the network learns
-to ignore the source). The shipped weights are an EMA.
+Losses as HiFT's generator without its discriminators (``vocoder_loss``; with them:
+``s3flow_training.vocoder_gan``): L1 between the log-mels of the output and the target (S3Gen's mel,
+weight ``mel_weight``), a multi-resolution STFT loss (spectral convergence + L1 of log magnitudes at four
+FFT sizes), and L1 of the F0 predictor's output against the tracked F0 (Hz). The decoder's source is the
+harmonic excitation of the *tracked* F0 for the first ``true_f0_steps`` steps (so the upsampling stack
+learns to use it while the F0 predictor is still wrong), then of the F0 the predictor gives (detached), as
+at inference; the source merge is held at a fixed start for the first ``source_frozen_steps``
+(``VocoderTrainSettings``: without it the network learns to ignore the source). The shipped weights are
+an EMA.
 
 Runs are time-boxed (``budget_s``) and resumable: the whole training state (weights, EMA, optimiser,
 step, random generators) goes to ``state_path`` at the end of each run and every ``save_every`` steps.
@@ -34,7 +35,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ def trained_vocoder_config() -> VocoderConfig:
 class VocoderTrainSettings:
     """Vocoder training hyper-parameters (defaults: the shipped checkpoint)."""
     seed: int = 0
-    steps: int = 6000               # the whole schedule; each run does a time-boxed slice of it
+    steps: int = 9000               # the whole schedule (the shipped one: 6,000 then 9,000); each run does a slice
     batch_size: int = 8
     segment_frames: int = 32        # 0.64 s of audio per example
     lr: float = 1e-3
@@ -159,6 +160,26 @@ def source_harmonics(f0: torch.Tensor, hift: HiFTGenerator, seeds: Sequence[int]
     return torch.from_numpy(np.stack(rows))
 
 
+@dataclass
+class VocodedBatch:
+    """One training step's segments and what the vocoder made of them."""
+    audio: torch.Tensor          # (B, 480 T) the vocoder's output
+    f0_pred: torch.Tensor        # (B, T) Hz, the F0 predictor's output
+    target_audio: torch.Tensor   # (B, 480 T) the recording
+    target_f0: torch.Tensor      # (B, T) Hz, WORLD's track
+
+
+def vocode_batch(hift: HiFTGenerator, corpus: VocoderCorpus, rng: np.random.Generator, size: int, frames: int,
+                 drive_true_f0: bool) -> VocodedBatch:
+    """Draw a batch from ``rng`` (segments, then the source's noise seeds) and run the vocoder on it, its
+    source driven by the tracked F0 (``drive_true_f0``) or by the predictor's (detached, as at inference)."""
+    mel, audio, f0 = corpus.batch(rng, size, frames)
+    f0_pred = hift.f0_predictor(mel)
+    drive = f0 if drive_true_f0 else f0_pred.detach()
+    seeds = rng.integers(0, 2 ** 62, size)
+    return VocodedBatch(hift(mel, source_harmonics(drive, hift, seeds)), f0_pred, audio, f0)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Losses
 
@@ -180,8 +201,15 @@ def stft_loss(pred: torch.Tensor, target: torch.Tensor,
     return total / len(resolutions)
 
 
+class LossWeights(Protocol):
+    """The weights ``vocoder_loss`` reads (``VocoderTrainSettings``, ``vocoder_gan.VocoderGanSettings``)."""
+    mel_weight: float
+    stft_weight: float
+    f0_weight: float
+
+
 def vocoder_loss(audio: torch.Tensor, f0_pred: torch.Tensor, target_audio: torch.Tensor, target_f0: torch.Tensor,
-                 s: VocoderTrainSettings) -> tuple[torch.Tensor, dict[str, float]]:
+                 s: LossWeights) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted sum of the mel, STFT and F0 terms, and each term's value. The mel term compares the
     segment's own log-mels (the input mel was taken over the whole utterance, so its edge frames saw
     samples outside the segment)."""
@@ -232,13 +260,9 @@ def train_vocoder(corpus: VocoderCorpus, settings: VocoderTrainSettings = Vocode
             q.requires_grad_(step >= s.source_frozen_steps)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, s.steps, s.lr, s.warmup_steps) * rewarm_factor(step, rewarm)
-        rng = step_rng(s.seed, VOCODER_PHASE, step)
-        mel, audio, f0 = corpus.batch(rng, s.batch_size, s.segment_frames)
-        f0_pred = hift.f0_predictor(mel)
-        drive = f0 if step < s.true_f0_steps else f0_pred.detach()
-        seeds = rng.integers(0, 2 ** 62, s.batch_size)
-        out = hift(mel, source_harmonics(drive, hift, seeds))
-        loss, terms = vocoder_loss(out, f0_pred, audio, f0, s)
+        made = vocode_batch(hift, corpus, step_rng(s.seed, VOCODER_PHASE, step), s.batch_size, s.segment_frames,
+                            drive_true_f0=step < s.true_f0_steps)
+        loss, terms = vocoder_loss(made.audio, made.f0_pred, made.target_audio, made.target_f0, s)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(hift.parameters(), s.grad_clip)
