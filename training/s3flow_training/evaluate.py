@@ -8,6 +8,10 @@
 * ``stream_utterance`` streams one utterance chunk by chunk through ``s3flow.engine.streaming.StreamingEngine`` in
   process; ``stream_vs_offline`` compares that with offline synthesis of the same tokens and seed, near
   chunk seams and away.
+* ``PairedMetric`` holds one metric of one row for two folders' models (shipped and a candidate) per
+  sentence, at the table's seeds and at other seeds; ``paired_summary`` gives the mean paired difference, its
+  t-interval, the seed spread and a verdict (``paired_verdict``); ``paired_to_json`` / ``paired_from_json``
+  keep the per-sentence values.
 
 Example::
 
@@ -166,7 +170,7 @@ def stream_utterance(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], s
 
     settings = settings or SolverSettings()
     engine = StreamingEngine(encode, TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
-                             meanflow=flow.config.meanflow, solving=settings.solving, capacity=settings.capacity)
+                             meanflow=flow.config.meanflow, solving=settings.solving, limits=settings.sequences)
     got = stream_in_process(SolverSession(engine, settings.rules), u.speech_tokens, chunks,
                             prompt_tokens=u.prompt_tokens, prompt_mel=np.ascontiguousarray(u.prompt_mel.T),
                             speaker_embedding=u.xvector, seed=seed, n_timesteps=n_steps)
@@ -202,3 +206,128 @@ def stream_vs_offline(flow: S3Flow, utts: Sequence[HeldoutUtterance], name: str,
     se, oe = np.concatenate(seam_err, axis=1), np.concatenate(other_err, axis=1)
     return StreamingComparison(name, n_seams, se.shape[1], oe.shape[1], float(se.mean()), float(oe.mean()),
                                float(se.max()), float(oe.max()), float(np.mean(gt_s)), float(np.mean(gt_o)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Candidate vs shipped, paired per sentence
+
+#: The verdicts of :func:`paired_verdict`.
+BETTER, WORSE, NO_DIFFERENCE = "candidate better", "candidate worse", "no difference"
+#: The paired interval's coverage.
+CONFIDENCE = 0.95
+
+
+@dataclass(frozen=True)
+class PairedMetric:
+    """One metric of one audio row for two folders' models on the same sentences and seeds.
+
+    ``shipped`` / ``candidate``: per sentence (n,) at the table's seeds; ``*_reseeded``: the same sentences
+    with every noise seed changed (both folders alike). ``higher_is_better``: STOI and ESTOI yes, mel error no.
+    """
+    row: str
+    metric: str
+    higher_is_better: bool
+    shipped: tuple
+    candidate: tuple
+    shipped_reseeded: tuple
+    candidate_reseeded: tuple
+
+    def __post_init__(self):
+        n = len(self.shipped)
+        if not (len(self.candidate) == len(self.shipped_reseeded) == len(self.candidate_reseeded) == n):
+            raise ValueError(f"{self.row} / {self.metric}: per-sentence lists differ in length: "
+                             f"{[len(v) for v in self.values()]}")
+
+    def values(self) -> tuple:
+        return self.shipped, self.candidate, self.shipped_reseeded, self.candidate_reseeded
+
+    @property
+    def differences(self) -> np.ndarray:
+        """(n,) candidate - shipped per sentence, the table's seeds."""
+        return np.asarray(self.candidate, np.float64) - np.asarray(self.shipped, np.float64)
+
+    @property
+    def reseeded_differences(self) -> np.ndarray:
+        """(n,) candidate - shipped per sentence, the other seeds."""
+        return np.asarray(self.candidate_reseeded, np.float64) - np.asarray(self.shipped_reseeded, np.float64)
+
+    def summary(self) -> "PairedSummary":
+        return paired_summary(self.differences, self.reseeded_differences, self.higher_is_better,
+                              float(np.mean(self.shipped)), float(np.mean(self.candidate)))
+
+
+@dataclass(frozen=True)
+class PairedSummary:
+    """The paired comparison of one metric (see :func:`paired_summary`)."""
+    n: int
+    mean_shipped: float
+    mean_candidate: float
+    mean_difference: float           # mean over sentences of candidate - shipped (the table's seeds)
+    interval: tuple                  # CONFIDENCE t-interval of that mean (nan, nan) below 2 sentences
+    mean_difference_reseeded: float  # the same mean with every noise seed changed
+    seed_spread: float               # |mean_difference_reseeded - mean_difference|
+    verdict: str
+
+
+def t_interval(values: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Student-t interval of the mean of ``values`` (n,); (nan, nan) for fewer than 2 values."""
+    from scipy.stats import t
+
+    values = np.asarray(values, np.float64)
+    n = len(values)
+    if n < 2:
+        return float("nan"), float("nan")
+    mean, half = float(values.mean()), 0.0
+    sd = float(values.std(ddof=1))
+    if sd > 0:
+        half = float(t.ppf(0.5 + confidence / 2, n - 1)) * sd / np.sqrt(n)
+    return mean - half, mean + half
+
+
+def paired_verdict(mean_difference: float, interval: tuple, seed_spread: float, higher_is_better: bool) -> str:
+    """``candidate better`` (worse) where the gain (mean difference signed so that positive is better) is
+    positive (negative), the interval excludes 0 and ``|mean difference| > seed_spread``; else ``no
+    difference``."""
+    lo, hi = interval
+    excludes_zero = bool(lo > 0 or hi < 0)            # False for a nan interval
+    if not (excludes_zero and abs(mean_difference) > seed_spread):
+        return NO_DIFFERENCE
+    gain = mean_difference if higher_is_better else -mean_difference
+    return BETTER if gain > 0 else WORSE
+
+
+def paired_summary(differences: np.ndarray, reseeded: np.ndarray, higher_is_better: bool,
+                   mean_shipped: float = float("nan"), mean_candidate: float = float("nan")) -> PairedSummary:
+    """Mean paired difference, its t-interval, the seed spread and the verdict.
+
+    differences, reseeded: (n,) candidate - shipped per sentence at the table's seeds and with every noise
+    seed changed. The seed spread is how far the mean paired difference moves when only the seeds change.
+    """
+    differences, reseeded = np.asarray(differences, np.float64), np.asarray(reseeded, np.float64)
+    mean, mean_reseeded = float(differences.mean()), float(reseeded.mean())
+    interval = t_interval(differences)
+    spread = abs(mean_reseeded - mean)
+    return PairedSummary(len(differences), mean_shipped, mean_candidate, mean, interval, mean_reseeded, spread,
+                         paired_verdict(mean, interval, spread, higher_is_better))
+
+
+def paired_to_json(metrics: Sequence[PairedMetric]) -> list[dict]:
+    """Each metric's per-sentence values and summary as JSON-ready dicts (read back by ``paired_from_json``)."""
+    out = []
+    for m in metrics:
+        s = m.summary()
+        out.append({"row": m.row, "metric": m.metric, "higher_is_better": m.higher_is_better,
+                    "shipped": list(m.shipped), "candidate": list(m.candidate),
+                    "shipped_reseeded": list(m.shipped_reseeded), "candidate_reseeded": list(m.candidate_reseeded),
+                    "summary": {"n": s.n, "mean_difference": s.mean_difference,
+                                "interval": [None if np.isnan(v) else v for v in s.interval],
+                                "mean_difference_reseeded": s.mean_difference_reseeded,
+                                "seed_spread": s.seed_spread, "verdict": s.verdict}})
+    return out
+
+
+def paired_from_json(items: Sequence[dict]) -> list[PairedMetric]:
+    """The metrics ``paired_to_json`` wrote (their summaries are recomputed from the per-sentence values)."""
+    return [PairedMetric(d["row"], d["metric"], bool(d["higher_is_better"]), tuple(d["shipped"]),
+                         tuple(d["candidate"]), tuple(d["shipped_reseeded"]), tuple(d["candidate_reseeded"]))
+            for d in items]
