@@ -265,7 +265,7 @@ def main(argv=None) -> int:
             flow, info = train_teacher(ds, flow_s, log=log, state_path=state_dir / "teacher.pt", budget_s=budget,
                                        start=start, start_step=done if start else 0)
             write_checkpoint(flow, ckpt)
-            return info["steps_done"], info["finished"], {"loss": info["last_loss"]}
+            return info["steps_done"], info["finished"], info["last_losses"]
         run_phase("teacher", teacher_run)
 
     if "student" in phases and not record.phase("student")["finished"] and budget_left() != 0:
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
                                               state_path=state_dir / "student.pt", budget_s=budget, start=start,
                                               start_step=done if start else 0)
                 write_checkpoint(student, ckpt)
-                return info["steps_done"], info["finished"], {"loss": info["last_loss"]}
+                return info["steps_done"], info["finished"], info["last_losses"]
             run_phase("student", student_run)
 
     candidate = None

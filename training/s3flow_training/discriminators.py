@@ -60,6 +60,18 @@ class Judgement(NamedTuple):
     features: list[torch.Tensor]        # every layer's output, the score map last
 
 
+def convolved(convs: nn.ModuleList, post: nn.Module, x: torch.Tensor) -> Judgement:
+    """A discriminator's stack over its input ``x`` (B, 1, H, W): each conv then a leaky ReLU, the last conv
+    without one; every layer's output kept (feature matching), the last flattened into the score."""
+    features = []
+    for conv in convs:
+        x = F.leaky_relu(conv(x), LRELU_SLOPE)
+        features.append(x)
+    x = post(x)
+    features.append(x)
+    return Judgement(torch.flatten(x, 1), features)
+
+
 class PeriodDiscriminator(nn.Module):
     """HiFi-GAN's ``DiscriminatorP``: audio folded by ``period``, judged along time."""
 
@@ -78,14 +90,7 @@ class PeriodDiscriminator(nn.Module):
         batch, samples = audio.shape
         pad = (-samples) % self.period
         x = F.pad(audio[:, None], (0, pad), mode="reflect") if pad else audio[:, None]
-        x = x.view(batch, 1, (samples + pad) // self.period, self.period)
-        features = []
-        for conv in self.convs:
-            x = F.leaky_relu(conv(x), LRELU_SLOPE)
-            features.append(x)
-        x = self.conv_post(x)
-        features.append(x)
-        return Judgement(torch.flatten(x, 1), features)
+        return convolved(self.convs, self.conv_post, x.view(batch, 1, (samples + pad) // self.period, self.period))
 
 
 class SpecDiscriminator(nn.Module):
@@ -110,14 +115,7 @@ class SpecDiscriminator(nn.Module):
         return torch.sqrt(spec.real.pow(2) + spec.imag.pow(2) + 1e-9).transpose(1, 2)[:, None]
 
     def forward(self, audio: torch.Tensor) -> Judgement:
-        x = self.magnitude(audio)
-        features = []
-        for conv in self.convs:
-            x = F.leaky_relu(conv(x), LRELU_SLOPE)
-            features.append(x)
-        x = self.conv_post(x)
-        features.append(x)
-        return Judgement(torch.flatten(x, 1), features)
+        return convolved(self.convs, self.conv_post, self.magnitude(audio))
 
 
 class MultiPeriodDiscriminator(nn.Module):

@@ -31,7 +31,8 @@ from s3flow.model.estimator import reset_time_embed_mixer
 from s3flow.model.flow import FlowConfig, S3Flow
 from s3flow.model.solver import ClassifierFreeGuidance, time_grid
 from s3flow_training.data import Dataset
-from s3flow_training.runstate import Clock, RunState, rewarm_factor, step_rng, step_seed, warm_start
+from s3flow_training.runstate import (Clock, Progress, RunState, optimizer_step, rewarm_factor, step_rng, step_seed,
+                                      warm_start)
 from s3flow_training.train import (EMA, STUDENT_PHASE, Log, TrainSettings, batch_plan, lr_at, make_batch,
                                    masked_mse)
 
@@ -121,7 +122,8 @@ def train_student(teacher: S3Flow, ds: Dataset, settings: TrainSettings = TrainS
     def teacher_velocity(inputs):   # the module as a solver estimator (under no_grad, not inference_mode)
         return teacher_est(**inputs.named())
 
-    clock, first, recent, last = Clock(budget_s, step, max_steps), step, [], None
+    clock = Clock(budget_s, step, max_steps)
+    progress = Progress(state, "student round", s.student_rounds, s.log_every, s.save_every, clock, log)
     while step < s.student_rounds and clock.running(step):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, s.student_rounds, s.student_lr, min(s.warmup_steps, s.student_rounds // 10)) \
@@ -144,21 +146,10 @@ def train_student(teacher: S3Flow, ds: Dataset, settings: TrainSettings = TrainS
         target = (x_r - x_t) / (r - t)[:, None, None]
         pred = student.estimator(x_t, mask[rows], mu[rows], t, spks[rows], batch.cond[rows], r)
         loss = masked_mse(pred, target, mask[rows])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, s.grad_clip)
-        opt.step()
+        optimizer_step(opt, loss, params, s.grad_clip)
         ema.update(student.estimator, step)
         step += 1
-        recent.append(loss.item())
-        if step % s.log_every == 0 or step == s.student_rounds:
-            last = round(float(np.mean(recent)), 5)
-            log(f"student round {step}/{s.student_rounds}: loss {last:.4f} ({clock.elapsed():.0f} s)")
-            recent = []
-        if step % s.save_every == 0:
-            state.save(step)
-    state.save(step)
+        progress.after(step, {"loss": loss.item()})
+    info = progress.end(step)
     ema.copy_to(student.estimator)
-    info = {"steps_done": step, "steps_this_run": step - first, "finished": step >= s.student_rounds,
-            "wall_s": round(clock.elapsed(), 1), "last_loss": last}
     return student.eval(), info

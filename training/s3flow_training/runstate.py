@@ -16,20 +16,26 @@ others in ``extra`` (anything with ``state_dict`` / ``load_state_dict``: modules
 running numbers (the losses of the steps since the last log line) go in ``running``, so that the log and
 the record of a run cut in two are those of one run too.
 
+Every phase's loop ends its step the same way: :func:`optimizer_step` (gradients, clipped, applied) and
+:class:`Progress` (the losses logged every ``log_every`` steps, the state saved every ``save_every`` and at
+the end of the run, the run's record).
+
 Example::
 
     state = RunState(path, model=flow, optimizer=opt, ema=ema)
     step = state.load()           # 0 when there is nothing to resume
-    while step < total and clock.running():
-        rng = step_rng(seed, PHASE, step); ...; step += 1
-        if step % 200 == 0: state.save(step)
-    state.save(step)
+    progress = Progress(state, "teacher step", total, log_every=100, save_every=200, clock=Clock(budget_s, step))
+    while step < total and clock.running(step):
+        rng = step_rng(seed, PHASE, step); ...; optimizer_step(opt, loss, flow.parameters(), 1.0)
+        step += 1
+        progress.after(step, {"loss": loss.item()})
+    info = progress.end(step)     # saved; steps, seconds, the last logged losses
 """
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -106,6 +112,60 @@ class Clock:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, parameters: Iterable[torch.Tensor],
+                   grad_clip: float) -> None:
+    """One update: ``loss``'s gradients, clipped to ``grad_clip`` (their global norm), applied."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+    optimizer.step()
+
+
+def mean_terms(recent: list[dict[str, float]]) -> dict[str, float]:
+    """Each loss term's mean over the steps that logged it (5 decimals)."""
+    keys = list(dict.fromkeys(k for r in recent for k in r))
+    return {k: round(float(np.mean([r[k] for r in recent if k in r])), 5) for k in keys}
+
+
+class Progress:
+    """A run's cadence after each step (module docstring): the loss terms since the last log line, their means
+    logged as ``<name> <step>/<total>: ...`` every ``log_every`` steps and at the schedule's end (``detail()``
+    adds to the line), the state saved every ``save_every`` steps and at the end, with those terms (a run cut
+    in two logs and records as one run)."""
+
+    def __init__(self, state: RunState, name: str, total: int, log_every: int, save_every: int, clock: Clock,
+                 log: Callable[[str], None] = print, detail: Callable[[], str] = lambda: ""):
+        self.state, self.name, self.total, self.clock, self.log, self.detail = state, name, total, clock, log, detail
+        self.log_every, self.save_every, self.first = log_every, save_every, clock.first_step
+        self.recent: list = list(state.running.get("recent", []))
+        self.last: dict = dict(state.running.get("last", {}))
+
+    def after(self, step: int, terms: dict[str, float]) -> None:
+        """Step ``step`` (counted from 1) is done with loss ``terms``."""
+        self.recent.append(terms)
+        if step % self.log_every == 0 or step == self.total:
+            self.last = mean_terms(self.recent)
+            done = max(1, step - self.first)
+            self.log(f"{self.name} {step}/{self.total}: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last.items())
+                     + self.detail() + f" ({self.clock.elapsed():.0f} s, {self.clock.elapsed() / done:.2f} s/step)")
+            self.recent = []
+        if step % self.save_every == 0:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        self.state.save(step, running={"recent": self.recent, "last": self.last})
+
+    def end(self, step: int) -> dict:
+        """Save the state at the run's last step; the run's record: steps done in all and in this run, whether
+        the schedule is over, wall seconds, seconds per step and the last logged losses (a run shorter than a
+        log line: its own steps')."""
+        self.save(step)
+        done = step - self.first
+        return {"steps_done": step, "steps_this_run": done, "finished": step >= self.total,
+                "wall_s": round(self.clock.elapsed(), 1), "seconds_per_step": round(self.clock.elapsed() / max(1, done), 3),
+                "last_losses": self.last or (mean_terms(self.recent) if self.recent else {})}
 
 
 def warm_start(model: torch.nn.Module, checkpoint_state: dict[str, torch.Tensor], ema) -> None:

@@ -39,7 +39,8 @@ from s3flow.model.encoder import EncoderConfig
 from s3flow.model.estimator import EstimatorConfig
 from s3flow.model.flow import FlowConfig, S3Flow
 from s3flow_training.data import Dataset, prompt_for
-from s3flow_training.runstate import Clock, RunState, rewarm_factor, step_rng, step_seed, warm_start
+from s3flow_training.runstate import (Clock, Progress, RunState, optimizer_step, rewarm_factor, step_rng, step_seed,
+                                      warm_start)
 
 SIGMA_MIN = 1e-6
 CFG_DROPOUT = 0.2
@@ -279,7 +280,8 @@ def train_teacher(ds: Dataset, settings: TrainSettings = TrainSettings(), log: L
         log(f"teacher: warm start at step {step} from the given weights (fresh optimiser)")
     flow.train()
     train_split = ds.split(heldout=False)
-    clock, first, recent, last = Clock(budget_s, step, max_steps), step, [], None
+    clock = Clock(budget_s, step, max_steps)
+    progress = Progress(state, "teacher step", s.teacher_steps, s.log_every, s.save_every, clock, log)
     while step < s.teacher_steps and clock.running(step):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, s.teacher_steps, s.teacher_lr, s.warmup_steps) * rewarm_factor(step, rewarm)
@@ -289,23 +291,12 @@ def train_teacher(ds: Dataset, settings: TrainSettings = TrainSettings(), log: L
         batch = make_batch(ds, batch_plan(ds, train_split, s.batch_size, s.seed, step), rng, s.prompt_prob,
                            s.prompt_tokens, s.max_tokens, s.context_prob, s.context_tokens)
         loss = cfm_loss(flow, batch, gen, cfg_dropout=1.0 if step < s.uncond_steps else CFG_DROPOUT)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(flow.parameters(), s.grad_clip)
-        opt.step()
+        optimizer_step(opt, loss, flow.parameters(), s.grad_clip)
         ema.update(flow, step)
         step += 1
-        recent.append(loss.item())
-        if step % s.log_every == 0 or step == s.teacher_steps:
-            last = round(float(np.mean(recent)), 5)
-            log(f"teacher step {step}/{s.teacher_steps}: loss {last:.4f} ({clock.elapsed():.0f} s)")
-            recent = []
-        if step % s.save_every == 0:
-            state.save(step)
-    state.save(step)
+        progress.after(step, {"loss": loss.item()})
+    info = progress.end(step)
     ema.copy_to(flow)
-    info = {"steps_done": step, "steps_this_run": step - first, "finished": step >= s.teacher_steps,
-            "wall_s": round(clock.elapsed(), 1), "last_loss": last}
     return flow.eval(), info
 
 

@@ -46,7 +46,7 @@ from s3flow.model.vocoder import HiFTGenerator
 from s3flow_training.discriminators import (DiscriminatorConfig, Discriminators, discriminator_loss,
                                             feature_matching_loss, generator_adversarial_loss, parameter_count,
                                             scores, tpr_loss)
-from s3flow_training.runstate import Clock, RunState, rewarm_factor, step_rng, warm_start
+from s3flow_training.runstate import Clock, Progress, RunState, optimizer_step, rewarm_factor, step_rng, warm_start
 from s3flow_training.train import EMA, Log
 from s3flow_training.vocoder_train import HOP, VocoderCorpus, vocode_batch, vocoder_loss
 
@@ -108,11 +108,6 @@ def source_weight_norm(hift: HiFTGenerator) -> float:
     return float(torch.linalg.vector_norm(hift.m_source.l_linear.weight.detach()))
 
 
-def _means(recent: list[dict[str, float]]) -> dict[str, float]:
-    keys = list(dict.fromkeys(k for r in recent for k in r))
-    return {k: round(float(np.mean([r[k] for r in recent if k in r])), 5) for k in keys}
-
-
 def train_vocoder_gan(corpus: VocoderCorpus, settings: VocoderGanSettings = VocoderGanSettings(),
                       start: Optional[HiFTGenerator] = None, state_path: Optional[Path] = None,
                       budget_s: Optional[float] = None, max_steps: Optional[int] = None,
@@ -143,8 +138,10 @@ def train_vocoder_gan(corpus: VocoderCorpus, settings: VocoderGanSettings = Voco
         warm_start(hift, start.state_dict(), ema)
         log("vocoder_gan: from the given generator, fresh discriminators "
             f"({parameter_count(judges):,} parameters)")
-    recent, last = list(state.running.get("recent", [])), dict(state.running.get("last", {}))
-    clock, first = Clock(budget_s, step, max_steps), step
+    clock = Clock(budget_s, step, max_steps)
+    progress = Progress(state, "vocoder_gan step", s.steps, s.log_every, s.save_every, clock, log,
+                        detail=lambda: f", source |w| {source_weight_norm(hift):.4f}"
+                                       + ("" if step > s.disc_warmup_steps else " (discriminators only)"))
     hift.train()
     judges.train()
     for q in hift.m_source.parameters():
@@ -163,10 +160,7 @@ def train_vocoder_gan(corpus: VocoderCorpus, settings: VocoderGanSettings = Voco
         real, fake = judges(real_window), judges(fake_window.detach())
         loss_d = discriminator_loss(real, fake)
         tpr_d = tpr_loss(scores(real), scores(fake), s.tpr_tau)
-        judges_optimizer.zero_grad(set_to_none=True)
-        (loss_d + s.tpr_weight * tpr_d).backward()
-        torch.nn.utils.clip_grad_norm_(judges.parameters(), s.grad_clip)
-        judges_optimizer.step()
+        optimizer_step(judges_optimizer, loss_d + s.tpr_weight * tpr_d, judges.parameters(), s.grad_clip)
         terms.update(d=loss_d.item(), d_tpr=tpr_d.item())
 
         if generator_step:
@@ -179,28 +173,11 @@ def train_vocoder_gan(corpus: VocoderCorpus, settings: VocoderGanSettings = Voco
             tpr_g = tpr_loss(scores(fake), scores(real), s.tpr_tau)
             loss_g = (reconstruction + s.adversarial_weight * adversarial + s.feature_weight * features
                       + s.tpr_weight * tpr_g)
-            generator_optimizer.zero_grad(set_to_none=True)
-            loss_g.backward()
-            torch.nn.utils.clip_grad_norm_(hift.parameters(), s.grad_clip)
-            generator_optimizer.step()
+            optimizer_step(generator_optimizer, loss_g, hift.parameters(), s.grad_clip)
             ema.update(hift, step)
             terms.update(adv=adversarial.item(), fm=features.item(), g_tpr=tpr_g.item())
         step += 1
-        recent.append(terms)
-        if step % s.log_every == 0 or step == s.steps:
-            last = _means(recent)
-            phase = "" if generator_step else " (discriminators only)"
-            log(f"vocoder_gan step {step}/{s.steps}{phase}: " + ", ".join(f"{k} {v:.4f}" for k, v in last.items())
-                + f", source |w| {source_weight_norm(hift):.4f} ({clock.elapsed():.0f} s, "
-                  f"{clock.elapsed() / max(1, step - first):.2f} s/step)")
-            recent = []
-        if step % s.save_every == 0:
-            state.save(step, running={"recent": recent, "last": last})
-    state.save(step, running={"recent": recent, "last": last})
-    done = step - first
-    info = {"steps_done": step, "steps_this_run": done, "finished": step >= s.steps,
-            "wall_s": round(clock.elapsed(), 1), "seconds_per_step": round(clock.elapsed() / max(1, done), 3),
-            "last_losses": last or (_means(recent) if recent else {}),   # a run shorter than a log line: its steps
-            "source_weight_norm": round(source_weight_norm(hift), 5)}
+        progress.after(step, terms)
+    info = {**progress.end(step), "source_weight_norm": round(source_weight_norm(hift), 5)}
     ema.copy_to(hift)
     return hift.eval(), info

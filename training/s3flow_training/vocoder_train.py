@@ -45,7 +45,7 @@ from s3flow.model.vocoder import HiFTGenerator, VocoderConfig
 from s3flow.model.vocoder_source import Excitation, harmonic_source
 from s3flow_training.data import Dataset, audio_of
 from s3flow_training.mel import S3GEN_MEL, log_mel
-from s3flow_training.runstate import Clock, RunState, rewarm_factor, step_rng, warm_start
+from s3flow_training.runstate import Clock, Progress, RunState, optimizer_step, rewarm_factor, step_rng, warm_start
 from s3flow_training.train import EMA, Log, lr_at
 
 HOP = S3GEN_MEL.hop_size
@@ -258,7 +258,8 @@ def train_vocoder(corpus: VocoderCorpus, settings: VocoderTrainSettings = Vocode
         warm_start(hift, start.state_dict(), ema)
         step = rewarm = start_step
         log(f"vocoder: warm start at step {step} from the given weights (fresh optimiser)")
-    clock, first, recent, last = Clock(budget_s, step, max_steps), step, [], {}
+    clock = Clock(budget_s, step, max_steps)
+    progress = Progress(state, "vocoder step", s.steps, s.log_every, s.save_every, clock, log)
     hift.train()
     source = list(hift.m_source.parameters())
     while step < s.steps and clock.running(step):
@@ -269,22 +270,10 @@ def train_vocoder(corpus: VocoderCorpus, settings: VocoderTrainSettings = Vocode
         made = vocode_batch(hift, corpus, step_rng(s.seed, VOCODER_PHASE, step), s.batch_size, s.segment_frames,
                             drive_true_f0=step < s.true_f0_steps)
         loss, terms = vocoder_loss(made.audio, made.f0_pred, made.target_audio, made.target_f0, s)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hift.parameters(), s.grad_clip)
-        opt.step()
+        optimizer_step(opt, loss, hift.parameters(), s.grad_clip)
         ema.update(hift, step)
         step += 1
-        recent.append(terms)
-        if step % s.log_every == 0 or step == s.steps:
-            last = {k: round(float(np.mean([r[k] for r in recent])), 5) for k in recent[0]}
-            log(f"vocoder step {step}/{s.steps}: " + ", ".join(f"{k} {v:.4f}" for k, v in last.items())
-                + f" ({clock.elapsed():.0f} s)")
-            recent = []
-        if step % s.save_every == 0:
-            state.save(step)
-    state.save(step)
-    info = {"steps_done": step, "steps_this_run": step - first, "finished": step >= s.steps,
-            "wall_s": round(clock.elapsed(), 1), "last_losses": last}
+        progress.after(step, terms)
+    info = progress.end(step)
     ema.copy_to(hift)
     return hift.eval(), info
