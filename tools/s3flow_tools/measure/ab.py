@@ -1,0 +1,129 @@
+"""This checkout's server against another checkout's, on the same host, interleaved: C and a stream alone.
+
+A change to the server (a scheduler, a loop, a hop) is judged against the code before it in the same run: this
+host's noise moves C by 10-15 % from one run to the next, more than most changes do. The other checkout is any
+git checkout with its own ``.venv`` (``git worktree add /tmp/before <commit> && make -C /tmp/before setup``);
+each round starts one server from each (``fifo`` by default, the trained small teacher, ``token2mel``, admission
+off, as ``s3flow_tools.measure.qos`` builds it), each checkout's own code serving (a server's python models import
+the package installed in the venv that starts it), and measures
+
+* a stream alone: ``--alone`` held-out sentences one after the other (first mel, wall time per second of audio);
+* C: ``--at-once`` held-out sentences started together, ``--c-runs`` times (seconds of audio per second).
+
+Example::
+
+    .venv/bin/python -m s3flow_tools.measure.ab --other /tmp/before --label "fifo through one loop" \\
+        --other-label "fifo before the loop merge (2212a02)" --out results/one_loop.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def one_side(scheduling: str, alone: int, at_once: int, c_runs: int) -> dict:
+    """This checkout's server (the caller: the checkout's own python): its figures."""
+    from s3flow_contract.tensors import FRAMES_PER_SECOND
+    from s3flow.repository import cli as build_repository
+    from s3flow.server.triton_server import TritonServer
+    from s3flow_tools.measure.qos import MODES, TRAINED, streams, utterances
+
+    out = {"alone_first_s": [], "alone_wall_per_audio": [], "c": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp) / "repo"
+        if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--output", str(repo),
+                                  "--no-voice", "--no-admission", *MODES[scheduling]]) != 0:
+            raise SystemExit("building the repository failed")
+        with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
+            streams(server.grpc_url, "token2mel", utterances(2), 0.0)   # warm the client path
+            for k in range(alone):
+                [r], wall = streams(server.grpc_url, "token2mel", utterances(1, offset=k), 0.0)
+                if r.error is not None:
+                    raise SystemExit(f"a stream failed: {r.error}")
+                out["alone_first_s"].append(r.first_chunk_s)
+                out["alone_wall_per_audio"].append(wall / (r.mel.shape[1] / FRAMES_PER_SECOND))
+            for _ in range(c_runs):
+                results, wall = streams(server.grpc_url, "token2mel", utterances(at_once), 0.0)
+                if any(r.error is not None for r in results):
+                    raise SystemExit("a stream failed at saturation")
+                out["c"].append(sum(r.mel.shape[1] for r in results) / FRAMES_PER_SECOND / wall)
+    return out
+
+
+def run_side(checkout: Path, args) -> dict:
+    """``one_side`` run by ``checkout``'s own python, in it."""
+    cmd = [str(checkout / ".venv" / "bin" / "python"), "-m", "s3flow_tools.measure.ab", "--one-side",
+           "--scheduling", args.scheduling, "--alone", str(args.alone), "--at-once", str(args.at_once),
+           "--c-runs", str(args.c_runs)]
+    if not (checkout / "tools" / "s3flow_tools" / "measure" / "ab.py").is_file():   # an older checkout: ours
+        cmd[1:3] = [str(Path(__file__).resolve())]
+    run = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("AB ")]
+    if run.returncode != 0 or not lines:
+        raise SystemExit(f"{checkout}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+    return json.loads(lines[-1][3:])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("--other", type=Path, help="the other checkout (with its own .venv)")
+    p.add_argument("--label", default="this checkout", help="(default: %(default)s)")
+    p.add_argument("--other-label", default="the other checkout", help="(default: %(default)s)")
+    p.add_argument("--scheduling", default="fifo", choices=("fifo", "deadline", "fewer"), help="(default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="servers per checkout, alternating (default: %(default)s)")
+    p.add_argument("--alone", type=int, default=8, help="streams alone per server (default: %(default)s)")
+    p.add_argument("--at-once", type=int, default=16, help="streams that measure C (default: %(default)s)")
+    p.add_argument("--c-runs", type=int, default=3, help="C measurements per server (default: %(default)s)")
+    p.add_argument("--out", type=Path, help="a markdown report (default: print it only)")
+    p.add_argument("--one-side", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.one_side:
+        print("AB " + json.dumps(one_side(args.scheduling, args.alone, args.at_once, args.c_runs)), flush=True)
+        return 0
+    if args.other is None or not (args.other / ".venv" / "bin" / "python").is_file():
+        p.error("--other: a checkout with its own .venv (make setup in it)")
+    sides = {args.label: ROOT, args.other_label: args.other.resolve()}
+    got: dict[str, dict] = {label: {} for label in sides}
+    for k in range(args.rounds):
+        for label, checkout in (sides.items() if k % 2 == 0 else reversed(sides.items())):
+            figures = run_side(checkout, args)
+            for key, values in figures.items():
+                got[label].setdefault(key, []).extend(values)
+            print(f"round {k + 1}, {label}: C {np.mean(figures['c']):.2f}, alone first mel p50 "
+                  f"{1000 * np.median(figures['alone_first_s']):.0f} ms", flush=True)
+    from s3flow_tools.bench.report import machine
+
+    mine, theirs = got[args.label], got[args.other_label]
+    def row(name, key, scale=1.0, stat=np.mean, fmt=".2f"):
+        a, b = stat(mine[key]) * scale, stat(theirs[key]) * scale
+        return f"| {name} | {a:{fmt}} | {b:{fmt}} | {a / b:.2f} |"
+
+    lines = [f"# {args.label} against {args.other_label}", "",
+             f"Made by `python -m s3flow_tools.measure.ab --other {args.other} --scheduling {args.scheduling} "
+             f"--rounds {args.rounds}` on {', '.join(f'{k} {v}' for k, v in machine().items())}: the trained small "
+             f"teacher (10 guided steps), `token2mel`, admission off, `{args.scheduling}`; {args.rounds} servers "
+             f"from each checkout, alternating; per server {args.alone} held-out sentences alone, then "
+             f"{args.c_runs} x {args.at_once} at once (C).", "",
+             f"| figure | {args.label} | {args.other_label} | ratio |", "| --- | ---: | ---: | ---: |",
+             row(f"C, s of audio per s (mean of {len(mine['c'])})", "c"),
+             f"| C, standard deviation | {np.std(mine['c']):.2f} | {np.std(theirs['c']):.2f} | |",
+             row("a stream alone: first mel p50 (ms)", "alone_first_s", 1000, np.median, ".0f"),
+             row("a stream alone: first mel mean (ms)", "alone_first_s", 1000, np.mean, ".0f"),
+             row("a stream alone: wall time per second of audio", "alone_wall_per_audio", 1, np.mean, ".3f"), ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
