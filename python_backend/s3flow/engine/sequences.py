@@ -175,6 +175,7 @@ class SequenceTable(Generic[State]):
                 held.work.add(work)
             if end:
                 self._pop(corr_id)
+                self._ended.pop(corr_id, None)   # (an id used again goes to the end: the oldest stay first)
                 self._ended[corr_id] = now
                 while self._ended and now - next(iter(self._ended.values())) > ENDED_GRACE_S:
                     self._ended.popitem(last=False)

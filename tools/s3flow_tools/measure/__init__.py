@@ -4,6 +4,9 @@ docstring says what each row is and when it exits non-zero, and ``--help`` lists
 
     .venv/bin/python -m s3flow_tools.measure.failover --help
 
+* ``ab``: this checkout's server against another checkout's, interleaved on one host (C, a stream alone) ->
+  ``results/one_loop.md``
+  ``python -m s3flow_tools.measure.ab --other /tmp/before``
 * ``admission``: admission under overload, with and without the capacity check -> ``results/qos.md`` (its
   admission section)
   ``python -m s3flow_tools.measure.admission``
@@ -34,7 +37,8 @@ docstring says what each row is and when it exits non-zero, and ``--help`` lists
 * ``warmup``: cold start, warm-up off and on -> ``results/warmup.md`` (``--output``)
   ``python -m s3flow_tools.measure.warmup``
 
-``admission`` takes its held-out sentences from ``qos`` (the same as the scheduler's table); nothing else imports
+Each builds its command line with ``command`` (``python -m s3flow_tools.measure.<name>``, the docstring its help).
+``admission`` and ``ab`` take their held-out sentences from ``qos`` (the same as the scheduler's table); nothing else imports
 these modules. The product commands (build the repository, serve, stream, load test, benchmark, train) stay in
 ``scripts/``.
 """

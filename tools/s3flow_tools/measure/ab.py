@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -73,7 +74,7 @@ def run_side(checkout: Path, args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.ab", description=__doc__.split("\n\n")[0])
+    p = command(__file__, __doc__)
     p.add_argument("--other", type=Path, help="the other checkout (with its own .venv)")
     p.add_argument("--label", default="this checkout", help="(default: %(default)s)")
     p.add_argument("--other-label", default="the other checkout", help="(default: %(default)s)")

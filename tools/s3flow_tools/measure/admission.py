@@ -50,6 +50,7 @@ from s3flow_client.stream import StreamError
 from s3flow_contract.answers import answer_of
 from s3flow_tools.bench.report import machine
 from s3flow_tools.measure.qos import TRAINED, utterances   # the same held-out sentences as the scheduler's table
+from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -351,7 +352,7 @@ def write_section(out: Path, lines: list[str]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.admission", description=__doc__.split("\n\n")[0])
+    p = command(__file__, __doc__)
     p.add_argument("--model", default="both", choices=("token2mel", "token2wav", "both"))
     p.add_argument("--loads", default="1.5,3,10", help="streams at once in units of C (%(default)s)")
     p.add_argument("--at-once", type=int, default=16, help="streams that measure C (%(default)s)")

@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 from s3flow_tools.bench.report import fmt, log, machine, markdown, percentile
 from s3flow_tools.bench.served import batching_load, run_load
+from s3flow_tools.measure.command import command
 from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.model.checkpoint import load_flow
 from s3flow.model.random_checkpoint import random_flow
@@ -137,8 +138,7 @@ def describe(setting: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.batching", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command(__file__, __doc__)
     g = p.add_argument_group("settings (default: one knob at a time around the defaults)")
     g.add_argument("--grid", nargs="+", metavar="KNOB=V1,V2", help="every combination of these values")
     g.add_argument("--setting", nargs="+", action="append", metavar="KNOB=V", help="one setting (repeatable)")

@@ -32,7 +32,6 @@ utterances of 2, 5, 10, 30, 60 s, and the first chunk's latency; each the median
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -58,6 +57,7 @@ from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient, chunk_schedule
 from s3flow_client.demo import demo_utterance
 from s3flow_tools.bench.report import log, machine, markdown
+from s3flow_tools.measure.command import command
 from s3flow_training.evaluate import stream_utterance, synthesize_one
 from s3flow_training.intelligibility import intelligibility
 from s3flow_training.package import HeldoutUtterance, load_heldout
@@ -249,8 +249,7 @@ def cost_table(costs: dict[str, dict], prompts_s, lengths_s) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.conditioning", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command(__file__, __doc__)
     p.add_argument("--trained", type=Path, default=TRAINED, help="(default: %(default)s)")
     p.add_argument("--voices", type=int, default=4, help="voices in the quality set (default: %(default)s)")
     p.add_argument("--long-s", type=float, default=30.0, help="the long quality utterance (default: %(default)s)")

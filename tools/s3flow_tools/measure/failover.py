@@ -17,7 +17,6 @@ Example::
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -39,6 +38,7 @@ from s3flow.repository.settings import Batching, RepositorySettings
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance, demo_utterances
+from s3flow_tools.measure.command import command
 
 N, AFTER_CHUNKS = 8, 12
 
@@ -91,7 +91,7 @@ def late_utterance(a: TritonServer, b: TritonServer, marks: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.failover", description=__doc__.split("\n\n")[0])
+    p = command(__file__, __doc__)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "failover.md")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="failover-"))

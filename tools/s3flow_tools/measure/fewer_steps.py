@@ -16,7 +16,6 @@ that within chunks (1.0: a boundary is no different from any other frame). Examp
 """
 from __future__ import annotations
 
-import argparse
 import platform
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from s3flow.protocol import parse_request
 from s3flow.runtime.vocoder import vocode
 from s3flow_training.intelligibility import intelligibility
 from s3flow_training.package import HeldoutUtterance, load_heldout
+from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
 TRAINED = ROOT / "checkpoints" / "trained"
@@ -142,7 +142,7 @@ def report(results: list[Result], n: int, seconds: float) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command(__file__, __doc__)
     p.add_argument("--trained", type=Path, default=TRAINED, help="the shipped files (default: %(default)s)")
     p.add_argument("--max-utterances", type=int, default=0, help="0: every held-out sentence (default)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "fewer_steps.md", help="(default: %(default)s)")

@@ -45,6 +45,7 @@ from s3flow_training.evaluate import stream_utterance
 from s3flow_training.intelligibility import intelligibility, log_spectral_distance
 from s3flow_training.package import load_heldout
 from s3flow_tools.bench.report import log, machine, markdown
+from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
 TRAINED = ROOT / "checkpoints" / "trained"
@@ -137,8 +138,7 @@ def measure_served(utts, first_lookahead: int, work: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.first_audio", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command(__file__, __doc__)
     p.add_argument("--utterances", type=int, default=16, help="held-out utterances (default: %(default)s)")
     p.add_argument("--served", action=argparse.BooleanOptionalAction, default=True, help="(default: on)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())

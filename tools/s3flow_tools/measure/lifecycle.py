@@ -17,7 +17,6 @@ Exits non-zero when a run is not freed in time or the stop is not a clean SIGTER
 """
 from __future__ import annotations
 
-import argparse
 import queue
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from s3flow_client.demo import demo_utterance
 from s3flow_client.wire import infer_inputs
 from s3flow_tools.bench.killed_client import kill_mid_stream
 from s3flow_tools.bench.report import machine
+from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
 def utterance(seed: int, chunks: int = 5):
@@ -89,7 +89,7 @@ def one_run(server, k: int, limit_s: float) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.lifecycle", description=__doc__.split("\n\n")[0])
+    p = command(__file__, __doc__)
     p.add_argument("--runs", type=int, default=20, help="kill sequences on one server (default: %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "lifecycle.md", help="(default: %(default)s)")
     args = p.parse_args(argv)

@@ -20,7 +20,6 @@ and one that holds 0.5 s first, and how long the player ran dry in all.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -41,6 +40,7 @@ from s3flow_client import LiveChunks, LiveClient, StreamingClient, Utterance, ch
 from s3flow_client.chunking import PlannedChunks
 from s3flow_client.live import stalls
 from s3flow_tools.bench.report import log, machine, markdown
+from s3flow_tools.measure.command import command
 from s3flow_training.package import load_heldout
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -99,8 +99,7 @@ def ready_first_audio(url: str, utts: list[Utterance]) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.live", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command(__file__, __doc__)
     p.add_argument("--checkpoint", type=Path, default=TRAINED / "student.safetensors", help="(default: %(default)s)")
     p.add_argument("--seconds", type=float, default=4.0, help="utterance length (default: %(default)s)")
     p.add_argument("--concurrent", type=int, default=8, help="streams at once in the loaded cells (default: 8)")

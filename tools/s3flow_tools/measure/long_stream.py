@@ -15,7 +15,6 @@ latency last/first above 1.25, memory from minute 1 to the end above +10 %, any 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -25,39 +24,33 @@ import numpy as np
 
 from s3flow_contract.tensors import TOKENS_PER_SECOND
 from s3flow.engine.settings import SolverSettings
-from s3flow.model.checkpoint import load_flow
-from s3flow.model.random_checkpoint import write_random_checkpoint
-from s3flow.model.flow import FlowConfig
-from s3flow.model.vocoder import VocoderConfig, random_vocoder
-from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import RepositorySettings
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
+from s3flow_tools.bench.repos import small_repository
 from s3flow_tools.bench.report import log, machine, markdown
+from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
 LATENCY_BOUND, MEMORY_BOUND = 1.25, 0.10
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.long_stream", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command(__file__, __doc__)
     p.add_argument("--minutes", type=float, default=10.0, help="utterance length (default: %(default)s)")
     p.add_argument("--steps", type=int, default=1, help="Euler steps per chunk (default: %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "long_stream.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="long-stream-"))
-    flow = load_flow(write_random_checkpoint(work / "ckpt.safetensors", FlowConfig.small(), seed=6))
-    write_repository(work / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=max(4, args.steps)),
-                                                             ort_threads=1),
-                     vocoder=random_vocoder(VocoderConfig.small(), seed=6))
+    repo = small_repository(work, RepositorySettings(solver=SolverSettings.of(max_steps=max(4, args.steps)),
+                                                     ort_threads=1), seed=6, vocoder=True)
     u = demo_utterance(60 * args.minutes, seed=7)
     n = len(u.speech_tokens)
     rest = n - 50
     u.n_timesteps, u.chunks = args.steps, [10, 40] + [100] * (rest // 100) + ([rest % 100] if rest % 100 else [])
     rss, marks = [], []
-    with TritonServer(work / "repo", log_file=work / "server.log") as server:
+    with TritonServer(repo, log_file=work / "server.log") as server:
         frames = [0]
 
         def progress(_):

@@ -26,7 +26,6 @@ Example::
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -45,6 +44,7 @@ from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
 from s3flow_tools.bench.report import log, machine
 from s3flow_tools.bench.repos import small_repository
+from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
 ENSEMBLE, ADMISSION, SOLVER = "token2mel", "admission", "cfm_solver"
@@ -250,7 +250,7 @@ def write(results: dict, args, path: Path) -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.overhead", description=__doc__.split("\n\n")[0])
+    p = command(__file__, __doc__)
     p.add_argument("--alone", type=int, default=6, help="utterances streamed one at a time (default: 6)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of --at-once streams (default: 3)")
     p.add_argument("--at-once", type=int, default=4, help="streams started together (default: 4)")

@@ -26,7 +26,6 @@ its FIFO C is the server's: how far the model is from the server. Exits non-zero
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import threading
@@ -45,6 +44,7 @@ from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient, Utterance
 from s3flow_tools.bench.report import machine
 from s3flow_tools.schedule_sim import SMALL_ON_2_CORES, Load, saturation, simulate
+from s3flow_tools.measure.command import command
 from s3flow_training.package import HeldoutUtterance, load_heldout
 
 TRAINED = ROOT / "checkpoints" / "trained"
@@ -118,7 +118,7 @@ def row(label: str, mode: str, results: list, dry: float, model: str, cut: float
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.qos", description=__doc__.split("\n\n")[0])
+    p = command(__file__, __doc__)
     p.add_argument("--model", default="token2mel", choices=("token2mel", "token2wav"))
     p.add_argument("--loads", default="0.5,0.8,1.0", help="offered loads in units of FIFO's C (%(default)s)")
     p.add_argument("--at-once", type=int, default=16, help="streams that measure C (%(default)s)")

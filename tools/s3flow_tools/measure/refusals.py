@@ -20,7 +20,6 @@ Exits non-zero when, with admission, the new utterance's first chunk takes 2 s o
 """
 from __future__ import annotations
 
-import argparse
 import queue
 import sys
 import tempfile
@@ -31,16 +30,14 @@ import numpy as np
 
 from s3flow_contract.tensors import request_arrays
 from s3flow.engine.settings import SolverSettings
-from s3flow.model.checkpoint import load_flow
-from s3flow.model.random_checkpoint import write_random_checkpoint
-from s3flow.model.flow import FlowConfig
-from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import RepositorySettings
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
 from s3flow_client.wire import infer_inputs
+from s3flow_tools.bench.repos import small_repository
 from s3flow_tools.bench.report import log, machine, markdown
+from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -83,20 +80,18 @@ def chunk_latencies(server, utterances: int) -> list[float]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.refusals", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command(__file__, __doc__)
     p.add_argument("--refused", type=int, default=256, help="refused STARTs left open (default: %(default)s)")
     p.add_argument("--utterances", type=int, default=12, help="utterances for the per-chunk cost (default: %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "refusals.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="refusals-"))
-    flow = load_flow(write_random_checkpoint(work / "ckpt.safetensors", FlowConfig.small(), seed=5))
     rows, lat = [], {}
     for admission in (True, False):
-        repo = work / f"repo_{'admission' if admission else 'direct'}"
-        write_repository(repo, flow, RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1,
-                                                        admission=admission))
-        with TritonServer(repo, log_file=work / f"{repo.name}.log") as server:
+        name = "admission" if admission else "direct"
+        repo = small_repository(work / name, RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1,
+                                                                admission=admission), seed=5)
+        with TritonServer(repo, log_file=work / f"{name}.log") as server:
             lat[admission] = chunk_latencies(server, args.utterances)
             answered, first = refused_then_first_chunk(server, args.refused)
         rows.append((admission, answered, first))

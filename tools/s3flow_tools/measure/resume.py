@@ -20,7 +20,6 @@ the undisturbed run by more than the tolerances, or a snapshot resume replayed a
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -36,6 +35,7 @@ from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient, Utterance
 from s3flow_client.demo import load_utterance
 from s3flow_tools.bench.report import log, machine, markdown
+from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
 TRAINED = ROOT / "checkpoints" / "trained"
@@ -96,8 +96,7 @@ def run_killed(repo: Path, env: dict, b: TritonServer, u: Utterance, kill_at_s: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.resume", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command(__file__, __doc__)
     p.add_argument("--at", type=float, nargs="+", default=[10.0, 60.0, 540.0],
                    help="seconds of audio at which A is killed (default: %(default)s)")
     p.add_argument("--after", type=float, default=20.0, help="seconds of audio after the kill (default: %(default)s)")

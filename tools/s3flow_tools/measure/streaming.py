@@ -19,7 +19,6 @@ Exits non-zero if a stream loses or duplicates a frame (``measure`` asserts the 
 """
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 import time
@@ -36,6 +35,7 @@ from s3flow_training.evaluate import synthesize_one
 from s3flow_training.package import load_heldout
 from s3flow_training.streaming_eval import long_utterances, measure
 from s3flow_client import chunk_schedule
+from s3flow_tools.measure.command import command
 
 TRAINED = ROOT / "checkpoints" / "trained"
 
@@ -45,8 +45,7 @@ def mode_name(c) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m s3flow_tools.measure.streaming", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = command(__file__, __doc__)
     p.add_argument("--checkpoint", type=Path, default=TRAINED / "teacher.safetensors", help="(default: %(default)s)")
     p.add_argument("--heldout", type=Path, default=TRAINED / "heldout.npz", help="(default: %(default)s)")
     p.add_argument("--contexts", type=int, nargs="+", default=[0, 50, 100, 200],
