@@ -12,7 +12,7 @@ stream counts from it), the START marks admission left (first audio), the slots 
 Example (what the model does)::
 
     vocoder = VocoderInstance(params, "vocoder", "vocoder_0", stream, metrics.publish, slots)
-    outcome = vocoder.handle(VocoderIncoming(corr_id, start, end, inputs))
+    responses = vocoder.batch(lambda: [answer(r) for r in requests])   # answer: vocoder.handle(VocoderIncoming(...))
     vocoder.close()
 """
 from __future__ import annotations
@@ -59,14 +59,21 @@ class VocoderInstance(Observer):
         self.reaper = IdleReaper(self.table.evict_idle, limits.idle_timeout_s, name, on_evicted=self.publish,
                                  then=self._free_slots, log=lambda m: log("error", m))
 
+    def batch(self, requests: Callable[[], list]) -> list:
+        """One ``execute``: idle streams evicted first, ``requests()`` (each through :meth:`handle`), then one
+        report of the load (it reads every instance's report: once per batch, not per request)."""
+        self.table.evict_idle()
+        try:
+            return requests()
+        finally:
+            self.publish()
+
     def handle(self, r: VocoderIncoming) -> VocoderOutcome:
         """One request (not the model's own slot-release END): its outcome; the stream's client hears of it now."""
-        self.table.evict_idle()
         try:
             return self._handle(r)
         finally:
             self.vocoded.count(r.corr_id, start=r.start)
-            self.publish()
 
     def _handle(self, r: VocoderIncoming) -> VocoderOutcome:
         started = None

@@ -58,6 +58,9 @@ class TritonPythonModel(TritonModel):
         return [pb_utils.Tensor(_MEL, np.zeros((1, self.n_feats, 0), np.float32)),
                 pb_utils.Tensor(_FRAME_OFFSET, np.zeros((1, 1), np.int64))]
 
+    def execute(self, requests):
+        return self.vocoder.batch(lambda: super(TritonPythonModel, self).execute(requests))
+
     def respond(self, request):
         c = read_controls(request)
         if not c.ready or self.vocoder.slots.is_release(c.corr_id, c.end, request.parameters()):
