@@ -4,7 +4,8 @@
 Runs from a fresh copy of the repository with the system ``python3`` of a GPU host (torch with CUDA; our
 .venv is not needed; nothing is downloaded; safetensors, onnx, onnxruntime and tensorrt are optional)::
 
-    python3 scripts/gpu_check.py --out results            # full size on cuda:0; under 8 minutes on one H200
+    python3 scripts/gpu_check.py --out results            # full size on cuda:0 (not done in 470 s on one H200)
+    python3 scripts/gpu_check.py --out results --sections scaling   # one section (each prints as it goes)
     python3 scripts/gpu_check.py --device cpu --quick     # small config on the CPU: every code path, seconds
 
 What it does (full size: 50 prompt + 100 speech tokens, 2 s of audio per utterance):
@@ -20,7 +21,9 @@ What it does (full size: 50 prompt + 100 speech tokens, 2 s of audio per utteran
 6. TensorRT, when ``import tensorrt`` works (and onnx is there): ONNX export, fp32 and fp16 estimator
    engines and an fp32 encoder engine on a narrow profile, parity against torch fp32, timings, and the
    whole flow on the fp16 engine. Where TensorRT is missing it says so and builds nothing.
-7. token2wav with the vocoder on the device (HiFT in torch fp32, what the gpu target's ``vocoder`` model
+7. scaling: estimator per call against rows (2..256) and frames (64/150/300) in tf32/bf16/fp16 and as a bf16
+   CUDA graph, the encoder against its batch (the per-call figures a projection of many streams reads).
+8. token2wav with the vocoder on the device (HiFT in torch fp32, what the gpu target's ``vocoder`` model
    runs): offline vocoding on the device vs the CPU, and the streaming engine feeding a ``VocoderStream``
    chunk by chunk against offline vocoding of the streamed mel; time to first audio, RTF.
 
@@ -55,13 +58,16 @@ import torch  # noqa: E402
 from s3flow_contract.tensors import TOKENS_PER_SECOND  # noqa: E402
 from s3flow.engine.streaming import StreamingEngine  # noqa: E402
 from s3flow.model.flow import FlowConfig  # noqa: E402
+from s3flow.model.solver import FrameNoise  # noqa: E402
 from s3flow.engine.sequences import SequenceLimits  # noqa: E402
+from s3flow.engine.settings import ChunkSolving  # noqa: E402
 from s3flow.serving.session import Incoming, SolverSession  # noqa: E402
 from s3flow.runtime import tensorrt as tb  # noqa: E402
-from s3flow_tools.gpu_check.flows import (FULL, QUICK, FlowModes, Plan, Utterance, random_flow,  # noqa: E402
+from s3flow_tools.gpu_check.flows import (FULL, QUICK, FlowModes, Plan, Utterance, initial_noise, random_flow,  # noqa: E402
                                             request, set_tf32, utterance)
 from s3flow_tools.gpu_check.report import BOUNDS, Clock, Report, environment, rel_error, table  # noqa: E402
-from s3flow_tools.gpu_check.sections import estimator_section, precision_section, tensorrt_section  # noqa: E402
+from s3flow_tools.gpu_check.sections import (estimator_section, precision_section, scaling_section,  # noqa: E402
+                                             tensorrt_section)
 
 
 def device_engine(fm: FlowModes, estimator) -> StreamingEngine:
@@ -72,6 +78,20 @@ def device_engine(fm: FlowModes, estimator) -> StreamingEngine:
             return enc(tokens.to(dev), token_len.to(dev), embedding.to(dev))
     return StreamingEngine(encode, estimator, n_feats=fm.dev.config.n_feats, meanflow=fm.dev.config.meanflow,
                            limits=SequenceLimits(max_live_sequences=256))
+
+
+def served_prompt(u: Utterance, solving: ChunkSolving, n_feats: int) -> tuple[Utterance, torch.Tensor]:
+    """``u`` as the engine conditions it, and its starting noise: where the engine caps the prompt (the served
+    default) the last ``solving.prompt_frames`` frames (whole tokens), their noise the tail of the whole prompt's,
+    so that offline synthesis of it from that noise is the engine's reference."""
+    frames = 2 * len(u.prompt)
+    if solving.prompt_frames < 0 or frames <= solving.prompt_frames:
+        return u, initial_noise(u, n_feats)
+    keep = solving.prompt_frames // 2
+    noise = FrameNoise(u.seed, n_feats)
+    z = np.concatenate([noise.prompt(frames)[:, frames - 2 * keep:], noise.frames(0, 2 * len(u.speech))], axis=1)
+    return (dataclasses.replace(u, prompt=u.prompt[-keep:], prompt_mel=u.prompt_mel[-2 * keep:]),
+            torch.from_numpy(z)[None])
 
 
 def answers(session: SolverSession, incoming: list[Incoming]) -> list:
@@ -97,7 +117,9 @@ def streaming_section(rep: Report, fm: FlowModes, plan: Plan) -> None:
     results = run_batch(engine, utts, 1000, plan.steps)
     rows = []
     for u, res in zip(utts, results):
-        ref = fm.synthesize(u, on_device=True, estimator=fm.runners["fp32"].estimator, steps=plan.steps)[0]
+        conditioned, z = served_prompt(u, engine.solving, fm.dev.config.n_feats)
+        ref = fm.synthesize(conditioned, on_device=True, estimator=fm.runners["fp32"].estimator, steps=plan.steps,
+                            z=z)[0]
         rel, finite = rel_error(torch.from_numpy(res.mel), ref[:, :res.mel.shape[1]])
         ok = rep.check(f"streaming engine on device vs offline, {len(u.speech)} tokens", rel, finite,
                        BOUNDS["streamed"]) and res.mel.shape[1] == 2 * len(u.speech)
@@ -224,6 +246,7 @@ def throughput_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock, trt
             counter = iter(range(10**6))
             ms = clock.ms(lambda: run_batch(engine, utts, 10_000 * next(counter), plan.steps))
             data[f"B{b}/{mode}"] = ms
+            print(f"throughput: batch {b} {mode} {ms:.0f} ms", file=sys.stderr, flush=True)
             row.append(f"{ms:.0f} ms, {b / ms * 1e3:.1f} utt/s, {b * audio_s / ms * 1e3:.0f}x RT")
         rows.append(row)
     rep.data["throughput_ms"] = data
@@ -235,6 +258,13 @@ def throughput_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock, trt
 
 
 
+def write_report(rep: Report, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.md").write_text(rep.markdown())
+    (out / "gpu_check.json").write_text(json.dumps(
+        {"env": rep.env, "ok": rep.ok, "checks": rep.checks, "data": rep.data}, indent=2, default=str))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default: %(default)s)")
@@ -244,6 +274,9 @@ def parse_args(argv=None):
     p.add_argument("--trt-opt-level", type=int, default=2, help="builder optimisation level (default: %(default)s)")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="no further TensorRT build starts after this many seconds (default: %(default)s)")
+    p.add_argument("--sections", default="",
+                   help="comma-separated sections to run (default: all): precision, streaming, token2wav, tensorrt, "
+                        "estimator, throughput, scaling")
     p.add_argument("--seed", type=int, default=0, help="random weights' seed (default: %(default)s)")
     return p.parse_args(argv)
 
@@ -277,11 +310,19 @@ def main(argv=None) -> int:
                              utterance(plan, seed=1), deadline=t_start + args.budget_s - 90))),
         ("estimator", lambda: estimator_section(rep, guided, plan, clock_dev, trt_engines)),
         ("throughput", lambda: throughput_section(rep, guided, plan, clock_dev, trt_engines)),
+        ("scaling", lambda: scaling_section(rep, guided, plan, clock_dev)),
     ]
     if device.type != "cuda" and not args.no_tensorrt:
         rep.add("TensorRT", f"Not run: device {device} (engines need a GPU). tensorrt here: "
                 f"{tb.tensorrt_version() or 'not importable'}.")
+    chosen = {n for n in args.sections.split(",") if n}
+    unknown = chosen - {name for name, _ in sections}
+    if unknown:
+        print(f"unknown --sections {sorted(unknown)}", file=sys.stderr)
+        return 2
     for name, run in sections:
+        if chosen and name not in chosen:
+            continue
         t0 = time.perf_counter()
         try:
             run()
@@ -290,12 +331,8 @@ def main(argv=None) -> int:
             rep.fail(f"section {name}", repr(exc))
             rep.add(f"{name}: error", f"```\n{traceback.format_exc()[-2000:]}\n```")
         rep.data.setdefault("section_s", {})[name] = round(time.perf_counter() - t0, 1)
-    rep.env["wall time"] = f"{time.perf_counter() - t_start:.0f} s"
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.md").write_text(rep.markdown())
-    (args.out / "gpu_check.json").write_text(json.dumps(
-        {"env": rep.env, "ok": rep.ok, "checks": rep.checks, "data": rep.data}, indent=2, default=str))
+        rep.env["wall time"] = f"{time.perf_counter() - t_start:.0f} s"
+        write_report(rep, args.out)   # after every section: a run cut short keeps what it measured
     print(f"\n{'PASS' if rep.ok else 'FAIL'}: {sum(c['ok'] for c in rep.checks)}/{len(rep.checks)} checks; "
           f"wrote {args.out / 'gpu_check.md'} and gpu_check.json in {rep.env['wall time']}")
     return 0 if rep.ok else 1

@@ -624,7 +624,8 @@ def test_gpu_check_quick_on_cpu_writes_its_results(tmp_path):
     assert stream["max_abs"] < 1e-6 and stream["first_audio_ms"] is not None and len(stream["chunks"]) > 2
     md = (out / "gpu_check.md").read_text()
     assert "not GPU figures" in md and "## Verdict" in md and "**PASS**" in md
-    for section in ("Whole flow", "Streaming engine", "token2wav", "Estimator forward", "Throughput", "TensorRT"):
+    for section in ("Whole flow", "Streaming engine", "token2wav", "Estimator forward", "Throughput", "TensorRT",
+                    "Scaling"):
         assert f"## {section}" in md, section
 
 
@@ -657,3 +658,24 @@ def test_torch_backend_served_equals_in_process(tmp_path):
     # the served torch backend streams exactly what the in-process engine streams (same mode, same settings)
     [local] = stream_in_process(make_engine(flow, solver), [u], [u.chunks], rules=solver.rules)
     np.testing.assert_allclose(got.mel, np.concatenate([r.mel for r in local], 1), atol=5e-4, rtol=0)
+
+
+def test_gpu_check_streaming_reference_keeps_the_served_prompt_cap(tmp_path):
+    """The full-size streaming check conditions on a 100-frame prompt, which the engine caps at 50: the check's
+    offline reference must use the kept prompt and its noise (the first H200 run compared against the whole
+    prompt and failed at 0.24). Run on the CPU with the full plan's prompt and a small model."""
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, "-c", (
+        "import sys, dataclasses, torch; sys.argv=['gpu_check']; sys.path.insert(0, 'scripts');"
+        "import gpu_check as g;"
+        "from s3flow_tools.gpu_check.flows import QUICK, FlowModes, random_flow;"
+        "from s3flow_tools.gpu_check.report import Report, environment;"
+        "from s3flow.model.flow import FlowConfig;"
+        "plan = dataclasses.replace(QUICK, prompt_tokens=50, speech_tokens=20);"
+        "rep = Report(device='cpu', plan=plan, env=environment(torch.device('cpu')));"
+        "g.streaming_section(rep, FlowModes(random_flow(FlowConfig.small(False), 0), torch.device('cpu')), plan);"
+        "print([(c['name'], c['rel_error'], c['ok']) for c in rep.checks]); sys.exit(0 if rep.ok else 1)")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "streaming engine" in run.stdout

@@ -26,10 +26,15 @@ class Plan:
     trt_max_batch: int
     trt_max_frames: int
     steps: int = 10            # guided Euler steps (meanflow: 2)
+    scale_rows: tuple = (2, 8, 32, 64, 128, 256)   # the scaling section's estimator rows (2 per guided stream)
+    scale_frames: tuple = (64, 150, 300)           # and frames per row
+    scale_encoder_batches: tuple = (1, 8, 32, 128)
+    scale_encoder_tokens: int = 75                  # a chunk's encoder input: prompt + context + new tokens
 
 
 FULL = Plan("full", 50, 100, (100, 300, 600), (1, 2, 4, 8, 16), 3, 10, 2, 1000)
-QUICK = Plan("small", 6, 12, (32,), (1, 2), 0, 1, 2, 128, steps=3)
+QUICK = Plan("small", 6, 12, (32,), (1, 2), 0, 1, 2, 128, steps=3, scale_rows=(2, 4), scale_frames=(16,),
+             scale_encoder_batches=(1, 2), scale_encoder_tokens=12)
 
 
 def random_flow(config: FlowConfig, seed: int) -> S3Flow:
@@ -122,11 +127,14 @@ class FlowModes:
         set_tf32(mode == "tf32")
         return runner.estimator
 
-    def synthesize(self, u: Utterance, *, on_device: bool, estimator=None, steps=None) -> torch.Tensor:
+    def synthesize(self, u: Utterance, *, on_device: bool, estimator=None, steps=None,
+                   z: torch.Tensor | None = None) -> torch.Tensor:
+        """``z``: (1, n_feats, T) the starting noise (default: the utterance's own, ``initial_noise``)."""
         flow, dev = (self.dev, self.device) if on_device else (self.cpu, torch.device("cpu"))
         n_feats = flow.config.n_feats
+        z = initial_noise(u, n_feats) if z is None else z
         out = synthesize(flow, u.speech[None].to(dev), u.prompt[None].to(dev), u.prompt_mel[None].to(dev),
                          u.xvector[None].to(dev), speech_token_len=torch.tensor([len(u.speech)], device=dev),
-                         z=initial_noise(u, n_feats).to(dev), estimator=estimator, n_steps=steps)
+                         z=z.to(dev), estimator=estimator, n_steps=steps)
         return out.mel
 

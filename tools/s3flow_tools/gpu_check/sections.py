@@ -3,6 +3,7 @@ per estimator mode, the estimator's forward time, and TensorRT engines (build, p
 scripts/gpu_check.py runs them beside its streaming sections."""
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -142,3 +143,87 @@ def tensorrt_section(rep: Report, fm: FlowModes, plan: Plan, workdir: Path, opt_
 
 # ---------------------------------------------------------------------------------------------------
 
+
+
+def scaling_section(rep: Report, fm: FlowModes, plan: Plan, clock: Clock) -> None:
+    """Per-call time of the estimator against its rows and frames, and of the encoder against its batch: the
+    figures a projection of many streams on one device needs (s3flow_tools' simulator reads them from the
+    json). Eager torch per mode, and a CUDA graph of the bf16 call (what a TensorRT engine's launch floor is
+    closer to than eager's hundreds of kernel launches). Information only: no check fails here."""
+    import torch
+
+    from s3flow.model.solver import EstimatorInputs
+    from s3flow.runtime.onnx_export import make_estimator_inputs
+    cuda = fm.device.type == "cuda"
+    modes = ["tf32", "bf16", "fp16"] if cuda else ["fp32"]
+    data: dict = {"estimator_ms": {}, "graph_bf16_ms": {}, "encoder_ms": {}, "peak_mib": {}}
+    rows = []
+    for t in plan.scale_frames:
+        for r in plan.scale_rows:
+            inputs = make_estimator_inputs(fm.dev.estimator, batch=r, frames=t, seed=r + t,
+                                           lengths=[t] * r)
+            gf = flops(fm.dev.estimator.config, r, t)
+            row = [t, r, f"{gf / 1e9:.4g}" if gf else "n/a"]
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(fm.device)
+            for mode in modes:
+                est = fm.estimator(mode)
+                try:
+                    ms = clock.ms(lambda e=est: e(EstimatorInputs(**inputs)))
+                except torch.cuda.OutOfMemoryError if cuda else MemoryError:
+                    row.append("oom")
+                    continue
+                data["estimator_ms"][f"R{r}/T{t}/{mode}"] = ms
+                print(f"scaling: T {t} rows {r} {mode} {ms:.2f} ms", file=sys.stderr, flush=True)
+                row.append(f"{ms:.2f}" + (f" ({gf / ms / 1e9:.3g})" if gf else ""))
+            set_tf32(False)
+            if cuda:
+                data["peak_mib"][f"R{r}/T{t}"] = torch.cuda.max_memory_allocated(fm.device) / 2**20
+                ms = _graph_ms(fm, inputs, clock)
+                if ms is not None:
+                    data["graph_bf16_ms"][f"R{r}/T{t}"] = ms
+                print(f"scaling: T {t} rows {r} bf16 CUDA graph {ms:.2f} ms", file=sys.stderr, flush=True)
+                row.append("-" if ms is None else f"{ms:.2f}" + (f" ({gf / ms / 1e9:.3g})" if gf else ""))
+            rows.append(row)
+    enc_rows = []
+    for b in plan.scale_encoder_batches:
+        tokens = torch.randint(0, 6561, (b, plan.scale_encoder_tokens), device=fm.device)
+        lens = torch.full((b,), plan.scale_encoder_tokens, device=fm.device)
+        spk = torch.randn(b, 192, device=fm.device)
+
+        def encode():
+            with torch.inference_mode():
+                return fm.dev.encoder(tokens, lens, spk)
+        ms = clock.ms(encode)
+        data["encoder_ms"][f"B{b}/N{plan.scale_encoder_tokens}"] = ms
+        enc_rows.append([b, plan.scale_encoder_tokens, f"{ms:.2f}"])
+    rep.data["scaling"] = data
+    head = ["T", "rows", "GFLOP"] + modes + (["bf16 CUDA graph"] if cuda else [])
+    rep.add("Scaling: estimator per call against rows and frames, encoder against batch",
+            "ms per call (median), in brackets TFLOP/s (analytic count, matrix products only); every row's mask "
+            "full. Eager torch in each mode, and the bf16 call replayed as one CUDA graph (the launch floor a "
+            "TensorRT engine approaches). The encoder in fp32 (as served), eager.\n\n" + table(head, rows)
+            + "\n\n" + table(["batch", "tokens", "encoder ms"], enc_rows))
+
+
+def _graph_ms(fm: FlowModes, inputs: dict, clock: Clock):
+    """The bf16 estimator call captured as a CUDA graph and replayed: ms per replay, None when capture fails."""
+    import torch
+    from s3flow.model.solver import EstimatorInputs
+    est = fm.estimator("bf16")
+    try:
+        static = {k: v.clone() for k, v in inputs.items()}
+        stream = torch.cuda.Stream(fm.device)
+        stream.wait_stream(torch.cuda.current_stream(fm.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                est(EstimatorInputs(**static))
+        torch.cuda.current_stream(fm.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            est(EstimatorInputs(**static))
+        return clock.ms(graph.replay)
+    except Exception:  # noqa: BLE001 - information only
+        import traceback
+        traceback.print_exc()
+        return None
