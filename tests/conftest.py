@@ -17,3 +17,27 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_instance_layout():
+    """The suite's repositories run one solver and one estimator instance unless a test names its layout: each
+    instance is a stub process that imports torch, and the suite starts about 47 servers (the shipped CPU layout,
+    two of each, added minutes). tests/test_layout.py serves the shipped layout (``shipped_layout``)."""
+    from s3flow.repository import settings
+
+    shipped = {target: dict(counts) for target, counts in settings.DEFAULT_INSTANCES.items()}
+    settings.DEFAULT_INSTANCES["cpu"] = {"solver_instances": 1, "estimator_instances": 1}
+    yield shipped
+    settings.DEFAULT_INSTANCES.update(shipped)
+
+
+@pytest.fixture(scope="module")
+def shipped_layout(one_instance_layout):
+    """The shipped layouts (``DEFAULT_INSTANCES`` as the package has them) for one module's repositories."""
+    from s3flow.repository import settings
+
+    pinned = {target: dict(counts) for target, counts in settings.DEFAULT_INSTANCES.items()}
+    settings.DEFAULT_INSTANCES.update(one_instance_layout)
+    yield one_instance_layout
+    settings.DEFAULT_INSTANCES.update(pinned)

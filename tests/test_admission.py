@@ -2,18 +2,24 @@
 refused is refused here with the solver's disposition, later chunks pass, the live count is the solver
 instances' ids plus STARTs admitted but not yet counted (never both), and a restart on a live id takes no slot."""
 import dataclasses
+import time
 
 import numpy as np
 import pytest
 
 from helpers import request_inputs
 from s3flow_contract.answers import Disposition
+from s3flow.engine.capacity import DUTY_PRIOR, AdmissionTarget, CapacityModel, Work
+from s3flow.engine.settings import SolverSettings
 from s3flow.protocol import RequestRules
 from s3flow.serving.admission import Admission
 from s3flow.serving.load import InstanceLoad, LoadFiles
 from s3flow.serving.voice_registry import UnknownVoice
 from s3flow_client.demo import demo_utterance
 
+from s3flow.serving.calibration import planned_start
+
+PLAN, STEPS, ROWS = planned_start(SolverSettings(), n_feats=80, meanflow=False)
 U = demo_utterance(1.0, seed=1)
 START = request_inputs(U, 0, 10, True)
 
@@ -66,7 +72,8 @@ class Live:
 def test_capacity_counts_live_ids_and_recent_admissions_once(tmp_path):
     live = Live(tmp_path)
     now = [0.0]
-    a = Admission(RequestRules(), 80, load=live.files, grace_s=1.0, clock=lambda: now[0])
+    a = Admission(RequestRules(), 80, load=live.files, grace_s=1.0, clock=lambda: now[0],
+                  target=AdmissionTarget(utilization_target=0))   # the cap alone (nothing priced here)
     live.write("cfm_solver_0", [], cap=2)
     assert a.check(1, True, False, START) is None            # admitted, not yet listed by the solver
     live.write("cfm_solver_0", [1], cap=2)                    # the solver lists it: counted once, not twice
@@ -104,7 +111,9 @@ def _solver_load(folder, live_ids, per_stream: float):
     plan, steps, rows = planned_start(SolverSettings(), 80, False)
     model = CapacityModel(max_batch=1)
     work = plan.window(0)   # a stream with nothing answered yet: the plan's first seconds
-    model.estimator_timed(1, 1000, 1000 * per_stream * work.audio_s / work.row_frames)   # per unit only
+    # per unit only; before any work the capacity is the plan's times the busy share at capacity (DUTY_PRIOR), so
+    # every demand is the costs' over DUTY_PRIOR
+    model.estimator_timed(1, 1000, 1000 * per_stream * DUTY_PRIOR * work.audio_s / work.row_frames)
     files = LoadFiles(folder)
     InstanceLoad(files, "cfm_solver_0", "solver", model, plan, steps, rows).publish({c: Work() for c in live_ids})
     return files
@@ -173,14 +182,39 @@ def test_token2wav_admits_by_its_busiest_stage_not_the_solvers_and_vocoders_dema
     assert "the vocoder's utilization 0.70 + 0.35 for this stream is above the target 0.80" in o.error, o.error
 
 
-def test_before_the_solver_priced_anything_only_the_live_cap_applies(tmp_path):
+def test_before_the_solver_priced_anything_an_idle_server_takes_one_and_the_rest_wait_then_hear_busy(tmp_path):
+    """Issue 48: a burst right after start-up went in unpriced (10 of 10 admitted, all stalled). Before every solver
+    instance has priced its work a START waits for that (bounded), and is judged by it once it comes; if it does not
+    come in time, only an idle server takes a START."""
+    import threading
     from s3flow.engine.capacity import AdmissionTarget
     from s3flow.serving.load import LoadFiles
 
     live = Live(tmp_path / "load")
     live.write("cfm_solver_0", [], cap=64)
-    a = Admission(RequestRules(), 80, load=live.files, target=AdmissionTarget())
-    assert all(a.check(k, True, False, START) is None for k in range(1, 10))
+    a = Admission(RequestRules(), 80, load=live.files, target=AdmissionTarget(), pricing_wait_s=0.3)
+    t0 = time.monotonic()
+    assert a.check(1, True, False, START) is None, "an idle server takes the first"
+    busy = a.check(2, True, False, START)
+    waited = time.monotonic() - t0
+    assert busy is not None and busy.answer.disposition is Disposition.BUSY and "not priced" in busy.error
+    assert 0.3 <= waited < 2.0, f"the second START waited for the pricing, bounded: {waited:.2f} s"
+
+    files = LoadFiles(tmp_path / "priced")            # the pricing arrives while a START waits: judged by it
+    unpriced = InstanceLoad(files, "cfm_solver_0", "solver", CapacityModel(), PLAN, STEPS, ROWS, cap=64)
+    unpriced.publish({1: Work()})
+    b = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.97), pricing_wait_s=5.0)
+    model = CapacityModel(max_batch=8)
+    model.estimator_timed(2, 100, 0.003)
+    model.estimator_timed(8, 100, 0.009)
+    later = threading.Timer(0.2, lambda: InstanceLoad(files, "cfm_solver_0", "solver", model, PLAN, STEPS, ROWS,
+                                                        cap=64).publish({1: Work()}))
+    later.start()
+    t0 = time.monotonic()
+    outcome = b.check(2, True, False, START)
+    later.join()
+    assert 0.15 <= time.monotonic() - t0 < 2.0, "it waited for the calibration's report, not for the bound"
+    assert files.read().known and (outcome is None or "not priced" not in outcome.error), "judged by the prices"
 
 
 def test_live_counts_list_the_recently_ended_for_the_vocoder_but_admission_counts_only_the_live(tmp_path):

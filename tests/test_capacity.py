@@ -217,9 +217,10 @@ def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tm
     load = files.read()
     assert load.known and load.solver_ids == {1, 2, 3} and len(load.reports) == 2
     costs = model.costs()
-    assert load.capacity == pytest.approx(costs.capacity(PLAN.expected())), "before any work: the calibrated prior"
-    def streams(share):   # stream 3 has no answer yet: priced by the plan's start
-        return 2 * costs.demand(PLAN.window(100), share) + costs.demand(PLAN.window(0), share)
+    assert load.capacity == pytest.approx(DUTY_PRIOR * costs.capacity(PLAN.expected())), \
+        "before any work: the calibrated prior, times the busy share at capacity the live estimate applies"
+    def streams(share):   # stream 3 has no answer yet: priced by the plan's start; against the prior's capacity
+        return (2 * costs.demand(PLAN.window(100), share) + costs.demand(PLAN.window(0), share)) / DUTY_PRIOR
 
     solver, vocoder = load.stages()
     assert (solver.name, vocoder.name) == ("solver", "vocoder")
@@ -227,7 +228,7 @@ def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tm
     assert vocoder.now == pytest.approx(0.01 / 2)                                      # 0.01 s per 2 s of audio
     assert load.utilization() == pytest.approx(max(streams(3), 0.01 / 2), rel=1e-6), "the busiest stage, not the sum"
     assert load.utilization(pending=2) > load.utilization()
-    assert solver.need == pytest.approx(costs.demand(PLAN.window(0), 4), rel=1e-6)
+    assert solver.need == pytest.approx(costs.demand(PLAN.window(0), 4) / DUTY_PRIOR, rel=1e-6)
     assert vocoder.need == pytest.approx(0.005 / 3, rel=1e-6), "a third of the streams vocode"
     def need(**kw):
         return load.stages(**kw)[0].need
@@ -260,6 +261,31 @@ def test_a_measured_capacity_rescales_every_solver_demand_and_token2wav_adds_the
     load = files.read()
     assert load.capacity == pytest.approx(measured.capacity)
     assert load.wav_capacity == pytest.approx(min(measured.capacity, 8.0)), "the vocoder bounds token2wav's"
+
+
+def test_solver_instances_are_one_server_of_their_summed_capacity_and_a_start_goes_to_the_emptier(tmp_path):
+    """Several solver instances (results/layout.md: the CPU default is two) each measure what they make while the
+    others work beside them: the server's capacity is their sum, every stream's demand is against it wherever it
+    is held (N default streams need N / capacity), and a START is priced on the instance that holds the fewest."""
+    files, reports = LoadFiles(tmp_path), []
+    for name, made_per_busy_s, held in (("cfm_solver_0", 2.0, {1: PLAN.prefix(100), 2: PLAN.prefix(100)}),
+                                        ("cfm_solver_1", 3.0, {3: PLAN.prefix(100)})):
+        model = _fitted(fixed=0.002, per_unit=2e-5)
+        model.estimator_step(1, 2, 100)
+        model.chunk_work(9, PLAN.expected())
+        model.worked(PLAN.expected().audio_s / made_per_busy_s)
+        reports.append(InstanceLoad(files, name, "solver", model, PLAN, STEPS, ROWS, cap=4).publish(held))
+    load = files.read()
+    first, second = reports
+    assert load.capacity == pytest.approx(first.capacity + second.capacity) and load.cap == 8
+    assert first.capacity != second.capacity, "two different instances: the weights below are not trivially equal"
+    own = {r.capacity: r.utilization for r in reports}   # each instance's streams against its own capacity
+    assert load.utilization() == pytest.approx(sum(u * c for c, u in own.items()) / load.capacity, rel=1e-6), \
+        "each instance's share of the server's capacity, weighted by it"
+    [solver] = load.stages()
+    assert solver.need == pytest.approx(second.planned_demand(second.costs.share(2), capacity=load.capacity),
+                                        rel=1e-6), "priced on the instance holding one stream, not two"
+    assert solver.need < first.planned_demand(first.costs.share(3)), "not against one instance's capacity alone"
 
 
 def test_the_wait_is_until_enough_streams_end_or_young_ones_leave_their_costly_start(tmp_path):

@@ -39,7 +39,8 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES
 from s3flow.engine.vocoder_stream import SERVED_FIRST_LOOKAHEAD_FRAMES, StreamSettings
 from s3flow.repository.generator import write_repository
-from s3flow.repository.settings import SCHEDULING, Batching, RepositorySettings, TRITON_IDLE_GRACE_S, VoiceSettings
+from s3flow.repository.settings import (DEFAULT_INSTANCES, SCHEDULING, Batching, RepositorySettings, TRITON_IDLE_GRACE_S,
+                                       VoiceSettings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,8 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--scheduling", choices=SCHEDULING, default="fifo",
                    help="fifo: Triton batches whole chunks; deadline: a decoupled solver steps the chunks of many "
                         "streams one Euler step at a time, the closest to running dry first (default: %(default)s)")
-    b.add_argument("--solver-instances", type=int, default=d.solver_instances)
-    b.add_argument("--estimator-instances", type=int, default=d.estimator_instances)
+    layouts = "; ".join(f"{t} {v['solver_instances']} and {v['estimator_instances']}"
+                        for t, v in DEFAULT_INSTANCES.items())
+    b.add_argument("--solver-instances", type=int, default=d.solver_instances,
+                   help=f"(default: the target's; solver and estimator instances: {layouts}; results/layout.md)")
+    b.add_argument("--estimator-instances", type=int, default=d.estimator_instances,
+                   help="(default: the target's, as above)")
     b.add_argument("--ort-threads", type=int, default=0,
                    help="ONNX Runtime threads per instance (0: the cores divided among the model's instances)")
     lim = p.add_argument_group("request rules, sequence limits, admission target, chunk solving and deadlines "

@@ -9,6 +9,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -24,6 +25,15 @@ Target = Literal["cpu", "gpu"]
 #: cores the full-size model's last chunk of a 10 s utterance took over 10 s (scripts/benchmark.py lost that
 #: sequence with a 5 s grace).
 TRITON_IDLE_GRACE_S = {"cpu": 30.0, "gpu": 5.0}
+#: The instances of the solver and the estimator by target, where ``Batching`` names none (results/layout.md,
+#: docs/operations.md "Which layout"). CPU: two solver instances beside two estimator instances of half the cores
+#: each, so that one solver's Python, encoder call and bookkeeping overlap the other's estimator calls (one of
+#: each leaves the estimator idle while the solver works, and the solver idle while it waits). GPU: one of each,
+#: so that every estimator call carries the rows of all the streams (a GPU's cost is per call, not per row: the
+#: H200's eager estimator call costs the same 27 ms at 100 and 600 frames, results/gpu_check.md); the overlap
+#: there must come from the solver's loop preparing a step while the previous one runs, not from more instances.
+DEFAULT_INSTANCES = {"cpu": {"solver_instances": 2, "estimator_instances": 2},
+                     "gpu": {"solver_instances": 1, "estimator_instances": 1}}
 GPU_BACKENDS = ("tensorrt", "torch")
 SCHEDULING = ("fifo", "deadline")
 
@@ -40,8 +50,8 @@ class Batching:
     #: waiting silently in Triton's backlog; the headroom also holds refused STARTs and abandoned sequences
     #: until their slots are reclaimed (idle_timeout_s + 5 s).
     max_candidate_sequences: int = 256
-    solver_instances: int = 1
-    estimator_instances: int = 1
+    solver_instances: Optional[int] = None  # None: the target's (DEFAULT_INSTANCES)
+    estimator_instances: Optional[int] = None
     encoder_instances: int = 1
     admission_instances: int = 1            # the ensembles' first step (s3flow.serving.admission)
     length_bucket_ratio: float = 0.0        # >= 1: split a batch where a prefix is > this x the shortest; 0: off
@@ -51,7 +61,7 @@ class Batching:
             raise ValueError(f"strategy must be 'oldest' or 'direct', got {self.strategy!r}")
         for name in ("max_batch_size", "max_candidate_sequences", "solver_instances", "estimator_instances",
                      "encoder_instances", "admission_instances"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_bucket_ratio(self.length_bucket_ratio, "length_bucket_ratio")
         if any(not 1 <= p <= self.max_batch_size for p in self.preferred_batch_sizes):
@@ -95,6 +105,12 @@ class RepositorySettings:
     #: in one execute) or "deadline" (decoupled: its own loop runs one Euler step at a time over the chunks of
     #: many streams, most urgent first; s3flow.engine.step_loop, s3flow.serving.step_service)
     scheduling: Literal["fifo", "deadline"] = "fifo"
+
+    def __post_init__(self):
+        """Instance counts the batching leaves open are the target's (``DEFAULT_INSTANCES``)."""
+        chosen = {k: v for k, v in DEFAULT_INSTANCES.get(self.target, {}).items() if getattr(self.batching, k) is None}
+        if chosen:
+            self.batching = dataclasses.replace(self.batching, **chosen)
 
     @property
     def idle_grace_s(self) -> float:

@@ -18,9 +18,11 @@ refused there never reaches the sequence batcher and holds nothing. It reads the
   solver, or token2wav's vocoder, ``s3flow.serving.load.Stage``: its live streams' summed demand of the device
   against the capacity measured from their work, plus what this START needs, by the default plan at its own
   steps for the solver): ``busy``, with ``retry_after`` the time until the server expects room (young streams
-  past their costly start, or streams of ``expected_utterance_s`` ended), clamped to [0.2, 5] s. Before the
-  solver has priced anything (its calibration at load) only the live-sequence cap applies, and a server that
-  holds no stream takes one whatever its estimate.
+  past their costly start, or streams of ``expected_utterance_s`` ended), clamped to [0.2, 5] s. A server that
+  holds no stream takes one whatever its estimate. A server is never open wider than its knowledge: before every
+  solver instance has priced its work (its calibration at load, seconds after the server is ready), a START waits
+  for that up to ``pricing_wait_s``, and is then refused ``busy`` if the server holds any stream (issue 48: a
+  burst right after start-up went in unpriced, 10 of 10, and every one stalled).
 
 Chunks after the START pass unchecked (their sequence holds its slot legitimately; the solver validates them),
 except those of a sequence the solver dropped (``gone``: answered ``resume`` with the solver's reason);
@@ -49,6 +51,9 @@ from s3flow.serving.voice_registry import UnknownVoice
 
 #: the bounds of a capacity refusal's retry_after (seconds)
 MIN_RETRY_S, MAX_RETRY_S = 0.2, 5.0
+#: how long a START waits for the solver instances to price their work before it is judged without it (their
+#: calibration at load takes a few seconds once the server is ready), and how often it looks
+PRICING_WAIT_S, PRICING_POLL_S = 10.0, 0.05
 
 
 class Admission:
@@ -57,12 +62,15 @@ class Admission:
     def __init__(self, rules: RequestRules, n_feats: int, load: Optional[LoadFiles] = None,
                  voices: Optional[Callable[[str, str], dict]] = None, draining: Callable[[], bool] = lambda: False,
                  name: str = "admission", grace_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                 starts=None, seen=None, gone=None, target: AdmissionTarget = AdmissionTarget()):
+                 starts=None, seen=None, gone=None, target: AdmissionTarget = AdmissionTarget(),
+                 pricing_wait_s: float = PRICING_WAIT_S):
         """``starts``, ``seen``: ``s3flow.serving.arrivals.ArrivalMarks`` for each admitted START (first audio)
         and for every request (a chunk waiting in the queue keeps its sequence from going idle); ``gone``: the
         solver's marks of the sequences it dropped (a later chunk of one is answered here: Triton freed its
         slot, so it would never reach the solver); ``load``: the instances' load reports (their live sequences and
-        cap; admission by capacity, with ``capacity``'s target and expected utterance length)."""
+        cap; admission by capacity, with ``capacity``'s target and expected utterance length); ``pricing_wait_s``:
+        how long a START waits for the solver instances to price their work (module docstring)."""
+        self.pricing_wait_s = pricing_wait_s
         self.rules, self.n_feats, self.voices, self.draining = rules, n_feats, voices, draining
         self.load, self.target = load, target
         self.starts, self.seen, self.gone = starts, seen, gone
@@ -116,14 +124,31 @@ class Admission:
         sequence; ``reason``: its label in the refusals metric."""
         return refused(corr_id, f"{self.name}: {naming_sequence(corr_id, exc)}", exc, reason)
 
+    def _priced(self, load: ServerLoad) -> ServerLoad:
+        """The load once every solver instance has priced its work, or as it is after ``pricing_wait_s``."""
+        deadline = time.monotonic() + self.pricing_wait_s
+        while not load.known and time.monotonic() < deadline:
+            time.sleep(PRICING_POLL_S)
+            load = self.load.read()
+        return load
+
     def _over_capacity(self, corr_id: int, req, load: ServerLoad) -> Optional[Outcome]:
         """The capacity check (module docstring): None when the stream fits under the target."""
-        if not load.known:
-            return None
         held = load.solver_ids
         pending = sum(1 for c in self._admitted if c not in held and c != corr_id)   # admitted, not yet held
         if not held and not pending:   # an idle server takes a stream whatever its estimate: none is better served
             return None
+        if not load.known:   # a stream is held: the START waits for the instances' prices (bounded)
+            load = self._priced(load)
+            held = load.solver_ids
+            pending = sum(1 for c in self._admitted if c not in held and c != corr_id)
+            if not held and not pending:
+                return None
+        if not load.known:   # never open wider than what the server knows: one stream at a time
+            wait = 1.0
+            return self._refuse(corr_id, ServerBusy(f"the server has not priced its work yet (its calibration at "
+                                                    f"load); it takes one stream until it has; retry in {wait:.1f} "
+                                                    f"s or on another server", wait), "capacity")
         stages = load.stages(req.n_timesteps, req.guidance_rate, pending)
         target = self.target.utilization_target
         over = [s for s in stages if not s.fits(target)]

@@ -16,9 +16,10 @@ the one asking):
   streams at once on 2 cores: solver 2.70 audio s per s, vocoder 8.5, served 2.60; added, 2.05), and the
   server's ``utilization`` is the busiest stage's;
 * ``capacity``: audio seconds per second of default streams at full batches, measured from the solver's work
-  (``CapacityModel.capacity``; ``wav_capacity``: token2wav's, the solver's bounded by the vocoder's);
-  each solver demand is scaled so that N default streams need N / capacity (the costs only price one stream
-  against another);
+  (``CapacityModel.capacity``, summed over the solver instances; ``wav_capacity``: token2wav's, the solver's
+  bounded by the vocoder's); each solver demand is scaled so that N default streams need N / capacity wherever
+  they are held (the costs only price one stream against another), and a START is priced on the solver instance
+  holding the fewest streams;
 * ``wait_until(stage, target, expected_s)``: the time until ``stage`` has room for its ``need`` under ``target``,
   looking ahead: streams end, each assumed to last ``expected_s`` of audio (no stream says how long it will be),
   and the solver's young streams leave their costly start (STARTs that came together go in one after another).
@@ -108,37 +109,45 @@ class LoadReport:
         once and priced many times)."""
         return self.costs.capacity(self.planned.expected()) if self.planned is not None else 0.0
 
-    def _scale(self) -> float:
+    def _scale(self, capacity: Optional[float] = None) -> float:
         """A solver's demands are the plan's relative to the measured capacity: the costs price one stream against
         another (a young one needs more, one at more steps more), the work measures how much the device makes
-        (``capacity``), so that N default streams need N / capacity of the device."""
-        planned = self.planned_capacity
-        return planned / self.capacity if planned > 0 and self.capacity > 0 else 1.0
+        (``capacity``: this instance's, or the server's where several solver instances share it), so that N
+        default streams need N / capacity of the device."""
+        planned, capacity = self.planned_capacity, self.capacity if capacity is None else capacity
+        return planned / capacity if planned > 0 and capacity > 0 else 1.0
 
-    def planned_demand(self, share: float, steps: Optional[int] = None, guidance_rate: Optional[float] = None) -> float:
-        """A START's demand by the plan, at its own ``steps`` and ``guidance_rate`` (None: the defaults)."""
+    def planned_demand(self, share: float, steps: Optional[int] = None, guidance_rate: Optional[float] = None,
+                       capacity: Optional[float] = None) -> float:
+        """A START's demand by the plan, at its own ``steps`` and ``guidance_rate`` (None: the defaults), against
+        ``capacity`` (None: this instance's)."""
         if self.planned is None or not self.costs.known:
             return 0.0
         rows = self.planned_rows if guidance_rate is None or self.planned_rows == 1 else (2 if guidance_rate else 1)
         ratio = (steps or self.planned_steps) * rows / max(self.planned_steps * self.planned_rows, 1)
         first = self.planned.window(0)
-        return self._scale() * self.costs.demand(
+        return self._scale(capacity) * self.costs.demand(
             first.scaled(ratio, (steps or self.planned_steps) / max(self.planned_steps, 1)), share)
 
-    def stream_demand(self, work: Work, share: float) -> float:
+    def stream_demand(self, work: Work, share: float, capacity: Optional[float] = None) -> float:
         """A stream's demand by its work so far: against the plan (``Plan.demand``), or (no plan: the vocoder)
-        its own work's."""
+        its own work's; against ``capacity`` (None: this instance's)."""
         if self.planned is None:
             return self.costs.demand(work, share)
-        return self._scale() * self.planned.demand(self.costs, work, share) if self.costs.known else 0.0
+        return self._scale(capacity) * self.planned.demand(self.costs, work, share) if self.costs.known else 0.0
 
-    def demand(self, extra: int = 0) -> dict:
+    def demand(self, extra: int = 0, capacity: Optional[float] = None) -> dict:
         """corr_id -> device s per s of every stream it holds (one with no audio yet: by the plan), each call's
-        fixed part shared by the streams held plus ``extra`` more."""
-        share = self.costs.share(len(self.streams) + len(self.waiting) + extra)
-        out = {c: self.stream_demand(w, share) for c, w in self.streams.items()}
-        out.update({c: self.planned_demand(share) for c in self.waiting if c not in out})
+        fixed part shared by the streams held plus ``extra`` more, against ``capacity`` (None: this instance's)."""
+        share = self.costs.share(self.held + extra)
+        out = {c: self.stream_demand(w, share, capacity) for c, w in self.streams.items()}
+        out.update({c: self.planned_demand(share, capacity=capacity) for c in self.waiting if c not in out})
         return out
+
+    @property
+    def held(self) -> int:
+        """The streams it holds, answered or not."""
+        return len(self.streams) + len(self.waiting)
 
     @property
     def utilization(self) -> float:
@@ -183,13 +192,22 @@ class ServerLoad:
 
     @property
     def known(self) -> bool:
-        """Whether a solver has priced its work yet (before its first timed call admission cannot judge)."""
-        return any(r.costs.known and r.planned is not None for r in self._solvers)
+        """Whether the solver instances have priced their work (each its calibration at load, or its first timed
+        calls): before, admission cannot judge a START by capacity."""
+        return bool(self._solvers) and all(r.costs.known and r.planned is not None for r in self._solvers)
 
     @property
     def capacity(self) -> float:
-        """``token2mel``'s: audio seconds per second of default streams at full batches (the solvers')."""
-        return max((r.capacity for r in self._solvers), default=0.0)
+        """``token2mel``'s: audio seconds per second of default streams at full batches, the solver instances'
+        summed (each measures what it makes while the others work beside it: results/layout.md)."""
+        return sum(r.capacity for r in self._solvers)
+
+    def _entry(self) -> Optional[LoadReport]:
+        """The priced solver instance a new START is expected on: the one holding the fewest streams (Triton's
+        sequence batcher hands a new sequence the lowest free slot index over its instances, so they fill
+        evenly); None before any solver has priced its work."""
+        solvers = [r for r in self._solvers if r.planned is not None and r.costs.known]
+        return min(solvers, key=lambda r: r.held) if solvers else None
 
     @property
     def wav_capacity(self) -> float:
@@ -229,21 +247,20 @@ class ServerLoad:
     def _solver_now(self, pending: int, sharing: int) -> float:
         """The solvers' streams' summed demand, and ``pending`` more by the default plan, each solver call's fixed
         part shared by them all and ``sharing`` more."""
-        total = sum(sum(r.demand(sharing).values()) for r in self._solvers)
-        solvers = [r for r in self._solvers if r.planned is not None and r.costs.known]
-        if pending and solvers:
-            r = solvers[0]
-            total += pending * r.planned_demand(r.costs.share(len(r.streams) + len(r.waiting) + sharing))
+        capacity = self.capacity
+        total = sum(sum(r.demand(sharing, capacity).values()) for r in self._solvers)
+        r = self._entry()
+        if pending and r is not None:
+            total += pending * r.planned_demand(r.costs.share(r.held + sharing), capacity=capacity)
         return total
 
     def _solver_need(self, steps: Optional[int], guidance_rate: Optional[float], pending: int) -> float:
         """What a new START adds to the solver: the default plan at its own ``steps`` and ``guidance_rate``,
         sharing calls with the streams held and ``pending`` more."""
-        solvers = [r for r in self._solvers if r.planned is not None and r.costs.known]
-        if not solvers:
+        r = self._entry()
+        if r is None:
             return 0.0
-        r = solvers[0]
-        return r.planned_demand(r.costs.share(len(r.streams) + len(r.waiting) + pending + 1), steps, guidance_rate)
+        return r.planned_demand(r.costs.share(r.held + pending + 1), steps, guidance_rate, self.capacity)
 
     def wait_until(self, stage: Stage, target: float, expected_s: float, pending: int = 0) -> float:
         """Seconds until ``stage`` has room for its ``need`` under ``target``, looked at every ``WAIT_STEP_S``: in
@@ -267,7 +284,7 @@ class ServerLoad:
     def _solver_ahead(self, ahead: float, expected_s: float, pending: int) -> float:
         """The solvers' demand ``ahead`` seconds from now, each stream further along the plan, with ``pending``
         more STARTs as far along."""
-        load = 0.0
+        load, capacity, entry = 0.0, self.capacity, self._entry()
         for r in self._solvers:
             if r.planned is None:
                 continue
@@ -279,9 +296,9 @@ class ServerLoad:
                 work = r.streams.get(c, Work())
                 later = Work(work.row_frames, work.steps, work.chunks, work.encoder_tokens, work.frames)
                 later.add(r.planned.window(f, ahead * FRAMES_PER_SECOND))
-                load += r.stream_demand(later, share)
-            if pending:
-                load += pending * r.stream_demand(r.planned.prefix(ahead * FRAMES_PER_SECOND), share)
+                load += r.stream_demand(later, share, capacity)
+            if pending and r is entry:
+                load += pending * r.stream_demand(r.planned.prefix(ahead * FRAMES_PER_SECOND), share, capacity)
         return load
 
 
@@ -343,7 +360,10 @@ class InstanceLoad:
         report = LoadReport(self.kind, self.model.costs(), streams, [c for c in works if c not in streams],
                             self.planned, self.planned_steps, self.planned_rows, cap=self.cap,
                             ended=[c for c in ended if c not in works])
-        report.capacity = self.model.capacity() or (report.planned_capacity if self.planned is not None else 0.0)
+        # before any served work: the calibrated costs' capacity for the plan, times the same busy share at
+        # capacity the live estimate applies (its prior, DUTY_PRIOR: the calibration's calls ran alone)
+        prior = report.planned_capacity * self.model.duty if self.planned is not None else 0.0
+        report.capacity = self.model.capacity() or prior
         report.throughput, report.duty = self.model.throughput, self.model.duty
         try:
             self.files.write(self.instance, report)

@@ -66,8 +66,10 @@ class SolverInstance:
 
     def __init__(self, params: Params, name: str, instance: str, encoder, estimator, publish: Publish, slots,
                  queue_delay_s: float = 0.0, decoupled: bool = False, batch_size: int = 1,
-                 log: Callable[[str, str], None] = lambda level, message: None):
+                 log: Callable[[str, str], None] = lambda level, message: None, instances: int = 1):
+        """``instances``: the model's instance count (each publishes its share of the server's utilization)."""
         self.name, self.instance, self.slots, self.log, self.publish_metric = name, instance, slots, log, publish
+        self.instances = max(1, int(instances))
         p = params
         self.settings = SolverSettings.from_parameters(p.raw)
         self.scheduling = p.str("scheduling", "fifo")
@@ -200,7 +202,9 @@ class SolverInstance:
             works = self.table.works()
             self.publish_metric(LIVE, len(works), {})
             load = self.load.publish(works, self.table.recently_ended())   # (their last mel may go to the vocoder)
-            self.publish_metric(UTILIZATION, load.utilization, {})
+            # its streams against the server's capacity (instances alike: the model's sum is the server's, as
+            # admission's ServerLoad reads the reports); its capacity gauge sums over instances the same way
+            self.publish_metric(UTILIZATION, load.utilization / self.instances, {})
             self.publish_metric(CAPACITY, load.capacity, {"ensemble": "token2mel"})
 
     def _dropped(self, corr_id, reason: str) -> None:

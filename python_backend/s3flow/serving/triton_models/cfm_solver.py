@@ -57,9 +57,10 @@ class TritonPythonModel(TritonModel):
         slots = SlotRelease(self.name, lambda: [pb_utils.Tensor(tokens.name, np.zeros((1, 0), tokens.np_dtype))],
                             log=self.logger.log_verbose)
         decoupled = bool(self.config.get("model_transaction_policy", {}).get("decoupled", False))
+        instances = sum(int(g.get("count", 1)) for g in self.config.get("instance_group", [])) or 1
         self.solver = SolverInstance(p, self.name, instance, self.encoder, self.estimator, self.metrics.publish, slots,
                                      self.queue_delay_s, decoupled, int(self.config.get("max_batch_size", 1)),
-                                     log=self._log)
+                                     log=self._log, instances=instances)
 
     def _log(self, level: str, message: str) -> None:
         getattr(self.logger, f"log_{level}")(message)
