@@ -55,3 +55,28 @@ def test_remove_server_files_removes_every_records_folder(tmp_path):
         (folder / "7").write_text("1.0\n")
     assert remove_server_files(pid) == len(SERVER_FOLDERS)
     assert not any(f.exists() for f in server_folders(pid))
+
+
+def _publish_and_exit(folder, instance):
+    from s3flow.engine.capacity import CapacityModel, Work
+    from s3flow.serving.load import InstanceLoad
+    InstanceLoad(LoadFiles(folder), instance, "solver", CapacityModel(), cap=4).publish({11: Work(), 12: Work()})
+
+
+def test_a_load_report_whose_writer_died_is_passed_over_and_removed(tmp_path):
+    """Issue 53: a solver stub killed under the server left its last load report, and admission refused traffic by
+    it (utilization 0.49-0.59 of a dead process) for as long as the server ran."""
+    from s3flow.engine.capacity import CapacityModel, Work
+    from s3flow.serving.load import InstanceLoad
+
+    dead = multiprocessing.get_context("fork").Process(target=_publish_and_exit, args=(tmp_path, "cfm_solver_0_1"))
+    dead.start()
+    dead.join()
+    files = LoadFiles(tmp_path)
+    InstanceLoad(files, "cfm_solver_0_0", "solver", CapacityModel(), cap=4).publish({1: Work()})
+    assert {p.name for p in tmp_path.iterdir()} == {"cfm_solver_0_0", "cfm_solver_0_1"}
+    load = files.read()
+    assert load.solver_ids == {1} and load.cap == 4, "the dead instance's streams and slots do not count"
+    assert [p.name for p in tmp_path.iterdir()] == ["cfm_solver_0_0"], "its report is swept"
+    again = files.read()   # (the folder changed: read anew once, then the same while it stays so)
+    assert load.reports[0].pid == os.getpid() and again.solver_ids == {1} and files.read() is again

@@ -37,13 +37,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.engine.capacity import CapacityModel, Costs, Plan, Work
-from s3flow.serving.records import is_temporary, server_folder, write_atomic
+from s3flow.serving.records import is_temporary, server_folder, write_atomic, writer_alive
 
 
 #: how finely ``ServerLoad.wait_until`` looks ahead (seconds)
@@ -78,6 +79,8 @@ class LoadReport:
     #: sequences whose END it answered in the last moments (their last mel may still be on its way to the vocoder)
     cap: int = 0
     ended: list = field(default_factory=list)
+    #: the writer's process (0: not named): a report whose writer died does not count (``LoadFiles.read``)
+    pid: int = 0
 
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "costs": dataclasses.asdict(self.costs),
@@ -88,7 +91,7 @@ class LoadReport:
                                "expected_frames": self.planned.expected_frames},
                            "planned_steps": self.planned_steps, "planned_rows": self.planned_rows,
                            "capacity": self.capacity, "throughput": self.throughput, "duty": self.duty,
-                           "cap": self.cap, "ended": [int(c) for c in self.ended]})
+                           "cap": self.cap, "ended": [int(c) for c in self.ended], "pid": self.pid})
 
     @classmethod
     def from_json(cls, text: str) -> "LoadReport":
@@ -101,7 +104,7 @@ class LoadReport:
                    planned_steps=int(d["planned_steps"]), planned_rows=int(d["planned_rows"]),
                    capacity=float(d.get("capacity", 0.0)), throughput=float(d.get("throughput", 0.0)),
                    duty=float(d.get("duty", 1.0)), cap=int(d.get("cap", 0)),
-                   ended=[int(c) for c in d.get("ended", [])])
+                   ended=[int(c) for c in d.get("ended", [])], pid=int(d.get("pid", 0)))
 
     @functools.cached_property
     def planned_capacity(self) -> float:
@@ -310,7 +313,8 @@ class LoadFiles:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._last: tuple = ([], ServerLoad([]))   # (the files' texts, what they said)
+        self._last: tuple = ([], [])               # (the files' texts, (path, report) of each)
+        self._load: tuple = ((), ServerLoad([]))   # (the live reports' ids, their ServerLoad)
 
     @staticmethod
     def default_folder(server_pid: Optional[int] = None) -> Path:
@@ -323,24 +327,35 @@ class LoadFiles:
         (self.folder / instance).unlink(missing_ok=True)
 
     def read(self) -> ServerLoad:
-        texts = []
+        """Every live instance's last report; one whose writer has died is passed over and removed (its writer's
+        streams are gone with it: a dead instance must not refuse traffic on its behalf)."""
+        paths, texts = [], []
         for path in sorted(self.folder.iterdir()):
             if is_temporary(path):
                 continue
             try:
                 texts.append(path.read_text())
+                paths.append(path)
             except OSError:   # removed meanwhile
                 continue
-        if texts == self._last[0]:
-            return self._last[1]
-        reports = []
-        for text in texts:
-            try:
-                reports.append(LoadReport.from_json(text))
-            except (ValueError, KeyError, TypeError):   # an older server's
-                continue
-        self._last = (texts, ServerLoad(reports))
-        return self._last[1]
+        if texts != self._last[0]:
+            parsed = []
+            for path, text in zip(paths, texts):
+                try:
+                    parsed.append((path, LoadReport.from_json(text)))
+                except (ValueError, KeyError, TypeError):   # an older server's
+                    continue
+            self._last = (texts, parsed)
+        alive = []
+        for path, report in self._last[1]:
+            if writer_alive(report.pid):
+                alive.append(report)
+            else:
+                path.unlink(missing_ok=True)
+        key = tuple(map(id, alive))
+        if self._load[0] != key:   # (unchanged reports: the same ServerLoad, parsed once)
+            self._load = (key, ServerLoad(alive))
+        return self._load[1]
 
 
 class InstanceLoad:
@@ -365,6 +380,7 @@ class InstanceLoad:
         prior = report.planned_capacity * self.model.duty if self.planned is not None else 0.0
         report.capacity = self.model.capacity() or prior
         report.throughput, report.duty = self.model.throughput, self.model.duty
+        report.pid = os.getpid()
         try:
             self.files.write(self.instance, report)
         except OSError:   # admission counts this instance as it last wrote

@@ -29,7 +29,9 @@ drain      the drain supervisor                   the solver, the vocoder, admis
 Why files (docs/reliability.md): the readers need the last word of another process, at any moment and without a
 round trip through it (admission answers a burst of STARTs while the solver is busy solving; a BLS call into the
 solver would queue behind its batch). A process that dies leaves its files, which the next start sweeps
-(``s3flow.server.leftovers``); a shared-memory region would need the same sweep and a lock of its own.
+(``s3flow.server.leftovers``); a shared-memory region would need the same sweep and a lock of its own. A load
+report names its writer's PID, and a report whose writer has died is passed over and removed by the reader that
+finds it (:func:`writer_alive`): a dead instance never refuses traffic on its behalf.
 
 Example::
 
@@ -79,6 +81,21 @@ def server_folder(name: str, server_pid: Optional[int] = None) -> Path:
         raise ValueError(f"record must be one of {SERVER_FOLDERS}, got {name!r}")
     root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     return Path(root) / f"s3flow-{name}-{server_pid if server_pid is not None else os.getppid()}"
+
+
+def writer_alive(pid: int) -> bool:
+    """Whether the process ``pid`` (a record's writer) still runs: a record whose writer died (a stub killed under
+    the server) must not speak for it (issue 53: admission refused traffic on a dead solver's last load report).
+    0: no writer named (counts as alive)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process: alive
+        return True
+    return True
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

@@ -22,6 +22,9 @@ The trained small teacher (``checkpoints/trained``), two repositories alike but 
    player with a 0.3 s start-up buffer and first audio, each refusal's answer time at the client and its
    ``retry_after``, accepted utterances lost; the server's own capacity estimate
    (``s3flow_capacity_audio_seconds_per_second``); tritonserver's and its stubs' summed RSS before and 30 s after.
+   Then each load again on a **fresh server**, right after it is ready (its solver instances still calibrating:
+   issue 48's burst that went in unpriced), and a client **killed** after 2 answered chunks followed by one healthy
+   utterance (the killed one's stream is held until the idle timeout: is the healthy one served?).
 3. **Singles** on the server with the check: ``--singles`` utterances one after another with random gaps of
    0-1 s: how many STARTs were answered busy (an idle server takes every one).
 4. **Two servers** (``--pair``), each pinned to one core (``taskset``): C of one pinned server alone, then 2 C
@@ -50,6 +53,7 @@ from s3flow_client.stream import StreamError
 from s3flow_contract.answers import answer_of
 from s3flow_tools.bench.report import machine
 from s3flow_tools.measure.qos import TRAINED, utterances   # the same held-out sentences as the scheduler's table
+from s3flow_tools.bench.killed_client import kill_mid_stream
 from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -219,6 +223,16 @@ def load_row(label: str, out: list, model: str) -> dict:
             "retry_after": (min(retry_after), max(retry_after)) if retry_after else None}
 
 
+def load_at_once(server: TritonServer, model: str, k: float, c: float, label: str) -> dict:
+    """round(k C) plain clients at once, no retry: their row (``load_row``), printed."""
+    n = max(1, round(k * c))
+    out, _ = burst([server.grpc_url], model, n, offset=11)
+    r = load_row(label, out, model)
+    print(f"  {label}: {n} streams, {r['admitted']} admitted, {r['refused']} refused (answer max "
+          f"{r['answer_max']:.0f} ms), {len(r['lost'])} lost, {r['stalled']} stalled", flush=True)
+    return r
+
+
 def pin(server: TritonServer, core: int) -> None:
     """Every thread of the server and its stubs on one core."""
     for pid in tree_pids(server.pid):
@@ -257,13 +271,13 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
         estimate = capacity_estimate(server, model)
         rss_before = server.rss_bytes()
         for k in loads:
-            n = max(1, round(k * c))
-            out, _ = burst([server.grpc_url], model, n, offset=11)
-            rows.append(load_row(f"{k:g} C at once", out, model))
-            r = rows[-1]
-            print(f"  {k:g} C: {n} streams, {r['admitted']} admitted, {r['refused']} refused (answer max "
-                  f"{r['answer_max']:.0f} ms), {len(r['lost'])} lost, {r['stalled']} stalled", flush=True)
+            rows.append(load_at_once(server, model, k, c, f"{k:g} C at once"))
             settle(server)
+        # a client killed after 2 answered chunks (its stream held until the idle timeout), then a healthy one
+        kill_mid_stream(server.grpc_url, model, seed=5, seconds=5.0, answers=2)
+        [(healthy_after_kill, healthy_error)], _ = burst([server.grpc_url], model, 1, offset=41)
+        print(f"  killed client, then one: {'served' if healthy_error is None else healthy_error[:200]}", flush=True)
+        settle(server)
         one_by_one = singles(server.grpc_url, model, singles_n, seed=2)
         busy_singles = sum(1 for _, e in one_by_one if e is not None and "disposition=busy" in e)
         other_singles = sum(1 for _, e in one_by_one if e is not None and "disposition=busy" not in e)
@@ -271,6 +285,9 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
         time.sleep(30.0)
         rss_after = server.rss_bytes()
         healthy = server.client().is_server_ready()
+    for k in loads:   # each load again on a fresh server: right after it is ready (before its calibration ends)
+        with TritonServer(repos["on"], log_file=tmp / f"{model}-fresh-{k:g}.log") as server:
+            rows.append(load_at_once(server, model, k, c, f"{k:g} C at once, fresh server"))
     lines += [f"C (without the check, {at_once} at once): **{c:.2f}** s of audio per second; the server's own estimate "
               f"(`s3flow_capacity_audio_seconds_per_second`, after its calibration): {estimate:.2f} "
               f"({estimate / c:.2f}x). Target utilization 0.9." + (
@@ -292,6 +309,9 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
                   f"any stream, the calibrated prior: {trace.samples[0][1] / c:.2f}x).", "",
               f"Admission off, accepted utterances lost: " + ", ".join(
                   f"{n} at once {'/'.join(str(x) for x in v)} (of {n}, {len(v)} runs)" for n, v in lost.items()) + ".",
+              "",
+              f"A client killed after 2 answered chunks of a 5 s utterance (its stream held until the idle timeout), "
+              f"then one healthy utterance: **{'served' if healthy_error is None else 'refused: ' + healthy_error[:160]}**.",
               "",
               f"{singles_n} single utterances one after another, random gaps of 0-1 s, admission on: "
               f"**{busy_singles} answered busy**, {other_singles} other errors.", "",
