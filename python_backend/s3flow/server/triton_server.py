@@ -38,6 +38,7 @@ from typing import Any
 from s3flow.server.access import ServerTls, restricted_api_flags, tenant_flags
 from s3flow.server.drain import close
 from s3flow.serving.draining import DRAIN_FILE_ENV
+from s3flow.server.healing import StubWatch
 from s3flow.server.leftovers import remove_server_files, remove_stale
 from s3flow.server.processes import (free_port, has_nvidia_gpu, is_running, kill, log_tail, port_open, read_cmdline,
                                       read_environ, stop_pid, tree_rss_bytes)
@@ -93,6 +94,8 @@ class TritonServer:
         tls: gRPC over TLS (:class:`s3flow.server.access.ServerTls`); readiness is then probed over HTTP.
         tenants: forward the tenant header to the models (voices per tenant; only behind an entry that sets
             the header itself, docs/security.md).
+        heal: reload the model of a python stub that dies (:mod:`s3flow.server.healing`; Triton does not restart
+            it); implies explicit model control with every model loaded at start.
     """
 
     def __init__(
@@ -114,7 +117,10 @@ class TritonServer:
         admin_key: str | None = None,
         tls: ServerTls | None = None,
         tenants: bool = False,
+        heal: bool = False,
     ) -> None:
+        if heal:   # the repository API's load is what heals (s3flow.server.healing)
+            model_control_mode, load_models = "explicit", list(load_models) or ["*"]
         if model_control_mode not in MODEL_CONTROL_MODES:
             raise ValueError(f"model_control_mode must be one of {MODEL_CONTROL_MODES}, got {model_control_mode!r}")
         if load_models and model_control_mode != "explicit":
@@ -144,6 +150,8 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self._log_handle = None
         self._port_retries = 2
+        self.heal = heal
+        self.healer: StubWatch | None = None
 
     # ----------------------------------------------------------------------------------------- endpoints
     @property
@@ -251,6 +259,7 @@ class TritonServer:
         """Launch the server in its own session and return at once (see :meth:`wait_ready`)."""
         if self.process is not None and self.process.poll() is None:
             raise TritonServerError(f"server already running (pid {self.process.pid})")
+        self.healer = None   # a new process: its stubs are watched once it is ready
         if self.venv is not None:
             check_venv(self.venv)
         remove_stale()   # what servers long gone left in /dev/shm
@@ -305,6 +314,8 @@ class TritonServer:
             if port_open(self.host, self.grpc_port) and port_open(self.host, self.http_port):
                 if self._ready_now():
                     self._wait_metrics_port(start + timeout)
+                    if self.heal and self.healer is None:   # the stubs are up: watch them from now on
+                        self.healer = StubWatch(self.pid, self.http_url).start()
                     return time.monotonic() - start
             if time.monotonic() - start > timeout:
                 self.stop()
@@ -343,6 +354,8 @@ class TritonServer:
         """
         if self.process is None:
             return None
+        if self.healer is not None:   # the stubs go now: none of them may be reloaded
+            self.healer.stop()
         if self.process.poll() is None:
             if self.drain_s is None and self.metrics_port is not None:   # free every sequence slot first
                 close(str(self.drain_file), f"{self.host}:{self.metrics_port}", log=lambda _: None)

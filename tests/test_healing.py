@@ -1,0 +1,63 @@
+"""A python stub killed under a running server (issue 53): Triton 2.51 neither restarts it nor stops answering
+ready, so the launcher reloads its model (s3flow.server.healing, ``TritonServer(heal=True)``). Against a real
+tritonserver: the estimator's stub and then the solver's are SIGKILLed; each time a new utterance is served again
+within 15 s, and the server still stops with nothing of it left running."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from s3flow.engine.settings import SolverSettings
+from s3flow.model.checkpoint import load_flow
+from s3flow.model.flow import FlowConfig
+from s3flow.model.random_checkpoint import write_random_checkpoint
+from s3flow.repository.generator import write_repository
+from s3flow.repository.settings import RepositorySettings
+from s3flow.server.healing import stubs
+from s3flow.server.processes import is_running, tree_pids
+from s3flow.server.triton_server import TritonServer
+from s3flow_client import StreamingClient
+from s3flow_client.demo import demo_utterance
+from s3flow_client.stream import StreamError
+
+pytestmark = pytest.mark.server
+
+HEALED_WITHIN_S = 15.0
+
+
+def served(server) -> bool:
+    """One new 1 s utterance through token2mel, no retry: whether it came back whole."""
+    u = demo_utterance(1.0, seed=3)
+    try:
+        [r] = StreamingClient(server.grpc_url, "token2mel", timeout_s=20, max_retries=0,
+                              max_resumes=0).synthesize([u])
+    except StreamError:
+        return False
+    return r.error is None and r.mel.shape[1] == 2 * len(u.speech_tokens)
+
+
+def kill_stub(server, model: str) -> int:
+    [pid] = [pid for pid, m in stubs(server.pid).items() if m == model]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def test_a_killed_stub_is_reloaded_and_the_server_serves_again_within_seconds(tmp_path):
+    flow = load_flow(write_random_checkpoint(tmp_path / "ckpt.safetensors", FlowConfig.small(), seed=2))
+    write_repository(tmp_path / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1))
+    server = TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", heal=True)
+    with server:
+        assert served(server), server.log_tail()
+        assert set(stubs(server.pid).values()) >= {"cfm_solver", "estimator", "flow_encoder", "admission"}
+        for model in ("estimator", "cfm_solver"):
+            dead = kill_stub(server, model)
+            t0 = time.monotonic()
+            while not served(server):
+                assert time.monotonic() - t0 < HEALED_WITHIN_S, f"{model}: not served again: " + server.log_tail()
+                time.sleep(0.5)
+            assert not is_running(dead) and model in [m for m, _ in server.healer.heals], server.healer.heals
+        family = tree_pids(server.pid)
+    assert not any(is_running(pid) for pid in family), "a process of the server outlived it"
