@@ -104,9 +104,12 @@ log "starting tritonserver on $GPUS GPU(s) under the drain supervisor"
 export S3FLOW_DRAIN_FILE=${S3FLOW_DRAIN_FILE:-/tmp/s3flow-draining}
 # allocations of 1 MiB and more are mapped one by one, so what a long utterance needed goes back to the system
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-1048576}
+# a python stub that dies (Triton restarts none) has its model reloaded by the supervisor (s3flow.server.healing):
+# explicit model control, every model loaded at start
 exec python3 -m s3flow.server.drain supervise --deadline-s "${S3FLOW_DRAIN_DEADLINE_S:-60}" \
-    --drain-file "$S3FLOW_DRAIN_FILE" --metrics-url http://127.0.0.1:8002/metrics -- \
-    tritonserver --model-repository="$REPO" --model-control-mode=none --disable-auto-complete-config \
+    --drain-file "$S3FLOW_DRAIN_FILE" --metrics-url http://127.0.0.1:8002/metrics \
+    --heal-http-url http://127.0.0.1:8000 -- \
+    tritonserver --model-repository="$REPO" --model-control-mode=explicit --load-model='*' --disable-auto-complete-config \
     --http-port=8000 --grpc-port=8001 --metrics-port=8002 --allow-metrics=true --allow-gpu-metrics=true \
     --backend-config=python,shm-default-byte-size=67108864 --backend-config=python,shm-region-prefix-name=s3flow_triton \
     --backend-config=python,shm-growth-byte-size=67108864 \

@@ -831,7 +831,11 @@ def test_triton_takes_its_admin_key_from_a_secret_and_restricts_the_apis(tmp_pat
     assert flags["--grpc-restricted-protocol"].split(":")[0].split(",") == list(RESTRICTED_GRPC)
     assert flags["--http-restricted-api"].split(":")[0].split(",") == list(RESTRICTED_HTTP)
     assert flags["--grpc-restricted-protocol"].endswith("=sandbox-admin-key-0123456789")
-    assert flags["--model-control-mode"] == "none", "clients could load and unload models"
+    # explicit model control, so that the supervisor can reload a model whose stub died (s3flow.server.healing);
+    # the repository API is behind the admin key, so no client can load or unload one
+    assert flags["--model-control-mode"] == "explicit" and flags["--load-model"] == "*"
+    assert "model-repository" in flags["--http-restricted-api"].split(":")[0].split(",")
+    assert "model-repository" in flags["--grpc-restricted-protocol"].split(":")[0].split(",")
     from s3flow.server.access import tenant_flags
     assert all(f in got["tritonserver"] for f in tenant_flags()), "voices per tenant in the fleet"
     assert Path(got["server_env"]["S3FLOW_VOICE_KEY_FILE"]).read_text().strip(), "the voice key reaches the models"

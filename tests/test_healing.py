@@ -45,10 +45,15 @@ def kill_stub(server, model: str) -> int:
     return pid
 
 
-def test_a_killed_stub_is_reloaded_and_the_server_serves_again_within_seconds(tmp_path):
+@pytest.mark.parametrize("supervised", [False, True], ids=["launcher", "drain supervisor, as shipped"])
+def test_a_killed_stub_is_reloaded_and_the_server_serves_again_within_seconds(tmp_path, supervised):
+    """By the launcher's own watch, and by the drain supervisor the container's entrypoint runs, there with the
+    repository API behind the admin key as the fleet runs it (no client may load or unload a model)."""
     flow = load_flow(write_random_checkpoint(tmp_path / "ckpt.safetensors", FlowConfig.small(), seed=2))
     write_repository(tmp_path / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1))
-    server = TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", heal=True)
+    server = TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", heal=True,
+                          drain_s=5.0 if supervised else None,
+                          admin_key="sandbox-admin-key-0123456789" if supervised else None)
     with server:
         assert served(server), server.log_tail()
         assert set(stubs(server.pid).values()) >= {"cfm_solver", "estimator", "flow_encoder", "admission"}
@@ -58,6 +63,11 @@ def test_a_killed_stub_is_reloaded_and_the_server_serves_again_within_seconds(tm
             while not served(server):
                 assert time.monotonic() - t0 < HEALED_WITHIN_S, f"{model}: not served again: " + server.log_tail()
                 time.sleep(0.5)
-            assert not is_running(dead) and model in [m for m, _ in server.healer.heals], server.healer.heals
+            assert not is_running(dead)
+            if not supervised:
+                assert model in [m for m, _ in server.healer.heals], server.healer.heals
+        if supervised:
+            log = (tmp_path / "server.log").read_text()
+            assert "model 'estimator' reloaded" in log and "model 'cfm_solver' reloaded" in log, server.log_tail()
         family = tree_pids(server.pid)
     assert not any(is_running(pid) for pid in family), "a process of the server outlived it"

@@ -35,6 +35,8 @@ import urllib.error
 import urllib.request
 from typing import Callable, Optional
 
+from s3flow.server.access import ADMIN_KEY_ENV, admin_headers
+from s3flow.server.healing import StubWatch
 from s3flow.server.leftovers import remove_server_files, remove_stale
 from s3flow.server.metrics_reader import metric_sum, read_metrics
 from s3flow.serving.draining import DRAIN_FILE_ENV, mark_closing, mark_draining
@@ -113,13 +115,24 @@ def ready(http_url: str, drain_file: str) -> bool:
         return False
 
 
+def admin_key() -> Optional[str]:
+    """The admin key the server was started with: ``$S3FLOW_ADMIN_KEY_FILE``'s (the entrypoint's Secret), else
+    ``$S3FLOW_ADMIN_KEY``, else None."""
+    path = os.environ.get("S3FLOW_ADMIN_KEY_FILE")
+    if path and os.path.exists(path):
+        return pathlib.Path(path).read_text().strip()
+    return os.environ.get(ADMIN_KEY_ENV)
+
+
 def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s: float,
-              kill_after_s: float = 30.0) -> int:
+              kill_after_s: float = 30.0, heal_http_url: str = "") -> int:
     """Run ``command`` (tritonserver) with ``S3FLOW_DRAIN_FILE`` set; on SIGTERM/SIGINT drain, then SIGTERM it.
 
     A second signal during the drain stops the server at once; a drain file made before the signal (by a
     Kubernetes preStop hook: that drain is over) stops it at once too. ``kill_after_s`` after its SIGTERM
-    the server is killed. Returns the server's exit code.
+    the server is killed. ``heal_http_url``: once the server answers ready there, the model of any python stub
+    that dies is reloaded (``s3flow.server.healing``; the server must run with explicit model control and every
+    model loaded). Returns the server's exit code.
     """
     pathlib.Path(drain_file).unlink(missing_ok=True)  # a drain of an earlier run must not refuse this one
     env = dict(os.environ, **{DRAIN_FILE_ENV: drain_file})
@@ -127,8 +140,15 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
     signals: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: signals.append(signum))
+    healer = None
     while child.poll() is None and not signals:
+        if heal_http_url and healer is None and ready(heal_http_url, ""):
+            healer = StubWatch(child.pid, heal_http_url, log=lambda msg: print(f"[s3flow heal] {msg}", flush=True),
+                               headers=admin_headers(admin_key(), "http"))
+            healer.start()
         time.sleep(0.1)
+    if healer is not None:   # the stubs go with the server now: none may be reloaded
+        healer.stop()
     if child.poll() is None:
         if os.path.exists(drain_file):  # a Kubernetes preStop hook drained already: stop now
             print("[s3flow drain] drained before the signal: stopping the server", flush=True)
@@ -163,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long utterances in flight may take to finish")
     parser.add_argument("--kill-after-s", type=float, default=30.0,
                         help="supervise: SIGKILL the server this long after its SIGTERM")
+    parser.add_argument("--heal-http-url", default="",
+                        help="supervise: once the server answers ready at this HTTP endpoint, reload the model of "
+                             "any python stub that dies (needs --model-control-mode=explicit --load-model=*)")
     return parser
 
 
@@ -175,7 +198,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not command:
             parser.error("supervise needs the server's command line after --")
         drain_file = args.drain_file or os.path.join(tempfile.gettempdir(), f"s3flow-drain-{os.getpid()}")
-        return supervise(command, drain_file, args.metrics_url, args.deadline_s, args.kill_after_s)
+        return supervise(command, drain_file, args.metrics_url, args.deadline_s, args.kill_after_s,
+                         args.heal_http_url)
     if not args.drain_file:
         parser.error(f"--drain-file or ${DRAIN_FILE_ENV} is needed")
     if args.what == "drain":

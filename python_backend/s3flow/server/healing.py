@@ -6,6 +6,8 @@ went with python_backend's unification of the decoupled and the plain paths, mid
 8604), and it still answers ready, server and model alike, while every request to the model fails "Stub process
 'estimator_0_0' is not healthy". What does bring it back is a reload over the repository API (explicit model
 control): measured here 1.1-1.4 s for the estimator and for the solver, after which a new utterance is served.
+Where the repository API is behind the admin key (``s3flow.server.access``), so that no client can load or
+unload a model, the watch presents the key.
 
 :class:`StubWatch` runs in the launcher (``TritonServer(heal=True)``): once the server is ready it learns its
 stubs (each stub's command line names its ``<model>/1/model.py``) and every ``interval_s`` looks again; the model
@@ -29,7 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Callable
+from typing import Callable, Optional
 
 from s3flow.server.processes import read_cmdline, tree_pids
 
@@ -51,8 +53,11 @@ class StubWatch:
     """Reloads the model of each stub of ``server_pid`` that dies (module docstring)."""
 
     def __init__(self, server_pid: int, http_url: str, interval_s: float = 0.5, reload_timeout_s: float = 120.0,
-                 log: Callable[[str], None] = print):
-        self.server_pid, self.http_url, self.interval_s = server_pid, http_url.rstrip("/"), interval_s
+                 log: Callable[[str], None] = print, headers: Optional[dict] = None):
+        """``headers``: for the repository API (the admin key where the server restricts it,
+        ``s3flow.server.access.admin_headers(key, "http")``)."""
+        self.server_pid, self.interval_s, self.headers = server_pid, interval_s, dict(headers or {})
+        self.http_url = http_url.rstrip("/").removeprefix("http://")
         self.reload_timeout_s, self.log = reload_timeout_s, log
         self.healing: set[str] = set()
         self.heals: list[tuple[str, float]] = []
@@ -87,7 +92,7 @@ class StubWatch:
         t0 = time.monotonic()
         self.log(f"a python stub of model '{model}' died: reloading it")
         request = urllib.request.Request(f"http://{self.http_url}/v2/repository/models/{model}/load", data=b"{}",
-                                         method="POST")
+                                         method="POST", headers=self.headers)
         try:
             with urllib.request.urlopen(request, timeout=self.reload_timeout_s) as response:
                 ok = response.status == 200

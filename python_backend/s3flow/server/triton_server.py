@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from s3flow.server.access import ServerTls, restricted_api_flags, tenant_flags
+from s3flow.server.access import ADMIN_KEY_ENV, ServerTls, admin_headers, restricted_api_flags, tenant_flags
 from s3flow.server.drain import close
 from s3flow.serving.draining import DRAIN_FILE_ENV
 from s3flow.server.healing import StubWatch
@@ -95,7 +95,8 @@ class TritonServer:
         tenants: forward the tenant header to the models (voices per tenant; only behind an entry that sets
             the header itself, docs/security.md).
         heal: reload the model of a python stub that dies (:mod:`s3flow.server.healing`; Triton does not restart
-            it); implies explicit model control with every model loaded at start.
+            it); implies explicit model control with every model loaded at start. Supervised (``drain_s``), the
+            supervisor heals, as the shipped entrypoint's does; else this launcher (:attr:`healer`).
     """
 
     def __init__(
@@ -220,9 +221,10 @@ class TritonServer:
         if self.drain_s is None:
             return cmd
         python = str(self.venv / "bin" / "python3") if self.venv is not None else sys.executable
+        heal = [f"--heal-http-url=http://{self.http_url}"] if self.heal else []   # the supervisor heals, as shipped
         return [python, "-m", "s3flow.server.drain", "supervise", f"--deadline-s={self.drain_s}",
                 f"--drain-file={self.drain_file}",
-                f"--metrics-url=http://{self.host}:{self.metrics_port}/metrics", "--"] + cmd
+                f"--metrics-url=http://{self.host}:{self.metrics_port}/metrics", *heal, "--"] + cmd
 
     @property
     def draining(self) -> bool:
@@ -244,6 +246,8 @@ class TritonServer:
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
         if self.drain_s is None:   # (the supervisor sets it for its child)
             env[DRAIN_FILE_ENV] = str(self.drain_file)
+        elif self.heal and self.admin_key is not None:   # the supervisor heals over the restricted repository API
+            env[ADMIN_KEY_ENV] = self.admin_key
         env.update(self.extra_env)
         return env
 
@@ -314,8 +318,9 @@ class TritonServer:
             if port_open(self.host, self.grpc_port) and port_open(self.host, self.http_port):
                 if self._ready_now():
                     self._wait_metrics_port(start + timeout)
-                    if self.heal and self.healer is None:   # the stubs are up: watch them from now on
-                        self.healer = StubWatch(self.pid, self.http_url).start()
+                    if self.heal and self.drain_s is None and self.healer is None:   # (supervised: it heals)
+                        self.healer = StubWatch(self.pid, self.http_url,
+                                                headers=admin_headers(self.admin_key, "http")).start()
                     return time.monotonic() - start
             if time.monotonic() - start > timeout:
                 self.stop()
