@@ -39,6 +39,7 @@ def test_the_wording_does_not_matter_only_the_tag():
     ("failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Connection refused",
      Disposition.RESUME, None),
     ("unexpected inference input 'foo' for model 'token2mel'", Disposition.FAIL, None),
+    ("in ensemble 'token2mel', Stub process 'cfm_solver_0_0' is not healthy.", Disposition.RESUME, None),
 ])
 def test_triton_s_own_errors_map_through_one_table(message, disposition, sequence):
     answer = answer_of(message)

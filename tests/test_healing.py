@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from s3flow.engine.settings import SolverSettings
@@ -26,6 +28,8 @@ from s3flow_client.stream import StreamError
 pytestmark = pytest.mark.server
 
 HEALED_WITHIN_S = 15.0
+#: Triton never finishes unloading a dead stub's instance: a healed server's stop waits for its exit timeout
+EXIT_TIMEOUT = ["--exit-timeout-secs=5"]
 
 
 def served(server) -> bool:
@@ -51,7 +55,7 @@ def test_a_killed_stub_is_reloaded_and_the_server_serves_again_within_seconds(tm
     repository API behind the admin key as the fleet runs it (no client may load or unload a model)."""
     flow = load_flow(write_random_checkpoint(tmp_path / "ckpt.safetensors", FlowConfig.small(), seed=2))
     write_repository(tmp_path / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1))
-    server = TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", heal=True,
+    server = TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", heal=True, extra_args=EXIT_TIMEOUT,
                           drain_s=5.0 if supervised else None,
                           admin_key="sandbox-admin-key-0123456789" if supervised else None)
     with server:
@@ -67,7 +71,43 @@ def test_a_killed_stub_is_reloaded_and_the_server_serves_again_within_seconds(tm
             if not supervised:
                 assert model in [m for m, _ in server.healer.heals], server.healer.heals
         if supervised:
+            from s3flow.server.drain import healing_marker, ready
+            assert ready(f"http://{server.http_url}", str(server.drain_file)), "healed: ready again"
+            marker = Path(healing_marker(str(server.drain_file)))
+            marker.write_text("estimator")   # as the supervisor leaves it while it reloads a model
+            assert not ready(f"http://{server.http_url}", str(server.drain_file)), "not ready while healing"
+            marker.unlink()
             log = (tmp_path / "server.log").read_text()
             assert "model 'estimator' reloaded" in log and "model 'cfm_solver' reloaded" in log, server.log_tail()
         family = tree_pids(server.pid)
     assert not any(is_running(pid) for pid in family), "a process of the server outlived it"
+
+
+@pytest.mark.parametrize("model", ["cfm_solver", "estimator"])
+def test_an_utterance_in_flight_when_a_stub_dies_completes_with_every_frame(tmp_path, model):
+    """The targets' utterance in flight: streamed by the project's client (retries and resumes on), the stub of
+    ``model`` SIGKILLed after its first answers; the server heals and the utterance completes on it, every frame
+    once and in order (the solver's stream resumes from its snapshot: "Stub process ... is not healthy" is a
+    ``resume`` in the contract's table of Triton's errors)."""
+    import threading
+
+    flow = load_flow(write_random_checkpoint(tmp_path / "ckpt.safetensors", FlowConfig.small(), seed=2))
+    write_repository(tmp_path / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1))
+    u = demo_utterance(6.0, seed=9)
+    u.chunks = [10] * (len(u.speech_tokens) // 10) + ([len(u.speech_tokens) % 10] if len(u.speech_tokens) % 10 else [])
+    with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", heal=True,
+                      extra_args=EXIT_TIMEOUT) as server:
+        answered, killed = [], threading.Event()
+
+        def progress(_):
+            answered.append(1)
+            if len(answered) == 3 and not killed.is_set():
+                killed.set()
+                kill_stub(server, model)
+
+        [r] = StreamingClient(server.grpc_url, "token2mel", timeout_s=120, max_retries=8,
+                              max_resumes=8).synthesize([u], progress=progress)
+        assert killed.is_set(), "the stub was never killed: the utterance ended too soon"
+        assert r.error is None and r.mel.shape[1] == 2 * len(u.speech_tokens), (r.error, server.log_tail())
+        assert np.isfinite(r.mel).all()
+        assert r.retries or r.resumes, "it went through the heal, not around it"

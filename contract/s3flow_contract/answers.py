@@ -110,6 +110,9 @@ TRITON_ERRORS: tuple[tuple[re.Pattern, Disposition], ...] = (
                 r"is not available", re.I), Disposition.RESUME),
     (re.compile(r"\bunavailable\b|failed to connect|connection refused|socket closed|Deadline Exceeded",
                 re.I), Disposition.RESUME),
+    # a python model's stub process died (killed under the server): what it held is gone; the server reloads the
+    # model (s3flow.server.healing), and the utterance goes on from its snapshot
+    (re.compile(r"Stub process '[^']*' is not healthy", re.I), Disposition.RESUME),
 )
 
 

@@ -104,9 +104,15 @@ def close(drain_file: str, metrics_url: str, timeout_s: float = 10.0, poll_s: fl
     return now == 0
 
 
+def healing_marker(drain_file: str) -> str:
+    """The file that stands while the supervisor reloads a model whose stub died (``s3flow.server.healing``)."""
+    return f"{drain_file}.healing"
+
+
 def ready(http_url: str, drain_file: str) -> bool:
-    """The server answers ready and is not draining."""
-    if drain_file and os.path.exists(drain_file):
+    """The server answers ready, is not draining, and is not reloading a model whose stub died (Triton itself
+    answers ready meanwhile, while every request to that model fails)."""
+    if drain_file and (os.path.exists(drain_file) or os.path.exists(healing_marker(drain_file))):
         return False
     try:
         with urllib.request.urlopen(f"{http_url.rstrip('/')}/v2/health/ready", timeout=3) as response:
@@ -144,7 +150,8 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
     while child.poll() is None and not signals:
         if heal_http_url and healer is None and ready(heal_http_url, ""):
             healer = StubWatch(child.pid, heal_http_url, log=lambda msg: print(f"[s3flow heal] {msg}", flush=True),
-                               headers=admin_headers(admin_key(), "http"))
+                               headers=admin_headers(admin_key(), "http"),
+                               marker=pathlib.Path(healing_marker(drain_file)))
             healer.start()
         time.sleep(0.1)
     if healer is not None:   # the stubs go with the server now: none may be reloaded
@@ -166,6 +173,7 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
             child.kill()
             child.wait(10)
     pathlib.Path(drain_file).unlink(missing_ok=True)
+    pathlib.Path(healing_marker(drain_file)).unlink(missing_ok=True)
     remove_server_files(child.pid)   # its /dev/shm folders, and what killed servers before it left there
     remove_stale()
     return child.returncode

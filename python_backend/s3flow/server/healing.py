@@ -13,7 +13,8 @@ unload a model, the watch presents the key.
 stubs (each stub's command line names its ``<model>/1/model.py``) and every ``interval_s`` looks again; the model
 of a stub that is gone is reloaded (``POST /v2/repository/models/<model>/load``). A stateful model comes back
 empty: the streams its dead instance held are gone, and their clients resume them from their last snapshot. While
-a model is being reloaded :attr:`StubWatch.healing` names it. A reload reloads every instance of the model.
+a model is being reloaded :attr:`StubWatch.healing` names it, and its ``marker`` file stands (the readiness probe,
+``s3flow.server.drain.ready``, answers not ready meanwhile). A reload reloads every instance of the model.
 
 Known cost: Triton never finishes unloading the dead instance, so a healed server's SIGTERM waits for its exit
 timeout (30 s here) before it exits.
@@ -53,10 +54,13 @@ class StubWatch:
     """Reloads the model of each stub of ``server_pid`` that dies (module docstring)."""
 
     def __init__(self, server_pid: int, http_url: str, interval_s: float = 0.5, reload_timeout_s: float = 120.0,
-                 log: Callable[[str], None] = print, headers: Optional[dict] = None):
+                 log: Callable[[str], None] = print, headers: Optional[dict] = None,
+                 marker: Optional[pathlib.Path] = None):
         """``headers``: for the repository API (the admin key where the server restricts it,
-        ``s3flow.server.access.admin_headers(key, "http")``)."""
+        ``s3flow.server.access.admin_headers(key, "http")``); ``marker``: a file that stands while a model is
+        reloaded (the readiness probe, ``s3flow.server.drain.ready``, says not ready while it does)."""
         self.server_pid, self.interval_s, self.headers = server_pid, interval_s, dict(headers or {})
+        self.marker = marker
         self.http_url = http_url.rstrip("/").removeprefix("http://")
         self.reload_timeout_s, self.log = reload_timeout_s, log
         self.healing: set[str] = set()
@@ -80,11 +84,15 @@ class StubWatch:
         while not self._stop.wait(self.interval_s):
             now = stubs(self.server_pid)
             dead = sorted({model for pid, model in self._known.items() if pid not in now})
+            if dead and self.marker is not None:
+                self.marker.write_text(" ".join(dead))
             for model in dead:
                 if self._stop.is_set():
                     return
                 self.heal(model)
             self._known = stubs(self.server_pid) if dead else now
+            if dead and self.marker is not None:
+                self.marker.unlink(missing_ok=True)
 
     def heal(self, model: str) -> bool:
         """Reload ``model`` over the repository API; whether Triton said it is loaded."""
