@@ -113,7 +113,9 @@ def test_a_drained_server_finishes_its_utterances_and_sends_new_ones_elsewhere(r
         code = a.process.wait(60)
         stopped = time.monotonic() - late["t"]
     check_complete(results, undisturbed)
-    assert not any(r.resumes for r in results)      # the utterances in flight finished on A
+    # the utterances in flight finished on A: the only moves are STARTs A's admission answered busy before the
+    # drain (a burst on a server whose solver had not priced its work yet is judged by it, issue 48)
+    assert all("disposition=busy" in m for r in results for m in r.resumes), [r.resumes for r in results]
     assert code == 0 and stopped < 60               # then A stopped by itself, well inside the deadline
     assert late["ready_during_drain"] is False and late["live"] > 0
     got = late["result"]
