@@ -69,6 +69,18 @@ def tenant_flags() -> list[str]:
     return [f"--grpc-header-forward-pattern={TENANT_HEADER}", f"--http-header-forward-pattern={TENANT_HEADER}"]
 
 
+#: where the container's entrypoint finds the admin key file (a mounted Secret)
+ADMIN_KEY_FILE_ENV = "S3FLOW_ADMIN_KEY_FILE"
+
+
+def read_admin_key(key_file: Optional[Path] = None) -> Optional[str]:
+    """The admin key in ``key_file`` (default ``$S3FLOW_ADMIN_KEY_FILE``), else ``$S3FLOW_ADMIN_KEY``, else None."""
+    path = key_file or os.environ.get(ADMIN_KEY_FILE_ENV)
+    if path:
+        return Path(path).read_text().strip()
+    return os.environ.get(ADMIN_KEY_ENV)
+
+
 def admin_headers(key: Optional[str] = None, protocol: str = "grpc") -> dict[str, str]:
     """Headers for a ``protocol`` ("grpc" or "http") call to a restricted category: the key given, else
     ``$S3FLOW_ADMIN_KEY``, else none."""
@@ -107,8 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        key = args.key_file.read_text().strip()
-        print("\n".join(restricted_api_flags(key)))
+        print("\n".join(restricted_api_flags(read_admin_key(args.key_file))))
     except (OSError, ValueError) as exc:
         print(f"error: {args.key_file}: {exc}", file=sys.stderr)
         return 1

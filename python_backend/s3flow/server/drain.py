@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from typing import Callable, Optional
 
-from s3flow.server.access import ADMIN_KEY_ENV, admin_headers
+from s3flow.server.access import admin_headers, read_admin_key
 from s3flow.server.healing import StubWatch
 from s3flow.server.leftovers import remove_server_files, remove_stale
 from s3flow.server.metrics_reader import metric_sum, read_metrics
@@ -121,15 +121,6 @@ def ready(http_url: str, drain_file: str) -> bool:
         return False
 
 
-def admin_key() -> Optional[str]:
-    """The admin key the server was started with: ``$S3FLOW_ADMIN_KEY_FILE``'s (the entrypoint's Secret), else
-    ``$S3FLOW_ADMIN_KEY``, else None."""
-    path = os.environ.get("S3FLOW_ADMIN_KEY_FILE")
-    if path and os.path.exists(path):
-        return pathlib.Path(path).read_text().strip()
-    return os.environ.get(ADMIN_KEY_ENV)
-
-
 def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s: float,
               kill_after_s: float = 30.0, heal_http_url: str = "") -> int:
     """Run ``command`` (tritonserver) with ``S3FLOW_DRAIN_FILE`` set; on SIGTERM/SIGINT drain, then SIGTERM it.
@@ -150,7 +141,7 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
     while child.poll() is None and not signals:
         if heal_http_url and healer is None and ready(heal_http_url, ""):
             healer = StubWatch(child.pid, heal_http_url, log=lambda msg: print(f"[s3flow heal] {msg}", flush=True),
-                               headers=admin_headers(admin_key(), "http"),
+                               headers=admin_headers(read_admin_key(), "http"),
                                marker=pathlib.Path(healing_marker(drain_file)))
             healer.start()
         time.sleep(0.1)

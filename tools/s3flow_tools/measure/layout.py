@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                     f"{m} C {' '.join(f'{c:.2f}' for c in f['c'])}, first {1000 * np.median(f['first_s']):.0f} ms"
                     for m, f in figures.items()), flush=True)
     base = args.layouts[0]
-    lines = [f"# Layouts of model instances on this host", "",
+    lines = ["# Layouts of model instances on this host", "",
              f"Made by `python -m s3flow_tools.measure.layout {' '.join(sys.argv[1:] if argv is None else argv)}` "
              f"on {time.strftime('%Y-%m-%d %H:%M', time.localtime(t_start))}, "
              f"{', '.join(f'{k} {v}' for k, v in machine().items())}: the trained small teacher (10 guided steps) "
