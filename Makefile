@@ -13,7 +13,7 @@ SIZE    ?= small
 SECONDS ?= 5
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast benchmark clean train espeak perf-analyzer prometheus
+.PHONY: setup demo test test-fast benchmark clean train espeak perf-analyzer model-analyzer prometheus
 
 $(STAMP): pyproject.toml contract/pyproject.toml client/pyproject.toml
 	@test -x $(PY311) || { echo "need the system Python 3.11 at $(PY311) (the Triton stub embeds it): apt-get install python3.11-venv"; exit 1; }
@@ -29,7 +29,7 @@ demo: setup $(if $(TEXT),espeak)
 	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS) $(if $(MEANFLOW),--meanflow) $(if $(VOICE),--voice) \
 	  $(if $(TEXT),--text "$(TEXT)" --speaker $(or $(SPEAKER),0))
 
-test: setup espeak perf-analyzer prometheus
+test: setup espeak perf-analyzer model-analyzer prometheus
 	$(PYTHON) -m pytest -q -rs
 
 test-fast: setup
@@ -56,6 +56,11 @@ perf-analyzer: setup
 	  apt-get update -qq && apt-get install -y -qq libb64-0d >/dev/null; } || \
 	  { echo "perf_analyzer needs libb64-0d: apt-get install -y libb64-0d (as root)"; exit 1; }
 	$(PYTHON) -m s3flow_tools.perf_analyzer install
+
+# Triton Model Analyzer 1.58.0 (pip's triton-model-analyzer) into a venv of its own, .tools/model-analyzer/:
+# it pins optuna, numba and cuda-python, none of which the server needs (s3flow_tools.model_analyzer)
+model-analyzer: setup perf-analyzer
+	$(PYTHON) -m s3flow_tools.model_analyzer install
 
 # Prometheus with promtool (Debian's package) for tests/test_prometheus.py; installed when missing
 prometheus:

@@ -266,7 +266,8 @@ def drain_call(command: list[str], env: dict[str, str]) -> Optional[ModuleCall]:
 
 
 def ready_urls(call: ModuleCall) -> list[str]:
-    """What ``s3flow.server.drain ready`` asks: its own ready() run with urlopen recording instead of connecting."""
+    """What ``s3flow.server.drain ready`` (or ``live``) asks: its own ready() (live()) run with urlopen recording
+    instead of connecting."""
     asked = []
 
     def urlopen(url, *args, **kwargs):
@@ -274,17 +275,18 @@ def ready_urls(call: ModuleCall) -> list[str]:
         raise OSError("offline test")
 
     with mock.patch("urllib.request.urlopen", urlopen):
-        assert importlib.import_module(DRAIN_MODULE).ready(call.args.http_url, "") is False
+        assert getattr(importlib.import_module(DRAIN_MODULE), call.args.what)(call.args.http_url, "") is False
     return asked
 
 
 def health_urls(command: list[str], env: dict[str, str]) -> list[str]:
-    """The URLs a health-check command asks: ``python3 -m s3flow.server.drain ready`` those its ready() asks (and it is
-    false while draining); any other command, the URLs written in it (another ``python3 -m`` module: importable
-    in the image and its arguments accepted, as parse_module_args checks)."""
+    """The URLs a health-check command asks: ``python3 -m s3flow.server.drain ready`` (``live``) those its ready()
+    (live()) asks (ready is false while draining); any other command, the URLs written in it (another ``python3
+    -m`` module: importable in the image and its arguments accepted, as parse_module_args checks)."""
     call = drain_call(command, env)
     if call is not None:
-        assert call.args.what == "ready", f"{shlex.join(command)} is no health check (s3flow.server.drain {call.args.what})"
+        assert call.args.what in ("ready", "live"), \
+            f"{shlex.join(command)} is no health check (s3flow.server.drain {call.args.what})"
         return ready_urls(call)
     if python_module(command):
         parse_module_args(*python_module(command), env)

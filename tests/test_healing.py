@@ -1,10 +1,12 @@
 """A python stub killed under a running server (issue 53): Triton 2.51 neither restarts it nor stops answering
 ready, so the launcher (or the drain supervisor) reloads its model (s3flow.server.healing). Against a real
-tritonserver: the stubs of the estimator, the solver, the encoder and admission are SIGKILLed in turn (both
-ensembles served before); each time a new utterance is served again within 15 s, and the server still stops with nothing of it left
-running. An utterance in flight when the solver's or the estimator's stub dies completes, every frame once."""
+tritonserver: the stubs of the estimator, the solver, the encoder, admission and the vocoder are SIGKILLed in turn
+(both ensembles served before); each time a new utterance is served again within 15 s, and the server still stops
+with nothing of it left running. An utterance in flight when the solver's, the estimator's or the vocoder's stub
+dies completes, every frame once, on the same server or, given two addresses, on either."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -64,44 +66,56 @@ def test_a_killed_stub_is_reloaded_and_the_server_serves_again_within_seconds(tm
     with server:
         assert served(server) and served(server, "token2wav"), server.log_tail()
         assert set(stubs(server.pid).values()) >= {"cfm_solver", "estimator", "flow_encoder", "admission", "vocoder"}
-        # (the vocoder heals too, but a token2wav START after it was refused busy for longer than the bound: the
-        # solver kept pricing the stream whose mel went to the dead vocoder; issue 53's note)
-        for model in ("estimator", "cfm_solver", "flow_encoder", "admission"):
+        for model in ("estimator", "cfm_solver", "flow_encoder", "admission", "vocoder"):
+            ensemble = "token2wav" if model == "vocoder" else "token2mel"
             dead = kill_stub(server, model)
             t0 = time.monotonic()
-            while not served(server):
+            while not served(server, ensemble):
                 assert time.monotonic() - t0 < HEALED_WITHIN_S, f"{model}: not served again: " + server.log_tail()
                 time.sleep(0.5)
             assert not is_running(dead)
             if not supervised:
                 assert model in [m for m, _ in server.healer.heals], server.healer.heals
         if supervised:
-            from s3flow.server.drain import healing_marker, ready
+            from s3flow.server.drain import HEAL_BOUND_S, healing_marker, live, ready
             assert ready(f"http://{server.http_url}", str(server.drain_file)), "healed: ready again"
             marker = Path(healing_marker(str(server.drain_file)))
             marker.write_text("estimator")   # as the supervisor leaves it while it reloads a model
             assert not ready(f"http://{server.http_url}", str(server.drain_file)), "not ready while healing"
+            assert live(f"http://{server.http_url}", str(server.drain_file)), "live while healing within its bound"
+            old = time.time() - HEAL_BOUND_S - 1   # a model dead, its reload failing, for longer than the bound
+            os.utime(marker, (old, old))
+            assert not live(f"http://{server.http_url}", str(server.drain_file)), "a server that cannot heal is live"
             marker.unlink()
+            assert live(f"http://{server.http_url}", str(server.drain_file))
             log = (tmp_path / "server.log").read_text()
             assert "model 'estimator' reloaded" in log and "model 'cfm_solver' reloaded" in log, server.log_tail()
         family = tree_pids(server.pid)
     assert not any(is_running(pid) for pid in family), "a process of the server outlived it"
 
 
-@pytest.mark.parametrize("model", ["cfm_solver", "estimator"])
-def test_an_utterance_in_flight_when_a_stub_dies_completes_with_every_frame(tmp_path, model):
+@pytest.mark.parametrize("model,ensemble,two", [("cfm_solver", "token2mel", False), ("vocoder", "token2wav", False),
+                                                 ("estimator", "token2mel", True), ("vocoder", "token2wav", True)],
+                         ids=["solver", "vocoder", "estimator, two servers", "vocoder, two servers"])
+def test_an_utterance_in_flight_when_a_stub_dies_completes_with_every_frame(tmp_path, model, ensemble, two):
     """The targets' utterance in flight: streamed by the project's client (retries and resumes on), the stub of
-    ``model`` SIGKILLed after its first answers; the server heals and the utterance completes on it, every frame
-    once and in order (the solver's stream resumes from its snapshot: "Stub process ... is not healthy" is a
-    ``resume`` in the contract's table of Triton's errors)."""
+    ``model`` SIGKILLed after its first answers; the utterance completes, every frame once and in order: on the
+    same server once it has healed ("Stub process ... is not healthy" is a ``resume`` in the contract's table of
+    Triton's errors, and the solver's stream resumes from its snapshot), or, given a second server's address, on
+    whichever the client resumes it."""
     import threading
 
     flow = load_flow(write_random_checkpoint(tmp_path / "ckpt.safetensors", FlowConfig.small(), seed=2))
-    write_repository(tmp_path / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1))
+    write_repository(tmp_path / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1),
+                     vocoder=random_vocoder(VocoderConfig.small(), seed=2))
     u = demo_utterance(6.0, seed=9)
     u.chunks = [10] * (len(u.speech_tokens) // 10) + ([len(u.speech_tokens) % 10] if len(u.speech_tokens) % 10 else [])
-    with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", heal=True,
-                      extra_args=EXIT_TIMEOUT) as server:
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", heal=True,
+                                                  extra_args=EXIT_TIMEOUT))
+        urls = [server.grpc_url]
+        if two:
+            urls.append(stack.enter_context(TritonServer(tmp_path / "repo", log_file=tmp_path / "b.log")).grpc_url)
         answered, killed = [], threading.Event()
 
         def progress(_):
@@ -110,9 +124,16 @@ def test_an_utterance_in_flight_when_a_stub_dies_completes_with_every_frame(tmp_
                 killed.set()
                 kill_stub(server, model)
 
-        [r] = StreamingClient(server.grpc_url, "token2mel", timeout_s=120, max_retries=8,
+        [r] = StreamingClient(urls, ensemble, timeout_s=120, max_retries=8,
                               max_resumes=8).synthesize([u], progress=progress)
         assert killed.is_set(), "the stub was never killed: the utterance ended too soon"
         assert r.error is None and r.mel.shape[1] == 2 * len(u.speech_tokens), (r.error, server.log_tail())
         assert np.isfinite(r.mel).all()
+        if ensemble == "token2wav":
+            assert r.audio.size == 480 * r.mel.shape[1] and np.isfinite(r.audio).all()
         assert r.retries or r.resumes, "it went through the heal, not around it"
+        # and the server it was killed on serves a new utterance again (healed, not only abandoned)
+        t0 = time.monotonic()
+        while not served(server, ensemble):
+            assert time.monotonic() - t0 < HEALED_WITHIN_S, f"{model}: not served again: " + server.log_tail()
+            time.sleep(0.5)

@@ -376,6 +376,31 @@ def test_a_token2wav_stream_is_idle_from_the_vocoders_answer_not_the_solvers(tmp
     assert table.evict_idle() == [3], "an answer the vocoder never counts keeps the stream max_transit_s at most"
 
 
+def test_an_answer_sent_to_a_vocoder_that_died_is_on_its_way_no_more(tmp_path):
+    """Issue 53: the vocoder's stub died with a token2wav stream's answer; its client gave up (or resumed it
+    elsewhere) and the healed server refused every new token2wav START busy for over 40 s, the solver holding and
+    pricing the stream whose answer ``Delivery`` took for one still in the vocoder's queue (up to
+    ``max_transit_s``). An answer sent on before the vocoder serving now was made is lost: the stream is idle as
+    from the solver's answer, while one sent on after it is still on its way."""
+    from s3flow.serving.arrivals import ArrivalMarks, Delivery
+
+    clock, log, since = _Clock(), DropLog(), {"t": None}
+    vocoded = ArrivalMarks(tmp_path / "vocoded", clock=lambda: clock.now)
+    delivery = Delivery(vocoded, idle_s=5.0, wall=lambda: clock.now, vocoders_since=lambda: since["t"])
+    table = SequenceTable(SequenceLimits(idle_timeout_s=5.0), Observers(log, delivery), clock=clock,
+                          pending=delivery.pending)
+    _answered(table, 1, object())
+    delivery.answered(1, start=True)      # at 0 s its mel goes on to the vocoder, whose stub dies with it
+    clock.now = 5.1
+    assert table.evict_idle() == [], "no vocoder reports yet (it is being reloaded): still on its way"
+    since["t"] = 1.5                      # the reloaded vocoder's report: made at 1.5 s
+    _answered(table, 2, object())
+    delivery.answered(2, start=True)      # a stream started on the healed server at 5.1 s
+    assert table.evict_idle() == [1] and log.drops == [(1, "idle")]
+    clock.now = 10.3
+    assert table.evict_idle() == [] and delivery.pending(2), "sent on to the vocoder serving now: on its way"
+
+
 def test_a_restarted_or_ended_sequence_counts_from_its_start(tmp_path):
     """A START counts from 1 on both sides (a restart on a live id, a resume), so an earlier life's requests
     never look like one on its way; an END forgets the instance's count with the state."""

@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"(default: the target's; solver and estimator instances: {layouts}; results/layout.md)")
     b.add_argument("--estimator-instances", type=int, default=d.estimator_instances,
                    help="(default: the target's, as above)")
+    b.add_argument("--encoder-instances", type=int, default=d.encoder_instances,
+                   help="flow_encoder's instances (default: %(default)s)")
     b.add_argument("--ort-threads", type=int, default=0,
                    help="ONNX Runtime threads per instance (0: the cores divided among the model's instances)")
     lim = p.add_argument_group("request rules, sequence limits, admission target, chunk solving and deadlines "
@@ -139,7 +141,8 @@ def main(argv=None) -> int:
                         preferred_batch_sizes=tuple(args.preferred_batch_sizes),
                         max_queue_delay_us=args.max_queue_delay_us,
                         max_candidate_sequences=args.max_candidate_sequences,
-                        solver_instances=args.solver_instances, estimator_instances=args.estimator_instances)
+                        solver_instances=args.solver_instances, estimator_instances=args.estimator_instances,
+                        encoder_instances=args.encoder_instances)
     settings = RepositorySettings(target=args.target, solver=solver, batching=batching, ort_threads=args.ort_threads,
                                   gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype, scheduling=args.scheduling,
                                   vocoder_backend=args.vocoder_backend, triton_idle_grace_s=args.triton_idle_grace_s,

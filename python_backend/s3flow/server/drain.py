@@ -13,8 +13,10 @@ SIGTERM. Three entry points (``python -m s3flow.server.drain ...``):
 * ``supervise [--deadline-s 60] -- tritonserver ARGS``: run the server as a child; on SIGTERM or SIGINT drain,
   then SIGTERM the server and exit with its code (the container's entrypoint, ``TritonServer(drain_s=...)``);
 * ``drain [--deadline-s 60]``: the drain alone (a Kubernetes ``preStop`` hook; SIGTERM follows it);
-* ``ready``: exit 0 only if the server is ready and not draining (a readiness probe: the router stops sending
-  new sequences as soon as a drain starts).
+* ``ready``: exit 0 only if the server is ready, not draining and not reloading a model whose stub died (a
+  readiness probe: the router stops sending new sequences as soon as a drain starts);
+* ``live [--heal-bound-s 60]``: exit 0 only if the server is live and no model has been dead longer than the
+  bound (a liveness probe: a server that cannot heal is restarted).
 
 Example::
 
@@ -121,6 +123,27 @@ def ready(http_url: str, drain_file: str) -> bool:
         return False
 
 
+#: how long a model may stay dead (its reload failing) before the liveness probe fails (seconds)
+HEAL_BOUND_S = 60.0
+
+
+def live(http_url: str, drain_file: str, heal_bound_s: float = HEAL_BOUND_S) -> bool:
+    """The server answers live, and no model has been dead longer than ``heal_bound_s``: the supervisor's healing
+    marker (it stands from a stub's death until its model is reloaded) is younger than that. A server that cannot
+    heal fails this, and Kubernetes restarts the pod."""
+    marker = healing_marker(drain_file) if drain_file else ""
+    try:
+        if marker and time.time() - os.path.getmtime(marker) > heal_bound_s:
+            return False
+    except OSError:   # no marker: nothing is being healed
+        pass
+    try:
+        with urllib.request.urlopen(f"{http_url.rstrip('/')}/v2/health/live", timeout=3) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
 def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s: float,
               kill_after_s: float = 30.0, heal_http_url: str = "") -> int:
     """Run ``command`` (tritonserver) with ``S3FLOW_DRAIN_FILE`` set; on SIGTERM/SIGINT drain, then SIGTERM it.
@@ -173,11 +196,14 @@ def supervise(command: list[str], drain_file: str, metrics_url: str, deadline_s:
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m s3flow.server.drain`` (before its ``--``); defaults read the environment now."""
     parser = argparse.ArgumentParser(prog="python -m s3flow.server.drain", description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("supervise", "drain", "ready"))
+    parser.add_argument("what", choices=("supervise", "drain", "ready", "live"))
     parser.add_argument("--drain-file", default=os.environ.get(DRAIN_FILE_ENV, ""),
                         help=f"the drain file (default ${DRAIN_FILE_ENV}; supervise: a fresh temporary path)")
     parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
-    parser.add_argument("--http-url", default="http://127.0.0.1:8000", help="for ready: the server's HTTP endpoint")
+    parser.add_argument("--http-url", default="http://127.0.0.1:8000",
+                        help="for ready and live: the server's HTTP endpoint")
+    parser.add_argument("--heal-bound-s", type=float, default=HEAL_BOUND_S,
+                        help="live: fail once a model has been dead (its reload failing) this long")
     parser.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
                         help="how long utterances in flight may take to finish")
     parser.add_argument("--kill-after-s", type=float, default=30.0,
@@ -204,6 +230,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.what == "drain":
         drain(args.drain_file, args.metrics_url, args.deadline_s)
         return 0
+    if args.what == "live":
+        return 0 if live(args.http_url, args.drain_file, args.heal_bound_s) else 1
     return 0 if ready(args.http_url, args.drain_file) else 1
 
 

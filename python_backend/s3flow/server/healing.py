@@ -14,7 +14,9 @@ stubs (each stub's command line names its ``<model>/1/model.py``) and every ``in
 of a stub that is gone is reloaded (``POST /v2/repository/models/<model>/load``). A stateful model comes back
 empty: the streams its dead instance held are gone, and their clients resume them from their last snapshot. While
 a model is being reloaded :attr:`StubWatch.healing` names it, and its ``marker`` file stands (the readiness probe,
-``s3flow.server.drain.ready``, answers not ready meanwhile). A reload reloads every instance of the model.
+``s3flow.server.drain.ready``, answers not ready meanwhile). A reload that fails is tried again at every look, the
+marker standing all the while, so that the liveness probe (``s3flow.server.drain.live``) fails once the marker is
+older than its bound and Kubernetes restarts the pod. A reload reloads every instance of the model.
 
 Known cost: Triton never finishes unloading the dead instance, so a healed server's SIGTERM waits for its exit
 timeout (30 s here) before it exits.
@@ -64,6 +66,7 @@ class StubWatch:
         self.http_url = http_url.rstrip("/").removeprefix("http://")
         self.reload_timeout_s, self.log = reload_timeout_s, log
         self.healing: set[str] = set()
+        self.failed: set[str] = set()   # models whose reload failed (tried again every ``interval_s``)
         self.heals: list[tuple[str, float]] = []
         self._known: dict[int, str] = {}
         self._stop = threading.Event()
@@ -83,15 +86,18 @@ class StubWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             now = stubs(self.server_pid)
-            dead = sorted({model for pid, model in self._known.items() if pid not in now})
-            if dead and self.marker is not None:
+            dead = sorted({model for pid, model in self._known.items() if pid not in now} | self.failed)
+            if dead and self.marker is not None and not self.marker.exists():   # its age: since the first death
                 self.marker.write_text(" ".join(dead))
             for model in dead:
                 if self._stop.is_set():
                     return
-                self.heal(model)
+                if self.heal(model):
+                    self.failed.discard(model)
+                else:   # tried again at the next look; readiness stays false, liveness fails past its bound
+                    self.failed.add(model)
             self._known = stubs(self.server_pid) if dead else now
-            if dead and self.marker is not None:
+            if dead and not self.failed and self.marker is not None:
                 self.marker.unlink(missing_ok=True)
 
     def heal(self, model: str) -> bool:

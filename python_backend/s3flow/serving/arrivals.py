@@ -217,8 +217,11 @@ class Delivery(Observer):
     """
 
     def __init__(self, vocoded: ArrivalMarks, idle_s: float, wall: Callable[[], float] = time.time,
-                 max_transit_s: float = MAX_TRANSIT_S):
+                 max_transit_s: float = MAX_TRANSIT_S, vocoders_since: Callable[[], Optional[float]] = lambda: None):
+        """``vocoders_since``: when the vocoder instances serving now were made (wall clock; None: unknown): an
+        answer sent on before then went to a vocoder that died with it, and is on its way no more."""
         self.vocoded, self.idle_s, self.wall, self.max_transit_s = vocoded, idle_s, wall, max_transit_s
+        self.vocoders_since = vocoders_since
         self._sent: dict[int, list] = {}       # corr_id -> [answers sent on since its START, START's time, last's]
         self._lock = threading.Lock()
 
@@ -237,8 +240,9 @@ class Delivery(Observer):
                 sent[2] = now
 
     def pending(self, corr_id: int) -> bool:
-        """An answer is still on its way through the vocoder (for at most ``max_transit_s``), or the vocoder's
-        last answer is less than ``idle_s`` old."""
+        """An answer is still on its way through the vocoder (for at most ``max_transit_s``, and not if it was
+        sent on before the vocoder serving now was made), or the vocoder's last answer is less than ``idle_s``
+        old."""
         with self._lock:
             sent = self._sent.get(corr_id)
             if sent is None:
@@ -248,7 +252,10 @@ class Delivery(Observer):
         n_vocoded, when = counted if counted is not None and counted[1] >= started else (0, float("-inf"))
         now = self.wall()
         if n_vocoded < n_sent:
-            return now - last < self.max_transit_s
+            since = self.vocoders_since()
+            if since is None or last >= since:
+                return now - last < self.max_transit_s
+            # lost with a vocoder that died (issue 53): idle as from its last answer that was vocoded
         return now - when < self.idle_s
 
     def sequence_ended(self, corr_id) -> None:

@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -81,6 +82,9 @@ class LoadReport:
     ended: list = field(default_factory=list)
     #: the writer's process (0: not named): a report whose writer died does not count (``LoadFiles.read``)
     pid: int = 0
+    #: when the writer's instance was made (wall clock): a vocoder made after a solver's answer was sent on never
+    #: got that answer (its stub died with it and was reloaded, ``s3flow.serving.arrivals.Delivery``)
+    started: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "costs": dataclasses.asdict(self.costs),
@@ -91,7 +95,8 @@ class LoadReport:
                                "expected_frames": self.planned.expected_frames},
                            "planned_steps": self.planned_steps, "planned_rows": self.planned_rows,
                            "capacity": self.capacity, "throughput": self.throughput, "duty": self.duty,
-                           "cap": self.cap, "ended": [int(c) for c in self.ended], "pid": self.pid})
+                           "cap": self.cap, "ended": [int(c) for c in self.ended], "pid": self.pid,
+                           "started": self.started})
 
     @classmethod
     def from_json(cls, text: str) -> "LoadReport":
@@ -104,7 +109,8 @@ class LoadReport:
                    planned_steps=int(d["planned_steps"]), planned_rows=int(d["planned_rows"]),
                    capacity=float(d.get("capacity", 0.0)), throughput=float(d.get("throughput", 0.0)),
                    duty=float(d.get("duty", 1.0)), cap=int(d.get("cap", 0)),
-                   ended=[int(c) for c in d.get("ended", [])], pid=int(d.get("pid", 0)))
+                   ended=[int(c) for c in d.get("ended", [])], pid=int(d.get("pid", 0)),
+                   started=float(d.get("started", 0.0)))
 
     @functools.cached_property
     def planned_capacity(self) -> float:
@@ -211,6 +217,12 @@ class ServerLoad:
         evenly); None before any solver has priced its work."""
         solvers = [r for r in self._solvers if r.planned is not None and r.costs.known]
         return min(solvers, key=lambda r: r.held) if solvers else None
+
+    @property
+    def vocoders_since(self) -> Optional[float]:
+        """When the oldest vocoder instance reporting now was made (None: none reports)."""
+        started = [r.started for r in self.reports if r.kind == "vocoder"]
+        return min(started) if started else None
 
     @property
     def wav_capacity(self) -> float:
@@ -367,6 +379,7 @@ class InstanceLoad:
         self.files, self.instance, self.kind, self.model = files, instance, kind, model
         self.planned, self.planned_steps, self.planned_rows = planned, planned_steps, planned_rows
         self.cap = cap
+        self.started = time.time()
 
     def publish(self, works: dict, ended=()) -> LoadReport:
         """The report of the streams held now (``works``: corr_id -> its work so far at full steps, the sequence
@@ -380,7 +393,7 @@ class InstanceLoad:
         prior = report.planned_capacity * self.model.duty if self.planned is not None else 0.0
         report.capacity = self.model.capacity() or prior
         report.throughput, report.duty = self.model.throughput, self.model.duty
-        report.pid = os.getpid()
+        report.pid, report.started = os.getpid(), self.started
         try:
             self.files.write(self.instance, report)
         except OSError:   # admission counts this instance as it last wrote

@@ -88,7 +88,7 @@ class SolverInstance:
         self.on_the_way = OnTheWay(ArrivalMarks(ArrivalMarks.default_folder("seen")),
                                    slack_s=ARRIVAL_SLACK_S + queue_delay_s)
         self.delivery = Delivery(ArrivalMarks(ArrivalMarks.default_folder("vocoded")),
-                                 idle_s=self.settings.sequences.idle_timeout_s)
+                                 idle_s=self.settings.sequences.idle_timeout_s, vocoders_since=self._vocoders_since)
         self.stepped: Optional[SteppedSolver] = None
         table = SequenceTable(self.settings.sequences, Observers(self.book, self.on_the_way, self.delivery),
                               pending=self._pending, playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
@@ -186,6 +186,11 @@ class SolverInstance:
         """A chunk's answer goes out: one that goes on to the vocoder is counted for ``Delivery``."""
         if o.result is not None and not incoming.end and incoming.to_vocoder:
             self.delivery.answered(incoming.corr_id, incoming.start)
+
+    def _vocoders_since(self) -> Optional[float]:
+        """When the vocoder instances serving now were made (their load reports; None: none reports yet)."""
+        load = getattr(self, "load", None)
+        return load.files.read().vocoders_since if load is not None else None
 
     def _pending(self, corr_id) -> bool:
         """A chunk of the sequence is on its way (in Triton's queue), queued in the decoupled path, or its last

@@ -1,92 +1,94 @@
-"""Server-side batching experiments: one table row per setting of a grid.
+"""Server-side batching experiments on today's server: one row per setting of a grid, both ensembles.
 
-For each setting it writes the repository's configs again with the generator's own
-``s3flow.repository.generator.write_flow_configs`` (the ONNX files are exported once), restarts tritonserver
-(loopback only), drives the same fixed streaming load and prints one row: throughput (seconds of audio per
-wall second), p50 / p99 chunk latency, p50 first-chunk latency, chunks per solver execute and errors. The
-knobs are those of ``s3flow.repository.generator.Batching`` plus ``ort_threads``:
+Each setting is a set of ``scripts/build_repository.py`` knobs; for each in turn it builds the repository of the
+trained small teacher and its vocoder with them (admission off, so that every stream offered is served), starts
+one server (loopback only), checks the server runs what the row names, and measures ``token2mel`` and
+``token2wav`` as ``s3flow_tools.measure.layout`` does: ``--alone`` held-out sentences one after the other (first
+mel, first audio), then ``--c-runs`` x ``--at-once`` held-out sentences started together (C: seconds of audio per
+second of wall time). The table gives every run, the median, the ratio to the first setting and the spread of the
+runs (max / min), which is this host's noise. The knobs:
 
   strategy (oldest | direct), max_batch_size, preferred_batch_sizes (joined by '+', e.g. 4+8),
   max_queue_delay_us, max_candidate_sequences, solver_instances, estimator_instances, encoder_instances,
-  length_bucket_ratio (0 = off, r >= 1: split a batch where a prefix is longer than r x the shortest),
-  ort_threads (ONNX Runtime threads per estimator / encoder instance; 0 = all cores).
+  ort_threads (ONNX Runtime threads per estimator / encoder instance; 0 = the cores divided among them),
+  scheduling (fifo | deadline), min_steps (deadline: the fewest Euler steps a chunk that would miss its playback
+  deadline is given; 0: every chunk at full steps).
 
 Examples::
 
-    # the default grid: one knob at a time around the defaults, small model, 8 streams, best of 3 (~3-4 min)
+    # the default grid: one knob at a time around the shipped defaults (~20 min on 2 cores)
     .venv/bin/python -m s3flow_tools.measure.batching
 
-    # a product grid (every combination) on the full-size model, 4 staggered streams
-    .venv/bin/python -m s3flow_tools.measure.batching --size full --streams 4 --stagger-s 1.0 \\
-        --grid max_queue_delay_us=2000,50000 solver_instances=1,2
+    # a product grid (every combination)
+    .venv/bin/python -m s3flow_tools.measure.batching --grid max_queue_delay_us=2000,50000 solver_instances=1,2
 
     # one named setting per --setting, keys as above
     .venv/bin/python -m s3flow_tools.measure.batching --setting strategy=direct max_batch_size=4 \\
-        --setting length_bucket_ratio=1.5
+        --setting solver_instances=3
 
 Bounded: at most ``--max-settings`` settings, and no new setting starts after ``--time-limit-s``. Writes the
-table (with the machine, the load and the model) to ``results/sweep.md``; exits non-zero if a setting
-failed to load or lost an utterance.
+tables (with the machine and the load) to ``results/sweep.md``; exits non-zero if a setting failed to load, ran
+another setting than it names, or lost a stream.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import os
-import shutil
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import tritonclient.grpc as grpcclient
 
-ROOT = Path(__file__).resolve().parents[3]
-
-from s3flow_tools.bench.report import fmt, log, machine, markdown, percentile
-from s3flow_tools.bench.served import batching_load, run_load
-from s3flow_tools.measure.command import command
-from s3flow_contract.tensors import FRAMES_PER_SECOND
-from s3flow.model.checkpoint import load_flow
-from s3flow.model.random_checkpoint import random_flow
-from s3flow.model.flow import FlowConfig
-from s3flow.engine.settings import SolverSettings
-from s3flow.repository.generator import write_flow_configs, write_repository
-from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.repository.settings import Batching, DEFAULT_INSTANCES
 from s3flow.server.access import admin_headers
 from s3flow.server.triton_server import TritonServer, TritonServerError
+from s3flow_tools.bench.report import machine
+from s3flow_tools.measure.command import command
+from s3flow_tools.measure.layout import ENSEMBLES, build_trained, measure_server
 
-KNOBS = [f.name for f in dataclasses.fields(Batching)] + ["ort_threads"]
+ROOT = Path(__file__).resolve().parents[3]
+INT_KNOBS = ("max_batch_size", "max_queue_delay_us", "max_candidate_sequences", "solver_instances",
+             "estimator_instances", "encoder_instances", "ort_threads", "min_steps")
+CHOICES = {"strategy": ("oldest", "direct"), "scheduling": ("fifo", "deadline")}
+KNOBS = INT_KNOBS + tuple(CHOICES) + ("preferred_batch_sizes",)
 
-#: One knob at a time around the defaults. Not here: max_candidate_sequences below the number of streams,
-#: which failed on this server (2.51, oldest, behind the ensemble): with sequences in the backlog the
-#: candidates' chunks stalled until Triton's idle timeout, then "must specify the START flag on the first
-#: request of the sequence" (results/sweep.md).
+#: One knob at a time around the shipped CPU defaults (2 solver instances, 2 estimator instances of one thread).
+#: Not here: max_candidate_sequences below the number of streams, which failed on this server (2.51, oldest,
+#: behind the ensemble): the candidates' chunks stalled until Triton's idle timeout, then "must specify the START
+#: flag on the first request of the sequence" (results/sweep.md of 2026-11-30).
 DEFAULT_SETTINGS = [
     {},
+    {"solver_instances": 1, "estimator_instances": 1, "ort_threads": 0},
+    {"solver_instances": 3},
+    {"estimator_instances": 1, "ort_threads": 0},
     {"max_batch_size": 1},
     {"max_queue_delay_us": 0},
     {"max_queue_delay_us": 20000},
     {"preferred_batch_sizes": (4,)},
     {"strategy": "direct"},
-    {"length_bucket_ratio": 1.5},
-    {"solver_instances": 2},
-    {"estimator_instances": 2, "ort_threads": 1},
+    {"scheduling": "deadline"},
+    {"scheduling": "deadline", "min_steps": 0},
 ]
 
 
 def parse_value(key: str, text: str):
     if key not in KNOBS:
         raise argparse.ArgumentTypeError(f"unknown knob {key!r}; knobs: {', '.join(KNOBS)}")
-    if key == "strategy":
+    if key in CHOICES:
+        if text not in CHOICES[key]:
+            raise argparse.ArgumentTypeError(f"{key} must be one of {', '.join(CHOICES[key])}, got {text!r}")
         return text
-    if key == "preferred_batch_sizes":
-        return tuple(int(v) for v in text.split("+") if v)
-    if key == "length_bucket_ratio":
-        return float(text)
-    return int(text)
+    try:
+        if key == "preferred_batch_sizes":
+            return tuple(int(v) for v in text.split("+") if v)
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{key} takes integers, got {text!r}") from None
 
 
 def parse_pairs(items: list[str]) -> dict:
@@ -108,27 +110,24 @@ def settings_from_args(args) -> list[dict]:
     return [dict(s) for s in DEFAULT_SETTINGS]
 
 
-def repository_settings(setting: dict, solver: SolverSettings) -> RepositorySettings:
-    knobs = {k: v for k, v in setting.items() if k != "ort_threads"}
-    batching = dataclasses.replace(Batching(), **knobs)
-    if batching.strategy == "oldest":  # as write_repository requires: the solver refuses what Triton would queue
-        solver = solver.replace(max_live_sequences=min(solver.sequences.max_live_sequences,
-                                                       batching.max_candidate_sequences - 1))
-    return RepositorySettings(solver=solver, batching=batching, ort_threads=setting.get("ort_threads", 0))
+def build_flags(setting: dict) -> list[str]:
+    """``scripts/build_repository.py``'s flags for ``setting``."""
+    flags = []
+    for key, value in setting.items():
+        values = [str(v) for v in value] if isinstance(value, tuple) else [str(value)]
+        flags += [f"--{key.replace('_', '-')}", *values]
+    return flags
 
 
-def served_differs(grpc_url: str, s: RepositorySettings) -> str:
-    """What of the solver's batching the running server does not have as ``s`` says ("" when all is)."""
+def served_differs(grpc_url: str, setting: dict) -> str:
+    """What of ``setting``'s solver knobs the running server does not have ("" when all is)."""
     served = grpcclient.InferenceServerClient(grpc_url).get_model_config("cfm_solver", headers=admin_headers()).config
     seq = served.sequence_batching
     strategy = seq.WhichOneof("strategy_choice")
-    b = s.batching
     got = {"max_batch_size": served.max_batch_size, "strategy": strategy,
            "max_queue_delay_us": getattr(seq, strategy).max_queue_delay_microseconds,
            "solver_instances": sum(g.count for g in served.instance_group)}
-    want = {"max_batch_size": b.max_batch_size, "strategy": b.strategy, "max_queue_delay_us": b.max_queue_delay_us,
-            "solver_instances": b.solver_instances}
-    return ", ".join(f"{k}={got[k]} (wanted {want[k]})" for k in want if got[k] != want[k])
+    return ", ".join(f"{k}={got[k]} (wanted {setting[k]})" for k in got if k in setting and got[k] != setting[k])
 
 
 def describe(setting: dict) -> str:
@@ -139,121 +138,92 @@ def describe(setting: dict) -> str:
 
 def parse_args(argv=None):
     p = command(__file__, __doc__)
-    g = p.add_argument_group("settings (default: one knob at a time around the defaults)")
+    g = p.add_argument_group("settings (default: one knob at a time around the shipped defaults)")
     g.add_argument("--grid", nargs="+", metavar="KNOB=V1,V2", help="every combination of these values")
     g.add_argument("--setting", nargs="+", action="append", metavar="KNOB=V", help="one setting (repeatable)")
     g.add_argument("--max-settings", type=int, default=12, help="(default: %(default)s)")
-    g.add_argument("--time-limit-s", type=float, default=900, help="start no setting after this (default: %(default)s)")
+    g.add_argument("--time-limit-s", type=float, default=1800, help="start no setting after this (default: %(default)s)")
     ld = p.add_argument_group("load (the same for every setting)")
-    ld.add_argument("--streams", type=int, default=8, help="concurrent utterances (default: %(default)s)")
-    ld.add_argument("--seconds", type=float, default=2.0, help="utterance length, +-20 %% (default: %(default)s)")
-    ld.add_argument("--prompt-seconds", type=float, default=1.0, help="(default: %(default)s)")
-    ld.add_argument("--steps", type=int, help="Euler steps (default: the model's: 10, meanflow 2)")
-    ld.add_argument("--stagger-s", type=float, default=0.0,
-                    help="start the streams this far apart, one client each (default: all at once, one stream)")
-    ld.add_argument("--repeats", type=int, default=3,
-                    help="run the load this many times per setting, report the run of best throughput "
-                         "(default: %(default)s)")
-    ld.add_argument("--load-timeout-s", type=float, default=600, help="(default: %(default)s)")
-    m = p.add_argument_group("model")
-    m.add_argument("--size", choices=["small", "full"], default="small", help="(default: %(default)s)")
-    m.add_argument("--meanflow", action="store_true", help="random weights: a meanflow model")
-    m.add_argument("--checkpoint", type=Path, help="an S3Gen checkpoint instead of random weights")
-    m.add_argument("--workdir", type=Path, help="(default: a temporary folder)")
-    m.add_argument("--out", type=Path, default=ROOT / "results" / "sweep.md", help="(default: %(default)s)")
+    ld.add_argument("--alone", type=int, default=2, help="streams alone per ensemble and server (default: %(default)s)")
+    ld.add_argument("--at-once", type=int, default=16, help="streams that measure C (default: %(default)s)")
+    ld.add_argument("--c-runs", type=int, default=3, help="C measurements per ensemble and setting (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "sweep.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     try:
         args.settings = settings_from_args(args)
         for s in args.settings:
-            repository_settings(s, SolverSettings()).batching.check()
+            Batching(**{k: v for k, v in s.items() if k in Batching.__dataclass_fields__}).check()
+            if s.get("min_steps", 0) < 0:
+                raise ValueError(f"min_steps must be >= 0, got {s['min_steps']}")
     except (argparse.ArgumentTypeError, ValueError) as exc:
         p.error(str(exc))
     return args
 
 
-HEADER = ["setting", "audio s/s", "p50 chunk s", "p99 chunk s", "p50 first chunk s", "chunks per execute",
-          "wall s", "errors"]
+def table(model: str, names: list[str], got: dict) -> list[str]:
+    first = "first audio" if model == "token2wav" else "first mel"
+    c0 = np.median(got[names[0]][model]["c"]) if got[names[0]][model]["c"] else float("nan")
+    lines = [f"## {model}", "", f"| setting | C runs | C median | vs {names[0]} | spread (max / min) | "
+             f"alone: {first} p50 (ms) |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for name in names:
+        f = got[name].get(model)
+        if not f or not f["c"]:
+            lines.append(f"| {name} | – | – | – | – | – |")
+            continue
+        c = np.median(f["c"])
+        lines.append(f"| {name} | {' '.join(f'{v:.2f}' for v in f['c'])} | {c:.2f} | {c / c0:.2f} | "
+                     f"{max(f['c']) / min(f['c']):.2f} | {1000 * np.median(f['first_s']):.0f} |")
+    return lines + [""]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     # SIGTERM (a killed run) unwinds like Ctrl-C, so the servers' context managers stop them by PID
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="s3flow-sweep-"))
-    work.mkdir(parents=True, exist_ok=True)
-    if args.checkpoint:
-        flow = load_flow(args.checkpoint).eval()
-    else:
-        config = FlowConfig.full(args.meanflow) if args.size == "full" else FlowConfig.small(args.meanflow)
-        flow = random_flow(config, seed=0).eval()
-    n_feats, meanflow = flow.config.n_feats, flow.config.meanflow
-    # the solver holds fewer live sequences than Triton's oldest batcher keeps candidates (256 by default)
-    solver = SolverSettings.of(max_live_sequences=min(Batching().max_candidate_sequences - 1, max(8, 4 * args.streams)))
-    repo = work / "repo"
-    base = repository_settings({}, solver)
-    write_repository(repo, flow, base)
-    del flow
-    utts = batching_load(args.streams, args.seconds, args.prompt_seconds, args.steps)
-    audio = sum(2 * len(u.speech_tokens) for u in utts) / FRAMES_PER_SECOND
     settings = args.settings[:args.max_settings]
-    log(f"{len(settings)} settings; load: {args.streams} streams of ~{args.seconds:g} s ({audio:.1f} s of audio), "
-        f"{'stagger ' + str(args.stagger_s) + ' s' if args.stagger_s > 0 else 'all at once'}")
-    rows, failed, t0 = [], [], time.perf_counter()
-    for k, setting in enumerate(settings):
-        if time.perf_counter() - t0 > args.time_limit_s:
-            log(f"time limit reached: {len(settings) - k} settings not run")
-            break
-        name = describe(setting)
-        wanted = repository_settings(setting, solver)
-        write_flow_configs(repo, n_feats, meanflow, wanted)
-        try:
-            with TritonServer(repo, log_file=work / f"server_{k}.log") as server:
-                wrong = served_differs(server.grpc_url, wanted)
-                if wrong:  # the row would measure another setting than it names
-                    raise TritonServerError(f"the server runs {wrong}")
-                run_load(server.grpc_url, utts[:1], concurrent=False, timeout_s=args.load_timeout_s)  # warm-up
-                runs = []
-                for _ in range(max(args.repeats, 1)):
-                    runs.append(run_load(server.grpc_url, utts, concurrent=True, server=server,
-                                         stagger_s=args.stagger_s, timeout_s=args.load_timeout_s))
-                    if runs[-1].errors:
-                        break
-                load = next((r for r in runs if r.errors), None) or max(runs, key=lambda r: r.audio_s / r.wall_s)
-        except (TritonServerError, OSError) as exc:
-            failed.append(f"{name}: server failed: {str(exc).splitlines()[0]}")
-            rows.append([name] + ["–"] * 6 + ["server failed"])
-            log(failed[-1])
-            continue
-        if load.errors:
-            failed.append(f"{name}: {len(load.errors)} utterances failed: {load.errors[0]}")
-        row = [name, f"{load.audio_s / load.wall_s:.2f}", fmt(percentile(load.latencies, 50)),
-               fmt(percentile(load.latencies, 99)), fmt(percentile(load.first_chunks, 50)),
-               f"{load.requests / max(load.executions, 1):.2f}", f"{load.wall_s:.1f}", str(len(load.errors))]
-        rows.append(row)
-        log(" | ".join(row))
-    table = markdown(HEADER, rows)
+    names = [describe(s) for s in settings]
+    got, failed, t0, started = {}, [], time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
+    with tempfile.TemporaryDirectory(prefix="s3flow-sweep-") as tmp:
+        for k, (name, setting) in enumerate(zip(names, settings)):
+            if time.perf_counter() - t0 > args.time_limit_s:
+                failed.append(f"time limit reached: {len(settings) - k} settings not run")
+                break
+            repo = Path(tmp) / f"repo_{k}"
+            build_trained(repo, build_flags(setting))
+            try:
+                with TritonServer(repo, log_file=Path(tmp) / f"server_{k}.log") as server:
+                    wrong = served_differs(server.grpc_url, setting)
+                    if wrong:   # the row would measure another setting than it names
+                        raise TritonServerError(f"the server runs {wrong}")
+                    got[name] = measure_server(server.grpc_url, args.alone, args.at_once, args.c_runs)
+            except (TritonServerError, OSError, SystemExit) as exc:
+                failed.append(f"{name}: {str(exc).splitlines()[0]}")
+                got[name] = {}
+                print(f"FAILED {failed[-1]}", flush=True)
+                continue
+            print(f"{name}: " + "; ".join(f"{m} C {' '.join(f'{c:.2f}' for c in f['c'])}"
+                                          for m, f in got[name].items()), flush=True)
     m = machine()
-    model = f"checkpoint {args.checkpoint}" if args.checkpoint else f"{args.size} config, seeded random weights"
-    text = "\n".join([
+    lines = [
         "# Server-side batching sweep", "",
-        f"Written by `python -m s3flow_tools.measure.batching` on {time.strftime('%Y-%m-%d %H:%M')}; command: "
-        f"`python -m s3flow_tools.measure.batching {' '.join(sys.argv[1:] if argv is None else argv)}`.", "",
-        f"- CPU: {m.get('cpu')}, {m.get('cores')} cores, {m.get('simd', '?')}; torch {m.get('torch')}, "
-        f"onnxruntime {m.get('onnxruntime')}; load average (1 min) at the end {os.getloadavg()[0]:.2f}",
-        f"- model: {model}, {'meanflow' if meanflow else 'regular'}; steps {args.steps or 'default'}",
-        f"- load: {args.streams} streams of ~{args.seconds:g} s (+-20 %) after a {args.prompt_seconds:g} s prompt, "
-        f"{audio:.1f} s of audio, chunks 10, x2, <= 100 tokens; best of {args.repeats} runs per setting; "
-        + (f"one client per stream, started {args.stagger_s:g} s apart" if args.stagger_s > 0
-           else "all at once over one gRPC stream"),
-        "- defaults: " + ", ".join(f"{f.name}={getattr(Batching(), f.name)}" for f in dataclasses.fields(Batching))
-        + ", ort_threads=0 (all cores)", "",
-        table, ""] + ([f"Failures: {'; '.join(failed)}", ""] if failed else []))
+        f"Written by `python -m s3flow_tools.measure.batching {' '.join(sys.argv[1:] if argv is None else argv)}` "
+        f"on {started}.", "",
+        f"- host: {', '.join(f'{k} {v}' for k, v in m.items())}; load average (1 min) at the end "
+        f"{os.getloadavg()[0]:.2f}",
+        "- model: the trained small teacher (10 guided steps) and its vocoder, admission off",
+        f"- load per setting and ensemble: {args.alone} held-out sentences alone, then {args.c_runs} x "
+        f"{args.at_once} held-out sentences at once, one client each (C: audio s per wall s)",
+        "- defaults: " + ", ".join(f"{k}={v}" for k, v in DEFAULT_INSTANCES["cpu"].items())
+        + ", ort_threads=0 (the cores divided among the estimator instances), strategy=oldest, max_batch_size=8, "
+          "max_queue_delay_us=2000, scheduling=fifo", ""]
+    for model in ENSEMBLES:
+        lines += table(model, names, got)
+    if failed:
+        lines += [f"Failures: {'; '.join(failed)}", ""]
+    text = "\n".join(lines)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
-    print(table)
-    print(f"\n(written to {args.out})")
-    if args.workdir is None:
-        shutil.rmtree(work, ignore_errors=True)
+    print(text)
     if failed:
         print("FAILED:\n  " + "\n  ".join(failed), file=sys.stderr)
         return 1

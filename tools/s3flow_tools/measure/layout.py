@@ -53,6 +53,15 @@ def describe(layout: str) -> str:
             f"{'threads: cores / instances' if threads == 0 else f'{threads} thread' + 's' * (threads > 1)}")
 
 
+def build_trained(repo: Path, flags: list[str]) -> None:
+    """The repository of the trained small teacher and its vocoder as the measurements here serve it (admission
+    off, so that every stream offered is served; no voice encoder), with ``flags`` of ``build_repository``."""
+    if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--vocoder-checkpoint",
+                              str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice",
+                              "--no-admission", "--no-check", *flags]) != 0:
+        raise SystemExit(f"building the repository with {' '.join(flags) or 'the defaults'} failed")
+
+
 def measure_server(url: str, alone: int, at_once: int, c_runs: int) -> dict:
     """Per ensemble: first answer of a stream alone (s) and C (s of audio per s), from one running server."""
     out = {}
@@ -96,11 +105,8 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             for layout in args.layouts:
                 repo = Path(tmp) / f"repo_{layout.replace(',', '_')}"
-                if not repo.exists() and build_repository.main([
-                        "--checkpoint", str(TRAINED / "teacher.safetensors"), "--vocoder-checkpoint",
-                        str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice", "--no-admission",
-                        "--no-check", *layout_flags(layout)]) != 0:
-                    raise SystemExit(f"building the repository for {layout} failed")
+                if not repo.exists():
+                    build_trained(repo, layout_flags(layout))
                 with TritonServer(repo, log_file=Path(tmp) / f"server_{layout}_{rnd}.log") as server:
                     figures = measure_server(server.grpc_url, args.alone, args.at_once, args.c_runs)
                 for model, f in figures.items():
