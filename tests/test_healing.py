@@ -94,46 +94,49 @@ def test_a_killed_stub_is_reloaded_and_the_server_serves_again_within_seconds(tm
     assert not any(is_running(pid) for pid in family), "a process of the server outlived it"
 
 
-@pytest.mark.parametrize("model,ensemble,two", [("cfm_solver", "token2mel", False), ("vocoder", "token2wav", False),
-                                                 ("estimator", "token2mel", True), ("vocoder", "token2wav", True)],
-                         ids=["solver", "vocoder", "estimator, two servers", "vocoder, two servers"])
-def test_an_utterance_in_flight_when_a_stub_dies_completes_with_every_frame(tmp_path, model, ensemble, two):
-    """The targets' utterance in flight: streamed by the project's client (retries and resumes on), the stub of
-    ``model`` SIGKILLed after its first answers; the utterance completes, every frame once and in order: on the
-    same server once it has healed ("Stub process ... is not healthy" is a ``resume`` in the contract's table of
-    Triton's errors, and the solver's stream resumes from its snapshot), or, given a second server's address, on
-    whichever the client resumes it."""
+@pytest.mark.parametrize("models,two", [(("cfm_solver", "flow_encoder", "admission", "vocoder"), False),
+                                        (("estimator", "vocoder"), True)],
+                         ids=["one server", "two servers"])
+def test_an_utterance_in_flight_when_a_stub_dies_completes_with_every_frame(tmp_path, models, two):
+    """The targets' utterance in flight: for each of ``models`` in turn, a new utterance streamed by the project's
+    client (retries and resumes on; ``token2wav`` for the vocoder), the model's stub SIGKILLed after its first
+    answers; the utterance completes, every frame once and in order: on the same server once it has healed
+    ("Stub process ... is not healthy" is a ``resume`` in the contract's table of Triton's errors, and the solver's
+    stream resumes from its snapshot), or, given a second server's address, on whichever the client resumes it;
+    and the server it was killed on serves a new utterance again within the bound."""
     import threading
 
     flow = load_flow(write_random_checkpoint(tmp_path / "ckpt.safetensors", FlowConfig.small(), seed=2))
     write_repository(tmp_path / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1),
                      vocoder=random_vocoder(VocoderConfig.small(), seed=2))
-    u = demo_utterance(6.0, seed=9)
-    u.chunks = [10] * (len(u.speech_tokens) // 10) + ([len(u.speech_tokens) % 10] if len(u.speech_tokens) % 10 else [])
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", heal=True,
                                                   extra_args=EXIT_TIMEOUT))
         urls = [server.grpc_url]
         if two:
             urls.append(stack.enter_context(TritonServer(tmp_path / "repo", log_file=tmp_path / "b.log")).grpc_url)
-        answered, killed = [], threading.Event()
+        for k, model in enumerate(models):
+            ensemble = "token2wav" if model == "vocoder" else "token2mel"
+            u = demo_utterance(6.0, seed=9 + k)
+            n = len(u.speech_tokens)
+            u.chunks = [10] * (n // 10) + ([n % 10] if n % 10 else [])
+            answered, killed = [], threading.Event()
 
-        def progress(_):
-            answered.append(1)
-            if len(answered) == 3 and not killed.is_set():
-                killed.set()
-                kill_stub(server, model)
+            def progress(_, model=model, answered=answered, killed=killed):
+                answered.append(1)
+                if len(answered) == 3 and not killed.is_set():
+                    killed.set()
+                    kill_stub(server, model)
 
-        [r] = StreamingClient(urls, ensemble, timeout_s=120, max_retries=8,
-                              max_resumes=8).synthesize([u], progress=progress)
-        assert killed.is_set(), "the stub was never killed: the utterance ended too soon"
-        assert r.error is None and r.mel.shape[1] == 2 * len(u.speech_tokens), (r.error, server.log_tail())
-        assert np.isfinite(r.mel).all()
-        if ensemble == "token2wav":
-            assert r.audio.size == 480 * r.mel.shape[1] and np.isfinite(r.audio).all()
-        assert r.retries or r.resumes, "it went through the heal, not around it"
-        # and the server it was killed on serves a new utterance again (healed, not only abandoned)
-        t0 = time.monotonic()
-        while not served(server, ensemble):
-            assert time.monotonic() - t0 < HEALED_WITHIN_S, f"{model}: not served again: " + server.log_tail()
-            time.sleep(0.5)
+            [r] = StreamingClient(urls, ensemble, timeout_s=120, max_retries=8,
+                                  max_resumes=8).synthesize([u], progress=progress)
+            assert killed.is_set(), f"{model}: the stub was never killed: the utterance ended too soon"
+            assert r.error is None and r.mel.shape[1] == 2 * n, (model, r.error, server.log_tail())
+            assert np.isfinite(r.mel).all()
+            if ensemble == "token2wav":
+                assert r.audio.size == 480 * r.mel.shape[1] and np.isfinite(r.audio).all()
+            assert r.retries or r.resumes, f"{model}: it went through the heal, not around it"
+            t0 = time.monotonic()   # and the server it was killed on serves a new utterance again (healed)
+            while not served(server, ensemble):
+                assert time.monotonic() - t0 < HEALED_WITHIN_S, f"{model}: not served again: " + server.log_tail()
+                time.sleep(0.5)
