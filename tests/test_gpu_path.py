@@ -552,10 +552,12 @@ def test_k8s_deployment():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
-    for probe, path in (("startupProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
-        assert c[probe]["httpGet"]["path"] == path and ports[c[probe]["httpGet"]["port"]] == 8000
-    # readiness is "ready and not draining" (tests/test_deploy.py checks the probe and the drain in depth)
+    assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert ports[c["startupProbe"]["httpGet"]["port"]] == 8000
+    # readiness is "ready and not draining", liveness "live and no model dead past its bound" (tests/test_deploy.py
+    # checks the probes and the drain in depth)
     assert c["readinessProbe"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.server.drain", "ready"]
+    assert c["livenessProbe"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.server.drain", "live"]
     assert c["lifecycle"]["preStop"]["exec"]["command"][:4] == ["python3", "-m", "s3flow.server.drain", "drain"]
     ann = pod["metadata"]["annotations"]
     assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "8002"
