@@ -75,13 +75,29 @@ def abandon(url: str, model: str, seq_id: int, u, outputs=None, chunks: int = 2)
     client.close()
 
 
+def refused_resume(url: str, seq_id: int, u) -> None:
+    """A resume START whose snapshot the solver cannot open (a forged one), left open: refused by the solver,
+    which made no state, while Triton held the START's sequence slot (until an END or its idle window: a stop then
+    waited Triton's whole 30 s exit timeout)."""
+    forged = b"S3FS1" + bytes([6]) + b"solver" + (4).to_bytes(4, "little") + b"\0" * 36
+    events = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: events.put(error))
+    client.async_stream_infer("token2mel", infer_inputs(u.request(10, 20, True, resume=forged)), sequence_id=seq_id,
+                              sequence_start=True)
+    assert "resend=replay" in str(events.get(timeout=60))   # (this server holds no snapshot key at all)
+    client.stop_stream()
+    client.close()
+
+
 def misuse(url: str) -> None:
     """What a server met before SIGTERM hung: abandoned streams through both entry points, one naming only the
-    audio, and a client SIGKILLed with its third chunk on the way."""
+    audio, a client SIGKILLed with its third chunk on the way, and a refused resume left open."""
     abandon(url, "token2mel", 501, utterance(1))
     abandon(url, "token2wav", 502, utterance(2))
     abandon(url, "token2wav", 503, utterance(3), outputs=["audio"])
     kill_mid_stream(url, "token2wav", seed=9, seconds=2.0)
+    refused_resume(url, 504, utterance(4))
 
 
 def ours() -> set[str]:

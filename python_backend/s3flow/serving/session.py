@@ -221,6 +221,10 @@ class SolverSession:
                 self._drop(req.corr_id, "server stopping")
             elif req.end and not isinstance(exc, ServerBusy):
                 self._drop(req.corr_id, "invalid END request")
+            elif req.start and not req.end and req.corr_id not in self.engine.sequences:
+                # no state was made, but Triton holds the START's sequence slot until an END or its idle window
+                # (a forged snapshot's START made a server's stop wait its whole exit timeout): give it back
+                self.engine.observer.sequence_dropped(req.corr_id, "failed START")
             return None, refused(req.corr_id, self._refusal_message(req.corr_id, exc), exc)
 
     def _refusal_message(self, corr_id, exc: RequestError) -> str:
