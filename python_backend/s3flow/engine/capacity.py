@@ -247,6 +247,9 @@ class CapacityModel(Observer):
         self._sat_wall = self._sat_busy = self._sat_priced = self._sat_full = self._sat_audio = 0.0
         self.clock, self._last, self.duty_prior = clock, None, duty_prior
         self._made = Work()                                 # answered since the last ``worked``
+        #: the capacity before the window holds work, and whether the priors came from served work (``restore``)
+        self.prior_capacity: Optional[float] = None
+        self._served_prior = False
         self._fill = 1.0                                    # streams per estimator call, averaged over recent calls
         self._lock = threading.Lock()
 
@@ -296,6 +299,42 @@ class CapacityModel(Observer):
                 self._sat_wall, self._sat_busy = d * self._sat_wall + wall, d * self._sat_busy + seconds
                 self._sat_priced, self._sat_full = d * self._sat_priced + priced, d * self._sat_full + full
                 self._sat_audio = d * self._sat_audio + audio
+
+    def calibrated(self, busy_s: float, made: Work, streams: int) -> None:
+        """The calibration at load (``s3flow.serving.warmup.calibrate_solver``) kept its instance busy ``busy_s``
+        making ``made`` with ``streams`` streams in each call: busy over what the fits price it at is the correction
+        until served work measures its own (the prior capacity then holds the time between the calls too), unless
+        a price saved from served work (:meth:`restore`) gave a better one."""
+        with self._lock:
+            fits = self._costs(1.0)
+            priced = fits.seconds(made, streams) if fits.known else 0.0
+            if priced > 0 and busy_s > 0 and not self._served_prior:
+                self.prior_correction = busy_s / priced
+
+    def state(self) -> dict:
+        """What it has measured, to start the next instance from (``restore``; ``s3flow.serving.saved_price``): the
+        fits, the correction, the busy share at capacity and the capacity, and whether served work measured them."""
+        with self._lock:
+            served = self._correction() is not None and self._audio > 0 and self._full > 0
+            return {"estimator": [self.estimator.fixed, self.estimator.per_unit],
+                    "encoder": [self.encoder.fixed, self.encoder.per_unit],
+                    "correction": self._correction() if served else self.prior_correction,
+                    "duty": self._duty(), "served": served or self._served_prior,
+                    "capacity": (self._audio / self._busy * self._priced / self._full * self._duty()) if served
+                    else self.prior_capacity}
+
+    def restore(self, state: dict) -> None:
+        """Start from a ``state`` an earlier instance measured: its fits (until calls are timed here), correction,
+        busy share at capacity and capacity are the priors (each replaced as this instance measures its own)."""
+        with self._lock:
+            for fit, (fixed, per_unit) in ((self.estimator, state["estimator"]), (self.encoder, state["encoder"])):
+                if fit.calls == 0 and (fixed > 0 or per_unit > 0):
+                    fit.fixed, fit.per_unit, fit.calls = float(fixed), float(per_unit), 1
+            self.prior_correction = float(state["correction"])
+            if self.duty_prior is not None:
+                self.duty_prior = float(state["duty"])
+            self.prior_capacity = float(state["capacity"]) if state.get("capacity") else None
+            self._served_prior = bool(state.get("served"))
 
     @property
     def correction(self) -> Optional[float]:

@@ -63,11 +63,12 @@ class Calibration:
     ``ready()`` holds, retrying while they do not answer yet (for at most ``give_up_s`` in all)."""
 
     def __init__(self, engine, model: CapacityModel, rules, name: str, ready: Callable[[], bool],
-                 log: Callable[[str], None] = print, give_up_s: float = 300.0, retry_s: float = 0.5,
-                 closing: Callable[[], bool] = lambda: False):
+                 log: Callable[[str], None] = print, give_up_s: float = 300.0, retry_s: float = 0.2,
+                 closing: Callable[[], bool] = lambda: False, then: Callable[[], None] = lambda: None):
         """``ready()``: BLS calls may be made (module docstring); ``closing()``: the server is stopping (its
-        models may no longer answer): the calibration stops before its next batch."""
-        self.engine, self.model, self.rules, self.name, self.log = engine, model, rules, name, log
+        models may no longer answer): the calibration stops before its next batch; ``then()``: called once it is
+        over, calibrated or not (the solver publishes its load report: admission waits for the price)."""
+        self.engine, self.model, self.rules, self.name, self.log, self.then = engine, model, rules, name, log, then
         self.ready, self.give_up_s, self.retry_s, self.closing = ready, give_up_s, retry_s, closing
         self.done, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-calibration", daemon=True)
@@ -111,12 +112,17 @@ class Calibration:
                 continue
             e = self.model.estimator
             self.log(f"{self.name}: {report.describe()}: estimator {e.fixed * 1e3:.2f} ms + "
-                     f"{e.per_unit * 1e6:.3f} us per row-frame")
-            self.done.set()
+                     f"{e.per_unit * 1e6:.3f} us per row-frame, x{self.model.prior_correction:.2f} between calls")
+            self._over()
             return
         why = "stopped" if self._stopping() else f"gave up after {self.give_up_s:.0f} s ({last})"
         self.log(f"{self.name}: calibration {why}; the costs come from served calls only")
+        self._over()
+
+    def _over(self) -> None:
         self.done.set()
+        if not self._stopping():
+            self.then()
 
 
 class _Stopped(Exception):

@@ -388,10 +388,11 @@ class InstanceLoad:
         report = LoadReport(self.kind, self.model.costs(), streams, [c for c in works if c not in streams],
                             self.planned, self.planned_steps, self.planned_rows, cap=self.cap,
                             ended=[c for c in ended if c not in works])
-        # before any served work: the calibrated costs' capacity for the plan, times the same busy share at
-        # capacity the live estimate applies (its prior, DUTY_PRIOR: the calibration's calls ran alone)
+        # before any served work: the capacity an earlier instance measured (s3flow.serving.saved_price), or the
+        # calibrated costs' for the plan times the same busy share at capacity the live estimate applies (its
+        # prior, DUTY_PRIOR: the calibration's calls ran alone)
         prior = report.planned_capacity * self.model.duty if self.planned is not None else 0.0
-        report.capacity = self.model.capacity() or prior
+        report.capacity = self.model.capacity() or self.model.prior_capacity or prior
         report.throughput, report.duty = self.model.throughput, self.model.duty
         report.pid, report.started = os.getpid(), self.started
         try:

@@ -49,6 +49,7 @@ from s3flow.serving.metrics import CAPACITY, LIVE, UTILIZATION, Publish, SolverB
 from s3flow.serving.reaper import IdleReaper
 from s3flow.serving.session import Incoming, Outcome, SolverSession
 from s3flow.serving.step_service import SteppedSolver
+from s3flow.serving.saved_price import SavedPrice
 from s3flow.serving.warmup import warm_up_solver
 
 #: After a batch that made this many frames, give the freed heap back (s3flow.serving.heap).
@@ -66,8 +67,10 @@ class SolverInstance:
 
     def __init__(self, params: Params, name: str, instance: str, encoder, estimator, publish: Publish, slots,
                  queue_delay_s: float = 0.0, decoupled: bool = False, batch_size: int = 1,
-                 log: Callable[[str, str], None] = lambda level, message: None, instances: int = 1):
-        """``instances``: the model's instance count (each publishes its share of the server's utilization)."""
+                 log: Callable[[str, str], None] = lambda level, message: None, instances: int = 1,
+                 saved: Optional[SavedPrice] = None):
+        """``instances``: the model's instance count (each publishes its share of the server's utilization);
+        ``saved``: where this instance's price is kept for the next server (``s3flow.serving.saved_price``)."""
         self.name, self.instance, self.slots, self.log, self.publish_metric = name, instance, slots, log, publish
         self.instances = max(1, int(instances))
         p = params
@@ -95,6 +98,12 @@ class SolverInstance:
         # what the server can carry (s3flow.engine.capacity): every call timed, for admission and the step loop
         rows_per_stream = 1 if self.meanflow or not self.settings.solving.default_guidance_rate else 2
         self.capacity = CapacityModel(max(1, deadlines.max_step_rows // rows_per_stream) if decoupled else batch_size)
+        self.saved = saved
+        state = saved.load() if saved is not None else None
+        if state is not None:   # priced before its first request, as the last server here measured it
+            self.capacity.restore(state)
+            log("info", f"{name}: the price saved by the last server here: {state['capacity'] or 0:.2f} audio s per "
+                        f"s, x{state['correction']:.2f} between calls, busy share {state['duty']:.2f}")
         snapshots = SolverSnapshots(snapshot_key(), self.settings.solving, self.n_feats, self.meanflow)
         engine = StreamingEngine(encoder, estimator, n_feats=self.n_feats, meanflow=self.meanflow,
                                  solving=self.settings.solving, observer=Observers(self.book, self.capacity),
@@ -112,7 +121,8 @@ class SolverInstance:
         if p.bool("calibrate", True):   # the cost fits start from real calls (a thread, once BLS works)
             self.calibration = Calibration(engine, self.capacity, self.settings.rules, name,
                                            log=lambda m: log("info", m), ready=self.set_up.is_set,
-                                           closing=self.closing).start()
+                                           closing=self.closing, then=self._calibrated)
+            self.calibration.start()
         voices = None
         if p.bool("voices", False):  # START may name a voice the voice_encoder stored
             from s3flow.serving.voice_registry import VoiceRegistry
@@ -232,11 +242,21 @@ class SolverInstance:
         self.slots.send()
         self.publish()   # every period: the load's costs and the streams' ages move between executes too
 
+    def _calibrated(self) -> None:
+        """The calibration is over: admission sees the price now, and the next server starts from it (unless a
+        price measured from served work is kept already)."""
+        self.publish()
+        if self.saved is not None and not self.capacity.state()["served"]:
+            self.saved.save(self.capacity.state())
+
     def close(self) -> None:
         """First, every thread of ours that calls Triton stops (a call in flight while the instance is torn down
-        crashes tritonserver: the python backend waited for its BLS pool before calling ``finalize``)."""
+        crashes tritonserver: the python backend waited for its BLS pool before calling ``finalize``). What it
+        measured is kept for the next server (``saved``)."""
         if self.calibration is not None:
             self.calibration.stop()
+        if self.saved is not None and self.capacity.costs().known:
+            self.saved.save(self.capacity.state())
         if self.stepped is not None:
             self.stepped.close()
         self.reaper.stop()

@@ -100,9 +100,13 @@ def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), step
     them at once (one batch each), ``rounds`` times; each call shape's fastest time is reported to ``observer``
     (``s3flow.engine.capacity.CapacityModel``: its cost fits start from these timed calls at a few batch sizes; the
     fastest, because at load the other models are still setting themselves up beside it, and a shape's first call
-    sets up its buffers). ``wait_idle()`` is called before each batch (it returns when the served engine holds no
-    stream: a real stream never shares the cores with the calibration). Throw-away engines: the served one's
-    sequences are not touched."""
+    sets up its buffers). The last round's largest batch also prices the time between the calls: its wall time
+    (as the served solver's busy time is measured) over what the fits price its work at is the observer's
+    correction until served work measures its own (``CapacityModel.calibrated``: the python around the calls, the
+    hops; without it the prior capacity was 1.7x what the server carried, issue 48). ``wait_idle()`` is called
+    before each batch (it returns when the served engine holds no stream: a real stream never shares the cores with
+    the calibration). Throw-away engines: the served one's sequences are not touched."""
+    from s3flow.engine.capacity import Work
     from s3flow.engine.observer import Observer
     from s3flow.engine.streaming import StreamingEngine
     from s3flow.protocol import RequestRules
@@ -112,6 +116,7 @@ def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), step
         def __init__(self):
             self.estimator: dict = {}
             self.encoder: dict = {}
+            self.made = Work()
 
         def estimator_timed(self, rows, frames, seconds):
             key = (rows, frames)
@@ -120,6 +125,9 @@ def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), step
         def encoder_timed(self, tokens, seconds):
             self.encoder[tokens] = min(seconds, self.encoder.get(tokens, seconds))
 
+        def chunk_work(self, corr_id, work):
+            self.made.add(work)
+
     fastest, t0, calls = Fastest(), time.perf_counter(), 0
     for _ in range(rounds):
         shadow = StreamingEngine(engine.encode, engine.estimator, n_feats=engine.n_feats, meanflow=engine.meanflow,
@@ -127,12 +135,15 @@ def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), step
         session = SolverSession(shadow, rules or RequestRules(), name="calibration")
         for n in streams:
             wait_idle()
+            fastest.made, started = Work(), time.perf_counter()
             _utterances(session, engine.n_feats, prompt_tokens, chunks, n, steps)
+            busy = time.perf_counter() - started   # (the last round's largest batch is kept)
         calls += shadow.estimator_calls
     for (rows, frames), seconds in fastest.estimator.items():
         observer.estimator_timed(rows, frames, seconds)
     for tokens, seconds in fastest.encoder.items():
         observer.encoder_timed(tokens, seconds)
+    observer.calibrated(busy, fastest.made, streams[-1])
     return WarmupReport("cfm_solver calibration", rounds * len(chunks) * sum(streams), calls, time.perf_counter() - t0)
 
 

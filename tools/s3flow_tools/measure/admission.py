@@ -22,9 +22,11 @@ The trained small teacher (``checkpoints/trained``), two repositories alike but 
    player with a 0.3 s start-up buffer and first audio, each refusal's answer time at the client and its
    ``retry_after``, accepted utterances lost; the server's own capacity estimate
    (``s3flow_capacity_audio_seconds_per_second``); tritonserver's and its stubs' summed RSS before and 30 s after.
-   Then each load again on a **fresh server**, right after it is ready (its solver instances still calibrating:
-   issue 48's burst that went in unpriced), and a client **killed** after 2 answered chunks followed by one healthy
-   utterance (the killed one's stream is held until the idle timeout: is the healthy one served?).
+   Then each load again on a **fresh server**, right after it is ready (a restart: its solver instances priced by
+   what the last server from this repository measured, ``s3flow.serving.saved_price``), and on a **new server**
+   (nothing saved: its calibration runs once it is ready, and a START waits for it: issue 48's burst that went in
+   unpriced); and a client **killed** after 2 answered chunks followed by one healthy utterance (the killed one's
+   stream is held until the idle timeout: is the healthy one served?).
 3. **Singles** on the server with the check: ``--singles`` utterances one after another with random gaps of
    0-1 s: how many STARTs were answered busy (an idle server takes every one).
 4. **Two servers** (``--pair``), each pinned to one core (``taskset``): C of one pinned server alone, then 2 C
@@ -34,6 +36,7 @@ The trained small teacher (``checkpoints/trained``), two repositories alike but 
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -285,9 +288,13 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
         time.sleep(30.0)
         rss_after = server.rss_bytes()
         healthy = server.client().is_server_ready()
-    for k in loads:   # each load again on a fresh server: right after it is ready (before its calibration ends)
+    for k in loads:   # each load again on a fresh server: right after it is ready, its price the last server's here
         with TritonServer(repos["on"], log_file=tmp / f"{model}-fresh-{k:g}.log") as server:
             rows.append(load_at_once(server, model, k, c, f"{k:g} C at once, fresh server"))
+    for k in loads:   # and on a new one (nothing saved: a first start on this host): it waits for its calibration
+        shutil.rmtree(repos["on"] / "cfm_solver" / "price", ignore_errors=True)
+        with TritonServer(repos["on"], log_file=tmp / f"{model}-new-{k:g}.log") as server:
+            rows.append(load_at_once(server, model, k, c, f"{k:g} C at once, new server"))
     lines += [f"C (without the check, {at_once} at once): **{c:.2f}** s of audio per second; the server's own estimate "
               f"(`s3flow_capacity_audio_seconds_per_second`, after its calibration): {estimate:.2f} "
               f"({estimate / c:.2f}x). Target utilization 0.9." + (
