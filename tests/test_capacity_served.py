@@ -121,3 +121,38 @@ def test_once_the_held_stream_ends_the_idle_server_takes_a_stream_and_its_utiliz
     u.n_timesteps = 2
     [r] = StreamingClient(server.grpc_url, timeout_s=60, max_retries=0, max_resumes=0).synthesize([u])
     assert r.error is None and r.mel.shape == (80, 50) and r.retries == []
+
+
+def test_a_stream_quiet_between_sentences_keeps_its_place_and_is_answered_when_it_comes_back(server):
+    """Issue 48, what a quiet stream is owed: an admitted client that pauses between sentences (3 s, under the idle
+    timeout) is still priced as a live stream, so the place it was admitted to is not given away (a START in the
+    pause is refused busy), and its next chunks are answered when it comes back, every frame in order."""
+    u = demo_utterance(2.0, seed=22)
+    events = queue.Queue()
+    client = server.client()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        first = request_arrays(u.speech_tokens[:20], start=True, prompt_tokens=u.prompt_tokens,
+                               prompt_mel=u.prompt_mel, speaker_embedding=u.speaker_embedding, n_timesteps=2)
+        client.async_stream_infer("token2mel", infer_inputs(first), sequence_id=6_100, sequence_start=True)
+        result, error = events.get(timeout=60)
+        assert error is None, str(error)
+        offsets = [int(result.as_numpy("frame_offset")[0, 0])]
+        frames = [result.as_numpy("mel").shape[2]]
+        time.sleep(3.0)   # between sentences
+        client.async_stream_infer("token2mel", infer_inputs(start_tensors(23)), sequence_id=6_101,
+                                  sequence_start=True)
+        _, refused = events.get(timeout=60)
+        assert refused is not None and answer_of(str(refused)).disposition is Disposition.BUSY, str(refused)
+        for lo, hi, end in ((20, 35, False), (35, len(u.speech_tokens), True)):
+            client.async_stream_infer("token2mel", infer_inputs(request_arrays(u.speech_tokens[lo:hi])),
+                                      sequence_id=6_100, sequence_end=end)
+            result, error = events.get(timeout=60)
+            assert error is None, f"the stream that came back after its pause: {error}"
+            offsets.append(int(result.as_numpy("frame_offset")[0, 0]))
+            frames.append(result.as_numpy("mel").shape[2])
+    finally:
+        client.stop_stream()
+        client.close()
+    assert offsets == list(np.cumsum([0] + frames[:-1])), "every frame in order"
+    assert sum(frames) == 2 * len(u.speech_tokens)
