@@ -1,4 +1,4 @@
-"""``scheduling: deadline`` against a real tritonserver: the decoupled cfm_solver with its step loop, beside the
+"""``scheduling: deadline`` against a real tritonserver: the cfm_solver with its step loop, beside the
 FIFO solver on the same checkpoint (issue 33). Which tests run under which: every other server test runs the
 default, ``fifo``; this module runs both and compares them.
 
@@ -14,7 +14,6 @@ import queue
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
 
 from s3flow.engine.settings import SolverSettings
 from s3flow.model.checkpoint import load_flow
@@ -78,7 +77,7 @@ def test_streams_at_once_each_equal_their_stream_alone(servers):
 
 
 def test_chunks_sent_before_their_answers_are_served_in_order(servers):
-    """The decoupled solver gets a sequence's next chunk as soon as its execute() returns: a client that sends
+    """The stepped solver gets a sequence's next chunk as soon as its execute() returns: a client that sends
     every chunk at once over one stream gets them answered in order, equal to the client that waits."""
     u = utterance(2.0, 21)
     u.chunks = [10, 10, 10, len(u.speech_tokens) - 30]
@@ -105,11 +104,16 @@ def test_chunks_sent_before_their_answers_are_served_in_order(servers):
     np.testing.assert_allclose(mel, want.mel, atol=1e-5, rtol=0)
 
 
-def test_the_decoupled_solver_answers_over_streams_only(servers):
+def test_the_stepped_solver_answers_a_unary_model_infer_too(servers):
+    """Not decoupled (issue 49's spike): a plain unary ModelInfer on token2mel is answered by the step loop, equal
+    to the fifo server's answer."""
     u = utterance(1.0, 31)
-    with pytest.raises(InferenceServerException, match="decoupled"):
-        servers["deadline"].client().infer("token2mel", infer_inputs(u.request(0, len(u.speech_tokens), True)),
-                                           sequence_id=3101, sequence_start=True, sequence_end=True)
+    inputs = u.request(0, len(u.speech_tokens), True)
+    got = {name: servers[name].client().infer("token2mel", infer_inputs(inputs), sequence_id=3101,
+                                              sequence_start=True, sequence_end=True).as_numpy("mel")
+           for name in ("fifo", "deadline")}
+    assert got["deadline"].shape == got["fifo"].shape and got["deadline"].shape[2] == 2 * len(u.speech_tokens)
+    np.testing.assert_allclose(got["deadline"], got["fifo"], atol=1e-5, rtol=0)
 
 
 def raw_stream(url: str, model: str, u, corr_id: int, steps=None) -> list[tuple[np.ndarray, int]]:

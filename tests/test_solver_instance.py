@@ -108,7 +108,7 @@ def test_a_dropped_sequence_is_marked_gone_its_slot_released_and_logged(flow, re
 
 
 def test_deadline_answers_each_request_from_the_step_loop_thread(flow, records):
-    solver, published, logged, slots = instance(flow, "deadline", decoupled=True)
+    solver, published, logged, slots = instance(flow, "deadline")
     answers, done = {}, threading.Event()
 
     def send(corr_id):
@@ -130,7 +130,7 @@ def test_deadline_answers_each_request_from_the_step_loop_thread(flow, records):
 
 
 def test_a_scheduling_its_transaction_policy_cannot_serve_is_refused(flow, records):
-    with pytest.raises(ValueError, match="scheduling 'deadline' needs model_transaction_policy { decoupled: true }"):
-        instance(flow, "deadline", decoupled=False)
+    with pytest.raises(ValueError, match="scheduling 'fifo' answers from execute"):
+        instance(flow, "fifo", decoupled=True)
     with pytest.raises(ValueError, match="scheduling must be one of"):
         instance(flow, parameters={"scheduling": "lifo"})

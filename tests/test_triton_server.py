@@ -376,6 +376,15 @@ ensemble_scheduling {
 """
 
 
+# The same model not decoupled (issue 49's spike: the python backend lets any model answer through its response
+# senders since 24.06): the sequence batcher still hands a sequence's next request over while one is unanswered,
+# and unary ModelInfer reaches it, alone and through an ensemble (what `scheduling: deadline` now is).
+STEP_SUM_UNARY_CONFIG = STEP_SUM_CONFIG.replace('name: "step_sum"', 'name: "step_sum_unary"').replace(
+    "model_transaction_policy { decoupled: true }\n", "")
+STEP_SUM_UNARY_ENSEMBLE = STEP_SUM_ENSEMBLE.replace('"step_sum_then_accumulate"', '"step_sum_unary_then_accumulate"') \
+    .replace('model_name: "step_sum"', 'model_name: "step_sum_unary"')
+
+
 def write_model(repo: pathlib.Path, name: str, config: str, model_py: str | None = None) -> None:
     (repo / name).mkdir(parents=True, exist_ok=True)
     (repo / name / "config.pbtxt").write_text(textwrap.dedent(config).lstrip())
@@ -392,6 +401,8 @@ def make_repository(repo: pathlib.Path) -> pathlib.Path:
     write_model(repo, "accumulate_ensemble", ACCUMULATE_ENSEMBLE)
     write_model(repo, "step_sum", STEP_SUM_CONFIG, STEP_SUM_MODEL)
     write_model(repo, "step_sum_then_accumulate", STEP_SUM_ENSEMBLE)
+    write_model(repo, "step_sum_unary", STEP_SUM_UNARY_CONFIG, STEP_SUM_MODEL)
+    write_model(repo, "step_sum_unary_then_accumulate", STEP_SUM_UNARY_ENSEMBLE)
     return repo
 
 
@@ -808,6 +819,27 @@ def test_a_decoupled_model_is_not_reachable_by_a_unary_call_and_its_errors_reach
     got = stream_requests(server, "step_sum", [(712, 1.0, -1, True, False), (712, 1.0, 2, False, True)], ["SUM"])
     assert sorted(got.values()) == ["STEPS must be >= 0, got -1", "sequence 712 has no state: send sequence_start "
                                                                   "first"], got
+
+
+@pytest.mark.server
+def test_a_model_that_is_not_decoupled_answers_through_its_senders_from_its_own_thread_to_unary_calls_too(
+        server, client):
+    """Issue 49's spike: without the decoupled policy the same model still gets a sequence's next request while
+    one is unanswered (DEPTH > 0), steps rows of two sequences in one call, answers through the senders from its
+    loop thread, and a unary ModelInfer reaches it, directly and through an ensemble."""
+    sends = [(731, 1.0, 40, True, False), (732, 5.0, 40, True, False), (731, 10.0, 3, False, False),
+             (732, 50.0, 1, False, True), (731, 100.0, 1, False, True)]
+    got = stream_requests(server, "step_sum_unary", sends, ["SUM", "DEPTH", "ROWS"])
+    assert not [k for k in got if isinstance(k, str)], got
+    assert [got[i]["SUM"] for i in range(5)] == [41.0, 45.0, 54.0, 96.0, 155.0]
+    assert max(got[i]["DEPTH"] for i in (2, 4)) >= 1, "a sequence's next request came only after the last answer"
+    assert max(got[i]["ROWS"] for i in range(5)) == 2, "no step carried rows of both sequences"
+    steps = grpcclient.InferInput("STEPS", [1, 1], "INT32")
+    steps.set_data_from_numpy(np.array([[2]], dtype=np.int32))
+    for model, corr_id, want in (("step_sum_unary", 741, 3.0), ("step_sum_unary_then_accumulate", 742, 3.0)):
+        result = client.infer(model, [fp32_input("INPUT", np.array([[1.0]])), steps], sequence_id=corr_id,
+                              sequence_start=True, sequence_end=True)
+        assert float(result.as_numpy("SUM" if model == "step_sum_unary" else "TOTAL").reshape(-1)[0]) == want
 
 
 @pytest.mark.server

@@ -83,7 +83,7 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
   - ``vocoder_instance``: the same for one vocoder instance
   - ``session``: the solver's session: a batch of requests in, one outcome each, the failure table
   - ``local_stream``: one utterance streamed in process through the session (evaluation, benchmarks)
-  - ``step_service``: the decoupled solver's request side around the step loop
+  - ``step_service``: the stepped solver's request side around the step loop
   - ``vocoder_session``: the vocoder's session: one request in, one outcome out
   - ``voice_registry``: speaker prompts stored once under a voice id
   - ``voice_service``: what the ``voice_encoder`` model does with one request

@@ -230,7 +230,7 @@ class Costs:
 class CapacityModel(Observer):
     """The instance's cost fits (every estimator and encoder call the engine reports), the correction that makes
     them price what the instance really takes, and its capacity (module docstring); each stream's own work is the
-    sequence table's (``s3flow.engine.sequences.SequenceTable.works``). Thread-safe (the decoupled path reports
+    sequence table's (``s3flow.engine.sequences.SequenceTable.works``). Thread-safe (the stepped path reports
     from its step thread)."""
 
     def __init__(self, max_batch: int = 8, halflife: float = 200.0, prior_correction: float = 1.0,

@@ -23,7 +23,7 @@ part                       fields                                     read by
 Every field is a ``parameters`` entry of the cfm_solver config, by its own name (the names are distinct
 across the parts), and a ``scripts/build_repository.py`` flag. :class:`SolverSettings` holds the five parts and
 moves them to and from that flat form. Which path serves the chunks (``scheduling: fifo | deadline``) is the
-repository's choice (``RepositorySettings.scheduling``: it makes the solver decoupled), read by the solver
+repository's choice (``RepositorySettings.scheduling``), read by the solver
 instance (``s3flow.serving.solver_instance``).
 
 Example::

@@ -6,7 +6,7 @@ Both of the solver's schedulings run this loop; only who drives it and its polic
   and runs the loop on its own thread until they are answered (:meth:`StepLoop.solve`), under the ``whole`` policy:
   every chunk in flight goes into every step (longest first into the padded batch, or, with length bucketing, the
   bucket of the shortest first), so a batch is solved whole, in arrival order, and ``execute`` returns its answers;
-* ``deadline`` (decoupled): ``execute`` hands each chunk over and returns; a thread runs :meth:`StepLoop.run_once`
+* ``deadline``: ``execute`` hands each chunk over and returns; a thread runs :meth:`StepLoop.run_once`
   in a loop under the ``deadline`` policy (least slack first, within a step budget; ``s3flow.engine.scheduler``)
   and each chunk is answered through its callback.
 

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the ensembles' admission step ahead of the solver: a refused START takes no sequence "
                         "slot (s3flow.serving.admission) (default: on)")
     b.add_argument("--scheduling", choices=SCHEDULING, default="fifo",
-                   help="fifo: Triton batches whole chunks; deadline: a decoupled solver steps the chunks of many "
+                   help="fifo: Triton batches whole chunks; deadline: the solver steps the chunks of many "
                         "streams one Euler step at a time, the closest to running dry first (default: %(default)s)")
     layouts = "; ".join(f"{t} {v['solver_instances']} and {v['estimator_instances']}"
                         for t, v in DEFAULT_INSTANCES.items())

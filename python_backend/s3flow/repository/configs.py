@@ -45,8 +45,6 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> ModelC
     add_tensors(config, SOLVER_INPUTS, SOLVER_OUTPUTS, n_feats=n_feats)
     # on GPU hosts the solver runs on the device its BLS tensors live on
     add_instances(config, b.solver_instances, gpu=s.target == "gpu")
-    if s.scheduling == "deadline":   # execute() hands chunks to the step loop; answers go through senders
-        config.model_transaction_policy.decoupled = True
     set_parameters(config, {"n_feats": n_feats, "meanflow": meanflow, "encoder_model": ENCODER_MODEL,
                             "scheduling": s.scheduling,
                             "estimator_model": ESTIMATOR_MODEL, "torch_threads": s.torch_threads,

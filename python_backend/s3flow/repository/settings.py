@@ -102,7 +102,7 @@ class RepositorySettings:
     #: seconds Triton keeps an idle sequence after the models' idle timeout (None: TRITON_IDLE_GRACE_S[target])
     triton_idle_grace_s: Optional[float] = None
     #: how cfm_solver serves chunks: "fifo" (Triton's oldest batcher hands it batches of chunks, each solved whole
-    #: in one execute) or "deadline" (decoupled: its own loop runs one Euler step at a time over the chunks of
+    #: in one execute) or "deadline" (its own loop, answering through response senders, runs one Euler step at a time over the chunks of
     #: many streams, most urgent first; s3flow.engine.step_loop, s3flow.serving.step_service)
     scheduling: Literal["fifo", "deadline"] = "fifo"
 

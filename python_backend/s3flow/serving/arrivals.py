@@ -169,7 +169,7 @@ class OnTheWay(Observer):
     def picked_up(self, requests: Iterable[tuple[int, bool]]) -> None:
         """These requests, (corr_id, START) each, reached the instance and are its own now: answered (``fifo``:
         a request picked up but not yet served must still count as on its way, or the reaper could take its
-        sequence in the moment between) or queued where the table sees them (the decoupled path). Not the
+        sequence in the moment between) or queued where the table sees them (the stepped path). Not the
         solver's own requests, which never passed admission."""
         with self._lock:
             for corr_id, start in requests:

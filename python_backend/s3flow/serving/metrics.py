@@ -178,7 +178,7 @@ class SolverBook(Observer):
         return self.flush(self.clock() - started)
 
     def flush(self, seconds: float) -> int:
-        """Publish the chunks answered since the last call with latency ``seconds`` (the decoupled solver: each
+        """Publish the chunks answered since the last call with latency ``seconds`` (the stepped solver: each
         chunk's time from its arrival in ``execute`` to its answer, one at a time), and each one's lead (after a
         stream's first answer) and first underrun."""
         for new, n, frames, delivered in self._pending:

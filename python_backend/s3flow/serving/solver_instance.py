@@ -57,7 +57,7 @@ TRIM_AFTER_FRAMES = 500
 #: How far out of order requests may reach the batcher after admission marked them (s3flow.serving.arrivals.OnTheWay;
 #: the batcher's own queue delay comes on top)
 ARRIVAL_SLACK_S = 1.0
-#: the solver's two schedulings (the repository's choice: ``deadline`` makes the model decoupled)
+#: the solver's two schedulings (the repository's choice: ``deadline`` answers through response senders)
 SCHEDULINGS = ("fifo", "deadline")
 
 
@@ -78,9 +78,10 @@ class SolverInstance:
         self.scheduling = p.str("scheduling", "fifo")
         if self.scheduling not in SCHEDULINGS:
             raise ValueError(f"scheduling must be one of {SCHEDULINGS}, got {self.scheduling!r}")
-        if (self.scheduling == "deadline") != decoupled:
-            raise ValueError(f"scheduling {self.scheduling!r} needs model_transaction_policy {{ decoupled: "
-                             f"{'true' if self.scheduling == 'deadline' else 'false'} }}")
+        if decoupled and self.scheduling == "fifo":   # (deadline answers through senders, decoupled or not)
+            raise ValueError("scheduling 'fifo' answers from execute(): not with model_transaction_policy "
+                             "{ decoupled: true }")
+        stepping = self.scheduling == "deadline"
         self.n_feats, self.meanflow = p.int("n_feats"), p.bool("meanflow")
         deadlines = self.settings.deadlines
         self.book = SolverBook(publish, on_drop=self._dropped)
@@ -97,7 +98,7 @@ class SolverInstance:
                               pending=self._pending, playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
         # what the server can carry (s3flow.engine.capacity): every call timed, for admission and the step loop
         rows_per_stream = 1 if self.meanflow or not self.settings.solving.default_guidance_rate else 2
-        self.capacity = CapacityModel(max(1, deadlines.max_step_rows // rows_per_stream) if decoupled else batch_size)
+        self.capacity = CapacityModel(max(1, deadlines.max_step_rows // rows_per_stream) if stepping else batch_size)
         self.saved = saved
         state = saved.load() if saved is not None else None
         if state is not None:   # priced before its first request, as the last server here measured it
@@ -129,7 +130,7 @@ class SolverInstance:
             voices = VoiceRegistry.from_params(p).get
         self.session = SolverSession(engine, self.settings.rules, name=name, draining=draining_probe(),
                                      voices=voices, closing=self.closing)
-        if decoupled:
+        if stepping:
             loop = StepLoop(engine, policy="deadline", budget=deadlines.budget(), costs=self.capacity.costs,
                             min_steps=deadlines.min_steps)
             self.stepped = SteppedSolver(self.session, loop, name, log=lambda m: log("error", m))
@@ -203,7 +204,7 @@ class SolverInstance:
         return load.files.read().vocoders_since if load is not None else None
 
     def _pending(self, corr_id) -> bool:
-        """A chunk of the sequence is on its way (in Triton's queue), queued in the decoupled path, or its last
+        """A chunk of the sequence is on its way (in Triton's queue), queued in the stepped path, or its last
         answer is still on its way to its client (through the vocoder)."""
         return (self.on_the_way.pending(corr_id) or self.delivery.pending(corr_id)
                 or (self.stepped is not None and self.stepped.has_queued(corr_id)))

@@ -1,7 +1,8 @@
-"""The decoupled solver's request side: one queue per sequence, the step loop on its own thread, one answer each.
+"""The stepped solver's request side: one queue per sequence, the step loop on its own thread, one answer each.
 
-With ``scheduling: deadline`` the ``cfm_solver`` model is decoupled: its ``execute()`` hands each request here and
-returns at once, and Triton's sequence batcher may then send a sequence's next chunk while the previous one is
+With ``scheduling: deadline`` the ``cfm_solver`` model's ``execute()`` hands each request here and returns at once
+(not decoupled: the python backend, since 24.06, lets a model answer through its response senders either way, so
+unary ``ModelInfer`` still reaches it), and Triton's sequence batcher may then send a sequence's next chunk while the previous one is
 still being solved. So each sequence has a queue served in order: its head chunk is admitted
 (``SolverSession.admit``: validated, its state in flight) and submitted to the ``StepLoop``
 (``s3flow.engine.step_loop``); when the loop answers it (``SolverSession.done``: the result, or the failure

@@ -2,7 +2,7 @@
 
 Sequence batching (strategy ``oldest``) routes every chunk of an utterance (one correlation id) here; the control
 inputs START / END / READY / CORRID arrive as tensors. Two schedulings (the ``scheduling`` parameter): ``fifo``,
-each ``execute`` solving its batch of chunks whole, or ``deadline``, decoupled: ``execute`` queues each request and
+each ``execute`` solving its batch of chunks whole, or ``deadline``: ``execute`` queues each request and
 returns, and the step loop answers it through its response sender (docs/scheduling.md). Both run the one solving
 loop (``s3flow.engine.step_loop``). The encoder and the estimator are separate Triton models reached by BLS
 (``bls``), so the same repository runs ONNX Runtime models on CPU hosts and TensorRT plans on GPU hosts.
