@@ -27,12 +27,21 @@ class IdleReaper:
         self.evict, self.on_evicted, self.then, self.log = evict, on_evicted, then, log
         self.name = name
         self.period_s = min(max(idle_timeout_s / 4, 0.05), 5.0)
-        self._stop = threading.Event()
+        self._stop, self._kick = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-idle-reaper", daemon=True)
         self._thread.start()
 
+    def wake(self) -> None:
+        """Run a period now (any thread): a sequence dropped inside ``execute`` has its slot freed at once, not a
+        period later (a stop that came in between waited Triton's whole 30 s exit timeout for it)."""
+        self._kick.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
+        while True:
+            self._kick.wait(self.period_s)
+            self._kick.clear()
+            if self._stop.is_set():
+                return
             try:
                 if self.evict() and self.on_evicted is not None:
                     self.on_evicted()
@@ -43,4 +52,5 @@ class IdleReaper:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self._kick.set()
         self._thread.join(timeout_s)

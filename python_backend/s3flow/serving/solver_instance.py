@@ -230,6 +230,8 @@ class SolverInstance:
         if releases_slot(reason):
             self.gone.mark(corr_id, f"evicted after {idle} s idle" if reason == "idle" else f"dropped ({reason})")
             self.slots.dropped(corr_id)
+            if getattr(self, "reaper", None) is not None:
+                self.reaper.wake()   # freed now, from the reaper's thread (never from execute)
         what = f"evicted sequence {corr_id} after {idle} s idle" if reason == "idle" \
             else f"dropped sequence {corr_id} ({reason})"
         live = len(self.table) if getattr(self, "session", None) is not None else 0

@@ -113,6 +113,8 @@ class VocoderInstance(Observer):
         self.awaiting_audio.pop(corr_id, None)
         if releases_slot(reason):
             self.slots.dropped(corr_id)
+            if getattr(self, "reaper", None) is not None:
+                self.reaper.wake()   # freed now, from the reaper's thread (never from execute)
         self.log("info", f"{self.name}: dropped sequence {corr_id} ({reason})")
 
     def _free_slots(self) -> None:
