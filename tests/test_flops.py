@@ -169,3 +169,16 @@ def test_auto_threads_share_the_cores_among_a_models_instances():
     assert auto_threads(1, cores=8) == 8 and auto_threads(2, cores=8) == 4 and auto_threads(3, cores=8) == 2
     assert auto_threads(4, cores=2) == 1 and auto_threads(0, cores=2) == 2
     assert auto_threads() >= 1
+
+
+def test_keys_kept_from_an_earlier_call_grow_attention_alone():
+    """Issue 50's count: queries attending to more keys (kept keys and values) cost attention in proportion to the
+    keys, and nothing else."""
+    from s3flow.model.estimator import EstimatorConfig
+    from s3flow.model.flops import estimator_flops
+
+    config = EstimatorConfig.full()
+    alone, kept = estimator_flops(config, 2, 100), estimator_flops(config, 2, 100, key_frames=300)
+    assert estimator_flops(config, 2, 100, key_frames=100) == alone
+    assert kept.linear == alone.linear and kept.conv == alone.conv
+    assert 2.9 < kept.attention / alone.attention <= 3.0

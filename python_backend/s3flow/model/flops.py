@@ -56,23 +56,30 @@ def _resnet(f: EstimatorFlops, b: int, t: int, c_in: int, c_out: int, temb: int)
     f.conv += _conv(b, t, c_in, c_out, 3) + _conv(b, t, c_out, c_out, 3) + _conv(b, t, c_in, c_out, 1)
 
 
-def _transformers(f: EstimatorFlops, b: int, t: int, dim: int, cfg: EstimatorConfig) -> None:
+def _transformers(f: EstimatorFlops, b: int, t: int, dim: int, cfg: EstimatorConfig, t_k: int | None = None) -> None:
+    """``t`` query frames (each projected: q, k, v, out, feed-forward) attending to ``t_k`` keys (default ``t``;
+    more: keys and values of frames kept from earlier calls, not projected again)."""
     inner = cfg.num_heads * cfg.attention_head_dim
+    t_k = t if t_k is None else t_k
     per_block_linear = (_linear(b * t, dim, inner) * 3 + _linear(b * t, inner, dim)     # q, k, v, out
                         + _linear(b * t, dim, 4 * dim) + _linear(b * t, 4 * dim, dim))  # feed-forward
-    per_block_attention = 2 * (2 * b * cfg.num_heads * t * t * cfg.attention_head_dim)
+    per_block_attention = 2 * (2 * b * cfg.num_heads * t * t_k * cfg.attention_head_dim)
     f.linear += cfg.n_blocks * per_block_linear
     f.attention += cfg.n_blocks * per_block_attention
 
 
-def estimator_flops(config: EstimatorConfig, batch: int, frames: int) -> EstimatorFlops:
+def estimator_flops(config: EstimatorConfig, batch: int, frames: int, key_frames: int | None = None) -> EstimatorFlops:
     """FLOPs of one forward of a ConditionalDecoder built from ``config`` on (batch, n_feats, frames).
 
     ``batch`` is the estimator's batch: 2 B rows for a guided call on B utterances. Padded frames count
-    (the network computes them); attention is full over the padded length.
+    (the network computes them); attention is full over the padded length. ``key_frames`` (default ``frames``):
+    what the ``frames`` queries attend to, when the keys and values of the others are kept from an earlier call
+    (a cached prompt or context, issue 50's count): attention grows with queries x keys, everything else with the
+    queries.
     """
-    if batch < 1 or frames < 1:
-        raise ValueError(f"batch and frames must be >= 1, got {batch}, {frames}")
+    if batch < 1 or frames < 1 or (key_frames is not None and key_frames < frames):
+        raise ValueError(f"batch and frames must be >= 1 and key_frames >= frames, got {batch}, {frames}, "
+                         f"{key_frames}")
     cfg, b = config, int(batch)
     ch, temb = cfg.channels, cfg.time_embed_dim
     f = EstimatorFlops()
@@ -83,26 +90,27 @@ def estimator_flops(config: EstimatorConfig, batch: int, frames: int) -> Estimat
 
     # down path: level l runs at t_l frames; all but the last level downsample (stride-2 conv, k 3, pad 1)
     lengths, t, prev = [], int(frames), cfg.in_channels
+    t_k = int(key_frames if key_frames is not None else frames)
     for level, c in enumerate(ch):
-        lengths.append(t)
+        lengths.append((t, t_k))
         _resnet(f, b, t, prev, c, temb)
-        _transformers(f, b, t, c, cfg)
+        _transformers(f, b, t, c, cfg, t_k)
         if level == len(ch) - 1:
             f.conv += _conv(b, t, c, c, 3)                    # causal conv
         else:
-            t = (t + 1) // 2                                  # ceil(t / 2)
+            t, t_k = (t + 1) // 2, (t_k + 1) // 2             # ceil(t / 2)
             f.conv += _conv(b, t, c, c, 3)                    # Downsample1D
         prev = c
     for _ in range(cfg.num_mid_blocks):
         _resnet(f, b, t, ch[-1], ch[-1], temb)
-        _transformers(f, b, t, ch[-1], cfg)
+        _transformers(f, b, t, ch[-1], cfg, t_k)
     # up path: mirror of the down path, skip connections concatenated (2 x channels in)
     up = tuple(ch[::-1]) + (ch[0],)
     for i in range(len(up) - 1):
         c_in, c_out = 2 * up[i], up[i + 1]
-        t = lengths[len(lengths) - 1 - i]
+        t, t_k = lengths[len(lengths) - 1 - i]
         _resnet(f, b, t, c_in, c_out, temb)
-        _transformers(f, b, t, c_out, cfg)
+        _transformers(f, b, t, c_out, cfg, t_k)
         if i == len(up) - 2:
             f.conv += _conv(b, t, c_out, c_out, 3)            # causal conv
         else:
