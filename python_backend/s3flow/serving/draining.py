@@ -17,6 +17,10 @@ from typing import Callable, Optional
 from s3flow.serving.records import write_atomic
 
 DRAIN_FILE_ENV = "S3FLOW_DRAIN_FILE"
+#: how often a model looks at the drain file at most to see whether the server closes (seconds): asked per request
+#: and by the reaper, whose period is longer, and ``close`` waits for the live gauges. Whether it drains is asked at
+#: STARTs only, each afresh: a START right after the drain began must hear ``resume`` (tests/test_refusals.py)
+CLOSING_EVERY_S = 0.5
 _DRAINING, _CLOSING = "draining", "closing"
 
 
@@ -25,15 +29,16 @@ def _path(path: Optional[str]) -> str:
 
 
 def draining_probe(path: Optional[str] = None) -> Callable[[], bool]:
-    """For the solver: a function telling whether this server is draining (its drain file exists)."""
+    """For the solver and admission: a function telling whether this server is draining (its drain file exists)."""
     path = _path(path)
     if not path:
         return lambda: False
     return lambda: os.path.exists(path)
 
 
-def closing_probe(path: Optional[str] = None) -> Callable[[], bool]:
-    """For the stateful models: a function telling whether the server is closing (drop everything held)."""
+def closing_probe(path: Optional[str] = None, every_s: float = CLOSING_EVERY_S) -> Callable[[], bool]:
+    """For the stateful models: a function telling whether the server is closing (drop everything held), looking
+    at the file at most every ``every_s``."""
     path = _path(path)
     if not path:
         return lambda: False
@@ -43,7 +48,20 @@ def closing_probe(path: Optional[str] = None) -> Callable[[], bool]:
             return pathlib.Path(path).read_text().startswith(_CLOSING)
         except OSError:
             return False
-    return closing
+    return _every(closing, every_s)
+
+
+def _every(probe: Callable[[], bool], every_s: float) -> Callable[[], bool]:
+    """``probe`` asked at most every ``every_s`` (its last answer in between): the models asked it per request,
+    a file system call each (results/syscalls.md); the supervisor waits longer than that after marking it."""
+    last = [float("-inf"), False]
+
+    def cached() -> bool:
+        now = time.monotonic()
+        if now - last[0] >= every_s:
+            last[:] = [now, probe()]
+        return last[1]
+    return cached
 
 
 def mark_draining(path: str) -> None:

@@ -35,10 +35,11 @@ class TritonPythonModel(TritonModel):
             from s3flow.serving.voice_registry import VoiceRegistry
             voices = VoiceRegistry.from_params(p).get
         self.metrics = TritonMetrics(ADMISSION_FAMILIES, self.name, args.get("model_instance_name", self.name))
+        instances = sum(int(g.get("count", 1)) for g in self.config.get("instance_group", [])) or 1
         self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, LoadFiles(LoadFiles.default_folder()),
                                    voices, draining_probe(), name=self.name,
                                    starts=ArrivalMarks(ArrivalMarks.default_folder("starts")),
-                                   seen=ArrivalMarks(ArrivalMarks.default_folder("seen")),
+                                   seen=ArrivalMarks(ArrivalMarks.default_folder("seen"), shared=instances > 1),
                                    gone=ArrivalMarks(ArrivalMarks.default_folder("gone")),
                                    target=AdmissionTarget.from_parameters(p.raw))
 
