@@ -35,7 +35,7 @@ def test_model_analyzer_completes_a_small_search_of_the_solver_and_its_composing
     # (the repository's own configuration is measured first at 2 x instances x max batch size streams: one of each
     # model and batches of 2 keep that at 4)
     assert model_analyzer.main(["profile", "--max-concurrency", "1", "--max-instances", "1", "--max-batch-size", "1",
-                                "--window-requests", "8", "--no-compare", "--no-concurrency-sweep", "--out", str(out), "--timeout-s", "480",
+                                "--window-requests", "8", "--stability-percentage", "50", "--no-compare", "--no-concurrency-sweep", "--out", str(out), "--timeout-s", "480",
                                 "--build=--solver-instances 1 --estimator-instances 1 --max-batch-size 2"]) == 0
     rows = re.findall(r"^\| (\d) solver, (\d) encoder, (\d) estimator instances, max batch (\d+) \| (\d+) \| "
                       r"([\d.]+) \| (\d+) \|$", out.read_text(), re.M)

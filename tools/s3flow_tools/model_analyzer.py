@@ -116,9 +116,13 @@ class Search:
     concurrency_sweep: bool = True   # its best configurations measured again at every concurrency, for its reports
 
 
-def config(repo: Path, work: Path, input_data: Path, search: Search, window_requests: int = 50) -> dict:
+def config(repo: Path, work: Path, input_data: Path, search: Search, window_requests: int = 50,
+           stability_percentage: int = 10) -> dict:
     """Model Analyzer's profile config: local launch of the project's tritonserver as TritonServer starts it,
-    the wrapped perf_analyzer (written into ``work``), the BLS search (module docstring)."""
+    the wrapped perf_analyzer (written into ``work``), the BLS search (module docstring); perf_analyzer's windows
+    of ``window_requests`` requests, stable when within ``stability_percentage`` % (its default 10; Model Analyzer
+    measures again with more requests when they are not, which made the suite's small search 2-10 min on 2 noisy
+    cores)."""
     server = TritonServer(repo)
     for name in ("grpc", "http", "metrics"):
         setattr(server, f"{name}_port", free_port(server.host))
@@ -152,7 +156,8 @@ def config(repo: Path, work: Path, input_data: Path, search: Search, window_requ
         "cpu_only_composing_models": list(COMPOSING),
         "profile_models": {PROFILED: {"cpu_only": True, "perf_analyzer_flags": {
             "input-data": str(input_data), "streaming": True, "sequence-length": SEQUENCE_LENGTH,
-            "measurement-mode": "count_windows", "measurement-request-count": window_requests}}},
+            "measurement-mode": "count_windows", "measurement-request-count": window_requests,
+            "stability-percentage": stability_percentage}}},
     }
 
 
@@ -206,10 +211,10 @@ def read_results(work: Path) -> list[Measured]:
 
 
 def profile(repo: Path, work: Path, input_data: Path, search: Search, window_requests: int = 50,
-            timeout_s: float = 3600) -> subprocess.CompletedProcess:
+            timeout_s: float = 3600, stability_percentage: int = 10) -> subprocess.CompletedProcess:
     """Run ``model-analyzer profile`` with :func:`config` (written to ``work/config.json``), perf_analyzer's
     windows ``window_requests`` requests each."""
-    cfg = config(repo, work, input_data, search, window_requests)
+    cfg = config(repo, work, input_data, search, window_requests, stability_percentage)
     path = work / "config.json"   # JSON is YAML
     path.write_text(json.dumps(cfg, indent=1))
     with (work / "model_analyzer.log").open("w") as log:   # its own output, kept beside its reports
@@ -284,6 +289,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "wrote, its checkpoint, its HTML reports under export/reports (default: a temporary folder)")
     r.add_argument("--window-requests", type=int, default=50,
                    help="perf_analyzer's requests per measurement window (default: %(default)s)")
+    r.add_argument("--stability-percentage", type=int, default=10,
+                   help="perf_analyzer's: windows within this many %% are stable (default: %(default)s)")
     r.add_argument("--no-compare", dest="compare", action="store_false",
                    help="skip measuring C of its best configuration and of the shipped default")
     r.add_argument("--at-once", type=int, default=16, help="streams that measure C (default: %(default)s)")
@@ -309,7 +316,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         subprocess.run([sys.executable, str(ROOT / "scripts" / "perf_inputs.py"), "--output", str(inputs)],
                        check=True, capture_output=True)
         search = Search(args.max_concurrency, args.max_instances, args.max_batch_size, args.concurrency_sweep)
-        done = profile(work / "repo", work, inputs, search, args.window_requests, args.timeout_s)
+        done = profile(work / "repo", work, inputs, search, args.window_requests, args.timeout_s,
+                       args.stability_percentage)
         if done.returncode != 0:
             print((work / "model_analyzer.log").read_text()[-6000:], file=sys.stderr)
             raise SystemExit(f"model-analyzer profile failed (exit {done.returncode})")
