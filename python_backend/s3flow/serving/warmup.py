@@ -103,7 +103,7 @@ def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), step
     sets up its buffers). The last round's largest batch also prices the time between the calls: its wall time
     (as the served solver's busy time is measured) over what the fits price its work at is the observer's
     correction until served work measures its own (``CapacityModel.calibrated``: the python around the calls, the
-    hops; without it the prior capacity was 1.7x what the server carried, issue 48). ``wait_idle()`` is called
+    hops, which the fastest calls alone leave out: x1.1-1.4 on the 2-core host, issue 48). ``wait_idle()`` is called
     before each batch (it returns when the served engine holds no stream: a real stream never shares the cores with
     the calibration). Throw-away engines: the served one's sequences are not touched."""
     from s3flow.engine.capacity import Work
