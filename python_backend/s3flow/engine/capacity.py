@@ -315,13 +315,13 @@ class CapacityModel(Observer):
         """What it has measured, to start the next instance from (``restore``; ``s3flow.serving.saved_price``): the
         fits, the correction, the busy share at capacity and the capacity, and whether served work measured them."""
         with self._lock:
-            served = self._correction() is not None and self._audio > 0 and self._full > 0
+            measured = self._capacity()
+            served = measured is not None
             return {"estimator": [self.estimator.fixed, self.estimator.per_unit],
                     "encoder": [self.encoder.fixed, self.encoder.per_unit],
                     "correction": self._correction() if served else self.prior_correction,
                     "duty": self._duty(), "served": served or self._served_prior,
-                    "capacity": (self._audio / self._busy * self._priced / self._full * self._duty()) if served
-                    else self.prior_capacity}
+                    "capacity": measured if served else self.prior_capacity}
 
     def restore(self, state: dict) -> None:
         """Start from a ``state`` an earlier instance measured: its fits (until calls are timed here), correction,
@@ -356,9 +356,12 @@ class CapacityModel(Observer):
         trips, leave it idle part of the time; ``duty_prior`` before it has been at capacity). None before the
         window holds work."""
         with self._lock:
-            if self._correction() is None or self._audio <= 0 or self._full <= 0:
-                return None
-            return self._audio / self._busy * self._priced / self._full * self._duty()
+            return self._capacity()
+
+    def _capacity(self) -> Optional[float]:
+        if self._correction() is None or self._audio <= 0 or self._full <= 0:
+            return None
+        return self._audio / self._busy * self._priced / self._full * self._duty()
 
     @property
     def duty(self) -> float:

@@ -36,8 +36,8 @@ from s3flow.serving.reaper import IdleReaper
 from s3flow.serving.vocoder_session import VocoderIncoming, VocoderOutcome, VocoderSession
 from s3flow.serving.warmup import warm_up_vocoder
 
-#: how stale the vocoder's view of the other instances' load reports may be for its gauge, and its own report
-#: (seconds); and for its idle checks (a stream the solver holds is not idle: a stale view delays an eviction)
+#: how stale the vocoder's view of the other instances' load reports may be for its gauge (seconds); and for its
+#: idle checks (a stream the solver holds is not idle: a stale view delays an eviction)
 READ_EVERY_S, PENDING_EVERY_S = 1.0, 0.25
 
 
@@ -60,7 +60,6 @@ class VocoderInstance(Observer):
         self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
         if params.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no table entry
             log("info", warm_up_vocoder(stream).describe())
-        self._published: tuple = (None, float("-inf"))   # (the streams held, when) of the last report
         self.publish()
         self.closing = closing_probe()
         self.reaper = IdleReaper(self.table.evict_idle, limits.idle_timeout_s, name, on_evicted=self.publish,
@@ -111,15 +110,12 @@ class VocoderInstance(Observer):
             self.awaiting_audio.pop(r.corr_id, None)
 
     def publish(self) -> None:
-        """The live count, utilization and token2wav's capacity to the metrics, and the load report to admission:
-        at once when the streams held changed (a START, an END, a drop), else at most every ``READ_EVERY_S`` (its
-        demand is read by admission's vocoder stage, which a fraction of a second does not move)."""
-        live, now = set(self.table.works()), time.monotonic()
-        if live == self._published[0] and now - self._published[1] < READ_EVERY_S:
-            return
-        self._published = (live, now)
-        self.publish_metric(VOCODER_LIVE, len(live), {})
-        self.publish_metric(UTILIZATION, self.load.publish(self.table.works()).utilization, {})
+        """The live count, utilization and token2wav's capacity to the metrics, and the load report to admission,
+        after every batch (rewritten only on a change of its streams or every 1 s, a killed token2wav client's stream
+        outlived the idle timeout in 1 of 4 runs of tests/test_vocoder.py, as with the solver's: not understood yet)."""
+        works = self.table.works()
+        self.publish_metric(VOCODER_LIVE, len(works), {})
+        self.publish_metric(UTILIZATION, self.load.publish(works).utilization, {})
         # token2wav's capacity: the solver's, bounded by this vocoder's (s3flow.serving.load.ServerLoad.wav_capacity)
         self.publish_metric(CAPACITY, self.load.files.read(READ_EVERY_S).wav_capacity, {"ensemble": "token2wav"})
 
