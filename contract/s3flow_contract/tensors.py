@@ -167,9 +167,27 @@ MEANFLOW_INPUT = Tensor("r", "float32", (-1,))
 ESTIMATOR_OUTPUTS = (Tensor("velocity", "float32", (-1, FEATS, -1)),)
 
 
-def estimator_inputs(meanflow: bool) -> tuple[Tensor, ...]:
-    """The estimator's inputs, in graph order: x, mask, mu, t, spks, cond (+ r for meanflow)."""
-    return _ESTIMATOR_INPUTS + ((MEANFLOW_INPUT,) if meanflow else ())
+#: A stream that keeps what it solved (the solver's ``reuse``, issue 50): the estimator also reads the frames before
+#: each row from a cache and keeps its rows' first ``keep`` frames' (``s3flow.model.prefix_cache``): keys and values
+#: (layers, B, heads, P, head_dim), the causal convolutions' tails (convolutions, B, width, 2), the key mask
+#: (B, 1, P); P, the kept K >= 1 (one masked frame where no row has any)
+CACHE_INPUTS = (Tensor("past_keys", "float32", (-1, -1, -1, -1, -1)),
+                Tensor("past_values", "float32", (-1, -1, -1, -1, -1)),
+                Tensor("past_convs", "float32", (-1, -1, -1, -1)), Tensor("past_mask", "float32", (-1, 1, -1)),
+                Tensor("keep", "int64", (-1,)))
+CACHE_OUTPUTS = (Tensor("kept_keys", "float32", (-1, -1, -1, -1, -1)),
+                 Tensor("kept_values", "float32", (-1, -1, -1, -1, -1)),
+                 Tensor("kept_convs", "float32", (-1, -1, -1, -1)), Tensor("kept_mask", "float32", (-1, 1, -1)))
+
+
+def estimator_inputs(meanflow: bool, cached: bool = False) -> tuple[Tensor, ...]:
+    """The estimator's inputs, in graph order: x, mask, mu, t, spks, cond (+ r for meanflow) (+ the cache's)."""
+    return _ESTIMATOR_INPUTS + ((MEANFLOW_INPUT,) if meanflow else ()) + (CACHE_INPUTS if cached else ())
+
+
+def estimator_outputs(cached: bool = False) -> tuple[Tensor, ...]:
+    """velocity (+ the kept cache's)."""
+    return ESTIMATOR_OUTPUTS + (CACHE_OUTPUTS if cached else ())
 
 
 #: the models the solver calls (BLS), by their Triton names
@@ -177,10 +195,12 @@ ENCODER_MODEL, ESTIMATOR_MODEL = "flow_encoder", "estimator"
 STATELESS_MODELS = (ENCODER_MODEL, ESTIMATOR_MODEL)
 
 
-def stateless_tensors(model: str, meanflow: bool = False) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """(inputs, outputs) of ``flow_encoder`` or ``estimator`` (``meanflow`` matters to the estimator only)."""
+def stateless_tensors(model: str, meanflow: bool = False,
+                      cached: bool = False) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """(inputs, outputs) of ``flow_encoder`` or ``estimator`` (``meanflow`` and ``cached`` matter to the estimator
+    only)."""
     if model == ESTIMATOR_MODEL:
-        return estimator_inputs(meanflow), ESTIMATOR_OUTPUTS
+        return estimator_inputs(meanflow, cached), estimator_outputs(cached)
     if model == ENCODER_MODEL:
         return ENCODER_INPUTS, ENCODER_OUTPUTS
     raise ValueError(f"the stateless models are {STATELESS_MODELS}, got {model!r}")

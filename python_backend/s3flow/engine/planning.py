@@ -20,21 +20,45 @@ import numpy as np
 import torch
 
 from s3flow.engine.capacity import Work
+from s3flow.engine.reuse import Reuse
 from s3flow.engine.settings import ChunkSolving
 from s3flow.engine.streaming import StreamingEngine
+from s3flow.model.prefix_cache import PrefixCache
 from s3flow.protocol import RequestRules, parse_request
 
 
 def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
-                  meanflow: bool = False, prompt_frames: int = -1, slide_prompt: int = 0) -> list[tuple[int, int]]:
+                  meanflow: bool = False, prompt_frames: int = -1, slide_prompt: int = 0,
+                  reuse: Reuse = "none") -> list[tuple[int, int]]:
     """The (batch rows, frames) of every estimator call of one utterance streamed in ``chunks`` (guided unless
     ``meanflow``), planned by the real ``StreamingEngine`` over stand-in models (zeros): the cost of any model
-    size without running it. ``prompt_frames`` and ``slide_prompt`` are the ``ChunkSolving`` fields."""
-    return _planned(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow, prompt_frames, slide_prompt)[0]
+    size without running it. ``prompt_frames`` and ``slide_prompt`` are the ``ChunkSolving`` fields, ``reuse`` the
+    engine's (``s3flow.engine.reuse``: the frames a call reads from a cache are not among its frames)."""
+    return _planned(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow, prompt_frames, slide_prompt,
+                    reuse)[0]
+
+
+class _StandIn:
+    """The estimator as zeros; it takes a prefix cache (and keeps empty ones)."""
+    carries_prefix = True
+
+    def __init__(self, calls: list[tuple[int, int]]):
+        self.calls = calls
+
+    def __call__(self, inputs):
+        self.calls.append((inputs.x.shape[0], inputs.x.shape[2]))
+        v = torch.zeros_like(inputs.x)
+        if inputs.keep is None:
+            return v
+        b, k = inputs.x.shape[0], max(1, int(inputs.keep.max()))
+        empty = torch.zeros(0, b, 1, k, 1)
+        return v, PrefixCache(empty, empty, torch.zeros(0, b, 1, 2),
+                              (torch.arange(k)[None, :] < inputs.keep[:, None]).float()[:, None, :])
 
 
 def _planned(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
-             meanflow: bool, prompt_frames: int, slide_prompt: int) -> tuple[list[tuple[int, int]], list[int]]:
+             meanflow: bool, prompt_frames: int, slide_prompt: int,
+             reuse: Reuse = "none") -> tuple[list[tuple[int, int]], list[int]]:
     """:func:`planned_calls`, and the mel frames each chunk's answer made final (the last chunk: as if the stream
     went on, so the frames its lookahead held back are not counted twice)."""
     calls: list[tuple[int, int]] = []
@@ -44,14 +68,11 @@ def _planned(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_fr
         t = 2 * tokens.shape[1]
         return torch.zeros(tokens.shape[0], n_feats, t), None, torch.zeros(tokens.shape[0], n_feats)
 
-    def estimate(inputs):
-        calls.append((inputs.x.shape[0], inputs.x.shape[2]))
-        return torch.zeros_like(inputs.x)
-
     rules = RequestRules(max_chunk_tokens=max(chunks))
     solving = ChunkSolving(context_frames=context_frames, prompt_frames=prompt_frames, slide_prompt=slide_prompt,
                            max_utterance_frames=max(3000, 2 * sum(chunks)))
-    engine = StreamingEngine(encode, estimate, n_feats=n_feats, meanflow=meanflow, solving=solving)
+    engine = StreamingEngine(encode, _StandIn(calls), n_feats=n_feats, meanflow=meanflow, solving=solving,
+                             reuse=reuse)
     rng = np.random.default_rng(0)
     for k, size in enumerate(chunks):
         inputs = {"speech_tokens": rng.integers(0, 6561, (1, size), dtype=np.int64)}

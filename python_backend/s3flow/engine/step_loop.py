@@ -203,7 +203,7 @@ class StepLoop:
         that meet its deadline at ``step_s`` a step (this step's cost), at least ``min_steps``."""
         for c in picked:
             f: _InFlight = c.key
-            if f.solve.step or f.chunk.pinned:
+            if f.solve.step or f.chunk.pinned or f.chunk.past is not None:   # (a cache is of its grid)
                 continue
             k = steps_in_time(c, now, step_s, self.min_steps)
             if k < c.steps_left:
@@ -227,7 +227,7 @@ class StepLoop:
 
     def _commit(self, f: _InFlight) -> int:
         try:
-            result = self.engine.commit(f.chunk, f.solve.x.float().cpu().numpy())
+            result = self.engine.commit(f.chunk, f.solve.x.float().cpu().numpy(), f.solve.recorded)
         except Exception as exc:   # a bug while committing: the state cannot be trusted, the sequence ends
             self.engine.sequences.end(f.chunk.corr_id, "error")
             f.on_done(Done(f.chunk, cause=exc))

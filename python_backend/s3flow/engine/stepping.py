@@ -17,6 +17,11 @@ engine's FIFO path) is built once per solve, a scheduler that changes the rows b
 Padded frames stay 0 (the estimator's output is masked there), so a row's result does not depend on its
 neighbours but through the backend's arithmetic on a wider batch.
 
+A solve may read frames it does not solve (``past``: one ``PrefixCache`` per step and row, ``s3flow.model.
+prefix_cache``: a stream's prompt kept from its first chunk) or keep its first ``keep`` frames' cache at every
+step (``recorded``: what that first chunk leaves for the later ones); a batch whose solves do either passes
+the estimator the caches, padded (rows without one read none).
+
 Example::
 
     solves = [RowSolve.start(mu_i, mask_i, spks_i, cond_i, z_i, cfm_grid(10, False, mu_i), rate=0.7), ...]
@@ -27,12 +32,16 @@ Example::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
+from s3flow.model.prefix_cache import PrefixCache
 from s3flow.model.solver import Estimator, EstimatorInputs
+
+#: one Euler step's prefix caches of one solve: its conditional row's, its unconditional row's (None unguided)
+StepCaches = tuple[PrefixCache, Optional[PrefixCache]]
 
 
 @dataclass
@@ -49,6 +58,10 @@ class RowSolve:
     grid: torch.Tensor
     rate: float = 0.0          # guidance weight w (0: unguided, one row)
     step: int = 0              # steps made
+    #: per step, the cache of the frames before ``x`` that the rows read (none: None)
+    past: Optional[list[StepCaches]] = None
+    keep: int = 0              # record the first ``keep`` frames' cache at every step into ``recorded``
+    recorded: list[StepCaches] = field(default_factory=list)
 
     @property
     def frames(self) -> int:
@@ -101,6 +114,13 @@ class StepBatch:
         for j, k in enumerate(self.guided):   # the unconditional rows: mask only (mu, spks, cond stay 0)
             i.mask[b + j, :, :self.solves[k].frames] = self.solves[k].mask
         self._uncond = {k: b + j for j, k in enumerate(self.guided)}
+        self.keep = None
+        if any(s.keep for s in self.solves):
+            self.keep = torch.zeros(rows, dtype=torch.int64)
+            for k, s in enumerate(self.solves):
+                self.keep[k] = s.keep
+                if k in self._uncond:
+                    self.keep[self._uncond[k]] = s.keep
 
     @property
     def rows(self) -> int:
@@ -122,7 +142,14 @@ class StepBatch:
                 i.t[row] = s.grid[s.step]
                 if i.r is not None:
                     i.r[row] = s.grid[s.step + 1]
+        i.past, i.keep = self._past(), self.keep
         v = estimator(i)
+        if self.keep is not None:
+            v, recorded = v
+            for k, s in enumerate(self.solves):
+                if s.keep:
+                    s.recorded.append((recorded.row(k),
+                                       recorded.row(self._uncond[k]) if s.guided else None))
         for k, s in enumerate(self.solves):
             t, r = s.grid[s.step], s.grid[s.step + 1]
             vk = v[k, :, :s.frames]
@@ -130,3 +157,13 @@ class StepBatch:
                 vk = (1.0 + s.rate) * vk - s.rate * v[self._uncond[k], :, :s.frames]
             s.x = s.x + (r - t) * vk
             s.step += 1
+
+    def _past(self) -> Optional[PrefixCache]:
+        """This step's prefix caches of every row, padded to one (None when no solve reads one)."""
+        rows: list[Optional[PrefixCache]] = [None] * self.rows
+        for k, s in enumerate(self.solves):
+            if s.past is not None:
+                rows[k], uncond = s.past[s.step]
+                if s.guided:
+                    rows[self._uncond[k]] = uncond
+        return PrefixCache.stack(rows) if any(r is not None for r in rows) else None

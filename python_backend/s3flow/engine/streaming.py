@@ -22,6 +22,11 @@ and pinned for the frames that are solved again (the lookahead and held-back fra
 everything), with fresh seeded noise for new frames. Only frames that became final are returned, with their
 frame offset. Every solve is built by ``s3flow.model.chunks``, as offline synthesis builds its own.
 
+With ``reuse`` ``prompt`` or ``context`` (bounded context, the prompt not sliding; in process only until the
+estimator's contract carries caches: issue 50), a stream keeps what the estimator reads of its prompt (and of its
+last C emitted frames) from the chunk that solved them, and a later chunk solves only its context and new frames
+(or only its new ones): ``s3flow.engine.reuse``.
+
 A chunk changes its sequence's state only once its solve has succeeded: a failed chunk leaves tokens,
 ``noised_mels`` and the emitted count as they were, so the client may send it again. A chunk that says where it
 starts (``token_offset``) is never applied twice: the chunk a sequence took last, sent again (its answer was lost,
@@ -62,7 +67,8 @@ from s3flow.engine.settings import ChunkSolving
 from s3flow.engine.scheduler import check_bucket_ratio
 from s3flow.engine.solver_snapshot import SolverSnapshots
 from s3flow.engine.step_loop import Done, StepLoop, never_cancelled
-from s3flow.engine.stepping import RowSolve
+from s3flow.engine.reuse import Reuse, StreamCache, check_reuse
+from s3flow.engine.stepping import RowSolve, StepCaches
 from s3flow.model.chunks import NoisedMels, condition, solve_frames, starting_point
 from s3flow.model.solver import FrameNoise, cfm_grid, default_steps
 from s3flow.protocol import ChunkRequest, RequestError
@@ -91,6 +97,7 @@ class SequenceState:
     #: the last emitted frames, (n_feats, F) covering [emitted - F, emitted): bounded-context conditioning
     mel_tail: Optional[np.ndarray] = None
     tenant: str = ""                   # whose stream (a snapshot is sealed for it)
+    cache: Optional[StreamCache] = None   # with reuse: the solved frames kept (``s3flow.engine.reuse``)
     last: Optional["Answered"] = None  # the chunk taken last and its answer: sent again if the chunk comes again
 
     @property
@@ -140,11 +147,21 @@ class Chunk:
     #: given by the scheduler before its first step (``StreamingEngine.fewer_steps``)
     steps: int = 0
     pinned: bool = False               # the request named its steps: no scheduler changes them
+    #: with reuse: the stream's cache the solve reads (its first ``skipped`` frames not solved), and the leading
+    #: frames of the solve whose cache it keeps
+    past: Optional[list[StepCaches]] = None
+    skipped: int = 0
+    keep: int = 0
 
     @property
     def frames(self) -> int:
-        """Frames of the solve (prefix included)."""
+        """Frames of the conditioning and start (prefix included)."""
         return self.start.shape[1]
+
+    @property
+    def solved_frames(self) -> int:
+        """Frames of the solve's rows."""
+        return self.frames - self.skipped
 
     @property
     def rows(self) -> int:
@@ -181,8 +198,10 @@ class StreamingEngine:
     def __init__(self, encode: EncodeFn, estimator, *, n_feats: int, meanflow: bool,
                  solving: ChunkSolving = ChunkSolving(), limits: SequenceLimits = SequenceLimits(),
                  observer: Observer = NO_OBSERVER, bucket_ratio: float = 0.0,
-                 table: Optional[SequenceTable] = None, snapshots: Optional[SolverSnapshots] = None):
-        """``snapshots``: makes and restores the streams' snapshots (default: none given or taken)."""
+                 table: Optional[SequenceTable] = None, snapshots: Optional[SolverSnapshots] = None,
+                 reuse: Reuse = "none"):
+        """``snapshots``: makes and restores the streams' snapshots (default: none given or taken);
+        ``reuse``: what a stream keeps of its solved frames (``s3flow.engine.reuse``)."""
         check_bucket_ratio(bucket_ratio)
         self.bucket_ratio = float(bucket_ratio)
         self.encode, self.estimator = encode, estimator
@@ -192,6 +211,12 @@ class StreamingEngine:
                                                       else SequenceTable(limits, observer))
         #: None: prefix mode; C >= 0: bounded context of C emitted frames
         self.context_frames = None if solving.context_frames < 0 else int(solving.context_frames)
+        check_reuse(reuse)
+        if reuse != "none" and (self.context_frames is None or solving.slide_prompt):
+            raise ValueError(f"reuse {reuse} needs bounded context (context_frames >= 0) with the prompt not sliding")
+        if reuse != "none" and not getattr(estimator, "carries_prefix", False):
+            raise ValueError(f"reuse {reuse} needs an estimator that takes a prefix cache (carries_prefix)")
+        self.reuse = reuse
         self.estimator_calls = 0
         self.solved_frames = 0           # sum over solves of rows' frames x Euler steps (cost figures)
         self.snapshots = snapshots or SolverSnapshots(None, solving, n_feats, meanflow)
@@ -291,10 +316,25 @@ class StreamingEngine:
         if req.chunk_steps is not None and req.chunk_steps > s.n_steps:
             raise RequestError(f"chunk_steps {req.chunk_steps} is above the stream's n_timesteps {s.n_steps} (a "
                                f"replay sends the steps its answer said)")
-        return Chunk(corr_id, s, req.speech_tokens, finalize=req.end, started=req.start, replaced=replaced,
-                     encoder_tokens=tokens, prefix_mel=prefix_mel, prompt_frames=used, start=start,
-                     first_frame=first, valid_frames=valid, final_frames=final,
-                     steps=req.chunk_steps or s.n_steps, pinned=req.chunk_steps is not None)
+        chunk = Chunk(corr_id, s, req.speech_tokens, finalize=req.end, started=req.start, replaced=replaced,
+                      encoder_tokens=tokens, prefix_mel=prefix_mel, prompt_frames=used, start=start,
+                      first_frame=first, valid_frames=valid, final_frames=final,
+                      steps=req.chunk_steps or s.n_steps, pinned=req.chunk_steps is not None)
+        if self.reuse != "none":
+            self._reuse(chunk)
+        return chunk
+
+    def _reuse(self, c: Chunk) -> None:
+        """Which of ``c``'s leading frames it reads from its stream's cache, and which it keeps."""
+        s, context = c.state, self.reuse == "context"
+        cache = s.cache
+        e = s.emitted
+        if cache is not None and cache.steps == c.steps and cache.prompt == c.prompt_frames:
+            c.past = cache.caches
+            c.skipped = c.prompt_frames + (e - c.first_frame if context else 0)
+            c.keep = c.final_frames - e if context else 0
+        else:   # solved inline: keep the prompt (and the emitted frames)
+            c.keep = c.prompt_frames + (c.final_frames - c.first_frame if context else 0)
 
     # -- a batch of chunks, solved whole -------------------------------------------------------------
     def run(self, chunks: list[Chunk], is_cancelled: Callable[[], bool] = never_cancelled) -> list[ChunkResult]:
@@ -332,29 +372,38 @@ class StreamingEngine:
         dev = mu.device  # GPU hosts: the encoder's output is on the GPU; the solve stays there
         solves = []
         for i, c in enumerate(chunks):
-            f = c.frames
-            x = torch.from_numpy(np.ascontiguousarray(c.start)).to(dev)
-            solves.append(RowSolve(mu=cond.mu[i, :, :f], mask=cond.mask[i, :, :f], spks=cond.spks[i],
-                                   cond=cond.cond[i, :, :f], x=x,
+            a, f = c.skipped, c.frames   # a prompt read from its cache is not solved
+            x = torch.from_numpy(np.ascontiguousarray(c.start[:, a:])).to(dev)
+            solves.append(RowSolve(mu=cond.mu[i, :, a:f], mask=cond.mask[i, :, a:f], spks=cond.spks[i],
+                                   cond=cond.cond[i, :, a:f], x=x,
                                    grid=cfm_grid(c.steps, self.meanflow, cond.mu),
-                                   rate=0.0 if self.meanflow else c.state.guidance_rate))
+                                   rate=0.0 if self.meanflow else c.state.guidance_rate, past=c.past, keep=c.keep))
         return solves
 
     def fewer_steps(self, c: Chunk, solve: RowSolve, steps: int) -> None:
         """Solve ``c`` (its ``solve`` not begun) at ``steps`` Euler steps instead, on their own grid (a cosine grid
         of ``steps``, as a stream started with ``n_timesteps=steps`` would have): what the scheduler gives a chunk
         that cannot meet its stream's deadline at full steps. Its answer says so (``ChunkResult.steps``)."""
-        if c.pinned or solve.step or not 1 <= steps <= c.state.n_steps:
+        if c.pinned or c.past is not None or solve.step or not 1 <= steps <= c.state.n_steps:
             raise ValueError(f"chunk of sequence {c.corr_id}: cannot solve at {steps} steps (pinned {c.pinned}, "
-                             f"{solve.step} steps made, the stream's {c.state.n_steps})")
+                             f"reads the prompt's cache {c.past is not None}, {solve.step} steps made, the "
+                             f"stream's {c.state.n_steps})")
         c.steps = int(steps)
         solve.grid = cfm_grid(c.steps, self.meanflow, solve.mu)
 
-    def commit(self, c: Chunk, x: np.ndarray) -> ChunkResult:
-        """Apply a solved chunk to its sequence's state; the newly final frames."""
+    def commit(self, c: Chunk, x: np.ndarray, recorded: Optional[list[StepCaches]] = None) -> ChunkResult:
+        """Apply a solved chunk to its sequence's state; the newly final frames. ``recorded``: the prompt's cache
+        the solve kept (``c.keep``)."""
         s = c.state
-        tp, e = c.prompt_frames, s.emitted  # generated frame f sits at tp + f - first_frame in the solve
-        mel = x[:, tp + e - c.first_frame:tp + c.final_frames - c.first_frame].copy()
+        tp, e = c.prompt_frames, s.emitted  # generated frame f sits at tp + f - first_frame in the start
+        at = tp - c.skipped                 # ... and at tp - skipped + f - first_frame in the solve
+        mel = x[:, at + e - c.first_frame:at + c.final_frames - c.first_frame].copy()
+        if self.reuse != "none":
+            context = self.context_frames if self.reuse == "context" else 0
+            if c.past is not None:
+                s.cache = s.cache.extended(recorded or [], c.keep, context)
+            elif recorded:
+                s.cache = StreamCache.made(recorded, c.steps, c.prompt_frames, context)
         s.received_tokens += int(c.tokens.size)
         if c.tokens.size:
             s.tokens = np.concatenate([s.tokens, c.tokens])
@@ -375,9 +424,10 @@ class StreamingEngine:
         s.last = Answered(s.received_tokens - int(c.tokens.size), c.tokens, c.finalize, result)
         if c.replaced is not None:  # a START on a live id restarted that utterance: the old state went
             self.observer.sequence_dropped(c.corr_id, "replaced by a new START")
-        work = Work(row_frames=float(c.nfe * c.frames), steps=c.steps, chunks=1,
+        work = Work(row_frames=float(c.nfe * c.solved_frames), steps=c.steps, chunks=1,
                     encoder_tokens=int(c.encoder_tokens.size), frames=int(mel.shape[1]),
-                    skipped_row_frames=float((c.full_nfe - c.nfe) * c.frames), skipped_steps=c.state.n_steps - c.steps)
+                    skipped_row_frames=float((c.full_nfe - c.nfe) * c.solved_frames),
+                    skipped_steps=c.state.n_steps - c.steps)
         # idle time counts from the answer, not the request; the stream's clock and work move on
         delivered = self.sequences.commit(c.corr_id, end=c.finalize, frames=int(mel.shape[1]), work=work.full())
         self.observer.chunk_work(c.corr_id, work)

@@ -33,6 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from s3flow.model.prefix_cache import MASK_BIAS_VALUE, PrefixCache, PrefixWalk
+
 __all__ = [
     "EstimatorConfig",
     "ConditionalDecoder",
@@ -46,9 +48,6 @@ __all__ = [
     "BasicTransformerBlock",
     "mask_to_attention_bias",
 ]
-
-#: Additive attention bias for masked-out keys (same constant as upstream).
-MASK_BIAS_VALUE: float = -1.0e10
 
 
 @dataclass
@@ -145,7 +144,10 @@ class CausalConv1d(nn.Conv1d):
         super().__init__(in_channels, out_channels, kernel_size, stride=1, padding=0)
         self.left_pad = kernel_size - 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, x: torch.Tensor, walk: Optional[PrefixWalk] = None) -> torch.Tensor:
+        """``walk``: the frames before ``x`` come from a prefix cache (``s3flow.model.prefix_cache``)."""
+        if walk is not None:
+            return super().forward(walk.conv_input(x, self.left_pad))
         return super().forward(F.pad(x, (self.left_pad, 0)))
 
 
@@ -173,17 +175,21 @@ class CausalBlock1D(nn.Module):
             nn.Mish(),
         )
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, walk: Optional[PrefixWalk] = None) -> torch.Tensor:
         """Applies the block.
 
         Args:
             x: (B, dim, T).
             mask: (B, 1, T) float frame mask.
+            walk: the prefix cache's pass (``s3flow.model.prefix_cache``), or None.
 
         Returns:
             (B, dim_out, T), zero on padded frames.
         """
-        return self.block(x * mask) * mask
+        h = self.block[0](x * mask, walk)
+        for layer in list(self.block)[1:]:
+            h = layer(h)
+        return h * mask
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -196,7 +202,8 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, time_emb: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, time_emb: torch.Tensor,
+                walk: Optional[PrefixWalk] = None) -> torch.Tensor:
         """Applies the residual block.
 
         Args:
@@ -208,9 +215,9 @@ class CausalResnetBlock1D(nn.Module):
             (B, dim_out, T). Padded frames are *not* zeroed (they hold the
             residual conv bias, as upstream); later stages mask their inputs.
         """
-        h = self.block1(x, mask)
+        h = self.block1(x, mask, walk)
         h = h + self.mlp(time_emb).unsqueeze(-1)
-        h = self.block2(h, mask)
+        h = self.block2(h, mask, walk)
         return h + self.res_conv(x * mask)
 
 
@@ -320,12 +327,13 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(query_dim, inner_dim, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner_dim, query_dim, bias=True)])
 
-    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
-        """Attends every query to all (unmasked) key frames.
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor, walk: Optional[PrefixWalk] = None) -> torch.Tensor:
+        """Attends every query to all (unmasked) key frames (with ``walk``: the prefix cache's first).
 
         Args:
             x: (B, T, query_dim).
             attn_bias: (B, 1, 1, T) additive key bias (see :func:`mask_to_attention_bias`).
+            walk: the prefix cache's pass (``s3flow.model.prefix_cache``), or None.
 
         Returns:
             (B, T, query_dim).
@@ -336,6 +344,8 @@ class Attention(nn.Module):
             return y.reshape(b, t, self.heads, self.dim_head).transpose(1, 2)
 
         q, k, v = split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x))
+        if walk is not None:
+            k, v, attn_bias = walk.attend(k, v, attn_bias)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale + attn_bias
         probs = torch.softmax(scores, dim=-1)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.heads * self.dim_head)
@@ -381,17 +391,18 @@ class BasicTransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim)
 
-    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor, walk: Optional[PrefixWalk] = None) -> torch.Tensor:
         """Applies the block.
 
         Args:
             x: (B, T, dim).
             attn_bias: (B, 1, 1, T) additive key bias.
+            walk: the prefix cache's pass (``s3flow.model.prefix_cache``), or None.
 
         Returns:
             (B, T, dim).
         """
-        x = x + self.attn1(self.norm1(x), attn_bias)
+        x = x + self.attn1(self.norm1(x), attn_bias, walk)
         return x + self.ff(self.norm3(x))
 
 
@@ -402,13 +413,13 @@ def _transformer_stack(dim: int, cfg: EstimatorConfig) -> nn.ModuleList:
 
 
 def _run_transformers(
-    blocks: nn.ModuleList, x: torch.Tensor, mask: torch.Tensor
+    blocks: nn.ModuleList, x: torch.Tensor, mask: torch.Tensor, walk: Optional[PrefixWalk] = None
 ) -> torch.Tensor:
     """(B, C, T) -> transformers over time -> (B, C, T), keys masked by ``mask`` (B, 1, T)."""
     bias = mask_to_attention_bias(mask).to(x.dtype)
     h = x.transpose(1, 2)
     for block in blocks:
-        h = block(h, bias)
+        h = block(h, bias, walk)
     return h.transpose(1, 2)
 
 
@@ -515,7 +526,9 @@ class ConditionalDecoder(nn.Module):
         spks: torch.Tensor,
         cond: torch.Tensor,
         r: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+        past: Optional[PrefixCache] = None,
+        keep: Optional[torch.Tensor] = None,
+    ):
         """Predicts the velocity field.
 
         Args:
@@ -526,10 +539,19 @@ class ConditionalDecoder(nn.Module):
             spks: (B, n_feats) projected speaker embedding.
             cond: (B, n_feats, T) prompt mel (zeros outside the prompt).
             r: (B,) end time; required iff ``config.meanflow``.
+            past: the states of frames before each row (``s3flow.model.prefix_cache``): the rows are read as
+                following them.
+            keep: (B,) int64: also return the states of each row's first ``keep`` frames, for a later call's
+                ``past``.
 
         Returns:
-            (B, out_channels, T) velocity, exactly zero on padded frames.
+            (B, out_channels, T) velocity, exactly zero on padded frames; with ``keep``, (velocity, PrefixCache).
         """
+        walk = None
+        if past is not None or keep is not None:
+            if len(self.down_blocks) > 1:
+                raise ValueError("a prefix cache needs the one-level U-Net (no down/upsampling)")
+            walk = PrefixWalk(past, keep)
         temb = self.embed_time(t, r)
 
         spk_map = spks.unsqueeze(-1).expand(-1, -1, x.shape[-1])
@@ -540,25 +562,26 @@ class ConditionalDecoder(nn.Module):
         n_down = len(self.down_blocks)
         for level, (resnet, transformers, resample) in enumerate(self.down_blocks):
             m = masks[-1]
-            h = resnet(h, m, temb)
-            h = _run_transformers(transformers, h, m)
+            h = resnet(h, m, temb, walk)
+            h = _run_transformers(transformers, h, m, walk)
             skips.append(h)
-            h = resample(h * m)
+            h = resample(h * m) if walk is None else resample(h * m, walk)
             if level < n_down - 1:  # static: the last level does not downsample
                 masks.append(m[:, :, ::2])
 
         m = masks[-1]
         for resnet, transformers in self.mid_blocks:
-            h = resnet(h, m, temb)
-            h = _run_transformers(transformers, h, m)
+            h = resnet(h, m, temb, walk)
+            h = _run_transformers(transformers, h, m, walk)
 
         for resnet, transformers, resample in self.up_blocks:
             m = masks.pop()
             skip = skips.pop()
             h = torch.cat([h[:, :, : skip.shape[-1]], skip], dim=1)
-            h = resnet(h, m, temb)
-            h = _run_transformers(transformers, h, m)
-            h = resample(h * m)
+            h = resnet(h, m, temb, walk)
+            h = _run_transformers(transformers, h, m, walk)
+            h = resample(h * m) if walk is None else resample(h * m, walk)
 
-        h = self.final_block(h, m)
-        return self.final_proj(h * m) * mask
+        h = self.final_block(h, m, walk)
+        v = self.final_proj(h * m) * mask
+        return (v, walk.recorded()) if keep is not None else v

@@ -90,14 +90,17 @@ class SynthesisResult:
 
 
 class TorchEstimator:
-    """Adapter: a torch ConditionalDecoder as a solver estimator (no autograd)."""
+    """Adapter: a torch ConditionalDecoder as a solver estimator (no autograd); it takes a prefix cache."""
+    carries_prefix = True
 
     def __init__(self, module: nn.Module):
         self.module = module
 
-    def __call__(self, inputs: EstimatorInputs) -> torch.Tensor:
+    def __call__(self, inputs: EstimatorInputs):
         with torch.inference_mode():
-            return self.module(**inputs.named())
+            if inputs.past is None and inputs.keep is None:
+                return self.module(**inputs.named())
+            return self.module(**inputs.named(), past=inputs.past, keep=inputs.keep)
 
 
 @torch.inference_mode()

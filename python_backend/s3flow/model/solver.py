@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from s3flow_contract.tensors import estimator_inputs, names
+from s3flow.model.prefix_cache import PrefixCache
 
 Schedule = Literal["linear", "cosine"]
 
@@ -39,7 +40,11 @@ DEFAULT_STEPS_MEANFLOW = 2
 class EstimatorInputs:
     """One estimator call's inputs, by the names the tensor contract gives them (``s3flow_contract.tensors.
     estimator_inputs``): x, mu, cond (B, n_feats, T), mask (B, 1, T), t (B,), spks (B, n_feats), and r (B,)
-    for meanflow estimators only (None otherwise)."""
+    for meanflow estimators only (None otherwise).
+
+    ``past`` and ``keep`` are not contract tensors: the prefix cache (``s3flow.model.prefix_cache``) that only an
+    estimator whose ``carries_prefix`` is true takes (in process, torch; issue 50): the rows follow ``past``'s
+    frames, and with ``keep`` (B,) the estimator returns (velocity, the first ``keep`` frames' cache)."""
     x: torch.Tensor
     mask: torch.Tensor
     mu: torch.Tensor
@@ -47,6 +52,8 @@ class EstimatorInputs:
     spks: torch.Tensor
     cond: torch.Tensor
     r: Optional[torch.Tensor] = None
+    past: Optional[PrefixCache] = None
+    keep: Optional[torch.Tensor] = None
 
     @property
     def meanflow(self) -> bool:

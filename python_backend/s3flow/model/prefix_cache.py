@@ -1,0 +1,156 @@
+"""What the estimator reads of the frames before a row: kept from one call, given to a later one (issue 50).
+
+The estimator (``s3flow.model.estimator``) sees a frame's left neighbours in two ways only: every attention
+layer's keys and values (attention is global over the row) and every causal convolution's last ``kernel - 1``
+input frames. A :class:`PrefixCache` holds exactly those for the first P frames of each row of one call, so a
+later call can leave those frames out of its rows and still read them:
+
+    v_full, cache = estimator(x, ..., keep=P)            # the whole row [prefix | rest]; record the prefix
+    v_rest = estimator(x[..., P:], ..., past=cache)      # the rest alone, reading the prefix from the cache
+    v_rest == v_full[..., P:]                           # exactly (tests/test_prefix_cache.py)
+
+A stream keeps its prompt's (and its last emitted frames') cache from the chunk that solved them, one per Euler
+step and guidance half (``s3flow.engine.reuse``). A later chunk then reads those frames as they were: they no
+longer attend to the frames after them, the approximation whose cost in quality results/stream_reuse.md measures.
+
+The tensors are stacked so that a cache crosses between processes as four tensors (the estimator's Triton model
+takes and returns them: ``s3flow_contract.tensors.CACHE_INPUTS``): keys and values (layers, B, heads, P, head_dim),
+the convolutions' tails (convolutions, B, widest input, kernel - 1; a narrower input fills its first channels),
+and the key mask (B, 1, P). Rows differ in prefix length: the mask marks each row's frames, and each row's
+convolution tail is taken at its own length (zeros before a row's first frame, as the convolution's own left
+padding gives). A :class:`PrefixWalk` is one call's pass over the layers in their fixed order, written in tensor
+operations only, so the ONNX export traces it with the keep lengths as data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+#: Additive attention bias for masked-out keys (same constant as upstream; the estimator's).
+MASK_BIAS_VALUE: float = -1.0e10
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The layer counts and widths of one estimator's caches (``of``: from its config)."""
+    layers: int          # attention layers
+    heads: int
+    head_dim: int
+    convs: int           # causal convolutions
+    width: int           # the widest causal convolution's input channels
+    tail: int = 2        # kernel - 1
+
+    @classmethod
+    def of(cls, config) -> "CacheShape":
+        """From an ``EstimatorConfig`` (the one-level U-Net Chatterbox uses)."""
+        stages = 2 * len(config.channels) + config.num_mid_blocks     # down, mid, up resnet + transformer stages
+        c = config.channels[-1]
+        return cls(layers=config.n_blocks * stages, heads=config.num_heads, head_dim=config.attention_head_dim,
+                   convs=2 * stages + 2 * len(config.channels) + 1, width=max(config.in_channels, 2 * c))
+
+
+@dataclass
+class PrefixCache:
+    """keys, values: (layers, B, heads, P, head_dim); convs: (convolutions, B, width, kernel - 1); mask (B, 1, P):
+    1 on a row's prefix frames, 0 on the padding of shorter prefixes."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    convs: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def frames(self) -> int:
+        return int(self.mask.shape[-1])
+
+    @property
+    def batch(self) -> int:
+        return int(self.mask.shape[0])
+
+    def row(self, i: int) -> "PrefixCache":
+        """Row ``i`` alone, cut to its own prefix length."""
+        p = int(self.mask[i].sum())
+        return PrefixCache(self.keys[:, i:i + 1, :, :p], self.values[:, i:i + 1, :, :p], self.convs[:, i:i + 1],
+                           self.mask[i:i + 1, :, :p])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.convs))
+
+    @staticmethod
+    def empty(shape: CacheShape, batch: int, like: torch.Tensor) -> "PrefixCache":
+        """A cache of one masked frame per row: what a row with no prefix reads (nothing)."""
+        z = dict(dtype=like.dtype, device=like.device)
+        kv = (shape.layers, batch, shape.heads, 1, shape.head_dim)
+        return PrefixCache(torch.zeros(kv, **z), torch.zeros(kv, **z),
+                           torch.zeros(shape.convs, batch, shape.width, shape.tail, **z), torch.zeros(batch, 1, 1, **z))
+
+    @staticmethod
+    def stack(rows: list[Optional["PrefixCache"]]) -> "PrefixCache":
+        """One batch's cache from one-row caches (``None``: a row that reads no prefix: masked keys, zero tails),
+        padded to the longest (at least one frame)."""
+        like = next(r for r in rows if r is not None)
+        longest = max(1, max(r.frames for r in rows if r is not None))
+        b = len(rows)
+        keys = like.keys.new_zeros((like.keys.shape[0], b, like.keys.shape[2], longest, like.keys.shape[4]))
+        values, convs = torch.zeros_like(keys), like.convs.new_zeros((like.convs.shape[0], b, *like.convs.shape[2:]))
+        mask = like.mask.new_zeros((b, 1, longest))
+        for i, r in enumerate(rows):
+            if r is not None:
+                p = r.frames
+                keys[:, i, :, :p], values[:, i, :, :p] = r.keys[:, 0], r.values[:, 0]
+                convs[:, i], mask[i, :, :p] = r.convs[:, 0], r.mask[0]
+        return PrefixCache(keys, values, convs, mask)
+
+
+class PrefixWalk:
+    """One estimator call's pass over its layers: reads ``past`` in front of every row (or None) and records the
+    first ``keep[i]`` frames of row ``i`` (``keep``: (B,) int64, or None; at least one frame is recorded, masked
+    where a row keeps none)."""
+
+    def __init__(self, past: Optional[PrefixCache] = None, keep: Optional[torch.Tensor] = None):
+        self.past, self.keep = past, keep
+        self._conv = self._attn = 0
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._convs: list[torch.Tensor] = []
+        if keep is not None:
+            self._frames = torch.arange(torch.clamp(keep.max(), min=1), device=keep.device)
+            self._key_mask = (self._frames[None, :] < keep[:, None]).float()[:, None, :]
+
+    def conv_input(self, x: torch.Tensor, pad: int) -> torch.Tensor:
+        """A causal convolution's input (B, C, T), masked, with its ``pad`` left frames in front: the past
+        prefix's last frames, or zeros (its own padding)."""
+        b, c = x.shape[0], x.shape[1]
+        if self.keep is not None:   # row i's frames [keep_i - pad, keep_i): zeros before its first
+            at = self.keep[:, None] - pad + torch.arange(pad, device=x.device)[None, :]
+            tail = x.gather(2, at.clamp(min=0)[:, None, :].expand(b, c, pad)) * (at >= 0)[:, None, :].to(x.dtype)
+            self._convs.append(tail)
+        if self.past is not None:
+            left = self.past.convs[self._conv, :, :c].to(x.dtype)
+        else:
+            left = x.new_zeros(b, c, pad)
+        self._conv += 1
+        return torch.cat([left, x], dim=-1)
+
+    def attend(self, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor):
+        """An attention layer's keys and values (B, H, T, D) and key bias (B, 1, 1, T) with the past prefix's in
+        front; records the prefix's own."""
+        if self.keep is not None:
+            self._keys.append(k.index_select(2, self._frames))
+            self._values.append(v.index_select(2, self._frames))
+        if self.past is not None:
+            j = self._attn
+            k = torch.cat([self.past.keys[j].to(k.dtype), k], dim=2)
+            v = torch.cat([self.past.values[j].to(v.dtype), v], dim=2)
+            past_bias = ((1.0 - self.past.mask) * MASK_BIAS_VALUE).unsqueeze(1).to(bias.dtype)
+            bias = torch.cat([past_bias.expand(bias.shape[0], -1, -1, -1), bias], dim=-1)
+        self._attn += 1
+        return k, v, bias
+
+    def recorded(self) -> PrefixCache:
+        """What the call kept (``keep``), stacked."""
+        width = max(t.shape[1] for t in self._convs)
+        convs = torch.stack([F.pad(t, (0, 0, 0, width - t.shape[1])) for t in self._convs])
+        return PrefixCache(torch.stack(self._keys), torch.stack(self._values), convs, self._key_mask)
