@@ -38,11 +38,10 @@ class DropLog(Observer):
 
 
 def make_engine(flow, settings: SolverSettings | None = None, observer: Observer = NO_OBSERVER,
-                clock=None, playback=None, reuse: str = "none") -> StreamingEngine:
+                clock=None, playback=None) -> StreamingEngine:
     """The served engine over the flow's torch modules, with ``settings``' chunk solving and capacity (the
     request rules are the driver's: ``stream_in_process(..., rules=settings.rules)``); ``clock`` and ``playback``
-    (``PlaybackSettings``) for its sequence table where given; ``reuse``: what a stream keeps of its solved
-    frames (``s3flow.engine.reuse``)."""
+    (``PlaybackSettings``) for its sequence table where given."""
     settings = settings or SolverSettings()
     table = None
     if clock is not None or playback is not None:
@@ -50,7 +49,7 @@ def make_engine(flow, settings: SolverSettings | None = None, observer: Observer
                               **({"playback": playback} if playback is not None else {}))
     return StreamingEngine(torch_encoder(flow), TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
                            meanflow=flow.config.meanflow, solving=settings.solving, limits=settings.sequences,
-                           observer=observer, table=table, reuse=reuse)
+                           observer=observer, table=table)
 
 
 def request_inputs(u: Utterance, lo: int, hi: int, first: bool) -> dict:

@@ -77,3 +77,47 @@ def test_a_multi_level_unet_refuses_a_prefix_cache():
                                                num_mid_blocks=1, num_heads=2)).eval()
     with pytest.raises(ValueError, match="one-level"):
         model(**_inputs(1, 16, False), keep=torch.tensor([4]))
+
+
+@pytest.mark.parametrize("meanflow", [False, True])
+def test_the_cached_onnx_graph_equals_torch_at_shapes_other_than_its_trace(tmp_path, meanflow):
+    """The exported cached graph (what the estimator serves with keep_solved) against the torch module: past and
+    keep lengths are data, not traced constants."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from s3flow.runtime.onnx_export import CachedGraph, export_estimator, make_cache_inputs, make_estimator_inputs
+
+    torch.manual_seed(3)
+    model = ConditionalDecoder(EstimatorConfig.small(meanflow)).eval()
+    path = export_estimator(model, tmp_path / "cached.onnx", cached=True)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch, frames, past, keep in ((3, 60, 9, [20, 0, 4]), (1, 30, 1, [0]), (2, 17, 30, [17, 17])):
+        inputs = make_estimator_inputs(model, batch, frames, seed=2)
+        inputs.update(make_cache_inputs(model, batch, past, keep, seed=3))
+        with torch.no_grad():
+            want = CachedGraph(model)(*inputs.values())
+        got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+        assert [g.shape for g in got] == [tuple(w.shape) for w in want]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w.numpy(), atol=1e-4, rtol=0)
+
+
+def test_the_torch_runner_serves_the_cached_graph():
+    """``--gpu-backend torch``'s runner with the cache's tensors by their contract names."""
+    from s3flow.runtime.onnx_export import make_cache_inputs, make_estimator_inputs
+    from s3flow.runtime.torch_runner import TorchRunner
+
+    torch.manual_seed(4)
+    model = ConditionalDecoder(EstimatorConfig.small()).eval()
+    runner = TorchRunner(model, "estimator", cached=True)
+    assert runner.input_names[-5:] == ("past_keys", "past_values", "past_convs", "past_mask", "keep")
+    inputs = make_estimator_inputs(model, 2, 20, seed=1)
+    cache = make_cache_inputs(model, 2, 6, [5, 0], seed=2)
+    out = runner(**inputs, **cache)
+    past = PrefixCache(cache["past_keys"], cache["past_values"], cache["past_convs"], cache["past_mask"])
+    with torch.no_grad():
+        v, kept = model(**inputs, past=past, keep=cache["keep"])
+    torch.testing.assert_close(out["velocity"], v)
+    torch.testing.assert_close(out["kept_keys"], kept.keys)
+    assert out["kept_mask"].tolist() == [[[1.0] * 5], [[0.0] * 5]]

@@ -27,49 +27,52 @@ class Counting(TorchEstimator):
         return super().__call__(inputs)
 
 
-def _stream(flow, u, reuse, settings=None, sizes=SIZES):
-    results = stream_in_process(make_engine(flow, settings, reuse=reuse), [u], [sizes])[0]
+def _keep(keep_solved: int, **flat) -> SolverSettings:
+    return SolverSettings.of(keep_solved=keep_solved, **flat)
+
+
+def _stream(flow, u, keep_solved, sizes=SIZES):
+    results = stream_in_process(make_engine(flow, _keep(keep_solved)), [u], [sizes])[0]
     return results, np.concatenate([r.mel for r in results], axis=1)
 
 
-@pytest.mark.parametrize("reuse", ["prompt", "context"])
-def test_every_frame_is_answered_in_order_the_first_chunk_exactly_as_without_reuse(reuse):
+@pytest.mark.parametrize("keep_solved", [1, 2])
+def test_every_frame_is_answered_in_order_the_first_chunk_exactly_as_without_reuse(keep_solved):
     flow = small_flow()
     u = demo_utterance(3.0, seed=2, prompt_seconds=2.0)
-    before, mel_before = _stream(flow, u, "none")
-    after, mel_after = _stream(flow, u, reuse)
+    before, mel_before = _stream(flow, u, 0)
+    after, mel_after = _stream(flow, u, keep_solved)
     assert [r.frame_offset for r in after] == [r.frame_offset for r in before]
     assert mel_after.shape == mel_before.shape == (80, 2 * sum(SIZES))
     np.testing.assert_array_equal(after[0].mel, before[0].mel)   # the first chunk only keeps its cache
 
 
-@pytest.mark.parametrize("reuse", ["prompt", "context"])
-def test_later_chunks_stay_near_the_unchanged_stream_far_inside_the_seed_spread(reuse):
+@pytest.mark.parametrize("keep_solved", [1, 2])
+def test_later_chunks_stay_near_the_unchanged_stream_far_inside_the_seed_spread(keep_solved):
     """The kept frames no longer attend to the new ones: an approximation. On random weights (no training to
     make it small) it moves the mel well inside the distance between two seeds."""
     flow = small_flow()
     u = demo_utterance(3.0, seed=2, prompt_seconds=2.0)
     other_seed = demo_utterance(3.0, seed=2, noise_seed=99, prompt_seconds=2.0)
-    _, base = _stream(flow, u, "none")
-    _, kept = _stream(flow, u, reuse)
-    _, spread = _stream(flow, other_seed, "none")
+    _, base = _stream(flow, u, 0)
+    _, kept = _stream(flow, u, keep_solved)
+    _, spread = _stream(flow, other_seed, 0)
     moved, seeds = np.abs(kept - base).mean(), np.abs(spread - base).mean()
     assert 0 < moved < 0.5 * seeds
 
 
-@pytest.mark.parametrize("reuse, total", [("none", 618), ("prompt", 468), ("context", 300)])
-def test_the_frames_solved_are_the_plans(reuse, total):
+@pytest.mark.parametrize("keep_solved, total", [(0, 618), (1, 468), (2, 300)])
+def test_the_frames_solved_are_the_plans(keep_solved, total):
     """5 s with a 10 s prompt on the default settings: each Euler step of the whole stream solves 618 frames
     today, 468 with the prompt kept, 300 (the one request's: 50 prompt + 250) with every frame once; the engine
     over the torch model calls exactly what the plan counts."""
     flow = small_flow()
     u = demo_utterance(5.0, seed=4, prompt_seconds=10.0)
     sizes = chunk_schedule(len(u.speech_tokens))
-    planned = planned_calls(80, len(u.prompt_tokens), sizes, 100, 10, prompt_frames=50, reuse=reuse)
-    settings = SolverSettings()
+    planned = planned_calls(80, len(u.prompt_tokens), sizes, 100, 10, prompt_frames=50, keep_solved=keep_solved)
     est = Counting(flow.estimator)
-    engine = StreamingEngine(torch_encoder(flow), est, n_feats=80, meanflow=False, solving=settings.solving,
-                             reuse=reuse)
+    engine = StreamingEngine(torch_encoder(flow), est, n_feats=80, meanflow=False,
+                             solving=_keep(keep_solved).solving)
     stream_in_process(engine, [u], [sizes])
     assert est.calls == planned
     assert sum(f for _, f in planned) == 10 * total
@@ -81,8 +84,7 @@ def test_a_chunk_at_other_steps_solves_the_prompt_inline_and_keeps_its_own_cache
     flow = small_flow()
     u = demo_utterance(3.0, seed=5, prompt_seconds=2.0)
     est = Counting(flow.estimator)
-    engine = StreamingEngine(torch_encoder(flow), est, n_feats=80, meanflow=False,
-                             solving=SolverSettings().solving, reuse="context")
+    engine = StreamingEngine(torch_encoder(flow), est, n_feats=80, meanflow=False, solving=_keep(2).solving)
     from s3flow.protocol import RequestRules, parse_request
     done, lo = 0, 0
     for k, size in enumerate(SIZES):
@@ -104,7 +106,7 @@ def test_a_chunk_at_other_steps_solves_the_prompt_inline_and_keeps_its_own_cache
 def test_a_long_streams_cache_stays_bounded():
     """The prompt and the last C emitted frames: a 30 s stream keeps what a 5 s one does."""
     flow = small_flow()
-    engine = make_engine(flow, SolverSettings.of(context_frames=20), reuse="context")
+    engine = make_engine(flow, _keep(2, context_frames=20))
     u = demo_utterance(12.0, seed=6, prompt_seconds=2.0)
     sizes = chunk_schedule(len(u.speech_tokens), 10, 2.0, 40)
     from s3flow.protocol import RequestRules, parse_request
@@ -120,12 +122,24 @@ def test_a_long_streams_cache_stays_bounded():
     assert held[-1] == held[-2] == 70
 
 
-def test_reuse_needs_bounded_context_and_an_estimator_that_takes_a_cache():
+def test_keeping_needs_bounded_context_and_an_estimator_that_takes_a_cache():
     flow = small_flow()
     with pytest.raises(ValueError, match="bounded context"):
-        make_engine(flow, SolverSettings.of(context_frames=-1), reuse="prompt")
+        _keep(1, context_frames=-1)
+    with pytest.raises(ValueError, match="bounded context"):
+        _keep(2, slide_prompt=1)
     with pytest.raises(ValueError, match="carries_prefix"):
         StreamingEngine(torch_encoder(flow), lambda i: torch.zeros_like(i.x), n_feats=80, meanflow=False,
-                        reuse="context")
-    with pytest.raises(ValueError, match="reuse must be one of"):
-        make_engine(flow, reuse="everything")
+                        solving=_keep(2).solving)
+    with pytest.raises(ValueError, match="must be 0, 1 or 2"):
+        _keep(3)
+
+
+def test_a_repository_keeps_only_where_its_estimator_can_take_a_cache():
+    from s3flow.repository.settings import RepositorySettings
+
+    solver = _keep(2)
+    with pytest.raises(ValueError, match="TensorRT plans have no cache"):
+        RepositorySettings(solver=solver, target="gpu").check()
+    RepositorySettings(solver=solver, target="gpu", gpu_backend="torch").check()
+    RepositorySettings(solver=solver).check()

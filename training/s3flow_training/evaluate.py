@@ -161,19 +161,16 @@ class Streamed:
 
 
 def stream_utterance(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], seed: int = 0,
-                     n_steps: Optional[int] = None, settings: Optional[SolverSettings] = None,
-                     reuse: str = "none") -> Streamed:
+                     n_steps: Optional[int] = None, settings: Optional[SolverSettings] = None) -> Streamed:
     """Stream one utterance through the served chunk logic in process (``SolverSession`` over a
-    ``StreamingEngine`` with ``settings``, default the served defaults, and ``reuse``; torch modules as the
-    networks)."""
+    ``StreamingEngine`` with ``settings``, default the served defaults; torch modules as the networks)."""
     def encode(tokens, token_len, embedding):
         with torch.inference_mode():
             return flow.encoder(tokens, token_len, embedding)
 
     settings = settings or SolverSettings()
     engine = StreamingEngine(encode, TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
-                             meanflow=flow.config.meanflow, solving=settings.solving, limits=settings.sequences,
-                             reuse=reuse)
+                             meanflow=flow.config.meanflow, solving=settings.solving, limits=settings.sequences)
     got = stream_in_process(SolverSession(engine, settings.rules), u.speech_tokens, chunks,
                             prompt_tokens=u.prompt_tokens, prompt_mel=np.ascontiguousarray(u.prompt_mel.T),
                             speaker_embedding=u.xvector, seed=seed, n_timesteps=n_steps)

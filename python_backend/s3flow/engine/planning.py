@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from s3flow.engine.capacity import Work
-from s3flow.engine.reuse import Reuse
 from s3flow.engine.settings import ChunkSolving
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.model.prefix_cache import PrefixCache
@@ -29,21 +28,22 @@ from s3flow.protocol import RequestRules, parse_request
 
 def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
                   meanflow: bool = False, prompt_frames: int = -1, slide_prompt: int = 0,
-                  reuse: Reuse = "none") -> list[tuple[int, int]]:
+                  keep_solved: int = 0) -> list[tuple[int, int]]:
     """The (batch rows, frames) of every estimator call of one utterance streamed in ``chunks`` (guided unless
     ``meanflow``), planned by the real ``StreamingEngine`` over stand-in models (zeros): the cost of any model
-    size without running it. ``prompt_frames`` and ``slide_prompt`` are the ``ChunkSolving`` fields, ``reuse`` the
-    engine's (``s3flow.engine.reuse``: the frames a call reads from a cache are not among its frames)."""
+    size without running it. ``prompt_frames``, ``slide_prompt`` and ``keep_solved`` are the ``ChunkSolving``
+    fields (``s3flow.engine.reuse``: the frames a call reads from a cache are not among its frames)."""
     return _planned(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow, prompt_frames, slide_prompt,
-                    reuse)[0]
+                    keep_solved)[0]
 
 
-class _StandIn:
-    """The estimator as zeros; it takes a prefix cache (and keeps empty ones)."""
+class ZeroEstimator:
+    """The estimator as zeros, recording each call's (rows, frames) in ``calls``; it takes a prefix cache (and
+    keeps empty ones): what plans and warm-ups run the engine over."""
     carries_prefix = True
 
-    def __init__(self, calls: list[tuple[int, int]]):
-        self.calls = calls
+    def __init__(self, calls: list[tuple[int, int]] | None = None):
+        self.calls = [] if calls is None else calls
 
     def __call__(self, inputs):
         self.calls.append((inputs.x.shape[0], inputs.x.shape[2]))
@@ -58,21 +58,22 @@ class _StandIn:
 
 def _planned(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
              meanflow: bool, prompt_frames: int, slide_prompt: int,
-             reuse: Reuse = "none") -> tuple[list[tuple[int, int]], list[int]]:
-    """:func:`planned_calls`, and the mel frames each chunk's answer made final (the last chunk: as if the stream
-    went on, so the frames its lookahead held back are not counted twice)."""
+             keep_solved: int = 0) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+    """:func:`planned_calls`, the mel frames each chunk's answer made final (the last chunk: as if the stream
+    went on, so the frames its lookahead held back are not counted twice), and each chunk's encoder tokens."""
     calls: list[tuple[int, int]] = []
     final: list[int] = []
+    encoded: list[int] = []
 
     def encode(tokens, token_len, embedding):
+        encoded.append(int(tokens.shape[1]))
         t = 2 * tokens.shape[1]
         return torch.zeros(tokens.shape[0], n_feats, t), None, torch.zeros(tokens.shape[0], n_feats)
 
     rules = RequestRules(max_chunk_tokens=max(chunks))
     solving = ChunkSolving(context_frames=context_frames, prompt_frames=prompt_frames, slide_prompt=slide_prompt,
-                           max_utterance_frames=max(3000, 2 * sum(chunks)))
-    engine = StreamingEngine(encode, _StandIn(calls), n_feats=n_feats, meanflow=meanflow, solving=solving,
-                             reuse=reuse)
+                           keep_solved=keep_solved, max_utterance_frames=max(3000, 2 * sum(chunks)))
+    engine = StreamingEngine(encode, ZeroEstimator(calls), n_feats=n_feats, meanflow=meanflow, solving=solving)
     rng = np.random.default_rng(0)
     for k, size in enumerate(chunks):
         inputs = {"speech_tokens": rng.integers(0, 6561, (1, size), dtype=np.int64)}
@@ -86,20 +87,21 @@ def _planned(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_fr
         final.append(int(answer.mel.shape[1]))
     if len(final) > 1:   # an END makes the held-back frames final too: a stream that goes on does not
         final[-1] = 2 * chunks[-1]
-    return calls, final
+    return calls, final, encoded
 
 
 def plan_work(n_feats: int, meanflow: bool, steps: int, guided: bool, chunks: list[int], prompt_tokens: int,
-              context_frames: int, prompt_frames: int = -1, slide_prompt: int = 0) -> list[Work]:
+              context_frames: int, prompt_frames: int = -1, slide_prompt: int = 0,
+              keep_solved: int = 0) -> list[Work]:
     """The work of each chunk of one utterance streamed in ``chunks`` (token counts), planned by the real engine
     over stand-in networks (:func:`planned_calls`): what a START is priced at before it sent anything. Each chunk's
     frames are those its answer makes final, as a served stream's are (the first: its tokens' frames less the
     lookahead held back), so a stream like the plan is priced like the plan at every answer."""
-    calls, final = _planned(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow or not guided,
-                            prompt_frames, slide_prompt)
+    calls, final, encoded = _planned(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow or not guided,
+                                     prompt_frames, slide_prompt, keep_solved)
     out = []
     for k, tokens in enumerate(chunks):   # every chunk is ``steps`` estimator calls, one encoder call
         mine = calls[k * steps:(k + 1) * steps]
         out.append(Work(row_frames=float(sum(r * f for r, f in mine)), steps=len(mine), chunks=1,
-                        encoder_tokens=mine[0][1] // 2 if mine else 0, frames=final[k]))
+                        encoder_tokens=encoded[k], frames=final[k]))
     return out

@@ -22,7 +22,7 @@ as without reuse, and keeps its own cache anew.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
@@ -30,12 +30,8 @@ from s3flow.engine.stepping import StepCaches
 from s3flow.model.prefix_cache import PrefixCache
 
 Reuse = Literal["none", "prompt", "context"]
-REUSE_MODES = ("none", "prompt", "context")
-
-
-def check_reuse(reuse: str) -> None:
-    if reuse not in REUSE_MODES:
-        raise ValueError(f"reuse must be one of {REUSE_MODES}, got {reuse!r}")
+#: by ``ChunkSolving.keep_solved`` (0, 1, 2)
+REUSE_MODES: tuple[Reuse, ...] = ("none", "prompt", "context")
 
 
 @dataclass

@@ -12,8 +12,9 @@ part                       fields                                     read by
 ``AdmissionTarget``        utilization_target, expected_utterance_s   ``s3flow.serving.admission``, the load's
 (``engine.capacity``)                                                 look-ahead and the planned START
 ``ChunkSolving``           context_frames, prompt_frames,             ``s3flow.engine.streaming.StreamingEngine``
-                           slide_prompt, holdback_frames,
-                           default_steps, default_guidance_rate,
+                           slide_prompt, keep_solved,
+                           holdback_frames, default_steps,
+                           default_guidance_rate,
                            max_utterance_frames
 ``DeadlineSettings``       start_buffer_s, first_audio_s,             the table's playback clocks (both
 (``engine.scheduler``)     max_step_rows, max_step_row_frames,        schedulings); ``s3flow.engine.step_loop``
@@ -59,6 +60,12 @@ class ChunkSolving(NumericSettings):
     #: chunk's conditioning being the last ``context_frames`` frames of prompt ++ emitted mel (the voice's
     #: own frames replace the prompt's; the speaker embedding stays).
     slide_prompt: int = 0
+    #: What a stream keeps of the frames it solved, so a later chunk does not solve them again
+    #: (``s3flow.engine.reuse``): 0 nothing (every chunk solves the prompt and its context); 1 the prompt's
+    #: estimator cache, from its first chunk; 2 the prompt's and the last ``context_frames`` emitted frames' (every
+    #: frame solved once). Needs bounded context, the prompt not sliding, and an estimator that takes a cache.
+    #: Quality and work: results/stream_reuse.md.
+    keep_solved: int = 0
     holdback_frames: int = 0              # generated frames withheld until the next chunk (or END)
     default_steps: int = 0                # 0: the checkpoint's default (10, or 2 for meanflow)
     default_guidance_rate: float = 0.7
@@ -67,12 +74,17 @@ class ChunkSolving(NumericSettings):
     def check(self) -> None:
         check_numbers(self, "chunk setting", lowest={"holdback_frames": 0, "default_steps": 0,
                                                      "default_guidance_rate": 0, "context_frames": -1,
-                                                     "prompt_frames": -1, "slide_prompt": 0})
+                                                     "prompt_frames": -1, "slide_prompt": 0, "keep_solved": 0})
         if self.slide_prompt not in (0, 1):
             raise ValueError(f"chunk setting slide_prompt must be 0 or 1, got {self.slide_prompt}")
         if self.slide_prompt and self.context_frames < 0:
             raise ValueError("chunk setting slide_prompt 1 needs bounded context (context_frames >= 0): "
                              "in prefix mode there is no window for the emitted frames to slide through")
+        if self.keep_solved not in (0, 1, 2):
+            raise ValueError(f"chunk setting keep_solved must be 0, 1 or 2, got {self.keep_solved}")
+        if self.keep_solved and (self.context_frames < 0 or self.slide_prompt):
+            raise ValueError(f"chunk setting keep_solved {self.keep_solved} needs bounded context (context_frames >= "
+                             f"0) with the prompt not sliding (slide_prompt 0)")
 
 
 _PARTS = {"rules": RequestRules, "sequences": SequenceLimits, "admission": AdmissionTarget, "solving": ChunkSolving,

@@ -22,10 +22,9 @@ and pinned for the frames that are solved again (the lookahead and held-back fra
 everything), with fresh seeded noise for new frames. Only frames that became final are returned, with their
 frame offset. Every solve is built by ``s3flow.model.chunks``, as offline synthesis builds its own.
 
-With ``reuse`` ``prompt`` or ``context`` (bounded context, the prompt not sliding; in process only until the
-estimator's contract carries caches: issue 50), a stream keeps what the estimator reads of its prompt (and of its
-last C emitted frames) from the chunk that solved them, and a later chunk solves only its context and new frames
-(or only its new ones): ``s3flow.engine.reuse``.
+With ``ChunkSolving.keep_solved`` 1 or 2 (bounded context, the prompt not sliding), a stream keeps what the
+estimator reads of its prompt (and of its last C emitted frames) from the chunk that solved them, and a later chunk
+solves only its context and new frames (or only its new ones): ``s3flow.engine.reuse``.
 
 A chunk changes its sequence's state only once its solve has succeeded: a failed chunk leaves tokens,
 ``noised_mels`` and the emitted count as they were, so the client may send it again. A chunk that says where it
@@ -67,7 +66,7 @@ from s3flow.engine.settings import ChunkSolving
 from s3flow.engine.scheduler import check_bucket_ratio
 from s3flow.engine.solver_snapshot import SolverSnapshots
 from s3flow.engine.step_loop import Done, StepLoop, never_cancelled
-from s3flow.engine.reuse import Reuse, StreamCache, check_reuse
+from s3flow.engine.reuse import REUSE_MODES, StreamCache
 from s3flow.engine.stepping import RowSolve, StepCaches
 from s3flow.model.chunks import NoisedMels, condition, solve_frames, starting_point
 from s3flow.model.solver import FrameNoise, cfm_grid, default_steps
@@ -198,10 +197,8 @@ class StreamingEngine:
     def __init__(self, encode: EncodeFn, estimator, *, n_feats: int, meanflow: bool,
                  solving: ChunkSolving = ChunkSolving(), limits: SequenceLimits = SequenceLimits(),
                  observer: Observer = NO_OBSERVER, bucket_ratio: float = 0.0,
-                 table: Optional[SequenceTable] = None, snapshots: Optional[SolverSnapshots] = None,
-                 reuse: Reuse = "none"):
-        """``snapshots``: makes and restores the streams' snapshots (default: none given or taken);
-        ``reuse``: what a stream keeps of its solved frames (``s3flow.engine.reuse``)."""
+                 table: Optional[SequenceTable] = None, snapshots: Optional[SolverSnapshots] = None):
+        """``snapshots``: makes and restores the streams' snapshots (default: none given or taken)."""
         check_bucket_ratio(bucket_ratio)
         self.bucket_ratio = float(bucket_ratio)
         self.encode, self.estimator = encode, estimator
@@ -211,12 +208,11 @@ class StreamingEngine:
                                                       else SequenceTable(limits, observer))
         #: None: prefix mode; C >= 0: bounded context of C emitted frames
         self.context_frames = None if solving.context_frames < 0 else int(solving.context_frames)
-        check_reuse(reuse)
-        if reuse != "none" and (self.context_frames is None or solving.slide_prompt):
-            raise ValueError(f"reuse {reuse} needs bounded context (context_frames >= 0) with the prompt not sliding")
-        if reuse != "none" and not getattr(estimator, "carries_prefix", False):
-            raise ValueError(f"reuse {reuse} needs an estimator that takes a prefix cache (carries_prefix)")
-        self.reuse = reuse
+        #: what a stream keeps of its solved frames (``s3flow.engine.reuse``)
+        self.reuse = REUSE_MODES[solving.keep_solved]
+        if self.reuse != "none" and not getattr(estimator, "carries_prefix", False):
+            raise ValueError(f"keep_solved {solving.keep_solved} needs an estimator that takes a prefix cache "
+                             f"(carries_prefix)")
         self.estimator_calls = 0
         self.solved_frames = 0           # sum over solves of rows' frames x Euler steps (cost figures)
         self.snapshots = snapshots or SolverSnapshots(None, solving, n_feats, meanflow)

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from s3flow.model.prefix_cache import MASK_BIAS_VALUE, PrefixCache, PrefixWalk
+from s3flow.model.prefix_cache import MASK_BIAS_VALUE, CacheShape, PrefixCache, PrefixWalk
 
 __all__ = [
     "EstimatorConfig",
@@ -551,7 +551,7 @@ class ConditionalDecoder(nn.Module):
         if past is not None or keep is not None:
             if len(self.down_blocks) > 1:
                 raise ValueError("a prefix cache needs the one-level U-Net (no down/upsampling)")
-            walk = PrefixWalk(past, keep)
+            walk = PrefixWalk(past, keep, CacheShape.of(self.config).width)
         temb = self.embed_time(t, r)
 
         spk_map = spks.unsqueeze(-1).expand(-1, -1, x.shape[-1])

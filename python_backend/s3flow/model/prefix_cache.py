@@ -43,6 +43,18 @@ class CacheShape:
     width: int           # the widest causal convolution's input channels
     tail: int = 2        # kernel - 1
 
+    def parameter(self) -> str:
+        """As a config parameter: the six numbers, comma-separated (``parse`` reads it)."""
+        return ",".join(str(v) for v in (self.layers, self.heads, self.head_dim, self.convs, self.width, self.tail))
+
+    @classmethod
+    def parse(cls, text: str) -> "CacheShape":
+        values = [int(v) for v in text.split(",")]
+        if len(values) != 6 or min(values) < 1:
+            raise ValueError(f"a cache shape is six positive numbers (layers, heads, head_dim, convs, width, tail), "
+                             f"got {text!r}")
+        return cls(*values)
+
     @classmethod
     def of(cls, config) -> "CacheShape":
         """From an ``EstimatorConfig`` (the one-level U-Net Chatterbox uses)."""
@@ -74,6 +86,10 @@ class PrefixCache:
         p = int(self.mask[i].sum())
         return PrefixCache(self.keys[:, i:i + 1, :, :p], self.values[:, i:i + 1, :, :p], self.convs[:, i:i + 1],
                            self.mask[i:i + 1, :, :p])
+
+    def copy(self) -> "PrefixCache":
+        """Its own memory (a kept cache outlives the call whose output buffers it came in)."""
+        return PrefixCache(self.keys.clone(), self.values.clone(), self.convs.clone(), self.mask.clone())
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.convs))
@@ -107,10 +123,10 @@ class PrefixCache:
 class PrefixWalk:
     """One estimator call's pass over its layers: reads ``past`` in front of every row (or None) and records the
     first ``keep[i]`` frames of row ``i`` (``keep``: (B,) int64, or None; at least one frame is recorded, masked
-    where a row keeps none)."""
+    where a row keeps none); ``width``: the convolution tails' channels (``CacheShape.width``)."""
 
-    def __init__(self, past: Optional[PrefixCache] = None, keep: Optional[torch.Tensor] = None):
-        self.past, self.keep = past, keep
+    def __init__(self, past: Optional[PrefixCache] = None, keep: Optional[torch.Tensor] = None, width: int = 0):
+        self.past, self.keep, self.width = past, keep, width
         self._conv = self._attn = 0
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
@@ -151,6 +167,5 @@ class PrefixWalk:
 
     def recorded(self) -> PrefixCache:
         """What the call kept (``keep``), stacked."""
-        width = max(t.shape[1] for t in self._convs)
-        convs = torch.stack([F.pad(t, (0, 0, 0, width - t.shape[1])) for t in self._convs])
+        convs = torch.stack([F.pad(t, (0, 0, 0, self.width - t.shape[1])) for t in self._convs])
         return PrefixCache(torch.stack(self._keys), torch.stack(self._values), convs, self._key_mask)

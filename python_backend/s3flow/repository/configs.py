@@ -35,9 +35,10 @@ def _fields(settings) -> dict:
     return {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
 
 
-def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> ModelConfig:
+def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings, cache_shape=None) -> ModelConfig:
     """``cfm_solver``: sequence batching with the four controls, the request in, the mel out, every limit
-    and knob a parameter."""
+    and knob a parameter (``cache_shape``: the estimator's ``CacheShape`` where the solver keeps what streams
+    solved, ``estimator_cache``)."""
     b, v = s.batching, s.voices
     config = _python("cfm_solver", b.max_batch_size)
     seq = add_sequence_controls(config, s.triton_idle_us(s.solver.sequences.idle_timeout_s))
@@ -51,6 +52,10 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings) -> ModelC
                             "length_bucket_ratio": b.length_bucket_ratio, "warmup": s.warmup, **s.solver.parameters(),
                             "voices": v.enabled, "voice_dir": v.voice_dir, "max_voices": v.max_voices,
                             "max_voice_bytes": v.max_voice_bytes})
+    if s.keeps_solved:
+        if cache_shape is None:
+            raise ValueError("keep_solved needs the estimator's cache shape (s3flow.model.prefix_cache.CacheShape)")
+        set_parameters(config, {"estimator_cache": cache_shape.parameter()})
     return config
 
 
@@ -105,7 +110,7 @@ def stateless_config(name: str, n_feats: int, meanflow: bool, settings: Reposito
     ``settings.target``: cpu: ONNX Runtime in a python model; gpu: a ``tensorrt_plan`` (built on the serving
     GPU by scripts/build_engines.py), or with ``gpu_backend="torch"`` torch on CUDA in a python model
     (``s3flow.serving.triton_models.torch_model``). ``meanflow`` matters to the estimator only."""
-    inputs, outputs = stateless_tensors(name, meanflow)
+    inputs, outputs = stateless_tensors(name, meanflow, cached=settings.keeps_solved)
     s = settings
     if s.target == "gpu" and s.gpu_backend == "torch":
         from s3flow.runtime.torch_runner import default_dtype

@@ -78,15 +78,18 @@ class RepositorySummary:
         return "\n".join(lines)
 
 
-def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings) -> list[tuple[ModelConfig, Files]]:
+def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings,
+                cache_shape=None) -> list[tuple[ModelConfig, Files]]:
     """token2mel, admission, cfm_solver, flow_encoder and estimator: each model's config (with its Triton
     warm-up sample where it has one, s3flow.serving.warmup) and the small files of its folder (model.py, the
-    warm-up data); the weights are written beside them by :func:`write_repository`."""
+    warm-up data); the weights are written beside them by :func:`write_repository`. ``cache_shape``: the
+    estimator's (``CacheShape``), where the solver keeps what streams solved (``keep_solved``; the cached estimator
+    has no Triton warm-up sample: the solver's calibration calls it first)."""
     b = s.batching
     out = [(ensemble_config(n_feats, s), {})]
     if s.admission:
         out.append((admission_config(n_feats, s), {"1/model.py": MODEL_PY["admission"]}))
-    solver = solver_config(n_feats, meanflow, s)
+    solver = solver_config(n_feats, meanflow, s, cache_shape)
     solver_files: Files = {"1/model.py": MODEL_PY["cfm_solver"]}
     if s.warmup:  # one request that tells the solver its instance is set up (without it: the first real request)
         solver_files.update(add_model_warmup(solver, n_feats, meanflow))
@@ -96,8 +99,8 @@ def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings) -> list[tup
         files: Files = {}
         if s.target == "cpu" or s.gpu_backend == "torch":
             files["1/model.py"] = MODEL_PY["onnx" if s.target == "cpu" else "torch"]
-        if s.warmup:  # Triton's model_warmup samples: no first-run cost on a real request
-            files.update(add_model_warmup(config, n_feats, meanflow))
+        if s.warmup and not (name == ESTIMATOR_MODEL and s.keeps_solved):   # Triton's model_warmup samples: no
+            files.update(add_model_warmup(config, n_feats, meanflow))                # first-run cost on a real request
         out.append((config, files))
     return out
 
@@ -106,7 +109,10 @@ def write_flow_configs(repository: Union[str, Path], n_feats: int, meanflow: boo
                        s: RepositorySettings) -> list[Path]:
     """Write again the five flow models' configs (and small files) of an existing repository for settings
     ``s``, keeping the weights (``s3flow_tools.measure.batching``: one repository, a config per sweep point). The
-    solver takes registered voices if the repository has a voice encoder."""
+    solver takes registered voices if the repository has a voice encoder. (Keeping what streams solved changes the
+    estimator's graph, not only configs: ``write_repository``.)"""
+    if s.keeps_solved:
+        raise ValueError("keep_solved changes the estimator's graph: write the repository again (write_repository)")
     voices = (Path(repository) / VOICE_MODELS[0]).is_dir()
     s = dataclasses.replace(s, voices=dataclasses.replace(s.voices, enabled=voices))
     s.check()
@@ -171,6 +177,7 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
     For the gpu target the ``model.plan`` engines are built on the GPU host (scripts/build_engines.py);
     this writes their configs and the ONNX files the engines are built from (``<model>/model.onnx``).
     """
+    from s3flow.model.prefix_cache import CacheShape
     from s3flow.runtime.onnx_export import export_encoder, export_estimator
 
     s = dataclasses.replace(settings or RepositorySettings())
@@ -179,14 +186,16 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
     out = Path(out)
     n_feats, meanflow = flow.config.n_feats, flow.config.meanflow
     summary = RepositorySummary(path=out, target=s.target, meanflow=meanflow, n_feats=n_feats)
-    for config, files in flow_models(n_feats, meanflow, s):
+    cache_shape = CacheShape.of(flow.estimator.config) if s.keeps_solved else None
+    for config, files in flow_models(n_feats, meanflow, s, cache_shape):
         summary.files += write_model_folder(out, config, files)
     # ONNX files: the served models on cpu; the engines' source on gpu
     onnx_dir = "1" if s.target == "cpu" else "."
     modules = {ENCODER_MODEL: flow.encoder, ESTIMATOR_MODEL: flow.estimator}
-    for name, export in ((ENCODER_MODEL, export_encoder), (ESTIMATOR_MODEL, export_estimator)):
-        export(modules[name], out / name / onnx_dir / "model.onnx", opset=opset)
-        summary.files.append(out / name / onnx_dir / "model.onnx")
+    export_encoder(flow.encoder, out / ENCODER_MODEL / onnx_dir / "model.onnx", opset=opset)
+    export_estimator(flow.estimator, out / ESTIMATOR_MODEL / onnx_dir / "model.onnx", opset=opset,
+                     cached=s.keeps_solved)
+    summary.files += [out / name / onnx_dir / "model.onnx" for name in STATELESS_MODELS]
     if s.target == "gpu" and s.gpu_backend == "torch":
         from s3flow.runtime.torch_runner import WEIGHTS_FILE, save_module
         for name in STATELESS_MODELS:

@@ -143,3 +143,12 @@ class RepositorySettings:
             raise ValueError(f"triton_idle_grace_s must be > 0, got {self.idle_grace_s}")
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
+        if self.keeps_solved and self.target == "gpu" and self.gpu_backend == "tensorrt":
+            raise ValueError(f"keep_solved {self.solver.solving.keep_solved} needs the estimator served by ONNX "
+                             f"Runtime (cpu target) or torch (gpu_backend torch): the TensorRT plans have no cache "
+                             f"inputs yet")
+
+    @property
+    def keeps_solved(self) -> bool:
+        """The solver keeps what streams solved: the estimator serves the cached graph (``keep_solved``)."""
+        return self.solver.solving.keep_solved > 0

@@ -21,6 +21,13 @@ velocity (B, n_feats, T)    output: predicted dx/dt, zero on padded frames
 Inputs appear in the graph in exactly the order above (``r`` last, only for
 mean-flow models). Names, order and dynamic axes come from ``s3flow_contract.tensors``
 (``estimator_inputs`` / ``ESTIMATOR_OUTPUTS``).
+
+The **cached** graph (``export_estimator(..., cached=True)``: what the estimator serves when the solver keeps what
+streams solved, ``keep_solved``) also takes the frames before each row from a prefix cache and returns its rows'
+first ``keep`` frames' (``s3flow.model.prefix_cache``; the contract's ``CACHE_INPUTS`` / ``CACHE_OUTPUTS``):
+past_keys, past_values (layers, B, heads, P, head_dim), past_convs (convolutions, B, width, 2), past_mask (B, 1, P),
+keep (B,) int64 in; kept_keys, kept_values, kept_convs, kept_mask out (K = max(keep, 1) frames). P and K are the
+axes ``past`` and ``kept``.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 from s3flow_contract import tensors as contract
 from s3flow.model.encoder import FlowEncoder, random_encoder_inputs
 from s3flow.model.estimator import ConditionalDecoder
+from s3flow.model.prefix_cache import CacheShape, PrefixCache
 
 __all__ = [
     "ESTIMATOR_OUTPUT_NAME",
@@ -64,9 +72,47 @@ def dynamic_axes(tensors, length_axis: str) -> Dict[str, Dict[int, str]]:
 # --------------------------------------------------------------------------- #
 # Estimator
 # --------------------------------------------------------------------------- #
-def estimator_input_names(meanflow: bool) -> List[str]:
-    """Graph input names, in order: x, mask, mu, t, spks, cond (+ r if ``meanflow``), from the contract."""
-    return list(contract.names(contract.estimator_inputs(meanflow)))
+def estimator_input_names(meanflow: bool, cached: bool = False) -> List[str]:
+    """Graph input names, in order: x, mask, mu, t, spks, cond (+ r if ``meanflow``) (+ the cache's), from the
+    contract."""
+    return list(contract.names(contract.estimator_inputs(meanflow, cached)))
+
+
+#: the cache tensors' dynamic axes (the contract's dims are all -1: the layer counts and widths are the model's)
+CACHE_AXES = {"past_keys": {1: "batch", 3: "past"}, "past_values": {1: "batch", 3: "past"},
+              "past_convs": {1: "batch"}, "past_mask": {0: "batch", 2: "past"}, "keep": {0: "batch"},
+              "kept_keys": {1: "batch", 3: "kept"}, "kept_values": {1: "batch", 3: "kept"},
+              "kept_convs": {1: "batch"}, "kept_mask": {0: "batch", 2: "kept"}}
+
+
+class CachedGraph(torch.nn.Module):
+    """The estimator with the prefix cache as plain tensors in and out: the cached graph's signature."""
+
+    def __init__(self, model: ConditionalDecoder):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, mask, mu, t, spks, cond, *rest):
+        r = rest[0] if self.model.meanflow else None
+        past_keys, past_values, past_convs, past_mask, keep = rest[-5:]
+        v, kept = self.model(x, mask, mu, t, spks, cond, r, past=PrefixCache(past_keys, past_values, past_convs,
+                                                                             past_mask), keep=keep)
+        return v, kept.keys, kept.values, kept.convs, kept.mask
+
+
+def make_cache_inputs(model: ConditionalDecoder, batch: int, past_frames: int, keep: List[int],
+                      seed: int = 0) -> Dict[str, torch.Tensor]:
+    """Random cache inputs: ``past_frames`` past frames per row (the last row's half masked), ``keep`` per row."""
+    shape = CacheShape.of(model.config)
+    g = torch.Generator().manual_seed(seed)
+    kv = (shape.layers, batch, shape.heads, past_frames, shape.head_dim)
+    mask = torch.ones(batch, 1, past_frames)
+    mask[-1, :, past_frames - past_frames // 2:] = 0.0
+    p = next(model.parameters())
+    return {k: v.to(device=p.device, dtype=p.dtype if v.is_floating_point() else v.dtype) for k, v in {
+        "past_keys": torch.randn(kv, generator=g), "past_values": torch.randn(kv, generator=g),
+        "past_convs": torch.randn(shape.convs, batch, shape.width, shape.tail, generator=g), "past_mask": mask,
+        "keep": torch.tensor(keep, dtype=torch.int64)}.items()}
 
 
 def make_estimator_inputs(
@@ -114,8 +160,9 @@ def make_estimator_inputs(
     return {k: v.to(device=p.device, dtype=p.dtype) for k, v in inputs.items()}
 
 
-def export_estimator(model: ConditionalDecoder, path: PathLike, opset: int = 17) -> Path:
-    """Exports the estimator to a single ONNX file with dynamic batch/time axes.
+def export_estimator(model: ConditionalDecoder, path: PathLike, opset: int = 17, cached: bool = False) -> Path:
+    """Exports the estimator to a single ONNX file with dynamic batch/time axes (``cached``: the cached graph, the
+    module docstring).
 
     The graph is traced at B=2, T=48 (small, fast); the axes named ``batch``
     and ``time`` are dynamic. See the module docstring for tensor names.
@@ -130,11 +177,15 @@ def export_estimator(model: ConditionalDecoder, path: PathLike, opset: int = 17)
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    names = estimator_input_names(model.meanflow)
+    names = estimator_input_names(model.meanflow, cached)
     dummy = make_estimator_inputs(model, batch=2, frames=48, seed=0)
-    args: Tuple[torch.Tensor, ...] = tuple(dummy[n] for n in names)
     axes = dynamic_axes(contract.estimator_inputs(model.meanflow) + contract.ESTIMATOR_OUTPUTS, "time")
-    return _export(model, args, path, opset, names, [ESTIMATOR_OUTPUT_NAME], axes)
+    if cached:
+        dummy.update(make_cache_inputs(model, batch=2, past_frames=5, keep=[7, 3]))
+        axes.update(CACHE_AXES)
+        model = CachedGraph(model)
+    args: Tuple[torch.Tensor, ...] = tuple(dummy[n] for n in names)
+    return _export(model, args, path, opset, names, list(contract.names(contract.estimator_outputs(cached))), axes)
 
 
 def _export(model: torch.nn.Module, args: tuple, path: Path, opset: int, input_names, output_names,

@@ -88,22 +88,29 @@ class TorchRunner:
     ``dtype`` bf16/fp16 runs the module under autocast (weights fp32; see the module docstring).
     """
 
-    def __init__(self, module: nn.Module, kind: str, device: str | torch.device = "cpu", dtype: str = "fp32"):
+    def __init__(self, module: nn.Module, kind: str, device: str | torch.device = "cpu", dtype: str = "fp32",
+                 cached: bool = False):
+        """``cached``: the estimator as its cached graph (``s3flow.runtime.onnx_export.CachedGraph``: the prefix
+        cache's tensors in and out)."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.kind, self.dtype, self.device = kind, dtype, torch.device(device)
-        self.module = module.to(self.device).float().eval()
         self.meanflow = bool(getattr(getattr(module, "config", None), "meanflow", False))
+        self.cached = bool(cached) and kind == "estimator"
+        if self.cached:
+            from s3flow.runtime.onnx_export import CachedGraph
+            module = CachedGraph(module)
+        self.module = module.to(self.device).float().eval()
 
     @property
     def input_names(self) -> tuple:
-        return contract.names(contract.stateless_tensors(self.kind, self.meanflow)[0])
+        return contract.names(contract.stateless_tensors(self.kind, self.meanflow, self.cached)[0])
 
     @property
     def output_names(self) -> tuple:
-        return contract.names(contract.stateless_tensors(self.kind)[1])
+        return contract.names(contract.stateless_tensors(self.kind, cached=self.cached)[1])
 
     def _autocast(self):
         if self.dtype == "fp32":

@@ -74,23 +74,21 @@ def warm_up_solver(engine, rules=None, prompt_tokens: int = WARMUP_PROMPT_TOKENS
 
     rules = rules or RequestRules()
 
-    calls = [0]
+    from s3flow.engine.planning import ZeroEstimator
+
+    encoded, estimate = [0], ZeroEstimator()
 
     def encode(tokens, token_len, embedding):
-        calls[0] += 1
+        encoded[0] += 1
         b, t = tokens.shape[0], 2 * tokens.shape[1]
         return (torch.zeros(b, engine.n_feats, t), torch.ones(b, 1, t), torch.zeros(b, engine.n_feats))
-
-    def estimate(inputs):
-        calls[0] += 1
-        return torch.zeros_like(inputs.x)
 
     shadow = StreamingEngine(encode, estimate, n_feats=engine.n_feats, meanflow=engine.meanflow,
                              solving=engine.solving, limits=engine.sequences.limits,
                              bucket_ratio=engine.bucket_ratio)
     t0 = time.perf_counter()
     _utterances(SolverSession(shadow, rules, name="warm-up"), engine.n_feats, prompt_tokens, chunks, streams=1)
-    return WarmupReport("cfm_solver", len(chunks), calls[0], time.perf_counter() - t0)
+    return WarmupReport("cfm_solver", len(chunks), encoded[0] + len(estimate.calls), time.perf_counter() - t0)
 
 
 def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), steps: int = 2, rounds: int = 3,

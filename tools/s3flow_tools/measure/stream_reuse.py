@@ -11,8 +11,8 @@ utterance, and is judged against **today's default** (bounded context C = 100 fr
 frames, the client's chunk schedule 10, 20, 40, 80, 100 tokens, nothing kept) on the same utterance:
 
 * the cheap levers: context 50 and 25 frames; the chunk schedule 10, 25, 50, 100 (grows faster);
-* reuse (``s3flow.engine.reuse``): the prompt's estimator cache kept from the first chunk (``prompt``), and the
-  prompt's and the last C emitted frames' (``context``: every frame solved once);
+* reuse (``keep_solved``, ``s3flow.engine.reuse``): the prompt's estimator cache kept from the first chunk (1),
+  and the prompt's and the last C emitted frames' (2: every frame solved once);
 * today's default from another seed: the seed-to-seed spread each difference is read against;
 * the same utterance in one request (one chunk: every frame once, the capped prompt): what streaming is judged
   against (its work and wall are the unit).
@@ -79,7 +79,6 @@ def faster_growth(n: int) -> list[int]:
 class Candidate:
     settings: dict = field(default_factory=dict)
     chunks: Callable[[int], list[int]] = chunk_schedule
-    reuse: str = "none"
     seed_offset: int = 0
 
 
@@ -92,10 +91,10 @@ CANDIDATES = {
     "C 50": Candidate({"context_frames": 50}),
     "C 25": Candidate({"context_frames": 25}),
     "chunks 10, 25, 50, 100": Candidate(chunks=faster_growth),
-    "prompt kept": Candidate(reuse="prompt"),
-    "prompt kept, C 25": Candidate({"context_frames": 25}, reuse="prompt"),
-    "every frame once (prompt and context kept)": Candidate(reuse="context"),
-    "every frame once, chunks 10, 25, 50, 100": Candidate(chunks=faster_growth, reuse="context"),
+    "prompt kept": Candidate({"keep_solved": 1}),
+    "prompt kept, C 25": Candidate({"keep_solved": 1, "context_frames": 25}),
+    "every frame once (prompt and context kept)": Candidate({"keep_solved": 2}),
+    "every frame once, chunks 10, 25, 50, 100": Candidate({"keep_solved": 2}, chunks=faster_growth),
 }
 
 
@@ -140,7 +139,7 @@ def measure(teacher, hift, utts: Sequence[HeldoutUtterance], names: Sequence[str
             c = CANDIDATES[n]
             t0 = time.perf_counter()
             got = stream_utterance(teacher, u, c.chunks(n_tokens), seed=k + c.seed_offset, n_steps=STEPS,
-                                   settings=settings_of[n], reuse=c.reuse)
+                                   settings=settings_of[n])
             wall = time.perf_counter() - t0
             rows[n].append(judge(got, u, hift, mels, got.solved_frames / one.solved_frames, wall / one_s))
             mels[n] = got.mel
@@ -193,7 +192,7 @@ def full_size_table(names: Sequence[str]) -> str:
             c = CANDIDATES[name]
             s = SolverSettings.of(**c.settings).solving
             calls = planned_calls(80, LONG_PROMPT_TOKENS, c.chunks(n), s.context_frames, STEPS,
-                                  prompt_frames=s.prompt_frames, reuse=c.reuse)
+                                  prompt_frames=s.prompt_frames, keep_solved=s.keep_solved)
             row.append(f"{sum(f for _, f in calls) / STEPS / one:.2f}x")
         body.append(row)
     return markdown(header, body)

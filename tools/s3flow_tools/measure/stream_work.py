@@ -16,7 +16,8 @@ Examples::
    same utterance (one chunk: the capped prompt and every frame, once) is the unit.
 2. **Served wall time** (``--served``): the trained small teacher (``checkpoints/trained``) behind ``token2mel``
    as ``make demo`` builds it, admission off, one stream at a time through ``StreamingClient``: each utterance
-   streamed on the default schedule and sent as one request, median of ``--runs`` each, interleaved.
+   streamed on the default schedule and sent as one request, median of ``--runs`` each, interleaved; one server
+   per ``--keep-solved`` value (docs/streaming.md), side by side.
 """
 from __future__ import annotations
 
@@ -132,15 +133,33 @@ def count_section(solving: ChunkSolving) -> list[str]:
     return lines
 
 
-def served_section(runs: int) -> list[str]:
+def served_section(runs: int, keep_solved: list[int]) -> list[str]:
+    """The served wall time, streamed over one request, on one server per ``keep_solved`` value."""
+    walls = {k: served_walls(runs, k) for k in keep_solved}
+    lines = ["## Served wall time (trained small teacher, `token2mel`, one stream at a time)", "",
+             f"Median of {runs} interleaved runs each: the utterance streamed on the client's default schedule "
+             f"(first answer to last) against the same utterance in one request; admission off; one server per "
+             f"`keep_solved` (docs/streaming.md: 0 solves prompt and context again in every chunk, 1 keeps the "
+             f"prompt, 2 every frame once).", "",
+             "| prompt | utterance | " + " | ".join(f"keep_solved {k}: streamed / one request (s)" for k in walls)
+             + " |", "| --- | --- |" + " ---: |" * len(walls)]
+    first = walls[keep_solved[0]]
+    for cell in first:
+        lines.append(f"| {cell[0]} s | {cell[1]} s | " + " | ".join(
+            f"{w[cell][0] / w[cell][1]:.2f}x ({w[cell][0]:.2f} / {w[cell][1]:.2f})" for w in walls.values()) + " |")
+    return lines + [""]
+
+
+def served_walls(runs: int, keep_solved: int) -> dict:
+    """{(prompt s, utterance s): (streamed s, one request s)}, medians of ``runs`` interleaved runs."""
     from s3flow.repository import cli as build_repository
     from s3flow.server.triton_server import TritonServer
 
-    rows = []
+    rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--output", str(repo),
-                                  "--no-voice", "--utilization-target", "0"]) != 0:
+                                  "--no-voice", "--utilization-target", "0", "--keep-solved", str(keep_solved)]) != 0:
             raise SystemExit("building the repository failed")
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
             client = StreamingClient(server.grpc_url, "token2mel", timeout_s=300, max_retries=0, max_resumes=0)
@@ -158,16 +177,10 @@ def served_section(runs: int) -> list[str]:
                                 raise SystemExit(f"{mode} {p} s / {u} s: {res.error}")
                             walls[mode].append(time.monotonic() - t0)
                     s, o = statistics.median(walls["streamed"]), statistics.median(walls["one request"])
-                    rows.append((p, u, s, o))
-                    print(f"  served: prompt {p} s, {u} s: streamed {s:.2f} s, one request {o:.2f} s ({s / o:.2f}x)",
-                          flush=True)
-    lines = ["## Served wall time (trained small teacher, `token2mel`, one stream at a time)", "",
-             f"Median of {runs} interleaved runs each: the utterance streamed on the client's default schedule "
-             f"(first answer to last) against the same utterance in one request; admission off.", "",
-             "| prompt | utterance | streamed (s) | one request (s) | streamed / one request |",
-             "| --- | --- | ---: | ---: | ---: |"]
-    lines += [f"| {p} s | {u} s | {s:.2f} | {o:.2f} | {s / o:.2f}x |" for p, u, s, o in rows]
-    return lines + [""]
+                    rows[(p, u)] = (s, o)
+                    print(f"  served, keep_solved {keep_solved}: prompt {p} s, {u} s: streamed {s:.2f} s, one request "
+                          f"{o:.2f} s ({s / o:.2f}x)", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -175,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--served", action=__import__("argparse").BooleanOptionalAction, default=True,
                    help="also the served wall time (%(default)s)")
     p.add_argument("--runs", type=int, default=3, help="served runs of each (%(default)s)")
+    p.add_argument("--keep-solved", type=int, nargs="+", default=[0, 1, 2],
+                   help="the served settings compared, one server each (%(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "stream_work.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     solving = ChunkSolving()
@@ -183,7 +198,7 @@ def main(argv=None) -> int:
              f"{', '.join(f'{k} {v}' for k, v in machine().items())}.", ""]
     lines += count_section(solving)
     if args.served:
-        lines += served_section(args.runs)
+        lines += served_section(args.runs, args.keep_solved)
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

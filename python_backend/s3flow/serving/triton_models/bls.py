@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Optional
 
 import torch
 from torch.utils import dlpack
 
+from s3flow.model.prefix_cache import CacheShape, PrefixCache
 from s3flow.serving.session import ModelCallError
 from s3flow.serving.triton_models.base import pb_utils
 
@@ -83,7 +85,24 @@ class BlsEncoder(BlsModel):
 
 
 class BlsEstimator(BlsModel):
-    """The solver's ``Estimator`` (``EstimatorInputs`` in, velocity out) over BLS."""
+    """The solver's ``Estimator`` (``EstimatorInputs`` in, velocity out) over BLS. With ``cache`` (the estimator's
+    ``CacheShape``: it serves the cached graph, the solver keeps what streams solved) it takes a prefix cache too
+    (``carries_prefix``): every call sends one (a masked frame where no row reads any) and a keep per row (0: none),
+    and returns the kept cache where the inputs asked for one."""
 
-    def __call__(self, inputs) -> torch.Tensor:
-        return self.call(inputs.named())[0]
+    def __init__(self, model_name: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
+                 device_id: int | None = None, cache: Optional[CacheShape] = None):
+        super().__init__(model_name, inputs, outputs, device_id)
+        self.cache = cache
+        self.carries_prefix = cache is not None
+
+    def __call__(self, inputs):
+        if self.cache is None:
+            return self.call(inputs.named())[0]
+        x = inputs.x
+        past = inputs.past if inputs.past is not None else PrefixCache.empty(self.cache, x.shape[0], x)
+        keep = inputs.keep if inputs.keep is not None else torch.zeros(x.shape[0], dtype=torch.int64)
+        v, keys, values, convs, mask = self.call({**inputs.named(), "past_keys": past.keys,
+                                                  "past_values": past.values, "past_convs": past.convs,
+                                                  "past_mask": past.mask, "keep": keep.to(x.device)})
+        return v if inputs.keep is None else (v, PrefixCache(keys, values, convs, mask))

@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_MODEL, ENCODER_OUTPUTS, ESTIMATOR_MODEL,
-                                     ESTIMATOR_OUTPUTS, REQUEST, SOLVER_INPUTS, SOLVER_OUTPUTS, by_name,
-                                     estimator_inputs, names)
+from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_MODEL, ENCODER_OUTPUTS, ESTIMATOR_MODEL, REQUEST,
+                                     SOLVER_INPUTS, SOLVER_OUTPUTS, by_name, estimator_inputs, estimator_outputs, names)
+from s3flow.model.prefix_cache import CacheShape
 from s3flow.protocol import RequestError, one_bytes, tenant_of
 from s3flow.serving.metrics import SOLVER_FAMILIES
 from s3flow.serving.saved_price import SavedPrice
@@ -50,8 +50,10 @@ class TritonPythonModel(TritonModel):
             torch.cuda.set_device(device_id)
         self.encoder = BlsEncoder(p.str("encoder_model", ENCODER_MODEL), names(ENCODER_INPUTS),
                                   names(ENCODER_OUTPUTS), device_id)
-        self.estimator = BlsEstimator(p.str("estimator_model", ESTIMATOR_MODEL), names(estimator_inputs(meanflow)),
-                                      names(ESTIMATOR_OUTPUTS), device_id)
+        cache = CacheShape.parse(p.str("estimator_cache")) if p.int("keep_solved", 0) else None   # (issue 50)
+        self.estimator = BlsEstimator(p.str("estimator_model", ESTIMATOR_MODEL),
+                                      names(estimator_inputs(meanflow, cached=cache is not None)),
+                                      names(estimator_outputs(cached=cache is not None)), device_id, cache)
         instance = args.get("model_instance_name", self.name)
         self.metrics = TritonMetrics(SOLVER_FAMILIES, self.name, instance)
         tokens = by_name(REQUEST)["speech_tokens"]

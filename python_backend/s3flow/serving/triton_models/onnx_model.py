@@ -1,8 +1,8 @@
 """A stateless python-backend model that runs one ONNX file with ONNX Runtime (CPU hosts).
 
 It serves the ``estimator`` and the ``flow_encoder`` where no TensorRT / ONNX Runtime backend exists
-(the pytriton wheel's server); which one the file is (and, for the estimator, whether it is meanflow) is read
-from its graph, and the config must declare that model's contract tensors. The file is
+(the pytriton wheel's server); which one the file is (and, for the estimator, whether it is meanflow and whether
+it is the cached graph, ``s3flow.runtime.onnx_export``) is read from its graph, and the config must declare that model's contract tensors. The file is
 ``<version>/model.onnx``. Config parameters: ``intra_op_threads`` (default 0: the cores this process may use
 divided among the model's instances, ``s3flow.runtime.ort.auto_threads``), ``allow_spinning``
 (default true), ``graph_optimization`` (all | extended | basic | disable; default all), ``graph_rewrite``
@@ -18,7 +18,7 @@ import os
 
 import onnxruntime as ort
 
-from s3flow_contract.tensors import ESTIMATOR_OUTPUTS, MEANFLOW_INPUT, names, stateless_tensors
+from s3flow_contract.tensors import CACHE_OUTPUTS, ESTIMATOR_OUTPUTS, MEANFLOW_INPUT, names, stateless_tensors
 from s3flow.protocol import RequestError
 from s3flow.runtime.ort import OrtModel, OrtSettings, auto_threads
 from s3flow.serving.heap import trim_heap
@@ -49,7 +49,8 @@ class TritonPythonModel(TritonModel):
         onnx_in = {i.name for i in self.session.get_inputs()}
         onnx_out = {o.name for o in self.session.get_outputs()}
         kind = "estimator" if set(names(ESTIMATOR_OUTPUTS)) <= onnx_out else "flow_encoder"
-        self.inputs, self.outputs = stateless_tensors(kind, meanflow=MEANFLOW_INPUT.name in onnx_in)
+        self.inputs, self.outputs = stateless_tensors(kind, meanflow=MEANFLOW_INPUT.name in onnx_in,
+                                                      cached=set(names(CACHE_OUTPUTS)) <= onnx_out)
         self.check_contract(self.inputs, self.outputs)
         if set(names(self.inputs)) - onnx_in or set(names(self.outputs)) - onnx_out:
             raise self.load_error(

@@ -28,8 +28,9 @@ class TritonPythonModel(TritonModel):
         if not os.path.isfile(path):
             raise self.load_error(f"weights not found at {path}")
         kind, module = load_module(path)
-        self.runner = TorchRunner(module, kind, settings.device, settings.dtype)
-        inputs, outputs = stateless_tensors(kind, self.runner.meanflow)
+        cached = any(i.get("name") == "past_keys" for i in self.config.get("input", []))   # (keep_solved)
+        self.runner = TorchRunner(module, kind, settings.device, settings.dtype, cached=cached)
+        inputs, outputs = stateless_tensors(kind, self.runner.meanflow, cached)
         self.check_contract(inputs, outputs)
         self.inputs, self.outputs = names(inputs), names(outputs)
         if settings.device.startswith("cuda"):
