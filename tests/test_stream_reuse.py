@@ -9,6 +9,7 @@ from s3flow.engine.planning import planned_calls
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.model.flow import TorchEstimator
+from s3flow.model.prefix_cache import CacheShape
 from s3flow_client import chunk_schedule
 from s3flow_client.demo import demo_utterance
 
@@ -120,6 +121,9 @@ def test_a_long_streams_cache_stays_bounded():
         held.append(cache.caches[0][0].frames)
         assert cache.prompt + cache.generated == held[-1] <= 50 + 20
     assert held[-1] == held[-2] == 70
+    shape = CacheShape.of(flow.estimator.config)   # what docs/streaming.md's memory table counts
+    per_step_half = 4 * (shape.layers * 2 * shape.heads * shape.head_dim * 70 + shape.convs * shape.width * 2)
+    assert cache.nbytes() == 10 * 2 * per_step_half
 
 
 def test_keeping_needs_bounded_context_and_an_estimator_that_takes_a_cache():

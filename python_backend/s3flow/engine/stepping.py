@@ -18,9 +18,9 @@ Padded frames stay 0 (the estimator's output is masked there), so a row's result
 neighbours but through the backend's arithmetic on a wider batch.
 
 A solve may read frames it does not solve (``past``: one ``PrefixCache`` per step and row, ``s3flow.model.
-prefix_cache``: a stream's prompt kept from its first chunk) or keep its first ``keep`` frames' cache at every
-step (``recorded``: what that first chunk leaves for the later ones); a batch whose solves do either passes
-the estimator the caches, padded (rows without one read none).
+prefix_cache``: what its stream kept, ``s3flow.engine.reuse``) and keep its first ``keep`` frames' cache at every
+step (``recorded``: what the stream keeps for its later chunks); a batch whose solves do either passes the
+estimator the caches, padded (rows without one read none).
 
 Example::
 

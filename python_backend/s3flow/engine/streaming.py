@@ -96,7 +96,7 @@ class SequenceState:
     #: the last emitted frames, (n_feats, F) covering [emitted - F, emitted): bounded-context conditioning
     mel_tail: Optional[np.ndarray] = None
     tenant: str = ""                   # whose stream (a snapshot is sealed for it)
-    cache: Optional[StreamCache] = None   # with reuse: the solved frames kept (``s3flow.engine.reuse``)
+    cache: Optional[StreamCache] = None   # keep_solved: the solved frames kept (``s3flow.engine.reuse``)
     last: Optional["Answered"] = None  # the chunk taken last and its answer: sent again if the chunk comes again
 
     @property
@@ -146,8 +146,8 @@ class Chunk:
     #: given by the scheduler before its first step (``StreamingEngine.fewer_steps``)
     steps: int = 0
     pinned: bool = False               # the request named its steps: no scheduler changes them
-    #: with reuse: the stream's cache the solve reads (its first ``skipped`` frames not solved), and the leading
-    #: frames of the solve whose cache it keeps
+    #: keep_solved: the stream's cache the solve reads (the first ``skipped`` frames of ``start`` not solved), and
+    #: the leading frames of the solve whose cache it keeps
     past: Optional[list[StepCaches]] = None
     skipped: int = 0
     keep: int = 0
@@ -331,6 +331,8 @@ class StreamingEngine:
             c.keep = c.final_frames - e if context else 0
         else:   # solved inline: keep the prompt (and the emitted frames)
             c.keep = c.prompt_frames + (c.final_frames - c.first_frame if context else 0)
+        if c.finalize:   # the stream ends with this chunk: nothing to keep (one request keeps nothing)
+            c.keep = 0
 
     # -- a batch of chunks, solved whole -------------------------------------------------------------
     def run(self, chunks: list[Chunk], is_cancelled: Callable[[], bool] = never_cancelled) -> list[ChunkResult]:
@@ -368,7 +370,7 @@ class StreamingEngine:
         dev = mu.device  # GPU hosts: the encoder's output is on the GPU; the solve stays there
         solves = []
         for i, c in enumerate(chunks):
-            a, f = c.skipped, c.frames   # a prompt read from its cache is not solved
+            a, f = c.skipped, c.frames   # frames read from the stream's cache are not solved
             x = torch.from_numpy(np.ascontiguousarray(c.start[:, a:])).to(dev)
             solves.append(RowSolve(mu=cond.mu[i, :, a:f], mask=cond.mask[i, :, a:f], spks=cond.spks[i],
                                    cond=cond.cond[i, :, a:f], x=x,
@@ -382,14 +384,14 @@ class StreamingEngine:
         that cannot meet its stream's deadline at full steps. Its answer says so (``ChunkResult.steps``)."""
         if c.pinned or c.past is not None or solve.step or not 1 <= steps <= c.state.n_steps:
             raise ValueError(f"chunk of sequence {c.corr_id}: cannot solve at {steps} steps (pinned {c.pinned}, "
-                             f"reads the prompt's cache {c.past is not None}, {solve.step} steps made, the "
+                             f"reads a kept cache {c.past is not None}, {solve.step} steps made, the "
                              f"stream's {c.state.n_steps})")
         c.steps = int(steps)
         solve.grid = cfm_grid(c.steps, self.meanflow, solve.mu)
 
     def commit(self, c: Chunk, x: np.ndarray, recorded: Optional[list[StepCaches]] = None) -> ChunkResult:
-        """Apply a solved chunk to its sequence's state; the newly final frames. ``recorded``: the prompt's cache
-        the solve kept (``c.keep``)."""
+        """Apply a solved chunk to its sequence's state; the newly final frames. ``recorded``: the caches the solve
+        kept (``c.keep`` frames, per Euler step), which the stream keeps (``keep_solved``)."""
         s = c.state
         tp, e = c.prompt_frames, s.emitted  # generated frame f sits at tp + f - first_frame in the start
         at = tp - c.skipped                 # ... and at tp - skipped + f - first_frame in the solve

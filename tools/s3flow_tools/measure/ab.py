@@ -10,15 +10,21 @@ the package installed in the venv that starts it), and measures
 * a stream alone: ``--alone`` held-out sentences one after the other (first mel, wall time per second of audio);
 * C: ``--at-once`` held-out sentences started together, ``--c-runs`` times (seconds of audio per second).
 
-Example::
+``--flags`` and ``--other-flags`` add ``scripts/build_repository.py`` flags to either side's repository: two
+settings of one checkout are compared with ``--other .`` (the same checkout twice).
+
+Examples::
 
     .venv/bin/python -m s3flow_tools.measure.ab --other /tmp/before --label "fifo through one loop" \\
         --other-label "fifo before the loop merge (2212a02)" --out results/one_loop.md
+    .venv/bin/python -m s3flow_tools.measure.ab --other . --flags="--keep-solved 2" --label "keep_solved 2" \\
+        --other-label "keep_solved 0" --rounds 2 --out results/keep_solved.md
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -30,7 +36,7 @@ from s3flow_tools.measure.command import command
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def one_side(scheduling: str, alone: int, at_once: int, c_runs: int) -> dict:
+def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list[str] = ()) -> dict:
     """This checkout's server (the caller: the checkout's own python): its figures."""
     from s3flow_contract.tensors import FRAMES_PER_SECOND
     from s3flow.repository import cli as build_repository
@@ -41,7 +47,7 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--output", str(repo),
-                                  "--no-voice", "--no-admission", *MODES[scheduling]]) != 0:
+                                  "--no-voice", "--no-admission", *MODES[scheduling], *flags]) != 0:
             raise SystemExit("building the repository failed")
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
             streams(server.grpc_url, "token2mel", utterances(2), 0.0)   # warm the client path
@@ -59,11 +65,11 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int) -> dict:
     return out
 
 
-def run_side(checkout: Path, args) -> dict:
-    """``one_side`` run by ``checkout``'s own python, in it."""
+def run_side(checkout: Path, args, flags: str = "") -> dict:
+    """``one_side`` run by ``checkout``'s own python, in it, its repository built with ``flags``."""
     cmd = [str(checkout / ".venv" / "bin" / "python"), "-m", "s3flow_tools.measure.ab", "--one-side",
            "--scheduling", args.scheduling, "--alone", str(args.alone), "--at-once", str(args.at_once),
-           "--c-runs", str(args.c_runs)]
+           "--c-runs", str(args.c_runs)] + ([f"--flags={flags}"] if flags else [])
     if not (checkout / "tools" / "s3flow_tools" / "measure" / "ab.py").is_file():   # an older checkout: ours
         cmd[1:3] = [str(Path(__file__).resolve())]
     run = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True)
@@ -83,19 +89,24 @@ def main(argv=None) -> int:
     p.add_argument("--alone", type=int, default=8, help="streams alone per server (default: %(default)s)")
     p.add_argument("--at-once", type=int, default=16, help="streams that measure C (default: %(default)s)")
     p.add_argument("--c-runs", type=int, default=3, help="C measurements per server (default: %(default)s)")
+    p.add_argument("--flags", default="", help="build_repository flags of this side (default: none)")
+    p.add_argument("--other-flags", default="", help="build_repository flags of the other side (default: none)")
     p.add_argument("--out", type=Path, help="a markdown report (default: print it only)")
     p.add_argument("--one-side", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one_side:
-        print("AB " + json.dumps(one_side(args.scheduling, args.alone, args.at_once, args.c_runs)), flush=True)
+        print("AB " + json.dumps(one_side(args.scheduling, args.alone, args.at_once, args.c_runs,
+                                          shlex.split(args.flags))), flush=True)
         return 0
     if args.other is None or not (args.other / ".venv" / "bin" / "python").is_file():
         p.error("--other: a checkout with its own .venv (make setup in it)")
-    sides = {args.label: ROOT, args.other_label: args.other.resolve()}
+    if args.label == args.other_label:
+        p.error("--label and --other-label must differ")
+    sides = {args.label: (ROOT, args.flags), args.other_label: (args.other.resolve(), args.other_flags)}
     got: dict[str, dict] = {label: {} for label in sides}
     for k in range(args.rounds):
-        for label, checkout in (sides.items() if k % 2 == 0 else reversed(sides.items())):
-            figures = run_side(checkout, args)
+        for label, (checkout, flags) in (sides.items() if k % 2 == 0 else reversed(sides.items())):
+            figures = run_side(checkout, args, flags)
             for key, values in figures.items():
                 got[label].setdefault(key, []).extend(values)
             print(f"round {k + 1}, {label}: C {np.mean(figures['c']):.2f}, alone first mel p50 "
@@ -109,7 +120,9 @@ def main(argv=None) -> int:
 
     lines = [f"# {args.label} against {args.other_label}", "",
              f"Made by `python -m s3flow_tools.measure.ab --other {args.other} --scheduling {args.scheduling} "
-             f"--rounds {args.rounds}` on {', '.join(f'{k} {v}' for k, v in machine().items())}: the trained small "
+             f"--rounds {args.rounds}"
+             f"{f' --flags={chr(34)}{args.flags}{chr(34)}' if args.flags else ''}"
+             f"{f' --other-flags={chr(34)}{args.other_flags}{chr(34)}' if args.other_flags else ''}` on {', '.join(f'{k} {v}' for k, v in machine().items())}: the trained small "
              f"teacher (10 guided steps), `token2mel`, admission off, `{args.scheduling}`; {args.rounds} servers "
              f"from each checkout, alternating; per server {args.alone} held-out sentences alone, then "
              f"{args.c_runs} x {args.at_once} at once (C).", "",
