@@ -98,6 +98,7 @@ def test_the_cached_onnx_graph_equals_torch_at_shapes_other_than_its_trace(tmp_p
         with torch.no_grad():
             want = CachedGraph(model)(*inputs.values())
         got = session.run(None, {k: v.numpy() for k, v in inputs.items()})
+        assert [o.name for o in session.get_outputs()] == ["velocity", "kept"]
         assert [g.shape for g in got] == [tuple(w.shape) for w in want]
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w.numpy(), atol=1e-4, rtol=0)
@@ -110,14 +111,31 @@ def test_the_torch_runner_serves_the_cached_graph():
 
     torch.manual_seed(4)
     model = ConditionalDecoder(EstimatorConfig.small()).eval()
+    shape = CacheShape.of(model.config)
     runner = TorchRunner(model, "estimator", cached=True)
-    assert runner.input_names[-5:] == ("past_keys", "past_values", "past_convs", "past_mask", "keep")
+    assert runner.input_names[-1] == "past" and runner.output_names == ("velocity", "kept")
     inputs = make_estimator_inputs(model, 2, 20, seed=1)
     cache = make_cache_inputs(model, 2, 6, [5, 0], seed=2)
     out = runner(**inputs, **cache)
-    past = PrefixCache(cache["past_keys"], cache["past_values"], cache["past_convs"], cache["past_mask"])
+    past, keep = shape.unpack_past(cache["past"], 2)
+    assert keep.tolist() == [5, 0]
     with torch.no_grad():
-        v, kept = model(**inputs, past=past, keep=cache["keep"])
+        v, kept = model(**inputs, past=past, keep=keep)
     torch.testing.assert_close(out["velocity"], v)
-    torch.testing.assert_close(out["kept_keys"], kept.keys)
-    assert out["kept_mask"].tolist() == [[[1.0] * 5], [[0.0] * 5]]
+    got = shape.unpack_kept(out["kept"], 2)
+    torch.testing.assert_close(got.keys, kept.keys)
+    assert got.mask.tolist() == [[[1.0] * 5], [[0.0] * 5]]
+
+
+def test_a_cache_packs_into_one_tensor_and_back():
+    shape = CacheShape(layers=3, heads=2, head_dim=4, convs=5, width=6)
+    g = torch.Generator().manual_seed(0)
+    cache = PrefixCache(torch.randn(3, 2, 2, 7, 4, generator=g), torch.randn(3, 2, 2, 7, 4, generator=g),
+                        torch.randn(5, 2, 6, 2, generator=g), torch.ones(2, 1, 7))
+    back, keep = shape.unpack_past(shape.pack_past(cache, torch.tensor([3, 0])), 2)
+    assert keep.tolist() == [3, 0]
+    for a, b in ((back.keys, cache.keys), (back.values, cache.values), (back.convs, cache.convs),
+                 (back.mask, cache.mask)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    kept = shape.unpack_kept(shape.pack_kept(cache), 2)
+    torch.testing.assert_close(kept.keys, cache.keys, atol=0, rtol=0)

@@ -39,8 +39,8 @@ def served(tmp_path_factory):
 def test_the_repository_serves_the_cached_graph_and_tells_the_solver_its_shape(served):
     _, flow, repo = served
     estimator = read_config(repo / "estimator")
-    assert [t.name for t in estimator.input][-5:] == ["past_keys", "past_values", "past_convs", "past_mask", "keep"]
-    assert [t.name for t in estimator.output] == ["velocity", "kept_keys", "kept_values", "kept_convs", "kept_mask"]
+    assert [t.name for t in estimator.input][-1] == "past"
+    assert [t.name for t in estimator.output] == ["velocity", "kept"]
     solver = read_config(repo / "cfm_solver")
     assert solver.parameters["estimator_cache"].string_value == CacheShape.of(flow.estimator.config).parameter()
     assert solver.parameters["keep_solved"].string_value == "2"

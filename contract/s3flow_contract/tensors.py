@@ -167,17 +167,12 @@ MEANFLOW_INPUT = Tensor("r", "float32", (-1,))
 ESTIMATOR_OUTPUTS = (Tensor("velocity", "float32", (-1, FEATS, -1)),)
 
 
-#: A stream that keeps what it solved (the solver's ``reuse``, issue 50): the estimator also reads the frames before
-#: each row from a cache and keeps its rows' first ``keep`` frames' (``s3flow.model.prefix_cache``): keys and values
-#: (layers, B, heads, P, head_dim), the causal convolutions' tails (convolutions, B, width, 2), the key mask
-#: (B, 1, P); P, the kept K >= 1 (one masked frame where no row has any)
-CACHE_INPUTS = (Tensor("past_keys", "float32", (-1, -1, -1, -1, -1)),
-                Tensor("past_values", "float32", (-1, -1, -1, -1, -1)),
-                Tensor("past_convs", "float32", (-1, -1, -1, -1)), Tensor("past_mask", "float32", (-1, 1, -1)),
-                Tensor("keep", "int64", (-1,)))
-CACHE_OUTPUTS = (Tensor("kept_keys", "float32", (-1, -1, -1, -1, -1)),
-                 Tensor("kept_values", "float32", (-1, -1, -1, -1, -1)),
-                 Tensor("kept_convs", "float32", (-1, -1, -1, -1)), Tensor("kept_mask", "float32", (-1, 1, -1)))
+#: A stream that keeps what it solved (the solver's ``keep_solved``, issue 50): the estimator also reads the frames
+#: before each row from a cache and returns its rows' first ``keep`` frames', each one flat float32 tensor
+#: (``s3flow.model.prefix_cache.CacheShape.pack_past`` / ``pack_kept``: keys, values, convolution tails, key mask
+#: and, in ``past``, each row's keep)
+CACHE_INPUTS = (Tensor("past", "float32", (-1,)),)
+CACHE_OUTPUTS = (Tensor("kept", "float32", (-1,)),)
 
 
 def estimator_inputs(meanflow: bool, cached: bool = False) -> tuple[Tensor, ...]:

@@ -13,10 +13,12 @@ A stream keeps its prompt's (and its last emitted frames') cache from the chunk 
 step and guidance half (``s3flow.engine.reuse``). A later chunk then reads those frames as they were: they no
 longer attend to the frames after them, the approximation whose cost in quality results/stream_reuse.md measures.
 
-The tensors are stacked so that a cache crosses between processes as four tensors (the estimator's Triton model
-takes and returns them: ``s3flow_contract.tensors.CACHE_INPUTS``): keys and values (layers, B, heads, P, head_dim),
-the convolutions' tails (convolutions, B, widest input, kernel - 1; a narrower input fills its first channels),
-and the key mask (B, 1, P). Rows differ in prefix length: the mask marks each row's frames, and each row's
+The tensors are stacked: keys and values (layers, B, heads, P, head_dim), the convolutions' tails (convolutions, B,
+widest input, kernel - 1; a narrower input fills its first channels), and the key mask (B, 1, P). Between
+processes a cache crosses as ONE flat float32 tensor each way (``CacheShape.pack_past`` / ``unpack_kept``; the
+estimator's Triton model takes ``past`` and returns ``kept``, ``s3flow_contract.tensors.CACHE_INPUTS``): each
+tensor a python backend sends or receives costs about 0.25 ms a hop on the 2-core host, and nine of them made a
+stream's first chunk (10 calls) 30 ms slower. Rows differ in prefix length: the mask marks each row's frames, and each row's
 convolution tail is taken at its own length (zeros before a row's first frame, as the convolution's own left
 padding gives). A :class:`PrefixWalk` is one call's pass over the layers in their fixed order, written in tensor
 operations only, so the ONNX export traces it with the keep lengths as data.
@@ -54,6 +56,41 @@ class CacheShape:
             raise ValueError(f"a cache shape is six positive numbers (layers, heads, head_dim, convs, width, tail), "
                              f"got {text!r}")
         return cls(*values)
+
+    # -- one flat tensor each way: past = keys | values | convs | mask | keep; kept = keys | values | convs | mask
+    def pack_past(self, cache: PrefixCache, keep: torch.Tensor) -> torch.Tensor:
+        """``cache`` and ``keep`` (B,) as the estimator's one ``past`` input."""
+        return torch.cat([cache.keys.reshape(-1), cache.values.reshape(-1), cache.convs.reshape(-1),
+                          cache.mask.reshape(-1), keep.to(cache.keys.dtype).reshape(-1)])
+
+    def unpack_past(self, past: torch.Tensor, batch) -> tuple[PrefixCache, torch.Tensor]:
+        """``pack_past``'s inverse for ``batch`` rows (an int, or a 0-d tensor: traced, the sizes stay data)."""
+        tail = self.convs * self.width * self.tail
+        frames = (torch._shape_as_tensor(past)[0] // batch - tail - 1) // (2 * self.layers * self.heads *
+                                                                          self.head_dim + 1)
+        keys, values, convs, mask, rest = self._split(past, batch, frames)
+        return PrefixCache(keys, values, convs, mask), rest[:batch].long()
+
+    def pack_kept(self, cache: PrefixCache) -> torch.Tensor:
+        """A kept cache as the estimator's one ``kept`` output."""
+        return torch.cat([cache.keys.reshape(-1), cache.values.reshape(-1), cache.convs.reshape(-1),
+                          cache.mask.reshape(-1)])
+
+    def unpack_kept(self, kept: torch.Tensor, batch: int) -> PrefixCache:
+        """``pack_kept``'s inverse for ``batch`` rows."""
+        tail = self.convs * self.width * self.tail
+        frames = (kept.shape[0] // batch - tail) // (2 * self.layers * self.heads * self.head_dim + 1)
+        keys, values, convs, mask, _ = self._split(kept, batch, frames)
+        return PrefixCache(keys, values, convs, mask)
+
+    def _split(self, flat: torch.Tensor, b, p):
+        kv = self.layers * b * self.heads * p * self.head_dim
+        cv = self.convs * b * self.width * self.tail
+        keys = flat[:kv].reshape(self.layers, b, self.heads, p, self.head_dim)
+        values = flat[kv:2 * kv].reshape(self.layers, b, self.heads, p, self.head_dim)
+        convs = flat[2 * kv:2 * kv + cv].reshape(self.convs, b, self.width, self.tail)
+        mask = flat[2 * kv + cv:2 * kv + cv + b * p].reshape(b, 1, p)
+        return keys, values, convs, mask, flat[2 * kv + cv + b * p:]
 
     @classmethod
     def of(cls, config) -> "CacheShape":

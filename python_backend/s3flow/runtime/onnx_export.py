@@ -24,10 +24,10 @@ mean-flow models). Names, order and dynamic axes come from ``s3flow_contract.ten
 
 The **cached** graph (``export_estimator(..., cached=True)``: what the estimator serves when the solver keeps what
 streams solved, ``keep_solved``) also takes the frames before each row from a prefix cache and returns its rows'
-first ``keep`` frames' (``s3flow.model.prefix_cache``; the contract's ``CACHE_INPUTS`` / ``CACHE_OUTPUTS``):
-past_keys, past_values (layers, B, heads, P, head_dim), past_convs (convolutions, B, width, 2), past_mask (B, 1, P),
-keep (B,) int64 in; kept_keys, kept_values, kept_convs, kept_mask out (K = max(keep, 1) frames). P and K are the
-axes ``past`` and ``kept``.
+first ``keep`` frames' (``s3flow.model.prefix_cache``; the contract's ``CACHE_INPUTS`` / ``CACHE_OUTPUTS``): one
+flat float32 input ``past`` (the cache of P frames per row and each row's keep, ``CacheShape.pack_past``) and one
+flat output ``kept`` (K = max(keep, 1) frames per row, ``CacheShape.pack_kept``); their lengths are the axes
+``past`` and ``kept``, P and K computed from them in the graph.
 """
 
 from __future__ import annotations
@@ -78,41 +78,37 @@ def estimator_input_names(meanflow: bool, cached: bool = False) -> List[str]:
     return list(contract.names(contract.estimator_inputs(meanflow, cached)))
 
 
-#: the cache tensors' dynamic axes (the contract's dims are all -1: the layer counts and widths are the model's)
-CACHE_AXES = {"past_keys": {1: "batch", 3: "past"}, "past_values": {1: "batch", 3: "past"},
-              "past_convs": {1: "batch"}, "past_mask": {0: "batch", 2: "past"}, "keep": {0: "batch"},
-              "kept_keys": {1: "batch", 3: "kept"}, "kept_values": {1: "batch", 3: "kept"},
-              "kept_convs": {1: "batch"}, "kept_mask": {0: "batch", 2: "kept"}}
+#: the cache tensors' dynamic axes
+CACHE_AXES = {"past": {0: "past"}, "kept": {0: "kept"}}
 
 
 class CachedGraph(torch.nn.Module):
-    """The estimator with the prefix cache as plain tensors in and out: the cached graph's signature."""
+    """The estimator with the prefix cache packed flat in and out (``past``, ``kept``): the cached graph."""
 
     def __init__(self, model: ConditionalDecoder):
         super().__init__()
         self.model = model
+        self.shape = CacheShape.of(model.config)
 
     def forward(self, x, mask, mu, t, spks, cond, *rest):
         r = rest[0] if self.model.meanflow else None
-        past_keys, past_values, past_convs, past_mask, keep = rest[-5:]
-        v, kept = self.model(x, mask, mu, t, spks, cond, r, past=PrefixCache(past_keys, past_values, past_convs,
-                                                                             past_mask), keep=keep)
-        return v, kept.keys, kept.values, kept.convs, kept.mask
+        cache, keep = self.shape.unpack_past(rest[-1], torch._shape_as_tensor(x)[0])
+        v, kept = self.model(x, mask, mu, t, spks, cond, r, past=cache, keep=keep)
+        return v, self.shape.pack_kept(kept)
 
 
 def make_cache_inputs(model: ConditionalDecoder, batch: int, past_frames: int, keep: List[int],
                       seed: int = 0) -> Dict[str, torch.Tensor]:
-    """Random cache inputs: ``past_frames`` past frames per row (the last row's half masked), ``keep`` per row."""
+    """A random ``past``: ``past_frames`` past frames per row (the last row's half masked), ``keep`` per row."""
     shape = CacheShape.of(model.config)
     g = torch.Generator().manual_seed(seed)
     kv = (shape.layers, batch, shape.heads, past_frames, shape.head_dim)
     mask = torch.ones(batch, 1, past_frames)
     mask[-1, :, past_frames - past_frames // 2:] = 0.0
+    cache = PrefixCache(torch.randn(kv, generator=g), torch.randn(kv, generator=g),
+                        torch.randn(shape.convs, batch, shape.width, shape.tail, generator=g), mask)
     p = next(model.parameters())
-    return {k: v.to(device=p.device, dtype=p.dtype if v.is_floating_point() else v.dtype) for k, v in {
-        "past_keys": torch.randn(kv, generator=g), "past_values": torch.randn(kv, generator=g),
-        "past_convs": torch.randn(shape.convs, batch, shape.width, shape.tail, generator=g), "past_mask": mask,
-        "keep": torch.tensor(keep, dtype=torch.int64)}.items()}
+    return {"past": shape.pack_past(cache, torch.tensor(keep, dtype=torch.int64)).to(device=p.device, dtype=p.dtype)}
 
 
 def make_estimator_inputs(
@@ -233,7 +229,7 @@ def check_estimator_onnx(
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    cached = "past_keys" in {i.name for i in sess.get_inputs()}   # the cached graph (keep_solved)
+    cached = "past" in {i.name for i in sess.get_inputs()}   # the cached graph (keep_solved)
     inputs = make_estimator_inputs(model, batch=batch, frames=frames, seed=seed)
     if cached:
         inputs.update(make_cache_inputs(model, batch, past_frames=frames // 3, keep=[frames // 2] * batch, seed=seed))

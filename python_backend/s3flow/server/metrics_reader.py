@@ -66,3 +66,16 @@ def histogram(metrics: dict, name: str, **labels: str) -> Histogram:
             buckets[le] = buckets.get(le, 0.0) + v
     return Histogram(buckets, metric_sum(metrics, f"{name}_sum", **labels),
                      metric_sum(metrics, f"{name}_count", **labels))
+
+
+def wait_priced(metrics_url: str, ensemble: str = "token2mel", timeout_s: float = 60.0) -> bool:
+    """Until the solver's calibration at load is over (the ensemble's capacity gauge shows, ``s3flow_capacity_audio_
+    seconds_per_second``): a measurement must not share the cores with it. True once it shows."""
+    import time
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if metric_sum(read_metrics(metrics_url), "s3flow_capacity_audio_seconds_per_second", ensemble=ensemble) > 0:
+            return True
+        time.sleep(0.5)
+    return False

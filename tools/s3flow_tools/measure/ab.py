@@ -41,6 +41,7 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list
     from s3flow_contract.tensors import FRAMES_PER_SECOND
     from s3flow.repository import cli as build_repository
     from s3flow.server.triton_server import TritonServer
+    from s3flow.server.metrics_reader import wait_priced
     from s3flow_tools.measure.qos import MODES, TRAINED, streams, utterances
 
     out = {"alone_first_s": [], "alone_wall_per_audio": [], "c": []}
@@ -50,6 +51,7 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list
                                   "--no-voice", "--no-admission", *MODES[scheduling], *flags]) != 0:
             raise SystemExit("building the repository failed")
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
+            wait_priced(f"127.0.0.1:{server.metrics_port}")   # its calibration must not share the cores with a stream
             streams(server.grpc_url, "token2mel", utterances(2), 0.0)   # warm the client path
             for k in range(alone):
                 [r], wall = streams(server.grpc_url, "token2mel", utterances(1, offset=k), 0.0)

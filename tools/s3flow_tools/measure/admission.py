@@ -48,7 +48,7 @@ import numpy as np
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.repository import cli as build_repository
-from s3flow.server.metrics_reader import metric_sum, read_metrics
+from s3flow.server.metrics_reader import metric_sum, read_metrics, wait_priced
 from s3flow.server.processes import tree_pids
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
@@ -121,9 +121,7 @@ def capacity_estimate(server: TritonServer, model: str = "token2mel") -> float:
 def calibrated(server: TritonServer, timeout_s: float = 60.0) -> TritonServer:
     """Once the solver's calibration at load is over (its capacity estimate shows): it must not share the cores
     with what is measured."""
-    t0 = time.monotonic()
-    while capacity_estimate(server) <= 0 and time.monotonic() - t0 < timeout_s:
-        time.sleep(0.5)
+    wait_priced(f"127.0.0.1:{server.metrics_port}", timeout_s=timeout_s)
     return server
 
 

@@ -7,7 +7,8 @@ Example::
 
 Repositories of the trained small model (``checkpoints/trained``: teacher, 10 guided steps, and its vocoder), the
 repository defaults but for the scheduling (``--modes``: ``fifo``; ``deadline``, every chunk at its full steps,
-``--min-steps 0``; ``fewer``, the deadline scheduler giving late chunks fewer steps, ``--min-steps`` its default),
+``--min-steps 0``; ``fewer``, the deadline scheduler giving late chunks fewer steps, ``--min-steps`` its default;
+``kept``, FIFO with every frame solved once, ``--keep-solved 2``),
 served one after the other on this host (``token2mel`` by default), admission off (every load is offered whole:
 what each scheduling does with more than it can carry; the admission section is ``s3flow_tools.measure.admission``'s).
 On each server:
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.repository import cli as build_repository
-from s3flow.server.metrics_reader import metric_sum, read_metrics
+from s3flow.server.metrics_reader import metric_sum, read_metrics, wait_priced
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient, Utterance
 from s3flow_tools.bench.report import machine
@@ -49,9 +50,10 @@ from s3flow_training.package import HeldoutUtterance, load_heldout
 
 TRAINED = ROOT / "checkpoints" / "trained"
 BUFFER_S = 0.3
-#: the scheduling modes: their build flags (``fewer``: the deadline scheduler at its default ``min_steps``)
+#: the modes: their build flags (``fewer``: the deadline scheduler at its default ``min_steps``; ``kept``: FIFO with
+#: every frame solved once, ``keep_solved 2``, docs/streaming.md)
 MODES = {"fifo": ["--scheduling", "fifo"], "deadline": ["--scheduling", "deadline", "--min-steps", "0"],
-         "fewer": ["--scheduling", "deadline"]}
+         "fewer": ["--scheduling", "deadline"], "kept": ["--scheduling", "fifo", "--keep-solved", "2"]}
 
 
 def held(n: int, offset: int = 0) -> list[HeldoutUtterance]:
@@ -141,9 +143,10 @@ def main(argv=None) -> int:
             if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--vocoder-checkpoint",
                                       str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice",
                                       "--no-admission", *MODES[mode],
-                                      *(args.deadline_flags.split() if mode != "fifo" else [])]) != 0:
+                                      *(args.deadline_flags.split() if mode in ("deadline", "fewer") else [])]) != 0:
                 raise SystemExit("building the repository failed")
             with TritonServer(repo, log_file=Path(tmp) / f"{mode}.log") as server:
+                wait_priced(f"127.0.0.1:{server.metrics_port}", args.model)   # its calibration: not beside a stream
                 streams(server.grpc_url, args.model, utterances(2), 0.0)   # warm the client path
                 results, wall = streams(server.grpc_url, args.model, utterances(args.at_once), 0.0)
                 cs[mode] = sum(r.mel.shape[1] for r in results) / FRAMES_PER_SECOND / wall

@@ -154,6 +154,7 @@ def served_walls(runs: int, keep_solved: int) -> dict:
     """{(prompt s, utterance s): (streamed s, one request s)}, medians of ``runs`` interleaved runs."""
     from s3flow.repository import cli as build_repository
     from s3flow.server.triton_server import TritonServer
+    from s3flow.server.metrics_reader import wait_priced
 
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,6 +163,7 @@ def served_walls(runs: int, keep_solved: int) -> dict:
                                   "--no-voice", "--utilization-target", "0", "--keep-solved", str(keep_solved)]) != 0:
             raise SystemExit("building the repository failed")
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
+            wait_priced(f"127.0.0.1:{server.metrics_port}")   # its calibration must not share the cores with a stream
             client = StreamingClient(server.grpc_url, "token2mel", timeout_s=300, max_retries=0, max_resumes=0)
             client.synthesize([demo_utterance(3.0, seed=1)])   # warm
             for p in PROMPTS_S:

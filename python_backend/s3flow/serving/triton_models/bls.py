@@ -87,8 +87,8 @@ class BlsEncoder(BlsModel):
 class BlsEstimator(BlsModel):
     """The solver's ``Estimator`` (``EstimatorInputs`` in, velocity out) over BLS. With ``cache`` (the estimator's
     ``CacheShape``: it serves the cached graph, the solver keeps what streams solved) it takes a prefix cache too
-    (``carries_prefix``): every call sends one (a masked frame where no row reads any) and a keep per row (0: none),
-    and returns the kept cache where the inputs asked for one."""
+    (``carries_prefix``): every call sends one, packed with a keep per row (a masked frame where no row reads any;
+    keep 0: none), and returns the kept cache where the inputs asked for one."""
 
     def __init__(self, model_name: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
                  device_id: int | None = None, cache: Optional[CacheShape] = None):
@@ -102,7 +102,5 @@ class BlsEstimator(BlsModel):
         x = inputs.x
         past = inputs.past if inputs.past is not None else PrefixCache.empty(self.cache, x.shape[0], x)
         keep = inputs.keep if inputs.keep is not None else torch.zeros(x.shape[0], dtype=torch.int64)
-        v, keys, values, convs, mask = self.call({**inputs.named(), "past_keys": past.keys,
-                                                  "past_values": past.values, "past_convs": past.convs,
-                                                  "past_mask": past.mask, "keep": keep.to(x.device)})
-        return v if inputs.keep is None else (v, PrefixCache(keys, values, convs, mask))
+        v, kept = self.call({**inputs.named(), "past": self.cache.pack_past(past, keep.to(x.device))})
+        return v if inputs.keep is None else (v, self.cache.unpack_kept(kept, x.shape[0]))

@@ -28,7 +28,7 @@ class TritonPythonModel(TritonModel):
         if not os.path.isfile(path):
             raise self.load_error(f"weights not found at {path}")
         kind, module = load_module(path)
-        cached = any(i.get("name") == "past_keys" for i in self.config.get("input", []))   # (keep_solved)
+        cached = any(i.get("name") == "past" for i in self.config.get("input", []))   # (keep_solved)
         self.runner = TorchRunner(module, kind, settings.device, settings.dtype, cached=cached)
         inputs, outputs = stateless_tensors(kind, self.runner.meanflow, cached)
         self.check_contract(inputs, outputs)
