@@ -109,6 +109,24 @@ def test_a_stream_resumed_from_a_snapshot_on_another_engine_equals_the_undisturb
     assert np.array_equal(fresh.noised_mels.values, state.noised_mels.values)   # pinned noise is seed noise
 
 
+def test_a_stream_that_keeps_what_it_solved_resumes_keeping_anew_every_frame_in_order():
+    """keep_solved 2 (docs/streaming.md): a snapshot carries no cache; the resumed stream's first chunk solves
+    prompt and context inline and keeps anew. Every frame comes, in order, near the undisturbed stream (not bit for
+    bit: the kept frames were solved beside other chunks)."""
+    kept = SolverSettings.of(context_frames=40, prompt_frames=20, keep_solved=2)
+    u = demo_utterance(3.2, seed=7, noise_seed=3)
+    whole = stream(engine(settings=kept), u)
+    head = stream(engine(settings=kept), u, chunks=range(2))
+    other = engine(settings=kept)
+    tail = stream(other, u, corr_id=2, chunks=range(2, 5), first_resume=head[-1].snapshot)
+    assert [r.frame_offset for r in head + tail] == [r.frame_offset for r in whole]
+    got, want = (np.concatenate([r.mel for r in rs], axis=1) for rs in (head + tail, whole))
+    assert got.shape == want.shape == (80, 2 * len(u.speech_tokens))
+    other_seed = stream(engine(settings=kept), demo_utterance(3.2, seed=7, noise_seed=4))
+    spread = np.abs(np.concatenate([r.mel for r in other_seed], axis=1) - want).mean()
+    assert 0 < np.abs(got - want).mean() < 0.5 * spread
+
+
 def test_a_snapshot_is_refused_with_another_prompt_options_tenant_settings_or_offset():
     u = demo_utterance(3.2, seed=7, noise_seed=3)
     snapshot = stream(engine(), u, chunks=range(2))[-1].snapshot
