@@ -42,9 +42,10 @@ class EstimatorInputs:
     estimator_inputs``): x, mu, cond (B, n_feats, T), mask (B, 1, T), t (B,), spks (B, n_feats), and r (B,)
     for meanflow estimators only (None otherwise).
 
-    ``past`` and ``keep`` are not contract tensors: the prefix cache (``s3flow.model.prefix_cache``) that only an
-    estimator whose ``carries_prefix`` is true takes (in process, torch; issue 50): the rows follow ``past``'s
-    frames, and with ``keep`` (B,) the estimator returns (velocity, the first ``keep`` frames' cache)."""
+    ``past`` and ``keep``: the prefix cache (``s3flow.model.prefix_cache``) that only an estimator whose
+    ``carries_prefix`` is true takes (the torch module in process; over BLS, the served cached graph, which takes
+    them packed as the contract's ``past``): the rows follow ``past``'s frames, and with ``keep`` (B,) the
+    estimator returns (velocity, the first ``keep`` frames' cache)."""
     x: torch.Tensor
     mask: torch.Tensor
     mu: torch.Tensor
