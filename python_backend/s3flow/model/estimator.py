@@ -147,7 +147,7 @@ class CausalConv1d(nn.Conv1d):
     def forward(self, x: torch.Tensor, walk: Optional[PrefixWalk] = None) -> torch.Tensor:
         """``walk``: the frames before ``x`` come from a prefix cache (``s3flow.model.prefix_cache``)."""
         if walk is not None:
-            return super().forward(walk.conv_input(x, self.left_pad))
+            return super().forward(walk.conv_input(x, self.left_pad, self.in_channels))
         return super().forward(F.pad(x, (self.left_pad, 0)))
 
 
@@ -551,7 +551,7 @@ class ConditionalDecoder(nn.Module):
         if past is not None or keep is not None:
             if len(self.down_blocks) > 1:
                 raise ValueError("a prefix cache needs the one-level U-Net (no down/upsampling)")
-            walk = PrefixWalk(past, keep, CacheShape.of(self.config).width)
+            walk = PrefixWalk(past, keep, CacheShape.of(self.config).width, frames=x.shape[-1])
         temb = self.embed_time(t, r)
 
         spk_map = spks.unsqueeze(-1).expand(-1, -1, x.shape[-1])

@@ -162,7 +162,12 @@ class PrefixWalk:
     first ``keep[i]`` frames of row ``i`` (``keep``: (B,) int64, or None; at least one frame is recorded, masked
     where a row keeps none); ``width``: the convolution tails' channels (``CacheShape.width``)."""
 
-    def __init__(self, past: Optional[PrefixCache] = None, keep: Optional[torch.Tensor] = None, width: int = 0):
+    def __init__(self, past: Optional[PrefixCache] = None, keep: Optional[torch.Tensor] = None, width: int = 0,
+                 pad: int = 2, frames: Optional[int] = None):
+        """``pad``: the causal convolutions' left frames (kernel - 1); ``frames``: the rows' length T (a traced size
+        where exported). What every layer needs is made here once and no layer reads a shape (ONNX Runtime
+        dispatches each graph op, a shape's too, for some 10-30 us whatever its size: shape arithmetic per layer
+        made a 64-frame call 2 ms slower)."""
         self.past, self.keep, self.width = past, keep, width
         self._conv = self._attn = 0
         self._keys: list[torch.Tensor] = []
@@ -171,19 +176,22 @@ class PrefixWalk:
         if keep is not None:
             self._frames = torch.arange(torch.clamp(keep.max(), min=1), device=keep.device)
             self._key_mask = (self._frames[None, :] < keep[:, None]).float()[:, None, :]
+            # row i's frames [keep_i - pad, keep_i) as one matrix product: (B, T, pad), zeros before its first
+            at = keep[:, None] - pad + torch.arange(pad, device=keep.device)[None, :]
+            self._tail = (torch.arange(frames, device=keep.device)[None, :, None] == at[:, None, :]).float()
+        if past is not None:
+            self._past_bias = ((1.0 - past.mask) * MASK_BIAS_VALUE).unsqueeze(1)   # (B, 1, 1, P)
 
-    def conv_input(self, x: torch.Tensor, pad: int) -> torch.Tensor:
-        """A causal convolution's input (B, C, T), masked, with its ``pad`` left frames in front: the past
-        prefix's last frames, or zeros (its own padding)."""
-        b, c = x.shape[0], x.shape[1]
-        if self.keep is not None:   # row i's frames [keep_i - pad, keep_i): zeros before its first
-            at = self.keep[:, None] - pad + torch.arange(pad, device=x.device)[None, :]
-            tail = x.gather(2, at.clamp(min=0)[:, None, :].expand(b, c, pad)) * (at >= 0)[:, None, :].to(x.dtype)
-            self._convs.append(tail)
+    def conv_input(self, x: torch.Tensor, pad: int, channels: int) -> torch.Tensor:
+        """A causal convolution's input (B, ``channels``, T), masked, with its ``pad`` left frames in front: the
+        past prefix's last frames, or zeros (its own padding)."""
+        if self.keep is not None:
+            self._convs.append(torch.bmm(x, self._tail.to(x.dtype)))
         if self.past is not None:
-            left = self.past.convs[self._conv, :, :c].to(x.dtype)
+            left = self.past.convs[self._conv, :, :channels]
+            left = left if left.dtype == x.dtype else left.to(x.dtype)
         else:
-            left = x.new_zeros(b, c, pad)
+            left = torch.nn.functional.pad(x[:, :, :0], (pad, 0))
         self._conv += 1
         return torch.cat([left, x], dim=-1)
 
@@ -195,14 +203,14 @@ class PrefixWalk:
             self._values.append(v.index_select(2, self._frames))
         if self.past is not None:
             j = self._attn
-            k = torch.cat([self.past.keys[j].to(k.dtype), k], dim=2)
-            v = torch.cat([self.past.values[j].to(v.dtype), v], dim=2)
-            past_bias = ((1.0 - self.past.mask) * MASK_BIAS_VALUE).unsqueeze(1).to(bias.dtype)
-            bias = torch.cat([past_bias.expand(bias.shape[0], -1, -1, -1), bias], dim=-1)
+            pk, pv, pb = self.past.keys[j], self.past.values[j], self._past_bias
+            if pk.dtype != k.dtype:
+                pk, pv, pb = pk.to(k.dtype), pv.to(k.dtype), pb.to(bias.dtype)
+            k, v, bias = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2), torch.cat([pb, bias], dim=-1)
         self._attn += 1
         return k, v, bias
 
     def recorded(self) -> PrefixCache:
         """What the call kept (``keep``), stacked."""
-        convs = torch.stack([F.pad(t, (0, 0, 0, self.width - t.shape[1])) for t in self._convs])
+        convs = torch.stack([F.pad(t, (0, 0, 0, self.width - t.shape[1])) for t in self._convs])   # static widths
         return PrefixCache(torch.stack(self._keys), torch.stack(self._values), convs, self._key_mask)
