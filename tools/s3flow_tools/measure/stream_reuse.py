@@ -2,7 +2,7 @@
 
 Examples::
 
-    .venv/bin/python -m s3flow_tools.measure.stream_reuse                 # -> results/stream_reuse.md (~15 min)
+    .venv/bin/python -m s3flow_tools.measure.stream_reuse                 # -> results/stream_reuse.md (~10 min)
     .venv/bin/python -m s3flow_tools.measure.stream_reuse --limit 8 --out /tmp/reuse.md
 
 Every candidate streams the same utterances through the served chunk logic in process (``stream_utterance``:
