@@ -148,8 +148,8 @@ class StepBatch:
             v, recorded = v
             for k, s in enumerate(self.solves):
                 if s.keep:
-                    s.recorded.append((recorded.row(k).copy(),
-                                       recorded.row(self._uncond[k]).copy() if s.guided else None))
+                    s.recorded.append((recorded.row(k, s.keep).copy(),
+                                       recorded.row(self._uncond[k], s.keep).copy() if s.guided else None))
         for k, s in enumerate(self.solves):
             t, r = s.grid[s.step], s.grid[s.step + 1]
             vk = v[k, :, :s.frames]

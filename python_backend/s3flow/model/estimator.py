@@ -186,9 +186,11 @@ class CausalBlock1D(nn.Module):
         Returns:
             (B, dim_out, T), zero on padded frames.
         """
-        h = self.block[0](x * mask, walk)
-        for layer in list(self.block)[1:]:
-            h = layer(h)
+        if walk is None:
+            return self.block(x * mask) * mask
+        h = self.block[0](x * mask, walk)   # the causal conv reads the prefix; the rest as the Sequential runs it
+        for i in range(1, len(self.block)):
+            h = self.block[i](h)
         return h * mask
 
 

@@ -114,13 +114,10 @@ class PrefixCache:
     def frames(self) -> int:
         return int(self.mask.shape[-1])
 
-    @property
-    def batch(self) -> int:
-        return int(self.mask.shape[0])
-
-    def row(self, i: int) -> "PrefixCache":
-        """Row ``i`` alone, cut to its own prefix length."""
-        p = int(self.mask[i].sum())
+    def row(self, i: int, frames: Optional[int] = None) -> "PrefixCache":
+        """Row ``i`` alone, cut to its own prefix length (``frames`` where the caller knows it: no read of the
+        mask, a device sync on a GPU)."""
+        p = int(self.mask[i].sum()) if frames is None else frames
         return PrefixCache(self.keys[:, i:i + 1, :, :p], self.values[:, i:i + 1, :, :p], self.convs[:, i:i + 1],
                            self.mask[i:i + 1, :, :p])
 
