@@ -80,3 +80,17 @@ def test_a_load_report_whose_writer_died_is_passed_over_and_removed(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["cfm_solver_0_0"], "its report is swept"
     again = files.read()   # (the folder changed: read anew once, then the same while it stays so)
     assert load.reports[0].pid == os.getpid() and again.solver_ids == {1} and files.read() is again
+
+
+def test_the_vocoder_holding_a_stream_says_when_it_was_last_free(tmp_path):
+    """``Delivery``'s reading of the vocoders' reports: the instance holding the stream answers for it; a stream no
+    vocoder holds yet is judged by the one seen free longest ago; with no vocoder report, nothing is known."""
+    from s3flow.engine.capacity import CapacityModel, Work
+    from s3flow.serving.load import InstanceLoad
+
+    files = LoadFiles(tmp_path)
+    assert files.read().vocoder_free_at(7) is None
+    InstanceLoad(files, "vocoder_0_0", "vocoder", CapacityModel()).publish({7: Work(steps=1)}, free_at=10.0)
+    InstanceLoad(files, "vocoder_0_1", "vocoder", CapacityModel()).publish({8: Work()}, free_at=20.0)
+    load = files.read()
+    assert (load.vocoder_free_at(7), load.vocoder_free_at(8), load.vocoder_free_at(9)) == (10.0, 20.0, 10.0)

@@ -401,6 +401,36 @@ def test_an_answer_sent_to_a_vocoder_that_died_is_on_its_way_no_more(tmp_path):
     assert table.evict_idle() == [] and delivery.pending(2), "sent on to the vocoder serving now: on its way"
 
 
+def test_an_answer_the_ensemble_dropped_is_on_its_way_no_more_once_the_vocoder_was_free(tmp_path):
+    """A token2wav client killed while its chunk was in the solver: the solver's answer goes into a cancelled
+    ensemble request, which never calls the vocoder, so the vocoder never counts it. Once the vocoder holding the
+    stream has been seen free ``slack_s`` after the answer was sent, the answer is not coming and the stream is
+    idle as from that answer; the vocoder seen free only before then (busy since) says nothing. Before, the
+    stream was held ``max_transit_s`` (60 s): tests/test_vocoder.py's killed-client test failed 1 run in 3."""
+    from s3flow.serving.arrivals import ArrivalMarks, Delivery
+
+    clock, log, free = _Clock(), DropLog(), {"at": 0.0}
+    vocoded = ArrivalMarks(tmp_path / "vocoded", clock=lambda: clock.now)
+    delivery = Delivery(vocoded, idle_s=5.0, wall=lambda: clock.now, vocoder_free_at=lambda corr_id: free["at"],
+                        slack_s=1.0)
+    table = SequenceTable(SequenceLimits(idle_timeout_s=5.0), Observers(log, delivery), clock=clock,
+                          pending=delivery.pending)
+    _answered(table, 1, object())
+    delivery.answered(1, start=True)
+    clock.now = 0.5
+    vocoded.count(1, start=True)             # its first answer vocoded at 0.5 s
+    clock.now = 2.0
+    delivery.answered(1, start=False)        # the second answer, into an ensemble whose client was killed
+    free["at"] = 2.9                         # the vocoder free at 2.9 s, busy since: within the slack
+    clock.now = 6.0
+    assert table.evict_idle() == [], "the vocoder was free only 0.9 s after the answer: it may still come"
+    free["at"] = 3.1                         # seen free at 3.1 s: it would have taken the answer by then
+    clock.now = 6.9
+    assert delivery.pending(1) and table.evict_idle() == [], "idle as from the dropped answer: 4.9 s"
+    clock.now = 7.1
+    assert not delivery.pending(1) and table.evict_idle() == [1] and log.drops == [(1, "idle")]
+
+
 def test_a_restarted_or_ended_sequence_counts_from_its_start(tmp_path):
     """A START counts from 1 on both sides (a restart on a live id, a resume), so an earlier life's requests
     never look like one on its way; an END forgets the instance's count with the state."""

@@ -740,16 +740,20 @@ def test_a_request_naming_any_subset_of_the_outputs_gets_exactly_those_on_every_
 
 
 @pytest.mark.server
-def test_a_killed_token2wav_client_frees_the_solver_and_the_vocoder(served):
+@pytest.mark.parametrize("mid_solve", [False, True], ids=["between-chunks", "mid-solve"])
+def test_a_killed_token2wav_client_frees_the_solver_and_the_vocoder(served, mid_solve):
     """Issue 31's invariant for the vocoder: its state of a stream whose client was SIGKILLed goes too (a reaper
-    thread, no request needed), after the solver's (a stream the solver still holds is never idle there)."""
+    thread, no request needed), after the solver's (a stream the solver still holds is never idle there).
+    ``mid-solve``: killed while the solver works on its third chunk, whose answer then goes into a cancelled
+    ensemble request and never reaches the vocoder (``s3flow.serving.arrivals.Delivery``: held 60 s before)."""
     import time
 
     from s3flow.server.metrics_reader import metric_sum, read_metrics
     from s3flow_tools.bench.killed_client import kill_mid_stream
 
     server = served[0]
-    killed = kill_mid_stream(server.grpc_url, "token2wav", seed=90, seconds=2.8)
+    how = dict(chunk=20, steps=10, after_s=0.03) if mid_solve else {}
+    killed = kill_mid_stream(server.grpc_url, "token2wav", seed=90, seconds=2.8, **how)
 
     def live():
         m = read_metrics(f"127.0.0.1:{server.metrics_port}")

@@ -225,14 +225,23 @@ class Delivery(Observer):
     so the stream is not idle until ``idle_s`` after that, however long the vocoder's queue held the answer
     (``vocoded`` counts: the vocoder counts its answers from each START). The solver instance counts what it sent
     on (:meth:`answered`); an Observer of its sequence table, a stream's count goes with its state.
+
+    An answer never vocoded is on its way no more when the vocoder that holds the stream has been seen free
+    ``slack_s`` after it was sent (``vocoder_free_at``, from the vocoder's load report: a free instance takes what
+    is queued for it; the ensemble drops an answer whose client went, its request cancelled), or when it was sent
+    before the vocoder serving now was made (``vocoders_since``: it died with its stub), or ``max_transit_s`` on.
     """
 
     def __init__(self, vocoded: ArrivalMarks, idle_s: float, wall: Callable[[], float] = time.time,
-                 max_transit_s: float = MAX_TRANSIT_S, vocoders_since: Callable[[], Optional[float]] = lambda: None):
-        """``vocoders_since``: when the vocoder instances serving now were made (wall clock; None: unknown): an
-        answer sent on before then went to a vocoder that died with it, and is on its way no more."""
+                 max_transit_s: float = MAX_TRANSIT_S, vocoders_since: Callable[[], Optional[float]] = lambda: None,
+                 vocoder_free_at: Callable[[int], Optional[float]] = lambda corr_id: None, slack_s: float = 1.0):
+        """``vocoders_since``: when the vocoder instances serving now were made (wall clock; None: unknown);
+        ``vocoder_free_at(corr_id)``: when the vocoder instance holding the stream was last seen free (None:
+        unknown); ``slack_s``: the ensemble's hop and the vocoder's queue delay (class docstring)."""
+        if slack_s <= 0:
+            raise ValueError(f"slack_s must be > 0, got {slack_s}")
         self.vocoded, self.idle_s, self.wall, self.max_transit_s = vocoded, idle_s, wall, max_transit_s
-        self.vocoders_since = vocoders_since
+        self.vocoders_since, self.vocoder_free_at, self.slack_s = vocoders_since, vocoder_free_at, slack_s
         self._sent: dict[int, list] = {}       # corr_id -> [answers sent on since its START, START's time, last's]
         self._lock = threading.Lock()
 
@@ -251,9 +260,8 @@ class Delivery(Observer):
                 sent[2] = now
 
     def pending(self, corr_id: int) -> bool:
-        """An answer is still on its way through the vocoder (for at most ``max_transit_s``, and not if it was
-        sent on before the vocoder serving now was made), or the vocoder's last answer is less than ``idle_s``
-        old."""
+        """An answer is still on its way through the vocoder (class docstring), or the vocoder's last answer is
+        less than ``idle_s`` old."""
         with self._lock:
             sent = self._sent.get(corr_id)
             if sent is None:
@@ -263,10 +271,14 @@ class Delivery(Observer):
         n_vocoded, when = counted if counted is not None and counted[1] >= started else (0, float("-inf"))
         now = self.wall()
         if n_vocoded < n_sent:
-            since = self.vocoders_since()
-            if since is None or last >= since:
-                return now - last < self.max_transit_s
-            # lost with a vocoder that died (issue 53): idle as from its last answer that was vocoded
+            if now - last >= self.max_transit_s:
+                return False
+            since, free_at = self.vocoders_since(), self.vocoder_free_at(corr_id)
+            if since is not None and last < since:   # lost with a vocoder that died (issue 53)
+                return now - when < self.idle_s
+            if free_at is not None and free_at >= last + self.slack_s:   # dropped on the way (its client went)
+                return now - max(when, last) < self.idle_s
+            return True
         return now - when < self.idle_s
 
     def sequence_ended(self, corr_id) -> None:

@@ -85,6 +85,9 @@ class LoadReport:
     #: when the writer's instance was made (wall clock): a vocoder made after a solver's answer was sent on never
     #: got that answer (its stub died with it and was reloaded, ``s3flow.serving.arrivals.Delivery``)
     started: float = 0.0
+    #: a vocoder's: the last time it was seen free, between batches (wall clock; 0: never): an answer the solver
+    #: sent on well before then reached it or never will (its client cancelled it in the ensemble: ``Delivery``)
+    free_at: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "costs": dataclasses.asdict(self.costs),
@@ -96,7 +99,7 @@ class LoadReport:
                            "planned_steps": self.planned_steps, "planned_rows": self.planned_rows,
                            "capacity": self.capacity, "throughput": self.throughput, "duty": self.duty,
                            "cap": self.cap, "ended": [int(c) for c in self.ended], "pid": self.pid,
-                           "started": self.started})
+                           "started": self.started, "free_at": self.free_at})
 
     @classmethod
     def from_json(cls, text: str) -> "LoadReport":
@@ -110,7 +113,7 @@ class LoadReport:
                    capacity=float(d.get("capacity", 0.0)), throughput=float(d.get("throughput", 0.0)),
                    duty=float(d.get("duty", 1.0)), cap=int(d.get("cap", 0)),
                    ended=[int(c) for c in d.get("ended", [])], pid=int(d.get("pid", 0)),
-                   started=float(d.get("started", 0.0)))
+                   started=float(d.get("started", 0.0)), free_at=float(d.get("free_at", 0.0)))
 
     @functools.cached_property
     def planned_capacity(self) -> float:
@@ -223,6 +226,13 @@ class ServerLoad:
         """When the oldest vocoder instance reporting now was made (None: none reports)."""
         started = [r.started for r in self.reports if r.kind == "vocoder"]
         return min(started) if started else None
+
+    def vocoder_free_at(self, corr_id: int) -> Optional[float]:
+        """When the vocoder instance that holds ``corr_id`` was last seen free (the earliest of them all when none
+        holds it yet; None: no vocoder reports)."""
+        vocoders = [r for r in self.reports if r.kind == "vocoder"]
+        holding = [r for r in vocoders if corr_id in r.streams or corr_id in r.waiting] or vocoders
+        return min(r.free_at for r in holding) if holding else None
 
     @property
     def wav_capacity(self) -> float:
@@ -389,9 +399,10 @@ class InstanceLoad:
         self.cap = cap
         self.started = time.time()
 
-    def publish(self, works: dict, ended=()) -> LoadReport:
+    def publish(self, works: dict, ended=(), free_at: float = 0.0) -> LoadReport:
         """The report of the streams held now (``works``: corr_id -> its work so far at full steps, the sequence
-        table's ``works()``) and of those ``ended`` moments ago, written out; returned."""
+        table's ``works()``) and of those ``ended`` moments ago, written out; returned. ``free_at``: when the
+        instance was last free (a vocoder's, ``LoadReport.free_at``)."""
         streams = {c: w for c, w in works.items() if w.steps or w.chunks}   # (the rest: nothing answered yet)
         report = LoadReport(self.kind, self.model.costs(), streams, [c for c in works if c not in streams],
                             self.planned, self.planned_steps, self.planned_rows, cap=self.cap,
@@ -402,7 +413,7 @@ class InstanceLoad:
         prior = report.planned_capacity * self.model.duty if self.planned is not None else 0.0
         report.capacity = self.model.capacity() or self.model.prior_capacity or prior
         report.throughput, report.duty = self.model.throughput, self.model.duty
-        report.pid, report.started = os.getpid(), self.started
+        report.pid, report.started, report.free_at = os.getpid(), self.started, free_at
         try:
             self.files.write(self.instance, report)
         except OSError:   # admission counts this instance as it last wrote

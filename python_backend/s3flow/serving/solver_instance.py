@@ -95,7 +95,8 @@ class SolverInstance:
         self.on_the_way = OnTheWay(ArrivalMarks(ArrivalMarks.default_folder("seen")),
                                    slack_s=ARRIVAL_SLACK_S + queue_delay_s)
         self.delivery = Delivery(ArrivalMarks(ArrivalMarks.default_folder("vocoded")),
-                                 idle_s=self.settings.sequences.idle_timeout_s, vocoders_since=self._vocoders_since)
+                                 idle_s=self.settings.sequences.idle_timeout_s, vocoders_since=self._vocoders_since,
+                                 vocoder_free_at=self._vocoder_free_at, slack_s=ARRIVAL_SLACK_S)
         self.stepped: Optional[SteppedSolver] = None
         table = SequenceTable(self.settings.sequences, Observers(self.book, self.on_the_way, self.delivery),
                               pending=self._pending, playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
@@ -203,8 +204,18 @@ class SolverInstance:
 
     def _vocoders_since(self) -> Optional[float]:
         """When the vocoder instances serving now were made (their load reports; None: none reports yet)."""
+        vocoders = self._vocoders()
+        return vocoders.vocoders_since if vocoders is not None else None
+
+    def _vocoder_free_at(self, corr_id: int) -> Optional[float]:
+        """When the vocoder instance holding ``corr_id`` was last seen free (None: none reports)."""
+        vocoders = self._vocoders()
+        return vocoders.vocoder_free_at(corr_id) if vocoders is not None else None
+
+    def _vocoders(self):
+        """The load reports as read at most ``VOCODERS_READ_EVERY_S`` ago (None before the instance's own load)."""
         load = getattr(self, "load", None)
-        return load.files.read(VOCODERS_READ_EVERY_S).vocoders_since if load is not None else None
+        return load.files.read(VOCODERS_READ_EVERY_S) if load is not None else None
 
     def _pending(self, corr_id) -> bool:
         """A chunk of the sequence is on its way (in Triton's queue), queued in the stepped path, or its last
@@ -215,9 +226,8 @@ class SolverInstance:
     def publish(self) -> None:
         """The live count and load to the metrics and to admission (the load report). Execute, the step loop and
         the reaper all publish: without the lock a report taken before an END could land after the END's own.
-        After every answer, not only when the streams held change: with the report rewritten at most every 0.25 s
-        between such changes, a killed token2wav client's stream was held past the idle timeout in 1 of 4 runs
-        (tests/test_vocoder.py; not understood yet, issue 49)."""
+        After every answer (issue 49 may throttle it: the flake once blamed on throttling was an answer dropped
+        by a cancelled ensemble request, ``s3flow.serving.arrivals.Delivery``)."""
         if getattr(self, "session", None) is None:   # (still building, or closed)
             return
         with self._publishing:

@@ -58,6 +58,9 @@ class VocoderInstance(Observer):
         # every answer counted (one vocoder instance: the sole writer keeps its counts in memory)
         self.vocoded = ArrivalMarks(ArrivalMarks.default_folder("vocoded"), shared=False)
         self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
+        # when it was last seen free (its report's ``free_at``): now between batches, else the last batch's end
+        # (the reaper's thread publishes while a batch runs too)
+        self.busy, self.last_free = False, time.time()
         if params.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no table entry
             log("info", warm_up_vocoder(stream).describe())
         self.publish()
@@ -69,9 +72,11 @@ class VocoderInstance(Observer):
         """One ``execute``: idle streams evicted first, ``requests()`` (each through :meth:`handle`), then one
         report of the load (it reads every instance's report: once per batch, not per request)."""
         self.table.evict_idle()
+        self.busy = True
         try:
             return requests()
         finally:
+            self.busy, self.last_free = False, time.time()
             self.publish()
 
     def handle(self, r: VocoderIncoming) -> VocoderOutcome:
@@ -111,11 +116,12 @@ class VocoderInstance(Observer):
 
     def publish(self) -> None:
         """The live count, utilization and token2wav's capacity to the metrics, and the load report to admission,
-        after every batch (rewritten only on a change of its streams or every 1 s, a killed token2wav client's stream
-        outlived the idle timeout in 1 of 4 runs of tests/test_vocoder.py, as with the solver's: not understood yet)."""
+        after every batch and from the reaper's thread; with when it was last seen free (``Delivery``: an answer
+        the solver sent on well before then and that was never vocoded is not coming)."""
         works = self.table.works()
         self.publish_metric(VOCODER_LIVE, len(works), {})
-        self.publish_metric(UTILIZATION, self.load.publish(works).utilization, {})
+        free_at = self.last_free if self.busy else time.time()
+        self.publish_metric(UTILIZATION, self.load.publish(works, free_at=free_at).utilization, {})
         # token2wav's capacity: the solver's, bounded by this vocoder's (s3flow.serving.load.ServerLoad.wav_capacity)
         self.publish_metric(CAPACITY, self.load.files.read(READ_EVERY_S).wav_capacity, {"ensemble": "token2wav"})
 
