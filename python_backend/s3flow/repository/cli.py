@@ -124,6 +124,22 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
+def settings_of(args: argparse.Namespace) -> RepositorySettings:
+    """The repository's settings from its flags (what ``main`` builds; the simulator builds its server from them)."""
+    solver = SolverSettings.of(**{k: getattr(args, k) for k in SolverSettings.names()})
+    batching = Batching(strategy=args.strategy, max_batch_size=args.max_batch_size,
+                        preferred_batch_sizes=tuple(args.preferred_batch_sizes),
+                        max_queue_delay_us=args.max_queue_delay_us,
+                        max_candidate_sequences=args.max_candidate_sequences,
+                        solver_instances=args.solver_instances, estimator_instances=args.estimator_instances,
+                        encoder_instances=args.encoder_instances)
+    return RepositorySettings(target=args.target, solver=solver, batching=batching, ort_threads=args.ort_threads,
+                              gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype, scheduling=args.scheduling,
+                              vocoder_backend=args.vocoder_backend, triton_idle_grace_s=args.triton_idle_grace_s,
+                              voices=VoiceSettings(args.voice_dir, args.max_voices, args.max_voice_bytes),
+                              admission=args.admission)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
@@ -136,18 +152,7 @@ def main(argv=None) -> int:
     else:
         ckpt = args.checkpoint
     flow = load_flow(ckpt)
-    solver = SolverSettings.of(**{k: getattr(args, k) for k in SolverSettings.names()})
-    batching = Batching(strategy=args.strategy, max_batch_size=args.max_batch_size,
-                        preferred_batch_sizes=tuple(args.preferred_batch_sizes),
-                        max_queue_delay_us=args.max_queue_delay_us,
-                        max_candidate_sequences=args.max_candidate_sequences,
-                        solver_instances=args.solver_instances, estimator_instances=args.estimator_instances,
-                        encoder_instances=args.encoder_instances)
-    settings = RepositorySettings(target=args.target, solver=solver, batching=batching, ort_threads=args.ort_threads,
-                                  gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype, scheduling=args.scheduling,
-                                  vocoder_backend=args.vocoder_backend, triton_idle_grace_s=args.triton_idle_grace_s,
-                                  voices=VoiceSettings(args.voice_dir, args.max_voices, args.max_voice_bytes),
-                                  admission=args.admission)
+    settings = settings_of(args)
     voice_ckpt = None
     if args.voice:
         from s3flow.model.checkpoint_io import read_tensors

@@ -22,8 +22,11 @@ On each server:
    ``s3flow_stream_underruns_total`` and ``s3flow_fewer_steps_chunks_total``, and the streams' ESTOI against the
    recordings (their mel vocoded by the trained vocoder, after the server has stopped).
 
-Beside them the simulator (``s3flow_tools.schedule_sim``, the same policy code) on a cost model scaled so that
-its FIFO C is the server's: how far the model is from the server. Exits non-zero when a stream fails.
+Beside each cell, the simulator (``s3flow_tools.sim``: the server's own solver code on a virtual clock) on the same
+load, the same sentences at the same start times, priced by the costs the server's instances saved at their close
+(``s3flow_tools.sim.price``), with one more constant, a chunk's way in and out (client, gRPC, the ensemble),
+fitted per mode from its 1-stream cells: its first answer p95 and its streams that ran dry, and its error against
+the server's (``token2mel`` only: the simulator has no vocoder). Exits non-zero when a stream fails.
 """
 from __future__ import annotations
 
@@ -31,7 +34,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +46,9 @@ from s3flow.server.metrics_reader import metric_sum, read_metrics, wait_priced
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient, Utterance
 from s3flow_tools.bench.report import machine
-from s3flow_tools.schedule_sim import SMALL_ON_2_CORES, Load, saturation, simulate
+from s3flow_tools.sim.price import served_costs
+from s3flow_tools.sim.streams import run_streams
+from s3flow_tools.sim.virtual_server import HostCosts, VirtualServer
 from s3flow_tools.measure.command import command
 from s3flow_training.package import HeldoutUtterance, load_heldout
 
@@ -85,11 +89,11 @@ def estoi(rows: list) -> None:
 
 def streams(url: str, model: str, utts: list[Utterance], spread_s: float) -> tuple[list, float]:
     """Start one client per utterance, evenly over ``spread_s``; their results and the wall time of all."""
-    results = [None] * len(utts)
+    results, at = [None] * len(utts), starts(len(utts), spread_s)
     t0 = time.monotonic()
 
     def one(k):
-        time.sleep(max(0.0, t0 + (spread_s * k / max(1, len(utts) - 1) if len(utts) > 1 else 0) - time.monotonic()))
+        time.sleep(max(0.0, t0 + at[k] - time.monotonic()))
         [results[k]] = StreamingClient(url, model, timeout_s=300).synthesize([utts[k]])
 
     threads = [threading.Thread(target=one, args=(k,)) for k in range(len(utts))]
@@ -98,6 +102,51 @@ def streams(url: str, model: str, utts: list[Utterance], spread_s: float) -> tup
     for t in threads:
         t.join()
     return results, time.monotonic() - t0
+
+
+def starts(n: int, spread_s: float) -> list[float]:
+    """When each of ``n`` streams starts: evenly over ``spread_s`` (0: all at once), as ``streams`` starts them."""
+    return [spread_s * k / max(1, n - 1) if n > 1 else 0.0 for k in range(n)]
+
+
+def simulate(rows: list, mode: str, settings, costs, at_once: int, c_server: float) -> dict:
+    """The simulator beside each of ``mode``'s rows (``r["sim"]``: first answers and streams that ran dry, on the
+    same sentences at the same start times), its chunk transit fitted to the 1-stream rows; what it was run with."""
+    mine = [r for r in rows if r["mode"] == mode]
+
+    def run(r, transit_s):
+        server = VirtualServer(settings, costs, HostCosts(transit_s=transit_s), n_feats=80)
+        spread = 0.0 if "at once" in r["label"] or r["n"] == 1 else 2.0
+        return run_streams(server, utterances(r["n"], offset=r["offset"]), starts(r["n"], spread),
+                           rules=settings.solver.rules)
+
+    alone = [r for r in mine if r["n"] == 1]
+    transit = max(0.0, float(np.median([r["first"][0] - run(r, 0.0)[0].first_chunk_s for r in alone]))) if alone else 0.0
+    for r in mine:
+        results = run(r, transit)
+        r["sim"] = ([x.first_chunk_s for x in results], sum(x.playback_stalls(BUFFER_S)[0] > 0 for x in results))
+    burst = run({"label": "at once", "n": at_once, "offset": 0}, transit)
+    c_sim = sum(x.mel.shape[1] for x in burst) / FRAMES_PER_SECOND / max(x.wall_s for x in burst)
+    return {"costs": costs, "transit": transit, "c": c_sim, "c_server": c_server}
+
+
+def _simulated(r: dict) -> str:
+    if "sim" not in r:
+        return "-"
+    first, dry = r["sim"]
+    p95, served = np.percentile(first, 95), np.percentile(r["first"], 95)
+    return f"{1000 * p95:.0f} ms ({100 * (p95 / served - 1):+.0f} %), {dry} / {r['n']}"
+
+
+def _simulator_note(sims: dict) -> str:
+    if not sims:
+        return "No simulator column: it has no vocoder (`token2mel` only)."
+    parts = [f"`{m}`: estimator {1e3 * s['costs'].est_fixed:.2f} ms a call + {1e9 * s['costs'].est_per_unit:.0f} ns a "
+             f"row-frame, encoder {1e3 * s['costs'].enc_fixed:.2f} ms + {1e6 * s['costs'].enc_per_unit:.1f} us a "
+             f"token, transit {1e3 * s['transit']:.0f} ms; C {s['c']:.2f} (server {s['c_server']:.2f})"
+             for m, s in sims.items()]
+    return ("The simulator (`s3flow_tools.sim`) was priced by the server's own saved costs and a chunk's transit "
+            "fitted to the 1-stream rows: " + "; ".join(parts) + ".")
 
 
 def underruns(server) -> float:
@@ -136,14 +185,14 @@ def main(argv=None) -> int:
     modes = args.modes.split(",")
     if modes[0] != "fifo" or not set(modes) <= set(MODES):
         raise SystemExit(f"--modes: fifo first, then any of {sorted(MODES)}; got {args.modes}")
-    rows, cs = [], {}
+    rows, cs, sims = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
             repo = Path(tmp) / mode
-            if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--vocoder-checkpoint",
-                                      str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice",
-                                      "--no-admission", *MODES[mode],
-                                      *(args.deadline_flags.split() if mode in ("deadline", "fewer") else [])]) != 0:
+            flags = ["--checkpoint", str(TRAINED / "teacher.safetensors"), "--vocoder-checkpoint",
+                     str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice", "--no-admission",
+                     *MODES[mode], *(args.deadline_flags.split() if mode in ("deadline", "fewer") else [])]
+            if build_repository.main(flags) != 0:
                 raise SystemExit("building the repository failed")
             with TritonServer(repo, log_file=Path(tmp) / f"{mode}.log") as server:
                 wait_priced(f"127.0.0.1:{server.metrics_port}", args.model)   # its calibration: not beside a stream
@@ -161,23 +210,15 @@ def main(argv=None) -> int:
                         results, _ = streams(server.grpc_url, args.model, utterances(n, offset=7 * run), spread)
                         rows.append(row(label, mode, results, underruns(server) - before, args.model,
                                         fewer_steps(server) - cut, held(n, offset=7 * run)))
+                        rows[-1]["offset"] = 7 * run
                         r = rows[-1]
                         print(f"  {label} run {run + 1}: {n} streams, first audio p95 "
                               f"{1000 * np.percentile(r['first'], 95):.0f} ms, dry {r['dry0']}/{r['dry']} of {n}",
                               flush=True)
+            if args.model == "token2mel":   # the server has saved its price at its close
+                sims[mode] = simulate(rows, mode, build_repository.settings_of(build_repository.parse_args(flags)),
+                         served_costs(repo), args.at_once, cs[mode])
     estoi(rows)
-    # the simulator on a cost model scaled to this run's FIFO C
-    base = Load(streams=1)
-    scale = saturation(SMALL_ON_2_CORES, base) / cs["fifo"]
-    cost = SMALL_ON_2_CORES.scaled(scale)
-    sim = {}
-    for r in rows:
-        if (r["label"], r["mode"]) in sim:
-            continue
-        spread = 0.0 if "at once" in r["label"] else 2.0
-        s = simulate(replace(base, streams=r["n"], spread_s=spread), cost,
-                     "fifo" if r["mode"] == "fifo" else "deadline")
-        sim[(r["label"], r["mode"])] = (np.percentile(s.first_audio, 95), sum(x > 0 for x in s.stalls[BUFFER_S]))
     lines = [
         "# Streams under load: FIFO vs the step-level deadline scheduler",
         "",
@@ -199,18 +240,15 @@ def main(argv=None) -> int:
         "",
         f"| load | scheduling | streams | first {'audio' if args.model == 'token2wav' else 'mel'} p50 / p95 (ms) | ran dry, no buffer | ran dry, {BUFFER_S} s "
         f"buffer | stall s p95 ({BUFFER_S} s) | server underruns | chunks at fewer steps | ESTOI | "
-        f"simulator: first audio p95, ran dry ({BUFFER_S} s) |",
+        f"simulator: first answer p95 (error), ran dry ({BUFFER_S} s) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        f95, sdry = sim[(r["label"], r["mode"])]
         lines.append(f"| {r['label']} | {r['mode']} | {r['n']} | {1000 * np.percentile(r['first'], 50):.0f} / "
                      f"{1000 * np.percentile(r['first'], 95):.0f} | {r['dry0']} / {r['n']} | {r['dry']} / {r['n']} | "
                      f"{r['stall_p95']:.2f} | {r['underruns']:.0f} | {r['cut']:.0f} / {r['chunks']} | "
-                     f"{r['estoi']:.3f} | {1000 * f95:.0f} ms, {sdry} / {r['n']} |")
-    lines += ["", "The simulator's cost model is the stated small-CPU one scaled by "
-                  f"{scale:.1f} so that its FIFO C equals this run's (the server's overheads: BLS hops, python, "
-                  "the ensemble).", ""]
+                     f"{r['estoi']:.3f} | {_simulated(r)} |")
+    lines += ["", _simulator_note(sims), ""]
     from s3flow_tools.measure.admission import BEGIN   # (admission reads this module's sentences)
     old = args.out.read_text() if args.out.exists() else ""
     kept = "\n" + old[old.index(BEGIN):] if BEGIN in old else ""   # the admission section is its driver's

@@ -1,0 +1,232 @@
+"""The solver's own code on a virtual clock: ``cfm_solver`` instances as the repository builds them, over networks
+whose calls take the time the server's own cost model says (issue 51).
+
+Each solver instance is the server's ``StreamingEngine`` and ``StepLoop`` (the same planning, conditioning, keep-
+solved caches, policy and fewer-steps code), run over stand-in networks that return zeros and charge a call's
+seconds to the instance: ``Costs.step_seconds(rows, frames)`` per estimator call, ``Costs.encoder_seconds(tokens)``
+per encoder call, the costs the server itself prices admission with (``s3flow.engine.capacity``: the fits times its
+correction, read from the price a served instance saved, ``s3flow.serving.saved_price``), plus ``HostCosts``: the
+solver's Python per chunk and per step beyond what the costs hold, and a request's way in and its answer's way
+out (client, gRPC, the ensemble), which takes time but no solver.
+
+What Triton does around the solver is modelled as it is configured (``RepositorySettings``):
+
+* a START goes to the instance holding the fewest sequences (Triton's sequence batcher hands a new sequence the
+  lowest free slot over its instances); a sequence stays on its instance;
+* ``fifo``: a free instance takes up to ``max_batch_size`` waiting chunks of its sequences, oldest first, one per
+  sequence, after ``max_queue_delay`` unless the batch is full, and solves them whole (``StepLoop.solve``): the
+  answers go out together at the end of the execute;
+* ``deadline``: each instance's loop runs one iteration at a time (``StepLoop.run_once``: least slack first
+  within the step budget, late chunks given fewer steps); a chunk joins at the iteration after it arrives and is
+  answered at the end of the iteration that made its last step.
+
+Instances run side by side, each on its own clock; their calls do not slow each other here beyond what the costs
+hold (the server's correction is measured with the instances working side by side).
+
+Example::
+
+    server = VirtualServer(RepositorySettings(), costs, HostCosts(transit_s=0.01), n_feats=80)
+    server.offer(0.0, corr_id=1, request=chunk_request)        # arrives at the server at t = 0
+    for t, corr_id, outcome in server.run_until(1.0):           # answered by then: (time at the server, ...)
+        ...
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from s3flow.engine.capacity import Costs
+from s3flow.engine.planning import ZeroEstimator
+from s3flow.engine.sequences import SequenceTable
+from s3flow.engine.playback import PlaybackSettings
+from s3flow.engine.step_loop import Done, StepLoop
+from s3flow.engine.streaming import ChunkResult, StreamingEngine
+from s3flow.protocol import ChunkRequest, RequestError
+from s3flow.repository.settings import RepositorySettings
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What a chunk costs beyond its network calls: the solver's Python per chunk (``chunk_s``) and per Euler step
+    (``step_s``), on the instance; ``transit_s``, a request's way in plus its answer's way out (client, gRPC,
+    the ensemble's hops), on no instance."""
+    chunk_s: float = 0.0
+    step_s: float = 0.0
+    transit_s: float = 0.0
+
+
+class _Meter:
+    """The virtual seconds an instance's calls took, since it was last read."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def take(self) -> float:
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+
+class PricedEncoder:
+    """The flow encoder as zeros of the right shapes, each call charged ``Costs.encoder_seconds`` (of the padded
+    batch's tokens, as the server's observer counts them)."""
+
+    def __init__(self, n_feats: int, costs: Costs, meter: _Meter):
+        self.n_feats, self.costs, self.meter = n_feats, costs, meter
+
+    def __call__(self, tokens, token_len, embedding):
+        self.meter.seconds += self.costs.encoder_seconds(int(tokens.numel()))
+        b, frames = tokens.shape[0], 2 * tokens.shape[1]
+        return torch.zeros(b, self.n_feats, frames), None, torch.zeros(b, self.n_feats)
+
+
+class PricedEstimator(ZeroEstimator):
+    """The estimator as zeros (and empty caches), each call charged ``Costs.step_seconds(rows, frames)``."""
+
+    def __init__(self, costs: Costs, meter: _Meter):
+        super().__init__()
+        self.costs, self.meter = costs, meter
+
+    def __call__(self, inputs):
+        self.meter.seconds += self.costs.step_seconds(int(inputs.x.shape[0]), int(inputs.x.shape[2]))
+        self.calls.clear()   # (ZeroEstimator records them: not kept here)
+        return super().__call__(inputs)
+
+
+@dataclass(order=True)
+class _Waiting:
+    arrived: float
+    order: int
+    corr_id: int = field(compare=False)
+    request: ChunkRequest = field(compare=False)
+
+
+class _Instance:
+    """One solver instance: its engine, its loop, its queue and its own clock."""
+
+    def __init__(self, settings: RepositorySettings, costs: Costs, host: HostCosts, n_feats: int, meanflow: bool):
+        self.meter = _Meter()
+        self.now = 0.0                       # the instance's clock: busy until then
+        solver, deadlines = settings.solver, settings.solver.deadlines
+        table = SequenceTable(solver.sequences, clock=lambda: self.now,
+                              playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
+        self.engine = StreamingEngine(PricedEncoder(n_feats, costs, self.meter), PricedEstimator(costs, self.meter),
+                                      n_feats=n_feats, meanflow=meanflow, solving=solver.solving,
+                                      limits=solver.sequences, table=table)
+        self.stepping = settings.scheduling == "deadline"
+        self.loop = StepLoop(self.engine, policy="deadline", budget=deadlines.budget(), costs=lambda: costs,
+                             min_steps=deadlines.min_steps, timer=lambda: self.now) if self.stepping else None
+        self.host, self.max_batch = host, settings.batching.max_batch_size
+        self.queue_delay_s = settings.batching.max_queue_delay_us * 1e-6
+        self.waiting: list[_Waiting] = []
+        self.held: set[int] = set()
+        self._done: list[Done] = []          # the deadline loop's answers (its callbacks) since the last iteration
+
+    def next_action(self) -> Optional[float]:
+        """When the instance next does something of its own accord (None: it waits for a request)."""
+        if self.stepping and self.loop.busy:
+            return self.now
+        if not self.waiting:
+            return None
+        first = min(self.waiting).arrived
+        if self.stepping:
+            return max(self.now, first)
+        ready = first if len({w.corr_id for w in self.waiting}) >= self.max_batch else first + self.queue_delay_s
+        return max(self.now, ready)
+
+    def act(self, at: float) -> list[tuple[float, int, object]]:
+        """Do the next thing at ``at`` (>= ``next_action()``): its answers, (time, corr_id, outcome) each."""
+        self.now = max(self.now, at)
+        return self._iterate() if self.stepping else self._execute()
+
+    def _admit(self, w: _Waiting, answers: list):
+        """The engine's admission of one request: its chunk, or None when it is answered at once."""
+        try:
+            chunk = self.engine.admit(w.corr_id, w.request)
+        except RequestError as exc:
+            answers.append((self.now, w.corr_id, exc))
+            return None
+        if isinstance(chunk, ChunkResult):   # (a chunk sent again: its answer again)
+            answers.append((self.now, w.corr_id, chunk))
+            return None
+        return chunk
+
+    def _execute(self) -> list:
+        """``fifo``: one execute of up to ``max_batch`` oldest waiting chunks, one per sequence, solved whole."""
+        batch, seen = [], set()
+        for w in sorted(self.waiting):
+            if w.corr_id not in seen and len(batch) < self.max_batch and w.arrived <= self.now:
+                batch.append(w)
+                seen.add(w.corr_id)
+        self.waiting = [w for w in self.waiting if w not in batch]
+        answers: list = []
+        chunks = [(w, c) for w in batch if (c := self._admit(w, answers)) is not None]
+        steps_before = self.engine.whole.steps
+        done = self.engine.solve([c for _, c in chunks]) if chunks else []
+        steps = self.engine.whole.steps - steps_before
+        self.now += self.meter.take() + self.host.chunk_s * len(batch) + self.host.step_s * steps
+        answers += [(self.now, w.corr_id, self._outcome(d)) for (w, _), d in zip(chunks, done)]
+        self._forget_ended(chunks)
+        return answers
+
+    def _iterate(self) -> list:
+        """``deadline``: the chunks arrived by now join, then one iteration of the step loop."""
+        answers: list = []
+        arrived = [w for w in self.waiting if w.arrived <= self.now]
+        self.waiting = [w for w in self.waiting if w.arrived > self.now]
+        for w in sorted(arrived):
+            chunk = self._admit(w, answers)
+            if chunk is not None:
+                self.loop.submit(chunk, lambda d: self._done.append(d))
+                self.now += self.host.chunk_s
+        steps_before = self.loop.steps
+        self.loop.run_once()
+        self.now += self.meter.take() + self.host.step_s * (self.loop.steps - steps_before)
+        done, self._done = self._done, []
+        answers += [(self.now, d.chunk.corr_id, self._outcome(d)) for d in done]
+        self._forget_ended([(None, d.chunk) for d in done])
+        return answers
+
+    @staticmethod
+    def _outcome(d: Done):
+        return d.result if d.result is not None else d.cause
+
+    def _forget_ended(self, chunks) -> None:
+        for _, c in chunks:
+            if c.finalize:
+                self.held.discard(c.corr_id)
+
+
+class VirtualServer:
+    """The solver instances of a repository built with ``settings`` (module docstring), on a virtual clock."""
+
+    def __init__(self, settings: RepositorySettings, costs: Costs, host: HostCosts = HostCosts(), *, n_feats: int,
+                 meanflow: bool = False):
+        if not costs.known:
+            raise ValueError("the simulator needs known costs (est_fixed or est_per_unit > 0)")
+        self.host, self.n_feats = host, n_feats
+        self.instances = [_Instance(settings, costs, host, n_feats, meanflow)
+                          for _ in range(settings.batching.solver_instances)]
+        self._home: dict[int, _Instance] = {}
+        self._order = itertools.count()
+
+    def offer(self, at: float, corr_id: int, request: ChunkRequest) -> None:
+        """A request reaches the server at ``at`` (its START picks the instance that holds the fewest)."""
+        if request.start or corr_id not in self._home:
+            home = min(self.instances, key=lambda i: len(i.held))
+            self._home[corr_id] = home
+            home.held.add(corr_id)
+        home = self._home[corr_id]
+        home.waiting.append(_Waiting(at, next(self._order), corr_id, request))
+
+    def next_time(self) -> Optional[float]:
+        """When an instance next acts (None: every one waits for requests)."""
+        times = [t for i in self.instances if (t := i.next_action()) is not None]
+        return min(times) if times else None
+
+    def step(self) -> list[tuple[float, int, object]]:
+        """The instance due first acts; its answers, (time at the server, corr_id, ChunkResult or the error)."""
+        due = min((i for i in self.instances if i.next_action() is not None), key=lambda i: i.next_action())
+        return due.act(due.next_action())
