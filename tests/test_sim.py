@@ -1,0 +1,110 @@
+"""The server on a virtual clock (``s3flow_tools.sim``): the solver's own code over priced stand-in networks, its
+clients, and the price it reads from a served repository. Triton-free and deterministic (a cost model, no clock);
+how near it comes to a real server is measured by ``python -m s3flow_tools.measure.qos`` (results/qos.md)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from s3flow.engine.capacity import CapacityModel, Costs
+from s3flow.engine.planning import planned_calls
+from s3flow.engine.settings import SolverSettings
+from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow_client.chunking import chunk_schedule
+from s3flow_client.demo import demo_utterance
+from s3flow_tools.sim.price import served_costs
+from s3flow_tools.sim.streams import run_streams
+from s3flow_tools.sim.virtual_server import HostCosts, VirtualServer
+
+COSTS = Costs(est_fixed=2e-3, est_per_unit=1e-6, enc_fixed=1e-3, enc_per_unit=1e-5, max_batch=8)
+
+
+def settings(scheduling: str = "fifo", instances: int = 1, **solving) -> RepositorySettings:
+    solver = SolverSettings().replace(**solving) if solving else SolverSettings()
+    return RepositorySettings(solver=solver, scheduling=scheduling,
+                              batching=Batching(solver_instances=instances, estimator_instances=instances))
+
+
+def utterances(n: int, seconds: float = 3.0) -> list:
+    return [dataclasses.replace(demo_utterance(seconds, seed=k, prompt_seconds=2.0), seed=k) for k in range(n)]
+
+
+def test_one_stream_takes_what_its_planned_calls_cost_plus_its_transit():
+    """A stream alone: its first answer comes after Triton's queue delay (an execute waits that long for a fuller
+    batch), its first chunk's encoder call and its 10 Euler steps, each priced by the costs, plus the transit; the
+    steps are the engine's own plan (``planned_calls``)."""
+    u = utterances(1)[0]
+    sizes = chunk_schedule(len(u.speech_tokens))
+    s = settings()
+    calls = planned_calls(80, prompt_tokens=len(u.prompt_tokens), chunks=sizes, context_frames=100, steps=10,
+                          prompt_frames=s.solver.solving.prompt_frames)
+    first = sum(COSTS.step_seconds(r, f) for r, f in calls[:10])
+    prompt = min(len(u.prompt_tokens), s.solver.solving.prompt_frames // 2)
+    encoder = COSTS.encoder_seconds(prompt + sizes[0])
+    [r] = run_streams(VirtualServer(s, COSTS, HostCosts(transit_s=0.01), n_feats=80), [u], [0.0],
+                      rules=s.solver.rules)
+    delay = s.batching.max_queue_delay_us * 1e-6
+    assert r.error is None and r.first_chunk_s == pytest.approx(delay + first + encoder + 0.01, rel=1e-9)
+    assert r.mel.shape[1] == r.frames_expected, "every frame answered"
+
+
+@pytest.mark.parametrize("scheduling,keep_solved", [("fifo", 0), ("deadline", 0), ("fifo", 2)])
+def test_every_stream_gets_every_frame_in_order(scheduling, keep_solved):
+    s = settings(scheduling, instances=2, keep_solved=keep_solved)
+    results = run_streams(VirtualServer(s, COSTS, n_feats=80), utterances(6), [0.1 * k for k in range(6)],
+                          rules=s.solver.rules)
+    for r in results:
+        assert r.error is None and r.mel.shape[1] == r.frames_expected
+        assert len(r.chunk_frames) == len(r.chunk_latencies_s) and min(r.chunk_latencies_s) > 0
+
+
+def test_fifo_answers_a_batch_together_and_keeping_what_is_solved_makes_streams_cheaper():
+    """Streams started together on one instance are one batch (answered at once); with keep_solved 2 the same
+    load ends sooner when frames are what costs (every frame solved once: results/stream_reuse.md)."""
+    us, frames_only = utterances(4), Costs(est_per_unit=1e-6)
+    plain = run_streams(VirtualServer(settings(), frames_only, n_feats=80), us, [0.0] * 4)
+    assert len({round(r.first_chunk_s, 12) for r in plain}) == 1, "one execute answers the four STARTs"
+    kept = run_streams(VirtualServer(settings(keep_solved=2), frames_only, n_feats=80), us, [0.0] * 4)
+    assert max(r.wall_s for r in kept) < 0.75 * max(r.wall_s for r in plain)
+
+
+def test_starts_go_to_the_instance_holding_fewest():
+    s = settings(instances=2)
+    server = VirtualServer(s, COSTS, n_feats=80)
+    run_streams(server, utterances(4), [0.0, 0.0, 0.0, 0.0])
+    assert [len(i.engine.sequences) for i in server.instances] == [0, 0], "every stream ended"
+    assert sorted(i.engine.estimator_calls > 0 for i in server.instances) == [True, True], "both worked"
+
+
+def test_near_saturation_least_slack_keeps_players_fed_where_fifo_lets_some_run_dry():
+    """The deadline loop steps first the chunks whose players run dry soonest, where FIFO solves whole batches in
+    arrival order: on a load FIFO just cannot carry (12 streams 50 ms apart at 6x the costs), some of FIFO's
+    players run dry (0.3 s buffer) and fewer of least slack's do."""
+    us, at = utterances(12, seconds=4.0), [0.05 * k for k in range(12)]
+    dry = {}
+    for scheduling in ("fifo", "deadline"):
+        s = settings(scheduling, min_steps=0)
+        results = run_streams(VirtualServer(s, COSTS.scaled(6.0), n_feats=80), us, at, rules=s.solver.rules)
+        dry[scheduling] = sum(r.playback_stalls(0.3)[0] > 0 for r in results)
+    assert dry["fifo"] > 0 and dry["deadline"] < dry["fifo"]
+
+
+def test_served_costs_are_the_saved_fits_times_their_correction(tmp_path):
+    from s3flow.serving.saved_price import SavedPrice
+
+    folder = tmp_path / "cfm_solver"
+    for k, correction in enumerate((1.5, 2.5)):
+        model = CapacityModel(max_batch=8)
+        model.restore({"estimator": [1e-3, 2e-7], "encoder": [5e-4, 1e-5], "correction": correction, "duty": 0.9,
+                       "served": True, "capacity": 3.0})
+        SavedPrice.beside(folder, f"cfm_solver_0_{k}").save(model.state())
+    costs = served_costs(tmp_path)
+    assert (costs.est_fixed, costs.est_per_unit, costs.enc_fixed) == pytest.approx((2e-3, 4e-7, 1e-3))
+    with pytest.raises(ValueError, match="no saved price"):
+        served_costs(tmp_path / "elsewhere")
+
+
+def test_the_simulator_refuses_unknown_costs():
+    with pytest.raises(ValueError, match="known costs"):
+        VirtualServer(settings(), Costs(), n_feats=80)
