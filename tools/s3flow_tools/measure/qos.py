@@ -149,6 +149,39 @@ def _simulator_note(sims: dict) -> str:
             "fitted to the 1-stream rows: " + "; ".join(parts) + ".")
 
 
+def _simulator_check(rows: list, modes: list) -> list[str]:
+    """Issue 51's check, cell by cell: the medians over a cell's runs of first answer p95 and streams that ran dry
+    (0.3 s), server beside simulator; and whether the simulator orders each scheduling against FIFO as the server."""
+    cells: dict = {}
+    for r in rows:
+        if "sim" in r:
+            cells.setdefault((r["label"], r["mode"]), []).append(r)
+    if not cells:
+        return []
+    out = ["Server and simulator cell by cell (medians over the runs; error of the simulator's first answer p95; "
+           "the target: within 25 % and one stream in every cell of 4 or more streams):", "",
+           "| load | scheduling | streams | first answer p95, server / simulator (ms) | error | ran dry (0.3 s), "
+           "server / simulator | within |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    p95 = {}
+    for (label, mode), runs in cells.items():
+        served = float(np.median([np.percentile(r["first"], 95) for r in runs]))
+        sim = float(np.median([np.percentile(r["sim"][0], 95) for r in runs]))
+        dry, sim_dry = float(np.median([r["dry"] for r in runs])), float(np.median([r["sim"][1] for r in runs]))
+        p95[(label, mode)] = (served, sim)
+        n = runs[0]["n"]
+        ok = "-" if n < 4 else ("yes" if abs(sim / served - 1) <= 0.25 and abs(sim_dry - dry) <= 1 else "no")
+        out.append(f"| {label} | {mode} | {n} | {1000 * served:.0f} / {1000 * sim:.0f} | {100 * (sim / served - 1):+.0f} % "
+                   f"| {dry:g} / {sim_dry:g} | {ok} |")
+    order = []
+    for (label, mode), (served, sim) in p95.items():
+        if mode != "fifo" and (label, "fifo") in p95:
+            f_served, f_sim = p95[(label, "fifo")]
+            order.append((served < f_served) == (sim < f_sim))
+    if order:
+        out += ["", f"Order against FIFO (first answer p95) as the server's: {sum(order)} of {len(order)} cells."]
+    return out + [""]
+
+
 def underruns(server) -> float:
     return metric_sum(read_metrics(f"127.0.0.1:{server.metrics_port}"), "s3flow_stream_underruns_total")
 
@@ -248,7 +281,7 @@ def main(argv=None) -> int:
                      f"{1000 * np.percentile(r['first'], 95):.0f} | {r['dry0']} / {r['n']} | {r['dry']} / {r['n']} | "
                      f"{r['stall_p95']:.2f} | {r['underruns']:.0f} | {r['cut']:.0f} / {r['chunks']} | "
                      f"{r['estoi']:.3f} | {_simulated(r)} |")
-    lines += ["", _simulator_note(sims), ""]
+    lines += ["", _simulator_note(sims), ""] + _simulator_check(rows, modes)
     from s3flow_tools.measure.admission import BEGIN   # (admission reads this module's sentences)
     old = args.out.read_text() if args.out.exists() else ""
     kept = "\n" + old[old.index(BEGIN):] if BEGIN in old else ""   # the admission section is its driver's
