@@ -77,6 +77,20 @@ def test_starts_go_to_the_instance_holding_fewest():
     assert sorted(i.engine.estimator_calls > 0 for i in server.instances) == [True, True], "both worked"
 
 
+def test_one_stream_alone_is_served_alike_by_both_schedulings():
+    us = utterances(1)
+    out = {}
+    for scheduling in ("fifo", "deadline"):
+        s = settings(scheduling)
+        [r] = run_streams(VirtualServer(s, COSTS, n_feats=80), us, [0.0], rules=s.solver.rules)
+        out[scheduling] = r
+    assert out["fifo"].chunk_frames == out["deadline"].chunk_frames
+    delay = settings().batching.max_queue_delay_us * 1e-6    # an execute waits that long for a fuller batch
+    fifo, deadline = out["fifo"], out["deadline"]
+    assert fifo.wall_s == pytest.approx(deadline.wall_s + delay * len(fifo.chunk_frames), rel=1e-9)
+    assert out["fifo"].playback_stalls(0.3)[0] == out["deadline"].playback_stalls(0.3)[0] == 0
+
+
 def test_near_saturation_least_slack_keeps_players_fed_where_fifo_lets_some_run_dry():
     """The deadline loop steps first the chunks whose players run dry soonest, where FIFO solves whole batches in
     arrival order: on a load FIFO just cannot carry (12 streams 50 ms apart at 6x the costs), some of FIFO's

@@ -4,7 +4,7 @@ The mechanism (``s3flow.engine.stepping``: one estimator call over the rows of a
 ``s3flow.engine.step_loop``) lets every step carry a different set of chunks. This module only chooses the set,
 from what it is told of each chunk in flight (a :class:`Candidate`) and a cost per step; it knows nothing of
 tensors, Triton or how a step is run (as vLLM's scheduler sits beside its engine and workers). The served solver
-and the simulator (``s3flow_tools.schedule_sim``) run the same :func:`pick`.
+and the simulator (``s3flow_tools.sim``, the step loop itself on a virtual clock) run the same :func:`pick`.
 
 Policies:
 

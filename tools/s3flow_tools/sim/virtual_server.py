@@ -3,11 +3,13 @@ whose calls take the time the server's own cost model says (issue 51).
 
 Each solver instance is the server's ``StreamingEngine`` and ``StepLoop`` (the same planning, conditioning, keep-
 solved caches, policy and fewer-steps code), run over stand-in networks that return zeros and charge a call's
-seconds to the instance: ``Costs.step_seconds(rows, frames)`` per estimator call, ``Costs.encoder_seconds(tokens)``
-per encoder call, the costs the server itself prices admission with (``s3flow.engine.capacity``: the fits times its
-correction, read from the price a served instance saved, ``s3flow.serving.saved_price``), plus ``HostCosts``: the
-solver's Python per chunk and per step beyond what the costs hold, and a request's way in and its answer's way
-out (client, gRPC, the ensemble), which takes time but no solver.
+seconds to the instance (``Pricing``): by default ``Costs.step_seconds(rows, frames)`` per estimator call and
+``Costs.encoder_seconds(tokens)`` per encoder call, the costs the server itself prices admission with
+(``s3flow.engine.capacity``: the fits times its correction, read from the price a served instance saved,
+``s3flow_tools.sim.price``); a projection prices calls by FLOPs instead, and may add the vocoder's time per
+answer on the same device. ``HostCosts`` adds the solver's Python per chunk and per step beyond what the prices
+hold, and a request's way in and its answer's way out (client, gRPC, the ensemble), which takes time but no
+solver.
 
 What Triton does around the solver is modelled as it is configured (``RepositorySettings``):
 
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -69,28 +71,44 @@ class _Meter:
         return s
 
 
-class PricedEncoder:
-    """The flow encoder as zeros of the right shapes, each call charged ``Costs.encoder_seconds`` (of the padded
-    batch's tokens, as the server's observer counts them)."""
+@dataclass(frozen=True)
+class Pricing:
+    """What a call takes on the virtual clock: ``estimator(rows, frames, key_frames)`` (key frames: its frames and
+    the frames of the cache it reads), ``encoder(tokens)`` (the padded batch's), and, for ``token2wav``,
+    ``vocoder(frames)`` per answer on the same device (None: ``token2mel``, no vocoder). By default the costs' own
+    linear model; a projection prices by FLOPs (``s3flow_tools.measure.projection``)."""
+    estimator: Callable[[int, int, int], float]
+    encoder: Callable[[int], float]
+    vocoder: Optional[Callable[[int], float]] = None
 
-    def __init__(self, n_feats: int, costs: Costs, meter: _Meter):
-        self.n_feats, self.costs, self.meter = n_feats, costs, meter
+    @classmethod
+    def of(cls, costs: Costs) -> "Pricing":
+        return cls(lambda rows, frames, key_frames: costs.step_seconds(rows, frames), costs.encoder_seconds)
+
+
+class PricedEncoder:
+    """The flow encoder as zeros of the right shapes, each call charged its price."""
+
+    def __init__(self, n_feats: int, pricing: Pricing, meter: _Meter):
+        self.n_feats, self.pricing, self.meter = n_feats, pricing, meter
 
     def __call__(self, tokens, token_len, embedding):
-        self.meter.seconds += self.costs.encoder_seconds(int(tokens.numel()))
+        self.meter.seconds += self.pricing.encoder(int(tokens.numel()))
         b, frames = tokens.shape[0], 2 * tokens.shape[1]
         return torch.zeros(b, self.n_feats, frames), None, torch.zeros(b, self.n_feats)
 
 
 class PricedEstimator(ZeroEstimator):
-    """The estimator as zeros (and empty caches), each call charged ``Costs.step_seconds(rows, frames)``."""
+    """The estimator as zeros (and empty caches), each call charged its price."""
 
-    def __init__(self, costs: Costs, meter: _Meter):
+    def __init__(self, pricing: Pricing, meter: _Meter):
         super().__init__()
-        self.costs, self.meter = costs, meter
+        self.pricing, self.meter = pricing, meter
 
     def __call__(self, inputs):
-        self.meter.seconds += self.costs.step_seconds(int(inputs.x.shape[0]), int(inputs.x.shape[2]))
+        rows, frames = int(inputs.x.shape[0]), int(inputs.x.shape[2])
+        past = 0 if inputs.past is None else int(inputs.past.mask.shape[-1])
+        self.meter.seconds += self.pricing.estimator(rows, frames, frames + past)
         self.calls.clear()   # (ZeroEstimator records them: not kept here)
         return super().__call__(inputs)
 
@@ -106,13 +124,15 @@ class _Waiting:
 class _Instance:
     """One solver instance: its engine, its loop, its queue and its own clock."""
 
-    def __init__(self, settings: RepositorySettings, costs: Costs, host: HostCosts, n_feats: int, meanflow: bool):
-        self.meter = _Meter()
+    def __init__(self, settings: RepositorySettings, costs: Costs, pricing: Pricing, host: HostCosts, n_feats: int,
+                 meanflow: bool):
+        self.meter, self.pricing = _Meter(), pricing
         self.now = 0.0                       # the instance's clock: busy until then
+        self.busy_s = 0.0                    # virtual seconds it worked
         solver, deadlines = settings.solver, settings.solver.deadlines
         table = SequenceTable(solver.sequences, clock=lambda: self.now,
                               playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
-        self.engine = StreamingEngine(PricedEncoder(n_feats, costs, self.meter), PricedEstimator(costs, self.meter),
+        self.engine = StreamingEngine(PricedEncoder(n_feats, pricing, self.meter), PricedEstimator(pricing, self.meter),
                                       n_feats=n_feats, meanflow=meanflow, solving=solver.solving,
                                       limits=solver.sequences, table=table)
         self.stepping = settings.scheduling == "deadline"
@@ -139,7 +159,11 @@ class _Instance:
     def act(self, at: float) -> list[tuple[float, int, object]]:
         """Do the next thing at ``at`` (>= ``next_action()``): its answers, (time, corr_id, outcome) each."""
         self.now = max(self.now, at)
-        return self._iterate() if self.stepping else self._execute()
+        began = self.now
+        try:
+            return self._iterate() if self.stepping else self._execute()
+        finally:
+            self.busy_s += self.now - began
 
     def _admit(self, w: _Waiting, answers: list):
         """The engine's admission of one request: its chunk, or None when it is answered at once."""
@@ -167,7 +191,9 @@ class _Instance:
         done = self.engine.solve([c for _, c in chunks]) if chunks else []
         steps = self.engine.whole.steps - steps_before
         self.now += self.meter.take() + self.host.chunk_s * len(batch) + self.host.step_s * steps
-        answers += [(self.now, w.corr_id, self._outcome(d)) for (w, _), d in zip(chunks, done)]
+        outcomes = [self._outcome(d) for d in done]
+        self._vocode(outcomes)
+        answers += [(self.now, w.corr_id, o) for (w, _), o in zip(chunks, outcomes)]
         self._forget_ended(chunks)
         return answers
 
@@ -185,9 +211,16 @@ class _Instance:
         self.loop.run_once()
         self.now += self.meter.take() + self.host.step_s * (self.loop.steps - steps_before)
         done, self._done = self._done, []
-        answers += [(self.now, d.chunk.corr_id, self._outcome(d)) for d in done]
+        outcomes = [self._outcome(d) for d in done]
+        self._vocode(outcomes)
+        answers += [(self.now, d.chunk.corr_id, o) for d, o in zip(done, outcomes)]
         self._forget_ended([(None, d.chunk) for d in done])
         return answers
+
+    def _vocode(self, outcomes: list) -> None:
+        """``token2wav``: the answers' frames vocoded on the same device before they go out."""
+        if self.pricing.vocoder is not None:
+            self.now += sum(self.pricing.vocoder(int(o.mel.shape[1])) for o in outcomes if hasattr(o, "mel"))
 
     @staticmethod
     def _outcome(d: Done):
@@ -203,11 +236,13 @@ class VirtualServer:
     """The solver instances of a repository built with ``settings`` (module docstring), on a virtual clock."""
 
     def __init__(self, settings: RepositorySettings, costs: Costs, host: HostCosts = HostCosts(), *, n_feats: int,
-                 meanflow: bool = False):
+                 meanflow: bool = False, pricing: Optional[Pricing] = None):
+        """``costs``: what the instances decide by (the step loop's slack and fewer steps, as the server's measured
+        costs); ``pricing``: what the calls take (default: the same costs)."""
         if not costs.known:
             raise ValueError("the simulator needs known costs (est_fixed or est_per_unit > 0)")
         self.host, self.n_feats = host, n_feats
-        self.instances = [_Instance(settings, costs, host, n_feats, meanflow)
+        self.instances = [_Instance(settings, costs, pricing or Pricing.of(costs), host, n_feats, meanflow)
                           for _ in range(settings.batching.solver_instances)]
         self._home: dict[int, _Instance] = {}
         self._order = itertools.count()
