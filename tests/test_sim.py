@@ -104,6 +104,18 @@ def test_near_saturation_least_slack_keeps_players_fed_where_fifo_lets_some_run_
     assert dry["fifo"] > 0 and dry["deadline"] < dry["fifo"]
 
 
+def test_a_slot_frees_when_its_end_is_answered_not_when_it_is_taken():
+    """Triton frees a sequence's slot when its END is answered: a START arriving while another stream's END is
+    still being solved goes to the other (idle) instance, and is answered as soon as a stream alone."""
+    one, two = utterances(2)
+    one = dataclasses.replace(one, chunks=[len(one.speech_tokens)])   # START and END in one long request
+    s, costs = settings(instances=2), COSTS.scaled(5.0)
+    [alone] = run_streams(VirtualServer(s, costs, n_feats=80), [two], [0.0])
+    results = run_streams(VirtualServer(s, costs, n_feats=80), [one, two], [0.0, 0.01])
+    assert results[0].first_chunk_s > 0.05, "the first stream's one request is still being solved at 0.01 s"
+    assert results[1].first_chunk_s == pytest.approx(alone.first_chunk_s, rel=1e-9)
+
+
 def test_served_costs_are_the_saved_fits_times_their_correction(tmp_path):
     from s3flow.serving.saved_price import SavedPrice
 

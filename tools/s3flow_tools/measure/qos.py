@@ -23,10 +23,10 @@ On each server:
    recordings (their mel vocoded by the trained vocoder, after the server has stopped).
 
 Beside each cell, the simulator (``s3flow_tools.sim``: the server's own solver code on a virtual clock) on the same
-load, the same sentences at the same start times, priced by the costs the server's instances saved at their close
-(``s3flow_tools.sim.price``), with one more constant, a chunk's way in and out (client, gRPC, the ensemble),
-fitted per mode from its 1-stream cells: its first answer p95 and its streams that ran dry, and its error against
-the server's (``token2mel`` only: the simulator has no vocoder). Exits non-zero when a stream fails.
+load, the same sentences at the same start times, priced by the costs the server's instances measured
+(``s3flow_tools.sim.price``: saved at their close), with one more constant, a chunk's way in and out (client,
+gRPC, the ensemble), fitted per mode from its 1-stream cells; every other cell is its prediction: first answer p95
+and streams that ran dry, and its error against the server's (``token2mel`` only: the simulator has no vocoder). Exits non-zero when a stream fails.
 """
 from __future__ import annotations
 
@@ -111,7 +111,8 @@ def starts(n: int, spread_s: float) -> list[float]:
 
 def simulate(rows: list, mode: str, settings, costs, at_once: int, c_server: float) -> dict:
     """The simulator beside each of ``mode``'s rows (``r["sim"]``: first answers and streams that ran dry, on the
-    same sentences at the same start times), its chunk transit fitted to the 1-stream rows; what it was run with."""
+    same sentences at the same start times), priced by ``costs``, what the server's instances measured (saved at
+    their close), its chunk transit fitted to the 1-stream rows; what it was run with."""
     mine = [r for r in rows if r["mode"] == mode]
 
     def run(r, transit_s):
@@ -120,8 +121,9 @@ def simulate(rows: list, mode: str, settings, costs, at_once: int, c_server: flo
         return run_streams(server, utterances(r["n"], offset=r["offset"]), starts(r["n"], spread),
                            rules=settings.solver.rules)
 
-    alone = [r for r in mine if r["n"] == 1]
-    transit = max(0.0, float(np.median([r["first"][0] - run(r, 0.0)[0].first_chunk_s for r in alone]))) if alone else 0.0
+    singles = [r for r in mine if r["n"] == 1]
+    transit = max(0.0, float(np.median([r["first"][0] - run(r, 0.0)[0].first_chunk_s for r in singles]))) \
+        if singles else 0.0
     for r in mine:
         results = run(r, transit)
         r["sim"] = ([x.first_chunk_s for x in results], sum(x.playback_stalls(BUFFER_S)[0] > 0 for x in results))
@@ -141,12 +143,16 @@ def _simulated(r: dict) -> str:
 def _simulator_note(sims: dict) -> str:
     if not sims:
         return "No simulator column: it has no vocoder (`token2mel` only)."
-    parts = [f"`{m}`: estimator {1e3 * s['costs'].est_fixed:.2f} ms a call + {1e9 * s['costs'].est_per_unit:.0f} ns a "
-             f"row-frame, encoder {1e3 * s['costs'].enc_fixed:.2f} ms + {1e6 * s['costs'].enc_per_unit:.1f} us a "
-             f"token, transit {1e3 * s['transit']:.0f} ms; C {s['c']:.2f} (server {s['c_server']:.2f})"
-             for m, s in sims.items()]
-    return ("The simulator (`s3flow_tools.sim`) was priced by the server's own saved costs and a chunk's transit "
-            "fitted to the 1-stream rows: " + "; ".join(parts) + ".")
+
+    def costs(c) -> str:
+        return (f"estimator {1e3 * c.est_fixed:.2f} ms + {1e6 * c.est_per_unit:.1f} us a row-frame, encoder "
+                f"{1e3 * c.enc_fixed:.2f} ms + {1e6 * c.enc_per_unit:.1f} us a token")
+
+    parts = [f"`{m}`: {costs(s['costs'])}, transit {1e3 * s['transit']:.0f} ms; C {s['c']:.2f} (server "
+             f"{s['c_server']:.2f})" for m, s in sims.items()]
+    return ("The simulator (`s3flow_tools.sim`) was priced by the costs the server's instances measured (saved at "
+            "their close: their fits times their correction, what admission prices with), and a chunk's transit "
+            "fitted to the 1-stream rows; every other cell is its prediction: " + "; ".join(parts) + ".")
 
 
 def _simulator_check(rows: list, modes: list) -> list[str]:
@@ -198,6 +204,7 @@ def row(label: str, mode: str, results: list, dry: float, model: str, cut: float
             "dry0": sum(r.playback_stalls(0.0)[0] > 0 for r in results), "dry": sum(s[0] > 0 for s in stalls),
             "stall_p95": float(np.percentile([s[1] for s in stalls], 95)), "underruns": dry, "cut": cut,
             "chunks": sum(len(r.chunk_frames) for r in results), "held": list(heldout),
+            "latencies": [r.chunk_latencies_s for r in results],
             "mels": [r.mel for r in results]}
 
 
@@ -250,7 +257,7 @@ def main(argv=None) -> int:
                               flush=True)
             if args.model == "token2mel":   # the server has saved its price at its close
                 sims[mode] = simulate(rows, mode, build_repository.settings_of(build_repository.parse_args(flags)),
-                         served_costs(repo), args.at_once, cs[mode])
+                                      served_costs(repo), args.at_once, cs[mode])
     estoi(rows)
     lines = [
         "# Streams under load: FIFO vs the step-level deadline scheduler",

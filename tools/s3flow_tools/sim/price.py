@@ -33,3 +33,4 @@ def served_costs(repository: Path, max_batch: int = 8) -> Costs:
     mean = {name: float(np.mean([getattr(c, name) for c in costs]))
             for name in ("est_fixed", "est_per_unit", "enc_fixed", "enc_per_unit")}
     return Costs(**mean, max_batch=max_batch)
+

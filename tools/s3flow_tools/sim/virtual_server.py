@@ -107,8 +107,8 @@ class PricedEstimator(ZeroEstimator):
 
     def __call__(self, inputs):
         rows, frames = int(inputs.x.shape[0]), int(inputs.x.shape[2])
-        past = 0 if inputs.past is None else int(inputs.past.mask.shape[-1])
-        self.meter.seconds += self.pricing.estimator(rows, frames, frames + past)
+        keys = frames + (0 if inputs.past is None else int(inputs.past.mask.shape[-1]))
+        self.meter.seconds += self.pricing.estimator(rows, frames, keys)
         self.calls.clear()   # (ZeroEstimator records them: not kept here)
         return super().__call__(inputs)
 
@@ -141,7 +141,8 @@ class _Instance:
         self.host, self.max_batch = host, settings.batching.max_batch_size
         self.queue_delay_s = settings.batching.max_queue_delay_us * 1e-6
         self.waiting: list[_Waiting] = []
-        self.held: set[int] = set()
+        #: the sequences it holds: corr_id -> when its slot frees (its END answered; inf while it lives)
+        self.held: dict[int, float] = {}
         self._done: list[Done] = []          # the deadline loop's answers (its callbacks) since the last iteration
 
     def next_action(self) -> Optional[float]:
@@ -229,7 +230,7 @@ class _Instance:
     def _forget_ended(self, chunks) -> None:
         for _, c in chunks:
             if c.finalize:
-                self.held.discard(c.corr_id)
+                self.held[c.corr_id] = self.now   # (the execute's end: Triton frees the slot then)
 
 
 class VirtualServer:
@@ -250,9 +251,11 @@ class VirtualServer:
     def offer(self, at: float, corr_id: int, request: ChunkRequest) -> None:
         """A request reaches the server at ``at`` (its START picks the instance that holds the fewest)."""
         if request.start or corr_id not in self._home:
+            for i in self.instances:   # slots freed by now
+                i.held = {c: until for c, until in i.held.items() if until > at}
             home = min(self.instances, key=lambda i: len(i.held))
             self._home[corr_id] = home
-            home.held.add(corr_id)
+            home.held[corr_id] = float("inf")
         home = self._home[corr_id]
         home.waiting.append(_Waiting(at, next(self._order), corr_id, request))
 
