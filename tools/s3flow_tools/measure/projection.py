@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from s3flow_contract.tensors import SAMPLES_PER_FRAME
 from s3flow.engine.capacity import Costs
 from s3flow.engine.scheduler import DeadlineSettings
 from s3flow.engine.settings import SolverSettings
@@ -100,10 +101,10 @@ def vocoder_flops_per_frame() -> float:
 
     from s3flow.model.vocoder import HiFTGenerator, VocoderConfig
     torch.manual_seed(0)
-    hift = HiFTGenerator(VocoderConfig.full()).eval()
+    hift = HiFTGenerator(VocoderConfig.full()).folded()
     frames = 100
-    with torch.inference_mode():
-        return counted_flops(lambda mel: hift.inference(mel), torch.randn(1, 80, frames)) / frames
+    harmonics = torch.randn(1, hift.config.nb_harmonics + 1, SAMPLES_PER_FRAME * frames)
+    return counted_flops(hift, torch.randn(1, 80, frames), harmonics) / frames
 
 
 def measured_gpu(path: Path, gpu: Gpu) -> Gpu:
@@ -249,7 +250,7 @@ def report(cells, gpu: Gpu, enc: float, voc: float, costs: Costs, host: HostCost
         f"| the linear fit a server would measure of those calls |",
         "",
         "## Streams", "",
-        "| model | policy | streams | ran dry (0.3 s buffer) | first audio p50 / p99 (ms) | device busy |",
+        "| model | policy | streams | ran dry (0.3 s buffer) | first audio p50 / p99 (ms) | solver busy over the run |",
         "| --- | --- | ---: | ---: | ---: | ---: |"]
     for c in cells:
         lines.append(f"| {c['kind']} | {c['policy']} | {c['n']} | {c['dry']} / {c['n']} | "
