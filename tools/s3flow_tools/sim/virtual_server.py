@@ -129,6 +129,7 @@ class _Instance:
         self.meter, self.pricing = _Meter(), pricing
         self.now = 0.0                       # the instance's clock: busy until then
         self.busy_s = 0.0                    # virtual seconds it worked
+        self.device_s = 0.0                  # ... of which in network calls (the rest: the host's Python)
         solver, deadlines = settings.solver, settings.solver.deadlines
         table = SequenceTable(solver.sequences, clock=lambda: self.now,
                               playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
@@ -191,7 +192,7 @@ class _Instance:
         steps_before = self.engine.whole.steps
         done = self.engine.solve([c for _, c in chunks]) if chunks else []
         steps = self.engine.whole.steps - steps_before
-        self.now += self.meter.take() + self.host.chunk_s * len(batch) + self.host.step_s * steps
+        self.now += self._calls() + self.host.chunk_s * len(batch) + self.host.step_s * steps
         outcomes = [self._outcome(d) for d in done]
         self._vocode(outcomes)
         answers += [(self.now, w.corr_id, o) for (w, _), o in zip(chunks, outcomes)]
@@ -210,7 +211,7 @@ class _Instance:
                 self.now += self.host.chunk_s
         steps_before = self.loop.steps
         self.loop.run_once()
-        self.now += self.meter.take() + self.host.step_s * (self.loop.steps - steps_before)
+        self.now += self._calls() + self.host.step_s * (self.loop.steps - steps_before)
         done, self._done = self._done, []
         outcomes = [self._outcome(d) for d in done]
         self._vocode(outcomes)
@@ -221,7 +222,14 @@ class _Instance:
     def _vocode(self, outcomes: list) -> None:
         """``token2wav``: the answers' frames vocoded on the same device before they go out."""
         if self.pricing.vocoder is not None:
-            self.now += sum(self.pricing.vocoder(int(o.mel.shape[1])) for o in outcomes if hasattr(o, "mel"))
+            self.meter.seconds += sum(self.pricing.vocoder(int(o.mel.shape[1])) for o in outcomes if hasattr(o, "mel"))
+            self.now += self._calls()
+
+    def _calls(self) -> float:
+        """The network calls' seconds since the last look (counted as the device's)."""
+        seconds = self.meter.take()
+        self.device_s += seconds
+        return seconds
 
     @staticmethod
     def _outcome(d: Done):
