@@ -192,6 +192,8 @@ def main(argv=None) -> int:
     p.add_argument("--step-host-ms", type=float, default=1.5, help="the solver's Python per Euler step (%(default)s)")
     p.add_argument("--chunk-host-ms", type=float, default=5.2, help="... per chunk (%(default)s)")
     p.add_argument("--transit-ms", type=float, default=2.6, help="a chunk's way in and out (%(default)s)")
+    p.add_argument("--lean-host-ms", default="0.3,1.0", help="the second host scenario: the solver's Python per "
+                   "step and per chunk (ms) on the lean served path (issue 49's aim; stated, not measured)")
     p.add_argument("--max-batch-size", type=int, default=64, help="FIFO: chunks an execute (%(default)s)")
     p.add_argument("--max-step-rows", type=int, default=256, help="least slack: rows a step (%(default)s)")
     p.add_argument("--keep-solved", type=int, default=0)
@@ -208,24 +210,29 @@ def main(argv=None) -> int:
     enc, voc = encoder_flops_per_token(), vocoder_flops_per_frame()
     price = pricing(gpu, enc, voc, vocoder=args.model == "token2wav")
     costs = linear_costs(price)
-    host = HostCosts(chunk_s=args.chunk_host_ms / 1e3, step_s=args.step_host_ms / 1e3, transit_s=args.transit_ms / 1e3)
+    lean_step, lean_chunk = (float(x) / 1e3 for x in args.lean_host_ms.split(","))
+    hosts = {"as measured here": HostCosts(chunk_s=args.chunk_host_ms / 1e3, step_s=args.step_host_ms / 1e3,
+                                           transit_s=args.transit_ms / 1e3),
+             "lean": HostCosts(chunk_s=lean_chunk, step_s=lean_step, transit_s=args.transit_ms / 1e3)}
     cells = []
-    for meanflow, counts in ((False, args.guided), (True, args.meanflow)):
-        for policy in (POLICIES if not meanflow else POLICIES[:2]):   # (meanflow: 2 steps, none fewer)
-            for n in [int(x) for x in counts.split(",") if x]:
-                cell = project(n, policy, meanflow, price, costs, host, args)
-                cell["kind"] = "meanflow, 2 steps" if meanflow else "guided, 10 steps"
-                cells.append(cell)
-                print(f"{cell['kind']} {cell['policy']} {n}: dry {cell['dry']}, first p50/p99 "
-                      f"{1e3 * cell['p50']:.0f}/{1e3 * cell['p99']:.0f} ms, busy {cell['device']:.2f} GPU + "
-                      f"{cell['busy'] - cell['device']:.2f} host "
-                      f"({cell['real_s']:.0f} s)", flush=True)
-    args.out.write_text(report(cells, gpu, enc, voc, costs, host, args, time.perf_counter() - t0))
+    for host_name, host in hosts.items():
+        for meanflow, counts in ((False, args.guided), (True, args.meanflow)):
+            for policy in (POLICIES if not meanflow else POLICIES[:2]):   # (meanflow: 2 steps, none fewer)
+                for n in [int(x) for x in counts.split(",") if x]:
+                    cell = project(n, policy, meanflow, price, costs, host, args)
+                    cell["kind"] = "meanflow, 2 steps" if meanflow else "guided, 10 steps"
+                    cell["host"] = host_name
+                    cells.append(cell)
+                    print(f"{host_name}: {cell['kind']} {cell['policy']} {n}: dry {cell['dry']}, first p50/p99 "
+                          f"{1e3 * cell['p50']:.0f}/{1e3 * cell['p99']:.0f} ms, busy {cell['device']:.2f} GPU + "
+                          f"{cell['busy'] - cell['device']:.2f} host ({cell['real_s']:.0f} s)", flush=True)
+    args.out.write_text(report(cells, gpu, enc, voc, costs, hosts, args, time.perf_counter() - t0))
     print(f"wrote {args.out}")
     return 0
 
 
-def report(cells, gpu: Gpu, enc: float, voc: float, costs: Costs, host: HostCosts, args, took_s: float) -> str:
+def report(cells, gpu: Gpu, enc: float, voc: float, costs: Costs, hosts: dict, args, took_s: float) -> str:
+    host, lean = hosts["as measured here"], hosts["lean"]
     config = EstimatorConfig.full()
     one = lambda rows, frames: 1e3 * (gpu.call_floor_s + estimator_flops(config, rows, frames).total / gpu.flops_per_s)
     lines = [
@@ -249,21 +256,24 @@ def report(cells, gpu: Gpu, enc: float, voc: float, costs: Costs, host: HostCost
         f"| vocoder | {voc / 1e9:.3f} GFLOP a mel frame | counted on the full-size HiFT{'' if args.model == 'token2wav' else ' (not used: token2mel)'} |",
         f"| host: the solver's Python | {1e3 * host.step_s:.1f} ms an Euler step, {1e3 * host.chunk_s:.1f} ms a chunk "
         f"| this host's served path (results/overhead.md) |",
+        f"| host, lean | {1e3 * lean.step_s:.1f} ms an Euler step, {1e3 * lean.chunk_s:.1f} ms a chunk | stated: the "
+        f"lean served path's aim (issue 49: tensors by DLPack, one hop per answer), `--lean-host-ms` |",
         f"| a chunk's transit | {1e3 * host.transit_s:.1f} ms | this host: client, gRPC, admission, ensemble |",
         f"| the step loop's cost model | {1e3 * costs.est_fixed:.2f} ms + {1e9 * costs.est_per_unit:.2f} ns a row-frame "
         f"| the linear fit a server would measure of those calls |",
         "",
         "## Streams", "",
-        "| model | policy | streams | ran dry (0.3 s buffer) | first audio p50 / p99 (ms) | solver busy: GPU calls + "
-        "host Python, share of the run |",
-        "| --- | --- | ---: | ---: | ---: | ---: |"]
+        "| host | model | policy | streams | ran dry (0.3 s buffer) | first audio p50 / p99 (ms) | solver busy: GPU "
+        "calls + host Python, share of the run |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for c in cells:
-        lines.append(f"| {c['kind']} | {c['policy']} | {c['n']} | {c['dry']} / {c['n']} | "
+        lines.append(f"| {c['host']} | {c['kind']} | {c['policy']} | {c['n']} | {c['dry']} / {c['n']} | "
                      f"{1e3 * c['p50']:.0f} / {1e3 * c['p99']:.0f} | {c['device']:.2f} + {c['busy'] - c['device']:.2f} |")
     lines += ["", "## Against the goal", ""]
-    for kind, goal in (("guided, 10 steps", 128), ("meanflow, 2 steps", 512)):
-        for policy in {c["policy"] for c in cells if c["kind"] == kind}:
-            mine = [c for c in cells if c["kind"] == kind and c["policy"] == policy]
+    for (name, kind, goal) in [(h, k, g) for h in hosts for k, g in (("guided, 10 steps", 128),
+                                                                      ("meanflow, 2 steps", 512))]:
+        for policy in [p[0] for p in POLICIES if any(c["policy"] == p[0] and c["kind"] == kind for c in cells)]:
+            mine = [c for c in cells if c["kind"] == kind and c["policy"] == policy and c["host"] == name]
             ok = [c["n"] for c in mine if c["dry"] == 0 and c["p99"] <= 0.3]
             short = [c for c in mine if c["n"] not in ok]
             bound = ""
@@ -272,9 +282,9 @@ def report(cells, gpu: Gpu, enc: float, voc: float, costs: Costs, host: HostCost
                 host = c["busy"] - c["device"]
                 bound = (f"; at {c['n']} the solver is busy {c['busy']:.2f} of the run, {c['device']:.2f} in GPU calls "
                          f"and {host:.2f} in the host's Python: bound by {'host time' if host > c['device'] else 'compute'}")
-            lines.append(f"- {kind}, {policy}: the most streams at 0 stalls with first audio p99 <= 300 ms: "
+            lines.append(f"- host {name}, {kind}, {policy}: the most streams at 0 stalls with first audio p99 <= 300 ms: "
                          f"**{max(ok) if ok else 0}** of those tried (goal >= {goal}){bound}.")
-    alone = [c for c in cells if c["n"] == 1]
+    alone = [c for c in cells if c["n"] == 1 and c["host"] == "as measured here"]
     if alone:
         firsts = ", ".join(f"{1e3 * c['p50']:.0f} ms ({c['kind']}, {c['policy']})" for c in alone)
         lines.append(f"- One stream's first audio: {firsts} (goal <= 50 ms).")

@@ -75,7 +75,8 @@ class _Meter:
 class Pricing:
     """What a call takes on the virtual clock: ``estimator(rows, frames, key_frames)`` (key frames: its frames and
     the frames of the cache it reads), ``encoder(tokens)`` (the padded batch's), and, for ``token2wav``,
-    ``vocoder(frames)`` per answer on the same device (None: ``token2mel``, no vocoder). By default the costs' own
+    ``vocoder(frames)``: one call for the answers an execute or an iteration makes, on the same device (None:
+    ``token2mel``, no vocoder). By default the costs' own
     linear model; a projection prices by FLOPs (``s3flow_tools.measure.projection``)."""
     estimator: Callable[[int, int, int], float]
     encoder: Callable[[int], float]
@@ -220,9 +221,11 @@ class _Instance:
         return answers
 
     def _vocode(self, outcomes: list) -> None:
-        """``token2wav``: the answers' frames vocoded on the same device before they go out."""
+        """``token2wav``: the answers' frames vocoded on the same device before they go out, in one batched call."""
         if self.pricing.vocoder is not None:
-            self.meter.seconds += sum(self.pricing.vocoder(int(o.mel.shape[1])) for o in outcomes if hasattr(o, "mel"))
+            frames = [int(o.mel.shape[1]) for o in outcomes if hasattr(o, "mel")]
+            if frames:   # one batched call for the execute's (or the iteration's) answers
+                self.meter.seconds += self.pricing.vocoder(sum(frames))
             self.now += self._calls()
 
     def _calls(self) -> float:
