@@ -13,9 +13,9 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.repository.settings import Batching, RepositorySettings
 from s3flow_client.chunking import chunk_schedule
 from s3flow_client.demo import demo_utterance
-from s3flow_tools.sim.price import served_costs
+from s3flow_tools.sim.price import chunk_work, fit_alone, served_costs
 from s3flow_tools.sim.streams import run_streams
-from s3flow_tools.sim.virtual_server import HostCosts, VirtualServer
+from s3flow_tools.sim.virtual_server import HostCosts, Pricing, VirtualServer
 
 COSTS = Costs(est_fixed=2e-3, est_per_unit=1e-6, enc_fixed=1e-3, enc_per_unit=1e-5, max_batch=8)
 
@@ -129,6 +129,27 @@ def test_served_costs_are_the_saved_fits_times_their_correction(tmp_path):
     assert (costs.est_fixed, costs.est_per_unit, costs.enc_fixed) == pytest.approx((2e-3, 4e-7, 1e-3))
     with pytest.raises(ValueError, match="no saved price"):
         served_costs(tmp_path / "elsewhere")
+
+
+def test_an_instance_working_beside_another_is_priced_at_load():
+    """Two STARTs at once on two instances: the one that begins first works alone (priced alone), the other
+    begins while it works (priced at load, here twice as dear)."""
+    us, s = utterances(2), settings(instances=2)
+    server = VirtualServer(s, COSTS, n_feats=80, loaded=Pricing.of(COSTS.scaled(2.0)))
+    firsts = sorted(r.first_chunk_s for r in run_streams(server, us, [0.0, 0.0], rules=s.solver.rules))
+    delay = s.batching.max_queue_delay_us * 1e-6
+    assert firsts[1] - delay == pytest.approx(2 * (firsts[0] - delay), rel=1e-9)
+
+
+def test_the_alone_fit_recovers_the_costs_a_stream_alone_was_timed_at():
+    """``fit_alone`` from a stream alone's chunk latencies: latencies made by known costs give those costs back."""
+    u, s = utterances(1)[0], settings()
+    true = Costs(est_fixed=3e-3, est_per_unit=5e-5, enc_fixed=COSTS.enc_fixed, enc_per_unit=COSTS.enc_per_unit)
+    [r] = run_streams(VirtualServer(s, true, HostCosts(transit_s=0.002), n_feats=80), [u], [0.0])
+    points = list(zip(chunk_work(s, u), r.chunk_latencies_s))
+    assert [calls for (_, calls, _), _ in points] == [10] * len(points), "each chunk's 10 Euler steps, counted once"
+    fit = fit_alone(points, COSTS, s.batching.max_queue_delay_us * 1e-6, 0.002)
+    assert (fit.est_fixed, fit.est_per_unit) == pytest.approx((3e-3, 5e-5), rel=1e-6)
 
 
 def test_the_simulator_refuses_unknown_costs():

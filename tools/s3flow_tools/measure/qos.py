@@ -23,10 +23,10 @@ On each server:
    recordings (their mel vocoded by the trained vocoder, after the server has stopped).
 
 Beside each cell, the simulator (``s3flow_tools.sim``: the server's own solver code on a virtual clock) on the same
-load, the same sentences at the same start times, priced by the costs the server's instances measured
-(``s3flow_tools.sim.price``: saved at their close), with one more constant, a chunk's way in and out (client,
-gRPC, the ensemble), fitted per mode from its 1-stream cells; every other cell is its prediction: first answer p95
-and streams that ran dry, and its error against the server's (``token2mel`` only: the simulator has no vocoder). Exits non-zero when a stream fails.
+load, the same sentences at the same start times, priced from the same server (``simulate``: an instance alone by
+its 1-stream cells' chunk latencies, at load by the costs the instances saved at their close); every other cell
+is its prediction: first answer p95 and streams that ran dry, and its error against the server's (``token2mel``
+only: the simulator has no vocoder). Exits non-zero when a stream fails.
 """
 from __future__ import annotations
 
@@ -46,14 +46,16 @@ from s3flow.server.metrics_reader import metric_sum, read_metrics, wait_priced
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient, Utterance
 from s3flow_tools.bench.report import machine
-from s3flow_tools.sim.price import served_costs
+from s3flow_tools.sim.price import chunk_work, fit_alone, served_costs
 from s3flow_tools.sim.streams import run_streams
-from s3flow_tools.sim.virtual_server import HostCosts, VirtualServer
+from s3flow_tools.sim.virtual_server import HostCosts, Pricing, VirtualServer
 from s3flow_tools.measure.command import command
 from s3flow_training.package import HeldoutUtterance, load_heldout
 
 TRAINED = ROOT / "checkpoints" / "trained"
 BUFFER_S = 0.3
+#: a chunk's way in and out without admission (client and gRPC, the ensemble's hops): results/overhead.md, alone
+TRANSIT_S = 1.3e-3
 #: the modes: their build flags (``fewer``: the deadline scheduler at its default ``min_steps``; ``kept``: FIFO with
 #: every frame solved once, ``keep_solved 2``, docs/streaming.md)
 MODES = {"fifo": ["--scheduling", "fifo"], "deadline": ["--scheduling", "deadline", "--min-steps", "0"],
@@ -109,27 +111,31 @@ def starts(n: int, spread_s: float) -> list[float]:
     return [spread_s * k / max(1, n - 1) if n > 1 else 0.0 for k in range(n)]
 
 
-def simulate(rows: list, mode: str, settings, costs, at_once: int, c_server: float) -> dict:
+def simulate(rows: list, mode: str, settings, saved, at_once: int, c_server: float) -> dict:
     """The simulator beside each of ``mode``'s rows (``r["sim"]``: first answers and streams that ran dry, on the
-    same sentences at the same start times), priced by ``costs``, what the server's instances measured (saved at
-    their close), its chunk transit fitted to the 1-stream rows; what it was run with."""
+    same sentences at the same start times). An instance working alone is priced by the 1-stream rows' chunk
+    latencies (``fit_alone``: a part per estimator call and a part per row-frame; the encoder as ``saved``; the
+    transit ``TRANSIT_S``), one working beside the other at load by ``saved``, what the instances measured (saved at
+    their close). What it was run with."""
     mine = [r for r in rows if r["mode"] == mode]
+    delay = settings.batching.max_queue_delay_us * 1e-6
+    points = [(work, latency) for r in mine if r["n"] == 1
+              for work, latency in zip(chunk_work(settings, utterances(1, offset=r["offset"])[0]), r["latencies"][0])]
+    alone = fit_alone(points, saved, delay, TRANSIT_S) if points else saved
 
-    def run(r, transit_s):
-        server = VirtualServer(settings, costs, HostCosts(transit_s=transit_s), n_feats=80)
+    def run(r):
+        server = VirtualServer(settings, saved, HostCosts(transit_s=TRANSIT_S), n_feats=80,
+                               pricing=Pricing.of(alone), loaded=Pricing.of(saved))
         spread = 0.0 if "at once" in r["label"] or r["n"] == 1 else 2.0
         return run_streams(server, utterances(r["n"], offset=r["offset"]), starts(r["n"], spread),
                            rules=settings.solver.rules)
 
-    singles = [r for r in mine if r["n"] == 1]
-    transit = max(0.0, float(np.median([r["first"][0] - run(r, 0.0)[0].first_chunk_s for r in singles]))) \
-        if singles else 0.0
     for r in mine:
-        results = run(r, transit)
+        results = run(r)
         r["sim"] = ([x.first_chunk_s for x in results], sum(x.playback_stalls(BUFFER_S)[0] > 0 for x in results))
-    burst = run({"label": "at once", "n": at_once, "offset": 0}, transit)
+    burst = run({"label": "at once", "n": at_once, "offset": 0})
     c_sim = sum(x.mel.shape[1] for x in burst) / FRAMES_PER_SECOND / max(x.wall_s for x in burst)
-    return {"costs": costs, "transit": transit, "c": c_sim, "c_server": c_server}
+    return {"alone": alone, "loaded": saved, "c": c_sim, "c_server": c_server}
 
 
 def _simulated(r: dict) -> str:
@@ -148,11 +154,14 @@ def _simulator_note(sims: dict) -> str:
         return (f"estimator {1e3 * c.est_fixed:.2f} ms + {1e6 * c.est_per_unit:.1f} us a row-frame, encoder "
                 f"{1e3 * c.enc_fixed:.2f} ms + {1e6 * c.enc_per_unit:.1f} us a token")
 
-    parts = [f"`{m}`: {costs(s['costs'])}, transit {1e3 * s['transit']:.0f} ms; C {s['c']:.2f} (server "
+    parts = [f"`{m}`: alone {costs(s['alone'])}; at load {costs(s['loaded'])}; C {s['c']:.2f} (server "
              f"{s['c_server']:.2f})" for m, s in sims.items()]
-    return ("The simulator (`s3flow_tools.sim`) was priced by the costs the server's instances measured (saved at "
-            "their close: their fits times their correction, what admission prices with), and a chunk's transit "
-            "fitted to the 1-stream rows; every other cell is its prediction: " + "; ".join(parts) + ".")
+    return ("The simulator (`s3flow_tools.sim`) was priced from this run's server: an instance working alone by the "
+            "1-stream rows' chunk latencies (a part per estimator call and a part per row-frame; the encoder as the "
+            "instances saved it, a chunk's transit 1.3 ms as measured in results/overhead.md), one working beside "
+            "the other by the costs the instances saved at their close (what admission prices with); an execute is "
+            "priced between the two by the share of the other instances busy when it begins. Every other cell is "
+            "its prediction: " + "; ".join(parts) + ".")
 
 
 def _simulator_check(rows: list, modes: list) -> list[str]:

@@ -61,14 +61,21 @@ class HostCosts:
 
 
 class _Meter:
-    """The virtual seconds an instance's calls took, since it was last read."""
+    """The virtual seconds an instance's calls took since it was last read, priced as alone and as at load."""
 
-    def __init__(self):
-        self.seconds = 0.0
+    def __init__(self, alone: "Pricing", loaded: "Pricing"):
+        self.pricings, self.sums = (alone, loaded), [0.0, 0.0]
 
-    def take(self) -> float:
-        s, self.seconds = self.seconds, 0.0
-        return s
+    def charge(self, price: Callable[["Pricing"], float]) -> None:
+        alone, loaded = self.pricings
+        seconds = price(alone)     # (each pricing asked once: a probe counts its calls)
+        self.sums[0] += seconds
+        self.sums[1] += seconds if loaded is alone else price(loaded)
+
+    def take(self, loaded_share: float) -> float:
+        """The seconds, ``loaded_share`` of the way from the prices alone to those at load."""
+        (alone, loaded), self.sums = self.sums, [0.0, 0.0]
+        return alone + loaded_share * (loaded - alone)
 
 
 @dataclass(frozen=True)
@@ -90,11 +97,12 @@ class Pricing:
 class PricedEncoder:
     """The flow encoder as zeros of the right shapes, each call charged its price."""
 
-    def __init__(self, n_feats: int, pricing: Pricing, meter: _Meter):
-        self.n_feats, self.pricing, self.meter = n_feats, pricing, meter
+    def __init__(self, n_feats: int, meter: _Meter):
+        self.n_feats, self.meter = n_feats, meter
 
     def __call__(self, tokens, token_len, embedding):
-        self.meter.seconds += self.pricing.encoder(int(tokens.numel()))
+        n = int(tokens.numel())
+        self.meter.charge(lambda pricing: pricing.encoder(n))
         b, frames = tokens.shape[0], 2 * tokens.shape[1]
         return torch.zeros(b, self.n_feats, frames), None, torch.zeros(b, self.n_feats)
 
@@ -102,14 +110,14 @@ class PricedEncoder:
 class PricedEstimator(ZeroEstimator):
     """The estimator as zeros (and empty caches), each call charged its price."""
 
-    def __init__(self, pricing: Pricing, meter: _Meter):
+    def __init__(self, meter: _Meter):
         super().__init__()
-        self.pricing, self.meter = pricing, meter
+        self.meter = meter
 
     def __call__(self, inputs):
         rows, frames = int(inputs.x.shape[0]), int(inputs.x.shape[2])
         keys = frames + (0 if inputs.past is None else int(inputs.past.mask.shape[-1]))
-        self.meter.seconds += self.pricing.estimator(rows, frames, keys)
+        self.meter.charge(lambda pricing: pricing.estimator(rows, frames, keys))
         self.calls.clear()   # (ZeroEstimator records them: not kept here)
         return super().__call__(inputs)
 
@@ -125,16 +133,17 @@ class _Waiting:
 class _Instance:
     """One solver instance: its engine, its loop, its queue and its own clock."""
 
-    def __init__(self, settings: RepositorySettings, costs: Costs, pricing: Pricing, host: HostCosts, n_feats: int,
-                 meanflow: bool):
-        self.meter, self.pricing = _Meter(), pricing
+    def __init__(self, settings: RepositorySettings, costs: Costs, pricing: Pricing, loaded: Pricing, host: HostCosts,
+                 n_feats: int, meanflow: bool, others_busy: Callable[["_Instance", float], float]):
+        self.meter, self.pricing = _Meter(pricing, loaded), pricing
+        self.others_busy, self.loaded_share = others_busy, 0.0
         self.now = 0.0                       # the instance's clock: busy until then
         self.busy_s = 0.0                    # virtual seconds it worked
         self.device_s = 0.0                  # ... of which in network calls (the rest: the host's Python)
         solver, deadlines = settings.solver, settings.solver.deadlines
         table = SequenceTable(solver.sequences, clock=lambda: self.now,
                               playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
-        self.engine = StreamingEngine(PricedEncoder(n_feats, pricing, self.meter), PricedEstimator(pricing, self.meter),
+        self.engine = StreamingEngine(PricedEncoder(n_feats, self.meter), PricedEstimator(self.meter),
                                       n_feats=n_feats, meanflow=meanflow, solving=solver.solving,
                                       limits=solver.sequences, table=table)
         self.stepping = settings.scheduling == "deadline"
@@ -163,6 +172,7 @@ class _Instance:
         """Do the next thing at ``at`` (>= ``next_action()``): its answers, (time, corr_id, outcome) each."""
         self.now = max(self.now, at)
         began = self.now
+        self.loaded_share = self.others_busy(self, began)
         try:
             return self._iterate() if self.stepping else self._execute()
         finally:
@@ -223,14 +233,14 @@ class _Instance:
     def _vocode(self, outcomes: list) -> None:
         """``token2wav``: the answers' frames vocoded on the same device before they go out, in one batched call."""
         if self.pricing.vocoder is not None:
-            frames = [int(o.mel.shape[1]) for o in outcomes if hasattr(o, "mel")]
+            frames = sum(int(o.mel.shape[1]) for o in outcomes if hasattr(o, "mel"))
             if frames:   # one batched call for the execute's (or the iteration's) answers
-                self.meter.seconds += self.pricing.vocoder(sum(frames))
+                self.meter.charge(lambda pricing: pricing.vocoder(frames))
             self.now += self._calls()
 
     def _calls(self) -> float:
         """The network calls' seconds since the last look (counted as the device's)."""
-        seconds = self.meter.take()
+        seconds = self.meter.take(self.loaded_share)
         self.device_s += seconds
         return seconds
 
@@ -248,16 +258,26 @@ class VirtualServer:
     """The solver instances of a repository built with ``settings`` (module docstring), on a virtual clock."""
 
     def __init__(self, settings: RepositorySettings, costs: Costs, host: HostCosts = HostCosts(), *, n_feats: int,
-                 meanflow: bool = False, pricing: Optional[Pricing] = None):
+                 meanflow: bool = False, pricing: Optional[Pricing] = None, loaded: Optional[Pricing] = None):
         """``costs``: what the instances decide by (the step loop's slack and fewer steps, as the server's measured
-        costs); ``pricing``: what the calls take (default: the same costs)."""
+        costs); ``pricing``: what the calls take on an instance working alone (default: the same costs);
+        ``loaded``: what they take while every other instance works too (instances share the host's cores: the CPU
+        layout's 2 solvers carry 1.42x one, not 2x, results/layout.md). An execute (or an iteration) is priced
+        between the two by the share of the other instances busy when it begins (default: ``pricing`` always)."""
         if not costs.known:
             raise ValueError("the simulator needs known costs (est_fixed or est_per_unit > 0)")
         self.host, self.n_feats = host, n_feats
-        self.instances = [_Instance(settings, costs, pricing or Pricing.of(costs), host, n_feats, meanflow)
+        pricing = pricing or Pricing.of(costs)
+        self.instances = [_Instance(settings, costs, pricing, loaded or pricing, host, n_feats, meanflow,
+                                    self._others_busy)
                           for _ in range(settings.batching.solver_instances)]
         self._home: dict[int, _Instance] = {}
         self._order = itertools.count()
+
+    def _others_busy(self, instance: "_Instance", at: float) -> float:
+        """The share of the instances other than ``instance`` at work at ``at`` (busy until after it)."""
+        others = [i for i in self.instances if i is not instance]
+        return sum(i.now > at for i in others) / len(others) if others else 0.0
 
     def offer(self, at: float, corr_id: int, request: ChunkRequest) -> None:
         """A request reaches the server at ``at`` (its START picks the instance that holds the fewest)."""
