@@ -1,13 +1,16 @@
-"""What the simulator is priced with: the costs a served repository's solver instances measured (issue 51).
+"""What the simulator is priced with, measured on the served path (issue 51).
 
-Each ``cfm_solver`` instance saves its price at its close (``s3flow.serving.saved_price``: its cost fits, the
-correction that makes them price what the instance really took, busy over priced, under the load it served): the
-costs admission priced with. The simulator takes their mean over the instances, so a run of the server and the
-simulator of that run share one cost model, measured by the server.
+* ``served_costs``: each ``cfm_solver`` instance saves its price at its close (``s3flow.serving.saved_price``: its
+  cost fits and the correction that makes them price what the instance really took, busy over priced, under the
+  load it served): the costs admission priced with, at load (two instances on two cores slow each other);
+* ``fit_alone``: an instance working alone, fitted to a stream alone's chunk latencies, each chunk's calls and
+  row-frames as the engine plans them (``chunk_work``).
 
 Example::
 
-    costs = served_costs(repository)          # after the server on ``repository`` has stopped
+    loaded = served_costs(repository)          # after the server on ``repository`` has stopped
+    points = [(work, latency) for work, latency in zip(chunk_work(settings, utterance), result.chunk_latencies_s)]
+    alone = fit_alone(points, loaded, queue_delay_s=0.002, transit_s=0.0013)
 """
 from __future__ import annotations
 

@@ -6,15 +6,16 @@ solved caches, policy and fewer-steps code), run over stand-in networks that ret
 seconds to the instance (``Pricing``): by default ``Costs.step_seconds(rows, frames)`` per estimator call and
 ``Costs.encoder_seconds(tokens)`` per encoder call, the costs the server itself prices admission with
 (``s3flow.engine.capacity``: the fits times its correction, read from the price a served instance saved,
-``s3flow_tools.sim.price``); a projection prices calls by FLOPs instead, and may add the vocoder's time per
-answer on the same device. ``HostCosts`` adds the solver's Python per chunk and per step beyond what the prices
+``s3flow_tools.sim.price``); a projection prices calls by FLOPs instead, and may add the vocoder's time for the
+answers on the same device. ``HostCosts`` adds the solver's Python per chunk and per step beyond what the prices
 hold, and a request's way in and its answer's way out (client, gRPC, the ensemble), which takes time but no
 solver.
 
 What Triton does around the solver is modelled as it is configured (``RepositorySettings``):
 
 * a START goes to the instance holding the fewest sequences (Triton's sequence batcher hands a new sequence the
-  lowest free slot over its instances); a sequence stays on its instance;
+  lowest free slot over its instances); a sequence stays on its instance, and its slot frees when its END is
+  answered (the end of that execute), not when the END is taken;
 * ``fifo``: a free instance takes up to ``max_batch_size`` waiting chunks of its sequences, oldest first, one per
   sequence, after ``max_queue_delay`` unless the batch is full, and solves them whole (``StepLoop.solve``): the
   answers go out together at the end of the execute;
@@ -22,15 +23,17 @@ What Triton does around the solver is modelled as it is configured (``Repository
   within the step budget, late chunks given fewer steps); a chunk joins at the iteration after it arrives and is
   answered at the end of the iteration that made its last step.
 
-Instances run side by side, each on its own clock; their calls do not slow each other here beyond what the costs
-hold (the server's correction is measured with the instances working side by side).
+Instances run side by side, each on its own clock, an execute (or an iteration) taken whole when it begins. On
+shared cores they slow each other: an execute is priced between the prices alone and those at load (``loaded``)
+by the share of the other instances busy when it begins.
 
-Example::
+Example (what ``s3flow_tools.sim.streams.run_streams`` drives)::
 
     server = VirtualServer(RepositorySettings(), costs, HostCosts(transit_s=0.01), n_feats=80)
-    server.offer(0.0, corr_id=1, request=chunk_request)        # arrives at the server at t = 0
-    for t, corr_id, outcome in server.run_until(1.0):           # answered by then: (time at the server, ...)
-        ...
+    server.offer(0.0, corr_id=1, request=chunk_request)     # reaches the server at t = 0
+    while server.next_time() is not None:
+        for t, corr_id, outcome in server.step():            # answered at t: a ChunkResult or the error
+            ...
 """
 from __future__ import annotations
 
