@@ -36,8 +36,8 @@ from s3flow.serving.reaper import IdleReaper
 from s3flow.serving.vocoder_session import VocoderIncoming, VocoderOutcome, VocoderSession
 from s3flow.serving.warmup import warm_up_vocoder
 
-#: how stale the vocoder's view of the other instances' load reports may be for its gauge (seconds); and for its
-#: idle checks (a stream the solver holds is not idle: a stale view delays an eviction)
+#: how stale the vocoder's view of the other instances' load reports may be for its gauge, and its own report
+#: (seconds); and for its idle checks (a stream the solver holds is not idle: a stale view delays an eviction)
 READ_EVERY_S, PENDING_EVERY_S = 1.0, 0.25
 
 
@@ -61,6 +61,7 @@ class VocoderInstance(Observer):
         # when it was last seen free (its report's ``free_at``): now between batches, else the last batch's end
         # (the reaper's thread publishes while a batch runs too)
         self.busy, self.last_free = False, time.time()
+        self._published: tuple = (None, float("-inf"))   # (the streams held, when) of the last report
         if params.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no table entry
             log("info", warm_up_vocoder(stream).describe())
         self.publish()
@@ -116,9 +117,15 @@ class VocoderInstance(Observer):
 
     def publish(self) -> None:
         """The live count, utilization and token2wav's capacity to the metrics, and the load report to admission,
-        after every batch and from the reaper's thread; with when it was last seen free (``Delivery``: an answer
-        the solver sent on well before then and that was never vocoded is not coming)."""
+        with when it was last seen free (``Delivery``: an answer the solver sent on well before then and that was
+        never vocoded is not coming): at once when the streams held changed (a START, an END, a drop), else at most
+        every ``READ_EVERY_S`` (admission's vocoder stage and ``Delivery`` read it; a second late moves neither
+        much: ``Delivery`` frees a stream whose answer was dropped up to a second later)."""
         works = self.table.works()
+        live, now = set(works), time.monotonic()
+        if live == self._published[0] and now - self._published[1] < READ_EVERY_S:
+            return
+        self._published = (live, now)
         self.publish_metric(VOCODER_LIVE, len(works), {})
         free_at = self.last_free if self.busy else time.time()
         self.publish_metric(UTILIZATION, self.load.publish(works, free_at=free_at).utilization, {})
