@@ -86,8 +86,8 @@ class Pricing:
     """What a call takes on the virtual clock: ``estimator(rows, frames, key_frames)`` (key frames: its frames and
     the frames of the cache it reads), ``encoder(tokens)`` (the padded batch's), and, for ``token2wav``,
     ``vocoder(frames)``: one call for the answers an execute or an iteration makes, on the same device (None:
-    ``token2mel``, no vocoder). By default the costs' own
-    linear model; a projection prices by FLOPs (``s3flow_tools.measure.projection``)."""
+    ``token2mel``, no vocoder). By default the costs' own linear model; a projection prices by FLOPs
+    (``s3flow_tools.measure.projection``)."""
     estimator: Callable[[int, int, int], float]
     encoder: Callable[[int], float]
     vocoder: Optional[Callable[[int], float]] = None
@@ -121,8 +121,9 @@ class PricedEstimator(ZeroEstimator):
         rows, frames = int(inputs.x.shape[0]), int(inputs.x.shape[2])
         keys = frames + (0 if inputs.past is None else int(inputs.past.mask.shape[-1]))
         self.meter.charge(lambda pricing: pricing.estimator(rows, frames, keys))
-        self.calls.clear()   # (ZeroEstimator records them: not kept here)
-        return super().__call__(inputs)
+        out = super().__call__(inputs)
+        self.calls.clear()   # (ZeroEstimator records each call: not kept here)
+        return out
 
 
 @dataclass(order=True)
