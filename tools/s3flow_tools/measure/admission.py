@@ -68,10 +68,11 @@ C_BURSTS = 3   # C is the median of this many bursts of ``--at-once`` streams
 BEGIN, END = "<!-- measure_admission -->", "<!-- /measure_admission -->"
 
 
-def build(repo: Path, target: float) -> None:
+def build(repo: Path, target: float, flags: tuple = ()) -> None:
+    """The repository as ``make demo`` builds it, at utilization target ``target``, with more build ``flags``."""
     if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--vocoder-checkpoint",
                               str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice",
-                              "--utilization-target", str(target)]) != 0:
+                              "--utilization-target", str(target), *flags]) != 0:
         raise SystemExit("building the repository failed")
 
 
@@ -391,11 +392,13 @@ def main(argv=None) -> int:
                    help="the file whose admission section is (re)written (default: %(default)s)")
     p.add_argument("--singles", type=int, default=100, help="utterances one after another (%(default)s)")
     p.add_argument("--lost-runs", type=int, default=3, help="runs of 16 and of 32 at once (%(default)s)")
+    p.add_argument("--flags", default="", help="more build_repository flags for both repositories (e.g. "
+                                               "'--keep-solved 2': every frame solved once, issue 50)")
     args = p.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
     models = ("token2mel", "token2wav") if args.model == "both" else (args.model,)
     lines = ["## Admission by capacity (issues 34, 39)", "",
-             f"Made by `python -m s3flow_tools.measure.admission` on "
+             f"Made by `python -m s3flow_tools.measure.admission{' --flags ' + repr(args.flags) if args.flags else ''}` on "
              f"{', '.join(f'{k} {v}' for k, v in machine().items())}: the "
              f"trained small teacher (10 guided steps), held-out sentences of 3-6 s with their own prompts, `fifo`, "
              f"each stream a plain `StreamingClient` with no retry (a refusal reaches the caller); loads in units of "
@@ -403,8 +406,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         repos = {"off": tmp / "off", "on": tmp / "on"}
-        build(repos["off"], 0.0)
-        build(repos["on"], 0.9)
+        build(repos["off"], 0.0, tuple(args.flags.split()))
+        build(repos["on"], 0.9, tuple(args.flags.split()))
         for model in models:
             lines += measure_model(model, loads, args.at_once, repos, tmp, args.pair, args.singles, args.lost_runs,
                                    args.out.parent)
