@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from s3flow.model.prefix_cache import MASK_BIAS_VALUE, CacheShape, PrefixCache, PrefixWalk
+from s3flow.model.prefix_cache import CacheShape, PrefixCache, PrefixWalk, mask_to_attention_bias
 
 __all__ = [
     "EstimatorConfig",
@@ -46,7 +46,6 @@ __all__ = [
     "Attention",
     "FeedForward",
     "BasicTransformerBlock",
-    "mask_to_attention_bias",
 ]
 
 
@@ -116,19 +115,6 @@ class EstimatorConfig:
     def time_embed_dim(self) -> int:
         """Width of the time embedding (``4 * channels[0]``)."""
         return 4 * self.channels[0]
-
-
-def mask_to_attention_bias(mask: torch.Tensor) -> torch.Tensor:
-    """Turns a frame mask into an additive attention bias over keys.
-
-    Args:
-        mask: (B, 1, T) float, 1 for valid frames and 0 for padding.
-
-    Returns:
-        (B, 1, 1, T) bias, 0 for valid keys and ``-1e10`` for padded keys;
-        broadcasts over heads and queries.
-    """
-    return ((1.0 - mask) * MASK_BIAS_VALUE).unsqueeze(1)
 
 
 # --------------------------------------------------------------------------- #
@@ -334,7 +320,7 @@ class Attention(nn.Module):
 
         Args:
             x: (B, T, query_dim).
-            attn_bias: (B, 1, 1, T) additive key bias (see :func:`mask_to_attention_bias`).
+            attn_bias: (B, 1, 1, T) additive key bias (``s3flow.model.prefix_cache.mask_to_attention_bias``).
             walk: the prefix cache's pass (``s3flow.model.prefix_cache``), or None.
 
         Returns:

@@ -35,6 +35,19 @@ import torch.nn.functional as F
 MASK_BIAS_VALUE: float = -1.0e10
 
 
+def mask_to_attention_bias(mask: torch.Tensor) -> torch.Tensor:
+    """Turns a frame mask into an additive attention bias over keys.
+
+    Args:
+        mask: (B, 1, T) float, 1 for valid frames and 0 for padding.
+
+    Returns:
+        (B, 1, 1, T) bias, 0 for valid keys and ``-1e10`` for padded keys;
+        broadcasts over heads and queries.
+    """
+    return ((1.0 - mask) * MASK_BIAS_VALUE).unsqueeze(1)
+
+
 @dataclass(frozen=True)
 class CacheShape:
     """The layer counts and widths of one estimator's caches (``of``: from its config)."""
@@ -177,7 +190,7 @@ class PrefixWalk:
             at = keep[:, None] - pad + torch.arange(pad, device=keep.device)[None, :]
             self._tail = (torch.arange(frames, device=keep.device)[None, :, None] == at[:, None, :]).float()
         if past is not None:
-            self._past_bias = ((1.0 - past.mask) * MASK_BIAS_VALUE).unsqueeze(1)   # (B, 1, 1, P)
+            self._past_bias = mask_to_attention_bias(past.mask)   # (B, 1, 1, P)
 
     def conv_input(self, x: torch.Tensor, pad: int, channels: int) -> torch.Tensor:
         """A causal convolution's input (B, ``channels``, T), masked, with its ``pad`` left frames in front: the

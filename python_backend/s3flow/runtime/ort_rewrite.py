@@ -39,7 +39,7 @@ def rewrite_for_cpu(model, mish: bool = True, attention: bool = True):
       Softplus is scalar code; the exp form runs 7x faster at (2, 300, 256) and is closer to the float64 value.
     * Attention ``softmax(q k^T * scale + bias) v`` with the head split/merge transposes as one
       ``com.microsoft.MultiHeadAttention`` node: inputs stay (B, T, H*D), the (B, 1, 1, T) key bias
-      (0 on valid keys, -1e10 on padding, see ``s3flow.model.estimator.mask_to_attention_bias``) becomes the
+      (0 on valid keys, -1e10 on padding, see ``s3flow.model.prefix_cache.mask_to_attention_bias``) becomes the
       key padding mask ``bias == 0`` with the same -1e10 fill.
     """
     from onnx import TensorProto, helper, numpy_helper

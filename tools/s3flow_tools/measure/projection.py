@@ -120,7 +120,8 @@ def measured_gpu(path: Path, gpu: Gpu) -> Gpu:
         rows, frames = (int(part[1:]) for part in key.split("/"))
         points.append((estimator_flops(config, rows, frames).total, ms / 1e3))
     slope, floor = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)
-    return dataclasses.replace(gpu, call_floor_s=max(float(floor), 0.0), efficiency=1.0 / float(slope) / (gpu.peak_tflops * 1e12))
+    rate = 1.0 / float(slope)   # FLOP per second
+    return dataclasses.replace(gpu, call_floor_s=max(float(floor), 0.0), efficiency=rate / (gpu.peak_tflops * 1e12))
 
 
 def pricing(gpu: Gpu, enc_per_token: float, voc_per_frame: float, vocoder: bool) -> Pricing:
@@ -144,7 +145,8 @@ def settings(scheduling: str, min_steps: int, meanflow: bool, args) -> Repositor
     solver = SolverSettings(deadlines=DeadlineSettings(max_step_rows=args.max_step_rows,
                                                        max_step_row_frames=400 * args.max_step_rows,
                                                        min_steps=min_steps if not meanflow else 0))
-    solver = solver.replace(keep_solved=args.keep_solved, max_live_sequences=max(2048, solver.sequences.max_live_sequences))
+    solver = solver.replace(keep_solved=args.keep_solved,
+                            max_live_sequences=max(2048, solver.sequences.max_live_sequences))
     return RepositorySettings(target="gpu", solver=solver, scheduling=scheduling,
                               batching=Batching(max_batch_size=args.max_batch_size, max_candidate_sequences=4096))
 
@@ -233,11 +235,14 @@ def main(argv=None) -> int:
 
 def report(cells, gpu: Gpu, enc: float, voc: float, costs: Costs, hosts: dict, args, took_s: float) -> str:
     host, lean = hosts["as measured here"], hosts["lean"]
+    measured = f" --measured {args.measured}" if args.measured else ""
+    floor_from = ("the GPU check (fit)" if args.measured else
+                  "stated: a TensorRT engine call (`--call-floor-ms`); eager torch: 27 ms (results/gpu_check.md)")
     config = EstimatorConfig.full()
     one = lambda rows, frames: 1e3 * (gpu.call_floor_s + estimator_flops(config, rows, frames).total / gpu.flops_per_s)
     lines = [
         f"# What one {gpu.name} would carry (projected)", "",
-        f"Made by `python -m s3flow_tools.measure.projection{' --measured ' + str(args.measured) if args.measured else ''}` "
+        f"Made by `python -m s3flow_tools.measure.projection{measured}` "
         f"({took_s / 60:.1f} min on {', '.join(f'{k} {v}' for k, v in machine().items())}): the server's own solver "
         f"code on a virtual clock (`s3flow_tools.sim`, checked against the real server in results/qos.md) over the "
         f"full-size model priced for one {gpu.name}. `{args.model}`; held-out sentences of 3-6 s with their own "
@@ -246,20 +251,23 @@ def report(cells, gpu: Gpu, enc: float, voc: float, costs: Costs, hosts: dict, a
         f"{args.keep_solved}.", "",
         "## Assumptions", "",
         "| what | value | from |", "| --- | --- | --- |",
-        f"| dense fp16 rate | {gpu.peak_tflops:g} TFLOP/s x {gpu.efficiency:.2f} = {gpu.flops_per_s / 1e12:.0f} TFLOP/s "
+        f"| dense fp16 rate | {gpu.peak_tflops:g} TFLOP/s x {gpu.efficiency:.2f} = "
+        f"{gpu.flops_per_s / 1e12:.0f} TFLOP/s "
         f"| {'the GPU check (fit)' if args.measured else 'stated (`--efficiency`)'} |",
         f"| a call's launch floor | {1e3 * gpu.call_floor_s:.2f} ms | "
-        f"{'the GPU check (fit)' if args.measured else 'stated: a TensorRT engine call (`--call-floor-ms`); eager torch measured 27 ms (results/gpu_check.md)'} |",
+        f"{floor_from} |",
         f"| estimator call, 2 rows x 100 / 300 frames; 64 rows x 300 | {one(2, 100):.2f} / {one(2, 300):.2f}; "
         f"{one(64, 300):.1f} ms | floor + FLOPs (`s3flow.model.flops`) |",
         f"| encoder | {enc / 1e9:.3f} GFLOP a token | counted on the full-size module |",
-        f"| vocoder | {voc / 1e9:.3f} GFLOP a mel frame | counted on the full-size HiFT{'' if args.model == 'token2wav' else ' (not used: token2mel)'} |",
+        f"| vocoder | {voc / 1e9:.3f} GFLOP a mel frame | counted on the full-size HiFT"
+        f"{'' if args.model == 'token2wav' else ' (not used: token2mel)'} |",
         f"| host: the solver's Python | {1e3 * host.step_s:.1f} ms an Euler step, {1e3 * host.chunk_s:.1f} ms a chunk "
         f"| this host's served path (results/overhead.md) |",
         f"| host, lean | {1e3 * lean.step_s:.1f} ms an Euler step, {1e3 * lean.chunk_s:.1f} ms a chunk | stated: the "
         f"lean served path's aim (issue 49: tensors by DLPack, one hop per answer), `--lean-host-ms` |",
         f"| a chunk's transit | {1e3 * host.transit_s:.1f} ms | this host: client, gRPC, admission, ensemble |",
-        f"| the step loop's cost model | {1e3 * costs.est_fixed:.2f} ms + {1e9 * costs.est_per_unit:.2f} ns a row-frame "
+        f"| the step loop's cost model | {1e3 * costs.est_fixed:.2f} ms + {1e9 * costs.est_per_unit:.2f} ns a "
+        f"row-frame "
         f"| the linear fit a server would measure of those calls |",
         "",
         "## Streams", "",
@@ -268,7 +276,8 @@ def report(cells, gpu: Gpu, enc: float, voc: float, costs: Costs, hosts: dict, a
         "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for c in cells:
         lines.append(f"| {c['host']} | {c['kind']} | {c['policy']} | {c['n']} | {c['dry']} / {c['n']} | "
-                     f"{1e3 * c['p50']:.0f} / {1e3 * c['p99']:.0f} | {c['device']:.2f} + {c['busy'] - c['device']:.2f} |")
+                     f"{1e3 * c['p50']:.0f} / {1e3 * c['p99']:.0f} | {c['device']:.2f} + "
+                     f"{c['busy'] - c['device']:.2f} |")
     lines += ["", "## Against the goal", ""]
     for (name, kind, goal) in [(h, k, g) for h in hosts for k, g in (("guided, 10 steps", 128),
                                                                       ("meanflow, 2 steps", 512))]:
@@ -281,8 +290,10 @@ def report(cells, gpu: Gpu, enc: float, voc: float, costs: Costs, hosts: dict, a
                 c = min(short, key=lambda c: c["n"])
                 host = c["busy"] - c["device"]
                 bound = (f"; at {c['n']} the solver is busy {c['busy']:.2f} of the run, {c['device']:.2f} in GPU calls "
-                         f"and {host:.2f} in the host's Python: bound by {'host time' if host > c['device'] else 'compute'}")
-            lines.append(f"- host {name}, {kind}, {policy}: the most streams at 0 stalls with first audio p99 <= 300 ms: "
+                         f"and {host:.2f} in the host's Python: bound by "
+                         f"{'host time' if host > c['device'] else 'compute'}")
+            lines.append(f"- host {name}, {kind}, {policy}: the most streams at 0 stalls with first audio p99 "
+                         f"<= 300 ms: "
                          f"**{max(ok) if ok else 0}** of those tried (goal >= {goal}){bound}.")
     alone = [c for c in cells if c["n"] == 1 and c["host"] == "as measured here"]
     if alone:

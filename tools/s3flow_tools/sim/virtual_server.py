@@ -139,7 +139,7 @@ class _Instance:
 
     def __init__(self, settings: RepositorySettings, costs: Costs, pricing: Pricing, loaded: Pricing, host: HostCosts,
                  n_feats: int, meanflow: bool, others_busy: Callable[["_Instance", float], float]):
-        self.meter, self.pricing = _Meter(pricing, loaded), pricing
+        self.meter, self.vocodes = _Meter(pricing, loaded), pricing.vocoder is not None
         self.others_busy, self.loaded_share = others_busy, 0.0
         self.now = 0.0                       # the instance's clock: busy until then
         self.busy_s = 0.0                    # virtual seconds it worked
@@ -236,7 +236,7 @@ class _Instance:
 
     def _vocode(self, outcomes: list) -> None:
         """``token2wav``: the answers' frames vocoded on the same device before they go out, in one batched call."""
-        if self.pricing.vocoder is not None:
+        if self.vocodes:
             frames = sum(int(o.mel.shape[1]) for o in outcomes if hasattr(o, "mel"))
             if frames:   # one batched call for the execute's (or the iteration's) answers
                 self.meter.charge(lambda pricing: pricing.vocoder(frames))
