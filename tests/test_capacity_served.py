@@ -104,6 +104,7 @@ def test_our_client_retries_after_the_retry_after_and_reports_the_busy_answers(s
     assert len(busy) == 1 and busy[0].disposition is Disposition.BUSY
     assert took >= busy[0].retry_after_s, "the retry waited for the retry_after"
     assert "disposition=busy" in r.error
+    assert 0 < r.error_after_s < busy[0].retry_after_s, "the last refusal's own answer time, from its START's send"
 
 
 def test_once_the_held_stream_ends_the_idle_server_takes_a_stream_and_its_utilization_is_back_to_0(server):

@@ -233,6 +233,7 @@ class Run:
             return
         kind = answer.disposition.value
         s.in_flight = False
+        s.error_after = time.perf_counter() - s.sent_at
         if answer.resend == "replay" and s.first_chunk:
             s.use_snapshots = False   # this server cannot go on from the snapshot: START again and replay
             self.start_again_here(s, message, "replaying instead")

@@ -62,6 +62,7 @@ class UtteranceState:
         self.latencies: list[float] = []
         self.sent_at = self.t0 = 0.0
         self.admitted_after = 0.0                      # from the start to sending the START that was admitted
+        self.error_after = float("nan")                # from sending a request to the server's error answering it
         self.first_audio_at = float("nan")
         self.error: Optional[str] = None
         self.done = False

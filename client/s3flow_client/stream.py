@@ -110,6 +110,9 @@ class StreamResult:
     #: seconds from the start to sending the START the server admitted (0 unless refusals came first: busy, a
     #: full server's retry_after)
     admitted_after_s: float = 0.0
+    #: seconds from sending the request the server last answered with an error to that answer (nan: none): how
+    #: long a refusal took the server, without this client's own start-up (``wall_s`` has it)
+    error_after_s: float = float("nan")
     resumes: list = field(default_factory=list)  # each time the utterance was replayed on a (new) server
     replayed_frames: int = 0          # frames computed again by resumes (the extra work), checked, not re-delivered
     replayed_chunks: int = 0          # chunks answered before and sent again by resumes (0 for a snapshot resume)
@@ -223,7 +226,8 @@ class StreamingClient:
                             wall_s=s.wall if s.wall is not None else time.perf_counter() - s.t0,
                             error=s.error, frames_expected=expected, audio=audio,
                             chunk_samples=[p.size for p in s.audio_parts], first_audio_s=s.first_audio_at,
-                            retries=s.retries, admitted_after_s=s.admitted_after, resumes=s.resumes,
+                            retries=s.retries, admitted_after_s=s.admitted_after, error_after_s=s.error_after,
+                            resumes=s.resumes,
                             replayed_frames=s.replayed_frames, replayed_chunks=s.replayed_chunks,
                             replay_max_diff=s.replay_max_diff)
 

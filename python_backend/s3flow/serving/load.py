@@ -180,8 +180,16 @@ class Stage:
 
 @dataclass
 class ServerLoad:
-    """The reports of a server's instances, summed (module docstring)."""
+    """The reports of a server's instances, summed (module docstring). ``LoadFiles.read`` hands out the same
+    object while no report changes, so what it prices is kept per question: a burst of STARTs refused against one
+    load asks the same ones (the look-ahead of ``wait_until`` was most of a refusal's time)."""
     reports: list
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def _kept(self, key: tuple, make):
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     @property
     def _solvers(self) -> list:
@@ -254,6 +262,10 @@ class ServerLoad:
         """The solver's :class:`Stage` and, where a vocoder reports, the vocoder's, for a START at its own
         ``steps`` and ``guidance_rate`` after ``pending`` more: every solver stream priced with the calls' fixed
         part shared by the START too (as it will be), so a stream held and one asking are priced alike."""
+        return self._kept(("stages", steps, guidance_rate, pending),
+                          lambda: self._stages(steps, guidance_rate, pending))
+
+    def _stages(self, steps: Optional[int], guidance_rate: Optional[float], pending: int) -> list:
         out = [Stage("solver", self._solver_now(pending, pending + 1), self._solver_need(steps, guidance_rate, pending))]
         vocoder = self._vocoder_stage()
         return out + [vocoder] if vocoder else out
@@ -293,6 +305,10 @@ class ServerLoad:
         leaves its costly start, so STARTs that come together are let in one after another) and those past
         ``expected_s`` of audio end (one older than that is taken to end within the next second); 0 if there is
         room now, ``expected_s`` if even their ending is not enough."""
+        return self._kept(("wait", stage.name, stage.need, target, expected_s, pending),
+                          lambda: self._wait_until(stage, target, expected_s, pending))
+
+    def _wait_until(self, stage: Stage, target: float, expected_s: float, pending: int) -> float:
         if stage.fits(target):
             return 0.0
         ahead_load = self._solver_ahead if stage.name == "solver" else self._vocoder_ahead

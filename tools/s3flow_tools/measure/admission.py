@@ -19,7 +19,8 @@ The trained small teacher (``checkpoints/trained``), two repositories alike but 
    overload**: 16 and 32 at once, ``--lost-runs`` times each, accepted utterances lost.
 2. **Loads** k C at once (k in ``--loads``): round(k C) plain ``StreamingClient`` s, one utterance each, no retry
    (a refusal comes back to the caller): admitted and refused, the admitted streams' stalls behind a real-time
-   player with a 0.3 s start-up buffer and first audio, each refusal's answer time at the client and its
+   player with a 0.3 s start-up buffer and first audio, each refusal's answer time from the START's send (the
+   server's; and the client's whole call, its own start-up of a hundred threads in one process too) and its
    ``retry_after``, accepted utterances lost; the server's own capacity estimate
    (``s3flow_capacity_audio_seconds_per_second``); tritonserver's and its stubs' summed RSS before and 30 s after.
    Then each load again on a **fresh server**, right after it is ready (a restart: its solver instances priced by
@@ -216,13 +217,15 @@ def load_row(label: str, out: list, model: str) -> dict:
     lost = [e for _, e in out if e is not None and "disposition=busy" not in e]
     first = [r.first_audio_s if model == "token2wav" else r.first_chunk_s for r in admitted]
     stalls = [r.playback_stalls(BUFFER_S) for r in admitted]
-    answer_ms = [1000 * r.wall_s for r, _ in refused]
+    answer_ms = [1000 * r.error_after_s for r, _ in refused]   # from the START's send: the server's time
+    call_ms = [1000 * r.wall_s for r, _ in refused]            # the client's whole call (its own start-up too)
     retry_after = [answer_of(e).retry_after_s for _, e in refused]
     return {"label": label, "n": len(out), "admitted": len(admitted), "refused": len(refused), "lost": lost,
             "stalled": sum(s[0] > 0 for s in stalls), "stall_p95": float(np.percentile([s[1] for s in stalls], 95))
             if stalls else 0.0, "first_p95": 1000 * float(np.percentile(first, 95)) if first else float("nan"),
             "answer_p99": float(np.percentile(answer_ms, 99)) if answer_ms else float("nan"),
             "answer_max": max(answer_ms, default=float("nan")),
+            "call_p99": float(np.percentile(call_ms, 99)) if call_ms else float("nan"),
             "retry_after": (min(retry_after), max(retry_after)) if retry_after else None}
 
 
@@ -305,13 +308,13 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
                   f"`{c_lost[0][:200]}`)." if c_lost else ""), "",
               f"| load | streams | admitted | refused | admitted that stalled ({BUFFER_S} s buffer) | stall s p95 | "
               f"first {'audio' if model == 'token2wav' else 'mel'} p95 (ms) | refusal answer p99 / max (ms) | "
-              f"retry_after (s) | accepted lost |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              f"refusal call p99 (ms) | retry_after (s) | accepted lost |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         ra = "-" if r["retry_after"] is None else f"{r['retry_after'][0]:.1f}-{r['retry_after'][1]:.1f}"
         lines.append(f"| {r['label']} | {r['n']} | {r['admitted']} | {r['refused']} | {r['stalled']} / {r['admitted']} | "
                      f"{r['stall_p95']:.2f} | {r['first_p95']:.0f} | {r['answer_p99']:.0f} / {r['answer_max']:.0f} | "
-                     f"{ra} | {len(r['lost'])} |")
+                     f"{r['call_p99']:.0f} | {ra} | {len(r['lost'])} |")
     lines += ["", f"The estimate over a run on a fresh server without the check (idle, 1 stream, 16 at once, idle, 3 at "
                   f"once, {TRACE_SINGLES} singles, idle; read every 0.5 s; [picture]({picture.name})): from the end of the "
                   f"first utterance on, **{inside} of {len(ratios)} samples within +-25 % of C**, from "
