@@ -241,6 +241,26 @@ def test_before_the_solver_priced_anything_an_idle_server_takes_one_and_the_rest
     assert files.read().known and (outcome is None or "not priced" not in outcome.error), "judged by the prices"
 
 
+def test_a_start_that_waited_for_the_price_counts_as_pending_for_the_starts_queued_behind_it(tmp_path):
+    """A START admitted after waiting for the price is counted from when it was admitted, not from when it came: the
+    STARTs queued behind it are judged at once when the price comes, before the solver lists it (issue 48: stamped
+    with its arrival, it had left the count by then, and a new server admitted 7-8 of a burst, all stalled)."""
+    import threading
+    from s3flow.engine.capacity import AdmissionTarget
+
+    folder = tmp_path / "load"
+    files = LoadFiles(folder)
+    InstanceLoad(files, "cfm_solver_0", "solver", CapacityModel(), PLAN, STEPS, ROWS, cap=64).publish({1: Work()})
+    a = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.7), grace_s=0.1,
+                  pricing_wait_s=5.0)
+    later = threading.Timer(0.3, lambda: _solver_load(folder, [1], per_stream=0.3))   # the calibration's report
+    later.start()
+    assert a.check(2, True, False, START) is None, "0.3 held + 0.3 fits under 0.7, once priced"
+    later.join()
+    third = a.check(3, True, False, START)
+    assert third is not None and "0.60 + 0.30" in third.error, "the START admitted a moment ago is pending"
+
+
 def test_live_counts_list_the_recently_ended_for_the_vocoder_but_admission_counts_only_the_live(tmp_path):
     live = Live(tmp_path)
     live.write("cfm_solver_0", [1, 2], cap=4, recent=[9, 2])

@@ -112,7 +112,10 @@ class Admission:
                 refusal = self._over_capacity(corr_id, req, load)
                 if refusal is not None:
                     return refusal
-            self._admitted[corr_id] = now
+            # stamped when admitted, not when it came: a START that waited for the price (seconds) and was then
+            # stamped with its arrival left the count at once, so the STARTs queued behind it each saw none
+            # pending (issue 48: a new server admitted 7-8 of a burst, every one of them stalled)
+            self._admitted[corr_id] = self.clock()
         if self.starts is not None:
             self.starts.mark(corr_id)
         if self.seen is not None:

@@ -28,6 +28,7 @@ Example (what the model's ``setup`` and ``execute`` do)::
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Iterable, Optional
 
 from s3flow.engine.capacity import CapacityModel
@@ -60,6 +61,9 @@ ARRIVAL_SLACK_S = 1.0
 #: how stale the solver's view of the vocoders' reports may be (when they were made: a vocoder that died and came
 #: back never got the answers sent on before; issue 53's heal takes seconds)
 VOCODERS_READ_EVERY_S = 0.25
+#: how often at most the load report is written while the streams held stay the same (a START, an END or a drop
+#: writes it at once): admission prices a stream a second behind its work at worst (as the vocoder's)
+PUBLISH_EVERY_S = 1.0
 #: the solver's two schedulings (the repository's choice: ``deadline`` answers through response senders)
 SCHEDULINGS = ("fifo", "deadline")
 
@@ -121,6 +125,7 @@ class SolverInstance:
         # Triton has called execute (its model_warmup request, or a client's): the instance is set up, BLS works
         self.set_up = threading.Event()
         self._publishing = threading.Lock()   # one report at a time: the last written is the last taken
+        self._published: tuple = (None, float("-inf"))   # ((streams held, just ended), when) of the last report
         self.closing = closing_probe()
         self.calibration = None
         if p.bool("calibrate", True):   # the cost fits start from real calls (a thread, once BLS works)
@@ -223,17 +228,23 @@ class SolverInstance:
         return (self.on_the_way.pending(corr_id) or self.delivery.pending(corr_id)
                 or (self.stepped is not None and self.stepped.has_queued(corr_id)))
 
-    def publish(self) -> None:
+    def publish(self, force: bool = False) -> None:
         """The live count and load to the metrics and to admission (the load report). Execute, the step loop and
         the reaper all publish: without the lock a report taken before an END could land after the END's own.
-        After every answer (issue 49 may throttle it: the flake once blamed on throttling was an answer dropped
-        by a cancelled ensemble request, ``s3flow.serving.arrivals.Delivery``)."""
+        At once when the streams held or just ended changed (a START, an END, a drop: admission's slot count and
+        "the solver has it" read those), else at most every ``PUBLISH_EVERY_S`` (their work and the costs, which
+        move at every call: writing them at every answer was most of the load report's system calls, issue 49);
+        ``force``: now (the calibration's price)."""
         if getattr(self, "session", None) is None:   # (still building, or closed)
             return
         with self._publishing:
-            works = self.table.works()
+            works, ended = self.table.works(), self.table.recently_ended()
+            held, now = (set(works), set(ended)), time.monotonic()
+            if not force and held == self._published[0] and now - self._published[1] < PUBLISH_EVERY_S:
+                return
+            self._published = (held, now)
             self.publish_metric(LIVE, len(works), {})
-            load = self.load.publish(works, self.table.recently_ended())   # (their last mel may go to the vocoder)
+            load = self.load.publish(works, ended)   # (the ended ones' last mel may go to the vocoder)
             # its streams against the server's capacity (instances alike: the model's sum is the server's, as
             # admission's ServerLoad reads the reports); its capacity gauge sums over instances the same way
             self.publish_metric(UTILIZATION, load.utilization / self.instances, {})
@@ -264,7 +275,7 @@ class SolverInstance:
     def _calibrated(self) -> None:
         """The calibration is over: admission sees the price now, and the next server starts from it (unless a
         price measured from served work is kept already)."""
-        self.publish()
+        self.publish(force=True)
         if self.saved is not None and not self.capacity.state()["served"]:
             self.saved.save(self.capacity.state())
 
