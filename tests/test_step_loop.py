@@ -200,6 +200,24 @@ def test_a_late_chunk_gets_fewer_steps_and_its_replay_with_those_steps_makes_the
     assert np.abs(out[0].result.mel - got[0].mel).max() > 1e-3, "2 steps make other frames than 4"
 
 
+def test_a_chunk_the_budget_steps_only_in_turn_is_judged_by_its_share_of_the_steps(flow):
+    """Four STARTs at once, 60 ms to their first audio, a step 10 ms, and a budget of one guided chunk a step: each
+    chunk's own 4 steps back to back (40 ms) would meet its deadline, but it is stepped one step in four (160 ms),
+    so it is given fewer. Judged by the step's cost alone it never was (issue 51: the H200 projection at 256
+    streams gave no chunk fewer steps while 30 streams ran dry)."""
+    from s3flow.engine.capacity import Costs
+
+    utts = [utterance(0.4, 80 + k, [10]) for k in range(4)]
+    seen = _FewerSteps()
+    engine = make_engine(flow, SETTINGS, observer=seen, clock=lambda: 0.0,
+                         playback=PlaybackSettings(start_buffer_s=0.0, first_audio_s=0.06))
+    loop = StepLoop(engine, budget=StepBudget(max_rows=2, max_row_frames=10_000), min_steps=2,
+                    costs=lambda: Costs(est_fixed=0.01, max_batch=8))
+    got = through_loop(engine, loop, utts, [81, 82, 83, 84])
+    assert seen.cut and seen.cut[0][1:] == (4, 2), seen.cut
+    assert all(len(r) == 1 for r in got) and min(r[0].steps for r in got) == 2
+
+
 def test_chunk_steps_above_the_streams_steps_are_refused_and_leave_nothing_in_flight(flow):
     u = utterance(1.0, 62, [10, 15])
     engine = make_engine(flow, SETTINGS)

@@ -156,8 +156,9 @@ class StepLoop:
         picked = pick(cands, now, self.budget, cost, self.policy, self.bucket_ratio)
         chosen = [c.key for c in picked]
         batch = self._batch_of([f.solve for f in chosen])
-        if self.min_steps:
-            self._fewer_steps(picked, now, cost(batch.rows, batch.frames))
+        if self.min_steps:   # a chunk the budget leaves out of some steps waits those too: its share of them
+            share = sum(c.rows for c in cands) / max(1, batch.rows)
+            self._fewer_steps(picked, now, cost(batch.rows, batch.frames) * max(1.0, share))
         self.engine.observer.estimator_step(len(chosen), batch.rows, batch.frames)
         t0 = self.timer()
         try:
@@ -200,7 +201,10 @@ class StepLoop:
 
     def _fewer_steps(self, picked: list[Candidate], now: float, step_s: float) -> None:
         """Each picked chunk about to make its first step (its request did not name its steps) gets the steps
-        that meet its deadline at ``step_s`` a step (this step's cost), at least ``min_steps``."""
+        that meet its deadline at ``step_s`` a step of its own (this step's cost, times the rows in flight over the
+        step's: where the budget cannot carry every chunk at once, each waits through the others' steps too; the
+        H200 projection at 256 streams never judged a chunk late by this step's cost alone), at least
+        ``min_steps``."""
         for c in picked:
             f: _InFlight = c.key
             if f.solve.step or f.chunk.pinned or f.chunk.past is not None:   # (a cache is of its grid)
