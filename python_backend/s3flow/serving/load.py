@@ -1,8 +1,8 @@
 """The server's load as its models see it: each instance's demand, summed where admission reads it.
 
 The solver and the vocoder instances are separate stub processes, and admission is another: each stateful
-instance writes a small :class:`LoadReport` (JSON, in the server's ``load`` folder under ``/dev/shm``) after every
-execute and every reaper period (its cost fits and each stream's work so far), and admission reads them all
+instance writes a small :class:`LoadReport` (JSON, in the server's ``load`` folder under ``/dev/shm``) at once when
+the streams it holds change, else at most every second (its cost fits and each stream's work so far), and admission reads them all
 (:class:`LoadFiles`) into one :class:`ServerLoad`, which prices the work (``s3flow.engine.capacity.Costs``), each
 solver call's fixed part shared by all the solver's streams (those held, the STARTs admitted but not yet held, and
 the one asking):

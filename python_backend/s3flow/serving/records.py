@@ -10,8 +10,8 @@ reader sees the last complete version or the one before it, never half of one. `
 record     writer (one per file)                  readers                                  a file holds
 =========  =====================================  =======================================  =====================
 load       each solver and vocoder instance, its  admission (capacity, the live cap), the  ``LoadReport`` JSON
-           own file, after every answer and       vocoder (a stream the solver holds or
-           reaper period                          ended moments ago is not idle), the
+           own file, on a change of its streams   vocoder (a stream the solver holds or
+           and at most every 1 s else             ended moments ago is not idle), the
                                                   vocoder's capacity gauge
 starts     admission: each START it admits        the vocoder (first audio; takes it)      arrival time
 seen       admission: every request it lets       the solver (``OnTheWay``: a chunk on its  time and count

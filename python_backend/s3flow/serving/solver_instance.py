@@ -13,8 +13,8 @@ metrics' publisher, the slot release (``slots.SlotRelease``) and its logger. Eve
   through its ``send`` from the step loop's thread;
 * **kept in step with the other processes** (``s3flow.serving.records``): the requests admission counted and this
   instance took (``OnTheWay``), the answers it sent on to the vocoder (``Delivery``), the sequences it dropped
-  (``gone``: admission answers their late chunks; their Triton slots freed), and its load report after every answer
-  and every reaper period (live ids, cap, recent ENDs, each stream's work, the costs and capacity).
+  (``gone``: admission answers their late chunks; their Triton slots freed), and its load report when its streams change
+  and at most every second else (live ids, cap, recent ENDs, each stream's work, the costs and capacity).
 
 Example (what the model's ``setup`` and ``execute`` do)::
 
