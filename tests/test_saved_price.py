@@ -86,6 +86,19 @@ def test_a_price_is_kept_only_for_the_host_and_repository_it_was_measured_on(tmp
     assert price_key(repo, "CPU") != key, "another layout"
 
 
+def test_the_vocoders_price_is_keyed_by_the_vocoder_and_the_solvers_by_its_own_models(tmp_path):
+    from s3flow.serving.saved_price import VOCODER_PRICED
+
+    repo = repository(tmp_path)
+    (repo / "vocoder" / "1").mkdir(parents=True)
+    (repo / "vocoder" / "config.pbtxt").write_text('name: "vocoder"\n')
+    (repo / "vocoder" / "1" / "decoder.onnx").write_bytes(b"weights")
+    solver_key, vocoder_key = price_key(repo, "CPU"), price_key(repo, "CPU", VOCODER_PRICED)
+    assert solver_key != vocoder_key
+    (repo / "vocoder" / "1" / "decoder.onnx").write_bytes(b"retrained")
+    assert price_key(repo, "CPU") == solver_key and price_key(repo, "CPU", VOCODER_PRICED) != vocoder_key
+
+
 def test_a_repository_that_cannot_be_written_keeps_no_price_and_says_so_once(tmp_path):
     repo = repository(tmp_path)
     (repo / "cfm_solver" / "price").write_text("a file where the folder would be")

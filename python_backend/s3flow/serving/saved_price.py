@@ -1,4 +1,5 @@
-"""A solver instance's price of its work, kept for the next server from the same repository on the same host.
+"""A solver (or vocoder) instance's price of its work, kept for the next server from the same repository on the
+same host.
 
 Admission prices a START by what the solver instances measured (``s3flow.engine.capacity``). A new instance learns
 its price from a calibration over BLS (``s3flow.serving.calibration``), and BLS works only once the whole server is
@@ -8,7 +9,9 @@ that served before on this host from this repository knows better: at its close 
 nothing better) it writes what it measured (``CapacityModel.state``: cost fits, correction, busy share at
 capacity, capacity) to ``<model dir>/price/<instance>.json``; the next instance of that name reads it at set-up
 (``CapacityModel.restore``) and is priced before its first request. The calibration still runs and refits the
-costs; the measured correction, duty and capacity stay the priors until served work measures them again.
+costs; the measured correction, duty and capacity stay the priors until served work measures them again. The
+vocoder keeps its own the same way (``models=VOCODER_PRICED``): without it a restarted server priced its first
+token2wav burst by the solver alone (6 of 9 admitted at 1.5 C, all 6 stalled, in two runs).
 
 A saved price holds only for what it was measured on: the file is keyed by the host (processor, usable cores, the
 GPU) and the repository's solver, encoder and estimator (their configs, instance counts included, and their model
@@ -34,8 +37,9 @@ from typing import Callable, Optional
 
 from s3flow.serving.records import write_atomic
 
-#: the models whose files and configs decide the price (beside the solver's own folder)
+#: the models whose files and configs decide the solver's price (beside the solver's own folder), and the vocoder's
 PRICED_MODELS = ("cfm_solver", "flow_encoder", "estimator")
+VOCODER_PRICED = ("vocoder",)
 
 
 def _processor() -> str:
@@ -48,10 +52,19 @@ def _processor() -> str:
     return platform.processor() or platform.machine()
 
 
-def price_key(repository: Path, device: str) -> str:
-    """The host (``device``: "CPU" or the GPU's name) and the priced models' configs and files, hashed."""
+def device_name(instance_kind: str, device_id: Optional[int]) -> str:
+    """What a price was measured on beside the processor: "CPU", or a GPU instance's GPU by name."""
+    if instance_kind != "GPU" or device_id is None:
+        return "CPU"
+    import torch
+
+    return torch.cuda.get_device_name(device_id)
+
+
+def price_key(repository: Path, device: str, models: tuple = PRICED_MODELS) -> str:
+    """The host (``device``: "CPU" or the GPU's name) and the priced ``models``' configs and files, hashed."""
     h = hashlib.sha256(f"{_processor()}|{len(os.sched_getaffinity(0))}|{device}".encode())
-    for name in PRICED_MODELS:
+    for name in models:
         folder = Path(repository) / name
         config = folder / "config.pbtxt"
         if config.exists():
@@ -70,11 +83,12 @@ class SavedPrice:
         self._failed = False
 
     @classmethod
-    def beside(cls, model_dir: Path, instance: str, device: str = "CPU",
-               log: Callable[[str], None] = print) -> "SavedPrice":
-        """The file of ``instance`` in its model's folder ``model_dir`` (``<repository>/cfm_solver``)."""
+    def beside(cls, model_dir: Path, instance: str, device: str = "CPU", log: Callable[[str], None] = print,
+               models: tuple = PRICED_MODELS) -> "SavedPrice":
+        """The file of ``instance`` in its model's folder ``model_dir`` (``<repository>/cfm_solver``, or
+        ``<repository>/vocoder`` with ``models=VOCODER_PRICED``)."""
         model_dir = Path(model_dir)
-        return cls(model_dir / "price" / f"{instance}.json", price_key(model_dir.parent, device), log)
+        return cls(model_dir / "price" / f"{instance}.json", price_key(model_dir.parent, device, models), log)
 
     def load(self) -> Optional[dict]:
         """The state saved under this key; None if there is none (or it was measured elsewhere)."""

@@ -45,11 +45,18 @@ class VocoderInstance(Observer):
     """One vocoder instance (module docstring); the observer of its table's drops."""
 
     def __init__(self, params: Params, name: str, instance: str, stream: VocoderStream, publish: Publish, slots,
-                 log: Callable[[str, str], None] = lambda level, message: None):
+                 log: Callable[[str, str], None] = lambda level, message: None, saved=None):
+        """``saved``: its ``s3flow.serving.saved_price.SavedPrice`` (None: keeps none), read now, written at close."""
         self.name, self.stream, self.publish_metric, self.slots, self.log = name, stream, publish, slots, log
         # its share of the device for admission by capacity (s3flow.serving.load): every push timed, one call each
-        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), instance, "vocoder",
-                                 CapacityModel(max_batch=1, duty_prior=None))
+        model = CapacityModel(max_batch=1, duty_prior=None)
+        self.saved = saved
+        state = saved.load() if saved is not None else None
+        if state is not None:   # priced before its first push, as the last vocoder here measured it
+            model.restore(state)
+            log("info", f"{name}: the price saved by the last server here: {state['capacity'] or 0:.2f} audio s "
+                        f"per s")
+        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), instance, "vocoder", model)
         limits = SequenceLimits.from_parameters(params.raw)
         self.table = SequenceTable(limits, self, pending=lambda c: c in self.load.files.read(
             PENDING_EVERY_S).solver_recent_ids)
@@ -149,4 +156,6 @@ class VocoderInstance(Observer):
 
     def close(self) -> None:
         self.reaper.stop()
+        if self.saved is not None and self.load.model.costs().known:   # what it measured, for the next server
+            self.saved.save(self.load.model.state())
         self.load.remove()

@@ -22,7 +22,7 @@ from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_MODEL, ENCODER_OUTP
 from s3flow.model.prefix_cache import CacheShape
 from s3flow.protocol import RequestError, one_bytes, tenant_of
 from s3flow.serving.metrics import SOLVER_FAMILIES
-from s3flow.serving.saved_price import SavedPrice
+from s3flow.serving.saved_price import SavedPrice, device_name
 from s3flow.serving.session import Incoming, Outcome
 from s3flow.serving.solver_instance import SolverInstance
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
@@ -61,8 +61,7 @@ class TritonPythonModel(TritonModel):
                             log=self.logger.log_verbose)
         decoupled = bool(self.config.get("model_transaction_policy", {}).get("decoupled", False))
         instances = sum(int(g.get("count", 1)) for g in self.config.get("instance_group", [])) or 1
-        device = torch.cuda.get_device_name(device_id) if device_id is not None else "CPU"
-        saved = SavedPrice.beside(self.args["model_repository"], instance, device,
+        saved = SavedPrice.beside(self.args["model_repository"], instance, device_name(self.instance_kind, device_id),
                                   log=self.logger.log_warn) if p.bool("keep_price", True) else None
         self.solver = SolverInstance(p, self.name, instance, self.encoder, self.estimator, self.metrics.publish, slots,
                                      self.queue_delay_s, decoupled, int(self.config.get("max_batch_size", 1)),

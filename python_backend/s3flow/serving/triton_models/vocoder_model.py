@@ -23,6 +23,7 @@ from s3flow.model.vocoder_source import SourceParams
 from s3flow.protocol import numbers_from_parameters
 from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
 from s3flow.serving.metrics import VOCODER_FAMILIES
+from s3flow.serving.saved_price import VOCODER_PRICED, SavedPrice, device_name
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
                                                read_controls)
 from s3flow.serving.triton_models.metric_api import TritonMetrics
@@ -50,8 +51,11 @@ class TritonPythonModel(TritonModel):
         instance = args.get("model_instance_name", self.name)
         self.metrics = TritonMetrics(VOCODER_FAMILIES, self.name, instance)
         slots = SlotRelease(self.name, self._empty_end, log=self.logger.log_verbose)   # (a dropped stream's slot)
+        saved = SavedPrice.beside(self.args["model_repository"], instance,
+                                  device_name(self.instance_kind, self.device_id), log=self.logger.log_warn,
+                                  models=VOCODER_PRICED) if p.bool("keep_price", True) else None
         self.vocoder = VocoderInstance(p, self.name, instance, stream, self.metrics.publish, slots,
-                                       log=lambda level, m: getattr(self.logger, f"log_{level}")(m))
+                                       log=lambda level, m: getattr(self.logger, f"log_{level}")(m), saved=saved)
 
     def _empty_end(self) -> list:
         """The inputs of the END that frees a dropped stream's slot (``SlotRelease``)."""
