@@ -157,3 +157,27 @@ def test_a_stream_quiet_between_sentences_keeps_its_place_and_is_answered_when_i
         client.close()
     assert offsets == list(np.cumsum([0] + frames[:-1])), "every frame in order"
     assert sum(frames) == 2 * len(u.speech_tokens)
+
+
+def test_a_pod_is_ready_for_traffic_only_once_its_solver_has_priced_its_work(tmp_path):
+    """``s3flow.server.drain ready --priced`` (the Deployment's readiness probe; issue 48: a burst sent to a server
+    just ready went in before its price). Started without the estimator (explicit model control), the solver cannot
+    calibrate: Triton answers ready, the probe does not; once the estimator is loaded, the calibration prices the
+    work and the probe passes."""
+    from s3flow.server.drain import ready
+    from s3flow.server.metrics_reader import priced
+
+    flow = load_flow(write_random_checkpoint(tmp_path / "ckpt.safetensors", FlowConfig.small(), seed=9))
+    write_repository(tmp_path / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1))
+    with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", model_control_mode="explicit",
+                      load_models=["token2mel", "admission", "cfm_solver", "flow_encoder"]) as srv:
+        http, metrics = f"http://{srv.http_url}", f"127.0.0.1:{srv.metrics_port}"
+        assert ready(http, ""), "Triton is ready"
+        time.sleep(1.0)
+        assert not priced(metrics) and not ready(http, "", metrics), "no estimator, no price, not ready"
+        srv.client().load_model("estimator")
+        t0 = time.monotonic()
+        while not ready(http, "", metrics):
+            assert time.monotonic() - t0 < 60, "the calibration never priced the work: " + srv.log_tail()
+            time.sleep(0.25)
+        assert priced(metrics)

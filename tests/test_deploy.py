@@ -267,15 +267,31 @@ def drain_call(command: list[str], env: dict[str, str]) -> Optional[ModuleCall]:
 
 def ready_urls(call: ModuleCall) -> list[str]:
     """What ``s3flow.server.drain ready`` (or ``live``) asks: its own ready() (live()) run with urlopen recording
-    instead of connecting."""
+    instead of connecting; ``ready --priced`` hears 200 from the health endpoint, so its metrics read is asked too."""
     asked = []
+    priced = call.args.what == "ready" and call.args.priced
+
+    class Ok:
+        status = 200
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
 
     def urlopen(url, *args, **kwargs):
         asked.append(getattr(url, "full_url", url))
+        if priced and len(asked) == 1:
+            return Ok()
         raise OSError("offline test")
 
+    module = importlib.import_module(DRAIN_MODULE)
     with mock.patch("urllib.request.urlopen", urlopen):
-        assert getattr(importlib.import_module(DRAIN_MODULE), call.args.what)(call.args.http_url, "") is False
+        if priced:
+            assert module.ready(call.args.http_url, "", call.args.metrics_url) is False
+        else:
+            assert getattr(module, call.args.what)(call.args.http_url, "") is False
     return asked
 
 
@@ -313,6 +329,9 @@ def check_probes(container: dict, env: dict[str, str]) -> None:
             urls = probe_urls(container, probe, env)
             assert urls, f"{probe} asks no health endpoint"
             for url in urls:
+                if probe == "readinessProbe" and urllib.parse.urlsplit(url).path == METRICS_PATH:   # (--priced)
+                    loopback_url(url, PORTS["metrics"], {METRICS_PATH}, probe)
+                    continue
                 loopback_url(url, PORTS["http"], HEALTH_PATHS if probe != "readinessProbe" else {READY_PATH}, probe)
 
 

@@ -13,7 +13,8 @@ SIGTERM. Three entry points (``python -m s3flow.server.drain ...``):
 * ``supervise [--deadline-s 60] -- tritonserver ARGS``: run the server as a child; on SIGTERM or SIGINT drain,
   then SIGTERM the server and exit with its code (the container's entrypoint, ``TritonServer(drain_s=...)``);
 * ``drain [--deadline-s 60]``: the drain alone (a Kubernetes ``preStop`` hook; SIGTERM follows it);
-* ``ready``: exit 0 only if the server is ready, not draining and not reloading a model whose stub died (a
+* ``ready [--priced]``: exit 0 only if the server is ready, not draining and not reloading a model whose stub died
+  (with ``--priced``: and its solver has priced its work, read on ``--metrics-url``) (a
   readiness probe: the router stops sending new sequences as soon as a drain starts);
 * ``live [--heal-bound-s 60]``: exit 0 only if the server is live and no model has been dead longer than the
   bound (a liveness probe: a server that cannot heal is restarted).
@@ -40,7 +41,7 @@ from typing import Callable, Optional
 from s3flow.server.access import admin_headers, read_admin_key
 from s3flow.server.healing import StubWatch
 from s3flow.server.leftovers import remove_server_files, remove_stale
-from s3flow.server.metrics_reader import metric_sum, read_metrics
+from s3flow.server.metrics_reader import metric_sum, priced, read_metrics
 from s3flow.serving.draining import DRAIN_FILE_ENV, mark_closing, mark_draining
 from s3flow.serving.metrics import LIVE, VOCODER_LIVE
 
@@ -111,14 +112,18 @@ def healing_marker(drain_file: str) -> str:
     return f"{drain_file}.healing"
 
 
-def ready(http_url: str, drain_file: str) -> bool:
+def ready(http_url: str, drain_file: str, metrics_url: str = "") -> bool:
     """The server answers ready, is not draining, and is not reloading a model whose stub died (Triton itself
-    answers ready meanwhile, while every request to that model fails)."""
+    answers ready meanwhile, while every request to that model fails); with ``metrics_url`` (``--priced``), its
+    solver has also priced its work (its capacity gauge shows: a new server's calibration, about 2 s after Triton
+    is ready; a restarted one's saved price at once), so a fleet sends a new pod no burst it cannot judge."""
     if drain_file and (os.path.exists(drain_file) or os.path.exists(healing_marker(drain_file))):
         return False
     try:
         with urllib.request.urlopen(f"{http_url.rstrip('/')}/v2/health/ready", timeout=3) as response:
-            return response.status == 200
+            if response.status != 200:
+                return False
+        return not metrics_url or priced(metrics_url)
     except (OSError, urllib.error.URLError):
         return False
 
@@ -202,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
     parser.add_argument("--http-url", default="http://127.0.0.1:8000",
                         help="for ready and live: the server's HTTP endpoint")
+    parser.add_argument("--priced", action="store_true",
+                        help="ready: also only once the solver has priced its work (its capacity gauge on "
+                             "--metrics-url shows): a new pod takes no burst it cannot judge")
     parser.add_argument("--heal-bound-s", type=float, default=HEAL_BOUND_S,
                         help="live: fail once a model has been dead (its reload failing) this long")
     parser.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
@@ -232,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if args.what == "live":
         return 0 if live(args.http_url, args.drain_file, args.heal_bound_s) else 1
-    return 0 if ready(args.http_url, args.drain_file) else 1
+    return 0 if ready(args.http_url, args.drain_file, args.metrics_url if args.priced else "") else 1
 
 
 if __name__ == "__main__":

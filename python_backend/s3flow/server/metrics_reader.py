@@ -68,14 +68,21 @@ def histogram(metrics: dict, name: str, **labels: str) -> Histogram:
                      metric_sum(metrics, f"{name}_count", **labels))
 
 
+def priced(metrics_url: str, ensemble: str = "token2mel", timeout_s: float = 3.0) -> bool:
+    """Whether the solver has priced its work: the ensemble's capacity gauge (``s3flow_capacity_audio_seconds_per_
+    second``) shows, after its calibration at load or from a saved price."""
+    metrics = read_metrics(metrics_url, timeout_s=timeout_s)
+    return metric_sum(metrics, "s3flow_capacity_audio_seconds_per_second", ensemble=ensemble) > 0
+
+
 def wait_priced(metrics_url: str, ensemble: str = "token2mel", timeout_s: float = 60.0) -> bool:
-    """Until the solver's calibration at load is over (the ensemble's capacity gauge shows, ``s3flow_capacity_audio_
-    seconds_per_second``): a measurement must not share the cores with it. True once it shows."""
+    """Until the solver's calibration at load is over (``priced``): a measurement must not share the cores with
+    it. True once it is."""
     import time
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        if metric_sum(read_metrics(metrics_url), "s3flow_capacity_audio_seconds_per_second", ensemble=ensemble) > 0:
+        if priced(metrics_url, ensemble):
             return True
         time.sleep(0.5)
     return False
