@@ -12,8 +12,8 @@ refused there never reaches the sequence batcher and holds nothing. It reads the
 * a voice this server does not hold: ``retry`` with ``resend=prompt``;
 * while the server drains: ``resume``;
 * when the solver instances hold as many live sequences as they may (the live ids and cap of each instance's
-  load report, ``s3flow.serving.load``, written at once on a START, an END or a drop, plus the STARTs admitted in the last
-  ``grace_s`` that they have not listed yet, as held or as ended): ``busy`` with a retry time;
+  load report, ``s3flow.serving.load``, written at once on a START, an END or a drop, plus the STARTs admitted in
+  the last ``grace_s`` that they have not listed yet, as held or as ended): ``busy`` with a retry time;
 * when the stream would take a stage's utilization above ``utilization_target`` (``AdmissionTarget``; a stage: the
   solver, or token2wav's vocoder, ``s3flow.serving.load.Stage``: its live streams' summed demand of the device
   against the capacity measured from their work, plus what this START needs, by the default plan at its own
