@@ -3,9 +3,9 @@
 The solver and the vocoder instances are separate stub processes, and admission is another: each stateful
 instance writes a small :class:`LoadReport` (JSON, in the server's ``load`` folder under ``/dev/shm``) at once when
 the streams it holds change, else at most every second (its cost fits and each stream's work so far), and
-admission reads them all (:class:`LoadFiles`) into one :class:`ServerLoad`, which prices the work (``s3flow.engine.capacity.Costs``), each
-solver call's fixed part shared by all the solver's streams (those held, the STARTs admitted but not yet held, and
-the one asking):
+admission reads them all (:class:`LoadFiles`) into one :class:`ServerLoad`, which prices the work
+(``s3flow.engine.capacity.Costs``), each solver call's fixed part shared by all the solver's streams (those held,
+the STARTs admitted but not yet held, and the one asking):
 
 * ``stages(steps, guidance_rate, pending)``: for the solver and (token2wav) the vocoder, a :class:`Stage`: the
   summed demand of the streams it holds (device seconds per second; the solver's with the STARTs admitted but not
