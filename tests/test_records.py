@@ -94,3 +94,21 @@ def test_the_vocoder_holding_a_stream_says_when_it_was_last_free(tmp_path):
     InstanceLoad(files, "vocoder_0_1", "vocoder", CapacityModel()).publish({8: Work()}, free_at=20.0)
     load = files.read()
     assert (load.vocoder_free_at(7), load.vocoder_free_at(8), load.vocoder_free_at(9)) == (10.0, 20.0, 10.0)
+
+
+def test_a_load_report_is_written_at_once_when_its_streams_change_and_at_most_every_period_else(tmp_path):
+    """``InstanceLoad.publish`` with ``every_s``: the same streams held (their work moved) are not written again
+    within the period; a START, an END (a stream just ended) or ``force`` is written at once (issue 49: writing
+    after every answer was most of the load report's system calls)."""
+    from s3flow.engine.capacity import CapacityModel, Work
+    from s3flow.serving.load import InstanceLoad
+
+    files = LoadFiles(tmp_path)
+    load = InstanceLoad(files, "cfm_solver_0_0", "solver", CapacityModel(), cap=4, every_s=60.0)
+    assert load.publish({1: Work()}) is not None
+    assert load.publish({1: Work(steps=2, chunks=1, frames=20)}) is None, "the same stream, within the period"
+    assert files.read().reports[0].waiting == [1], "the file still holds the first report"
+    assert load.publish({1: Work(steps=2, chunks=1, frames=20), 2: Work()}) is not None, "a START"
+    assert load.publish({2: Work()}, ended=[1]) is not None, "an END"
+    assert load.publish({2: Work()}, ended=[1], force=True) is not None, "forced"
+    assert sorted(files.read().solver_recent_ids) == [1, 2]

@@ -409,16 +409,27 @@ class InstanceLoad:
     a solver, the default START's planned work; :meth:`publish` writes its report for admission."""
 
     def __init__(self, files: LoadFiles, instance: str, kind: str, model: CapacityModel,
-                 planned: Optional[Plan] = None, planned_steps: int = 0, planned_rows: int = 0, cap: int = 0):
+                 planned: Optional[Plan] = None, planned_steps: int = 0, planned_rows: int = 0, cap: int = 0,
+                 every_s: float = 0.0):
+        """``every_s``: while the streams held and just ended stay the same, write at most this often (0: every
+        time); a change of them (a START, an END, a drop) is written at once."""
         self.files, self.instance, self.kind, self.model = files, instance, kind, model
         self.planned, self.planned_steps, self.planned_rows = planned, planned_steps, planned_rows
-        self.cap = cap
+        self.cap, self.every_s = cap, every_s
         self.started = time.time()
+        self._written: tuple = (None, float("-inf"))   # ((streams held, just ended), when) of the last report
 
-    def publish(self, works: dict, ended=(), free_at: float = 0.0) -> LoadReport:
+    def publish(self, works: dict, ended=(), free_at: float = 0.0, force: bool = False) -> Optional[LoadReport]:
         """The report of the streams held now (``works``: corr_id -> its work so far at full steps, the sequence
-        table's ``works()``) and of those ``ended`` moments ago, written out; returned. ``free_at``: when the
-        instance was last free (a vocoder's, ``LoadReport.free_at``)."""
+        table's ``works()``) and of those ``ended`` moments ago, written out and returned; None when it is not due
+        (``every_s``; ``force``: now). ``free_at``: when the instance was last free (a vocoder's,
+        ``LoadReport.free_at``). Writing the work and the costs, which move at every call, after every answer was
+        most of the load report's system calls (issue 49); admission's slot count and "the solver has it" read
+        the streams held, written at once."""
+        held, now = (set(works), set(ended)), time.monotonic()
+        if not force and held == self._written[0] and now - self._written[1] < self.every_s:
+            return None
+        self._written = (held, now)
         streams = {c: w for c, w in works.items() if w.steps or w.chunks}   # (the rest: nothing answered yet)
         report = LoadReport(self.kind, self.model.costs(), streams, [c for c in works if c not in streams],
                             self.planned, self.planned_steps, self.planned_rows, cap=self.cap,

@@ -100,6 +100,18 @@ class SavedPrice:
             return None
         return saved.get("state") if isinstance(saved, dict) and saved.get("key") == self.key else None
 
+    def restore_into(self, model) -> Optional[dict]:
+        """Start ``model`` (a ``CapacityModel``) from the state saved here; that state, or None."""
+        state = self.load()
+        if state is not None:
+            model.restore(state)
+        return state
+
+    def keep(self, model) -> None:
+        """Save what ``model`` measured, once it has priced anything (an instance's close)."""
+        if model.costs().known:
+            self.save(model.state())
+
     def save(self, state: dict) -> None:
         """Replace the file with ``state``; a folder that cannot be written is logged once and left alone."""
         try:

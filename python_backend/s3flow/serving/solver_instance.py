@@ -28,7 +28,6 @@ Example (what the model's ``setup`` and ``execute`` do)::
 from __future__ import annotations
 
 import threading
-import time
 from typing import Callable, Iterable, Optional
 
 from s3flow.engine.capacity import CapacityModel
@@ -108,9 +107,8 @@ class SolverInstance:
         rows_per_stream = 1 if self.meanflow or not self.settings.solving.default_guidance_rate else 2
         self.capacity = CapacityModel(max(1, deadlines.max_step_rows // rows_per_stream) if stepping else batch_size)
         self.saved = saved
-        state = saved.load() if saved is not None else None
+        state = saved.restore_into(self.capacity) if saved is not None else None
         if state is not None:   # priced before its first request, as the last server here measured it
-            self.capacity.restore(state)
             log("info", f"{name}: the price saved by the last server here: {state['capacity'] or 0:.2f} audio s per "
                         f"s, x{state['correction']:.2f} between calls, busy share {state['duty']:.2f}")
         snapshots = SolverSnapshots(snapshot_key(), self.settings.solving, self.n_feats, self.meanflow)
@@ -121,11 +119,10 @@ class SolverInstance:
             log("info", warm_up_solver(engine, self.settings.rules).describe())
         self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), instance, "solver", self.capacity,
                                  *planned_start(self.settings, self.n_feats, self.meanflow),
-                                 cap=self.settings.sequences.max_live_sequences)
+                                 cap=self.settings.sequences.max_live_sequences, every_s=PUBLISH_EVERY_S)
         # Triton has called execute (its model_warmup request, or a client's): the instance is set up, BLS works
         self.set_up = threading.Event()
         self._publishing = threading.Lock()   # one report at a time: the last written is the last taken
-        self._published: tuple = (None, float("-inf"))   # ((streams held, just ended), when) of the last report
         self.closing = closing_probe()
         self.calibration = None
         if p.bool("calibrate", True):   # the cost fits start from real calls (a thread, once BLS works)
@@ -231,20 +228,17 @@ class SolverInstance:
     def publish(self, force: bool = False) -> None:
         """The live count and load to the metrics and to admission (the load report). Execute, the step loop and
         the reaper all publish: without the lock a report taken before an END could land after the END's own.
-        At once when the streams held or just ended changed (a START, an END, a drop: admission's slot count and
-        "the solver has it" read those), else at most every ``PUBLISH_EVERY_S`` (their work and the costs, which
-        move at every call: writing them at every answer was most of the load report's system calls, issue 49);
-        ``force``: now (the calibration's price)."""
+        When the report is due (``InstanceLoad.publish``: at once on a change of the streams held or just ended,
+        else at most every ``PUBLISH_EVERY_S``); ``force``: now (the calibration's price)."""
         if getattr(self, "session", None) is None:   # (still building, or closed)
             return
         with self._publishing:
-            works, ended = self.table.works(), self.table.recently_ended()
-            held, now = (set(works), set(ended)), time.monotonic()
-            if not force and held == self._published[0] and now - self._published[1] < PUBLISH_EVERY_S:
+            works = self.table.works()
+            # (the ended ones' last mel may still go to the vocoder)
+            load = self.load.publish(works, self.table.recently_ended(), force=force)
+            if load is None:
                 return
-            self._published = (held, now)
             self.publish_metric(LIVE, len(works), {})
-            load = self.load.publish(works, ended)   # (the ended ones' last mel may go to the vocoder)
             # its streams against the server's capacity (instances alike: the model's sum is the server's, as
             # admission's ServerLoad reads the reports); its capacity gauge sums over instances the same way
             self.publish_metric(UTILIZATION, load.utilization / self.instances, {})
@@ -285,8 +279,8 @@ class SolverInstance:
         measured is kept for the next server (``saved``)."""
         if self.calibration is not None:
             self.calibration.stop()
-        if self.saved is not None and self.capacity.costs().known:
-            self.saved.save(self.capacity.state())
+        if self.saved is not None:
+            self.saved.keep(self.capacity)
         if self.stepped is not None:
             self.stepped.close()
         self.reaper.stop()

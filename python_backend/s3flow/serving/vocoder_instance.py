@@ -51,12 +51,12 @@ class VocoderInstance(Observer):
         # its share of the device for admission by capacity (s3flow.serving.load): every push timed, one call each
         model = CapacityModel(max_batch=1, duty_prior=None)
         self.saved = saved
-        state = saved.load() if saved is not None else None
+        state = saved.restore_into(model) if saved is not None else None
         if state is not None:   # priced before its first push, as the last vocoder here measured it
-            model.restore(state)
             log("info", f"{name}: the price saved by the last server here: {state['capacity'] or 0:.2f} audio s "
                         f"per s")
-        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), instance, "vocoder", model)
+        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), instance, "vocoder", model,
+                                 every_s=READ_EVERY_S)
         limits = SequenceLimits.from_parameters(params.raw)
         self.table = SequenceTable(limits, self, pending=lambda c: c in self.load.files.read(
             PENDING_EVERY_S).solver_recent_ids)
@@ -68,7 +68,6 @@ class VocoderInstance(Observer):
         # when it was last seen free (its report's ``free_at``): now between batches, else the last batch's end
         # (the reaper's thread publishes while a batch runs too)
         self.busy, self.last_free = False, time.time()
-        self._published: tuple = (None, float("-inf"))   # (the streams held, when) of the last report
         if params.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no table entry
             log("info", warm_up_vocoder(stream).describe())
         self.publish()
@@ -129,13 +128,11 @@ class VocoderInstance(Observer):
         every ``READ_EVERY_S`` (admission's vocoder stage and ``Delivery`` read it; a second late moves neither
         much: ``Delivery`` frees a stream whose answer was dropped up to a second later)."""
         works = self.table.works()
-        live, now = set(works), time.monotonic()
-        if live == self._published[0] and now - self._published[1] < READ_EVERY_S:
+        load = self.load.publish(works, free_at=self.last_free if self.busy else time.time())
+        if load is None:
             return
-        self._published = (live, now)
         self.publish_metric(VOCODER_LIVE, len(works), {})
-        free_at = self.last_free if self.busy else time.time()
-        self.publish_metric(UTILIZATION, self.load.publish(works, free_at=free_at).utilization, {})
+        self.publish_metric(UTILIZATION, load.utilization, {})
         # token2wav's capacity: the solver's, bounded by this vocoder's (s3flow.serving.load.ServerLoad.wav_capacity)
         self.publish_metric(CAPACITY, self.load.files.read(READ_EVERY_S).wav_capacity, {"ensemble": "token2wav"})
 
@@ -156,6 +153,6 @@ class VocoderInstance(Observer):
 
     def close(self) -> None:
         self.reaper.stop()
-        if self.saved is not None and self.load.model.costs().known:   # what it measured, for the next server
-            self.saved.save(self.load.model.state())
+        if self.saved is not None:   # what it measured, for the next server
+            self.saved.keep(self.load.model)
         self.load.remove()
