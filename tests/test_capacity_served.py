@@ -2,7 +2,7 @@
 utilization; a START the server cannot carry is refused at admission with busy and a retry_after, to a plain
 tritonclient and to our client alike.
 
-The repository's target is tiny (1e-3), so that after the calibration every START through ``token2mel`` is over
+The repository's target is tiny (1e-3), so that after the calibration every START through either ensemble is over
 it while the server holds a stream: one started directly at ``cfm_solver`` (past admission), which the utilization
 counts. An idle server takes a stream whatever its estimate.
 """
@@ -20,6 +20,7 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.model.checkpoint import load_flow
 from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
+from s3flow.model.vocoder import VocoderConfig, random_vocoder
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import RepositorySettings
 from s3flow.server.metrics_reader import metric_sum, read_metrics
@@ -38,7 +39,7 @@ def server(tmp_path_factory):
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=8))
     settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, utilization_target=1e-3, idle_timeout_s=120.0),
                                   ort_threads=1)
-    write_repository(root / "repo", flow, settings)
+    write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=3))
     with TritonServer(root / "repo", log_file=root / "server.log") as srv:
         t0 = time.monotonic()
         while gauge(srv, "s3flow_capacity_audio_seconds_per_second") <= 0:   # the calibration at load
@@ -71,13 +72,16 @@ def test_the_server_exports_its_capacity_and_the_held_streams_utilization(server
 
 
 def test_a_start_over_capacity_is_refused_busy_at_admission_to_a_plain_client(server):
+    """Each ensemble's START is priced as what it makes (the output its admission step asks for): the refusal
+    names token2mel's or token2wav's stream."""
     events = queue.Queue()
     client = server.client()
     client.start_stream(callback=lambda result, error: events.put((result, error)))
+    models = ["token2mel", "token2wav"] * 4
     try:
-        for k in range(8):   # never ended: a refusal holds nothing
-            client.async_stream_infer("token2mel", infer_inputs(start_tensors(k)), sequence_id=5_000 + k,
-                                      sequence_start=True)
+        for k, model in enumerate(models):   # never ended: a refusal holds nothing
+            client.async_stream_infer(model, infer_inputs(start_tensors(k)), sequence_id=5_000 + k,
+                                      sequence_start=True, request_id=model)
         answers = [events.get(timeout=30) for _ in range(8)]
     finally:
         client.stop_stream(cancel_requests=True)
@@ -87,6 +91,8 @@ def test_a_start_over_capacity_is_refused_busy_at_admission_to_a_plain_client(se
         answer = answer_of(str(error))
         assert answer.disposition is Disposition.BUSY and 0.2 <= answer.retry_after_s <= 5.0, str(error)
         assert "admission" in str(error) and "at capacity: the solver's utilization" in str(error)
+    said = sorted(m for _, e in answers for m in ("token2mel stream", "token2wav stream") if m in str(e))
+    assert said == ["token2mel stream"] * 4 + ["token2wav stream"] * 4, [str(e) for _, e in answers]
     metrics = read_metrics(f"127.0.0.1:{server.metrics_port}")
     assert metric_sum(metrics, "s3flow_admission_refusals_total", reason="capacity") >= 8
     assert metric_sum(metrics, "s3flow_admission_retry_after_seconds_count") >= 8

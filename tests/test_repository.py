@@ -52,6 +52,17 @@ def test_ensemble_has_no_sequence_batching_and_maps_every_tensor():
     assert set(step.input_map) == set(names(SOLVER_INPUTS)) and set(step.output_map) == set(names(STREAM_RESPONSE))
 
 
+def test_each_ensemble_asks_admission_for_its_own_output_so_a_start_is_priced_as_what_it_makes():
+    """token2mel asks for ``admitted``, token2wav for ``admitted_audio`` (priced with the vocoder's work); both
+    feed the solver's ``admitted``."""
+    from s3flow.repository.configs import wav_ensemble_config
+
+    mel, wav = (c.ensemble_scheduling.step[0] for c in (ensemble_config(80, RepositorySettings()),
+                                                        wav_ensemble_config(80, RepositorySettings())))
+    assert dict(mel.output_map) == {"admitted": "admitted"} and dict(wav.output_map) == {"admitted_audio": "admitted"}
+    assert wav_ensemble_config(80, RepositorySettings()).ensemble_scheduling.step[1].input_map["admitted"] == "admitted"
+
+
 def test_live_sequences_above_the_batchers_candidates_is_refused(tmp_path):
     settings = RepositorySettings(solver=SolverSettings.of(max_live_sequences=100),
                                   batching=Batching(max_candidate_sequences=64))

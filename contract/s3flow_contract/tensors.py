@@ -135,8 +135,11 @@ CONTROLS = ("START", "END", "READY", "CORRID")
 
 #: what the ``admission`` step of the ensembles answers a request it lets through (the solver waits for it, so
 #: a refused START never reaches the sequence batcher and takes no slot); optional on the solver, whose own
-#: checks stay, so the solver also serves requests sent to it directly
-ADMISSION_OUTPUTS = (Tensor("admitted", "bool", (1,)),)
+#: checks stay, so the solver also serves requests sent to it directly. ``token2mel`` maps ``admitted``,
+#: ``token2wav`` ``admitted_audio`` (to the solver's ``admitted``): the output a step is asked for tells
+#: admission which ensemble a START is for, and so what it costs (the vocoder's work too, or not)
+ADMITTED, ADMITTED_AUDIO = Tensor("admitted", "bool", (1,)), Tensor("admitted_audio", "bool", (1,))
+ADMISSION_OUTPUTS = (ADMITTED, ADMITTED_AUDIO)
 SOLVER_INPUTS = REQUEST + (Tensor("admitted", "bool", (1,), optional=True),)
 
 MEL_RESPONSE = (Tensor("mel", "float32", (FEATS, -1)), Tensor("frame_offset", "int64", (1,)))

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from s3flow_contract.tensors import (ADMISSION_OUTPUTS, ENCODER_MODEL, ESTIMATOR_MODEL, REQUEST, SOLVER_INPUTS,
+from s3flow_contract.tensors import (ADMISSION_OUTPUTS, ADMITTED, ADMITTED_AUDIO, ENCODER_MODEL, ESTIMATOR_MODEL, REQUEST, SOLVER_INPUTS,
                                      SOLVER_OUTPUTS, SOLVER_TO_VOCODER, STREAM_RESPONSE, VOCODER_INPUTS,
-                                     VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS, stateless_tensors)
+                                     VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS, Tensor,
+                                     stateless_tensors)
 from s3flow.repository.model_config import (ModelConfig, add_ensemble_step, add_instances, add_sequence_controls,
                                          add_tensors, set_parameters, set_strategy)
 from s3flow.repository.settings import RepositorySettings
@@ -82,11 +83,14 @@ def ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     return config
 
 
-def _solver_steps(config: ModelConfig, s: RepositorySettings, outputs=STREAM_RESPONSE, write_to=None) -> None:
+def _solver_steps(config: ModelConfig, s: RepositorySettings, outputs=STREAM_RESPONSE, write_to=None,
+                  admitted: Tensor = ADMITTED) -> None:
     """admission (unless ``s.admission`` is off), then cfm_solver waiting for its answer; ``outputs``: the
-    solver outputs the ensemble maps, ``write_to``: to internal tensors of these names (``add_ensemble_step``)."""
+    solver outputs the ensemble maps, ``write_to``: to internal tensors of these names (``add_ensemble_step``);
+    ``admitted``: the admission output the ensemble asks for (``ADMISSION_OUTPUTS``: it tells admission what the
+    START will cost), fed to the solver's ``admitted``."""
     if s.admission:
-        add_ensemble_step(config, "admission", REQUEST, ADMISSION_OUTPUTS)
+        add_ensemble_step(config, "admission", REQUEST, (admitted,), write_to={admitted.name: ADMITTED.name})
         add_ensemble_step(config, "cfm_solver", SOLVER_INPUTS, outputs, write_to=write_to)
     else:
         add_ensemble_step(config, "cfm_solver", REQUEST, outputs, write_to=write_to)
@@ -99,7 +103,7 @@ def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     steps that make no output it was asked for)."""
     config = ModelConfig(name="token2wav", platform="ensemble", max_batch_size=s.batching.max_batch_size)
     add_tensors(config, REQUEST, VOCODER_OUTPUTS, n_feats=n_feats)
-    _solver_steps(config, s, SOLVER_OUTPUTS, write_to=SOLVER_TO_VOCODER)
+    _solver_steps(config, s, SOLVER_OUTPUTS, write_to=SOLVER_TO_VOCODER, admitted=ADMITTED_AUDIO)
     add_ensemble_step(config, "vocoder", VOCODER_INPUTS, VOCODER_OUTPUTS, read_from=SOLVER_TO_VOCODER)
     return config
 

@@ -17,7 +17,9 @@ refused there never reaches the sequence batcher and holds nothing. It reads the
 * when the stream would take a stage's utilization above ``utilization_target`` (``AdmissionTarget``; a stage: the
   solver, or token2wav's vocoder, ``s3flow.serving.load.Stage``: its live streams' summed demand of the device
   against the capacity measured from their work, plus what this START needs, by the default plan at its own
-  steps for the solver): ``busy``, with ``retry_after`` the time until the server expects room (young streams
+  steps for the solver, priced as what its ensemble makes: the two ensembles map different outputs of this step,
+  ``admitted`` for ``token2mel``, ``admitted_audio`` for ``token2wav``, and a START is priced for the one it
+  asks for, a token2wav one with the vocoder's work too, ``ServerLoad.stages``): ``busy``, with ``retry_after`` the time until the server expects room (young streams
   past their costly start, or streams of ``expected_utterance_s`` ended), clamped to [0.2, 5] s. A server that
   holds no stream takes one whatever its estimate. A server is never open wider than its knowledge: before every
   solver instance has priced its work (its calibration at load, seconds after the server is ready), a START waits
@@ -78,8 +80,9 @@ class Admission:
         self._admitted: dict[int, float] = {}       # STARTs admitted and perhaps not yet counted: id -> time
 
     def check(self, corr_id: int, start: bool, end: bool, inputs: Mapping[str, np.ndarray],
-              tenant: str = "") -> Optional[Outcome]:
-        """None to let the request through, else the refusal (with its code and disposition)."""
+              tenant: str = "", audio: Optional[bool] = None) -> Optional[Outcome]:
+        """None to let the request through, else the refusal (with its code and disposition). ``audio``: the
+        START is ``token2wav``'s (True), ``token2mel``'s (False) or not known (None): what it is priced at."""
         if not start:   # a later chunk: its START reached the solver, which counts the sequence from then on
             self._admitted.pop(corr_id, None)
             gone = self.gone.note(corr_id) if self.gone is not None else None
@@ -109,7 +112,7 @@ class Admission:
                 return self._refuse(corr_id, ServerBusy(f"too many live sequences ({held}, max_live_sequences "
                                                         f"{cap}); retry in {wait:.1f} s", wait), "live")
             if self.target.utilization_target > 0:
-                refusal = self._over_capacity(corr_id, req, load)
+                refusal = self._over_capacity(corr_id, req, load, audio)
                 if refusal is not None:
                     return refusal
             # stamped when admitted, not when it came: a START that waited for the price (seconds) and was then
@@ -135,7 +138,7 @@ class Admission:
             load = self.load.read()
         return load
 
-    def _over_capacity(self, corr_id: int, req, load: ServerLoad) -> Optional[Outcome]:
+    def _over_capacity(self, corr_id: int, req, load: ServerLoad, audio: Optional[bool]) -> Optional[Outcome]:
         """The capacity check (module docstring): None when the stream fits under the target."""
         held = load.solver_ids
         pending = sum(1 for c in self._admitted if c not in held and c != corr_id)   # admitted, not yet held
@@ -152,15 +155,18 @@ class Admission:
             return self._refuse(corr_id, ServerBusy(f"the server has not priced its work yet (its calibration at "
                                                     f"load); it takes one stream until it has; retry in {wait:.1f} "
                                                     f"s or on another server", wait), "capacity")
-        stages = load.stages(req.n_timesteps, req.guidance_rate, pending)
+        stages = load.stages(req.n_timesteps, req.guidance_rate, pending, audio)
         target = self.target.utilization_target
         over = [s for s in stages if not s.fits(target)]
         if not over or (corr_id in held and all(s.now <= target for s in stages)):   # a restart replaces its id
             return None
-        waits = {s.name: load.wait_until(s, target, self.target.expected_utterance_s, pending) for s in over}
+        waits = {s.name: load.wait_until(s, target, self.target.expected_utterance_s, pending, bool(audio))
+                 for s in over}
         stage = max(over, key=lambda s: waits[s.name])
         wait = min(max(waits[stage.name], MIN_RETRY_S), MAX_RETRY_S)
+        capacity = load.wav_capacity if audio else load.capacity
+        stream = {None: "stream", True: "token2wav stream", False: "token2mel stream"}[audio]
         return self._refuse(corr_id, ServerBusy(f"the server is at capacity: the {stage.name}'s utilization "
-                                                f"{stage.now:.2f} + {stage.need:.2f} for this stream is above the "
-                                                f"target {target:.2f} (capacity {load.capacity:.1f} audio s per s); "
+                                                f"{stage.now:.2f} + {stage.need:.2f} for this {stream} is above the "
+                                                f"target {target:.2f} (capacity {capacity:.1f} audio s per s); "
                                                 f"retry in {wait:.1f} s or on another server", wait), "capacity")

@@ -7,11 +7,12 @@ admission reads them all (:class:`LoadFiles`) into one :class:`ServerLoad`, whic
 (``s3flow.engine.capacity.Costs``), each solver call's fixed part shared by all the solver's streams (those held,
 the STARTs admitted but not yet held, and the one asking):
 
-* ``stages(steps, guidance_rate, pending)``: for the solver and (token2wav) the vocoder, a :class:`Stage`: the
-  summed demand of the streams it holds (device seconds per second; the solver's with the STARTs admitted but not
-  yet held) and what a new START adds to it (the solver's: the default plan at the START's own steps and guidance;
-  the vocoder's: its per-stream demand as often as the live streams go through it). A stream fits when it fits
-  every stage. The stages are not added: each one's costs are measured while the other runs beside it on the
+* ``stages(steps, guidance_rate, pending, audio)``: for the solver and (token2wav) the vocoder, a :class:`Stage`:
+  the summed demand of the streams it holds (device seconds per second; the solver's with the STARTs admitted but
+  not yet held) and what a new START adds to it (the solver's: the default plan at the START's own steps and
+  guidance; the vocoder's: its per-stream demand, for a START that asks for audio, ``audio``). A ``token2wav``
+  stream (one a vocoder holds, or a START that asks for audio) takes more of the solver than a ``token2mel`` one
+  by ``wav_factor``, the solver's capacity over token2wav's. A stream fits when it fits every stage. The stages are not added: each one's costs are measured while the other runs beside it on the
   same device (cores, or one GPU), so the solver's already hold what the vocoder takes from it (16 token2wav
   streams at once on 2 cores: solver 2.70 audio s per s, vocoder 8.5, served 2.60; added, 2.05), and the
   server's ``utilization`` is the busiest stage's;
@@ -254,41 +255,70 @@ class ServerLoad:
     def utilization(self, pending: int = 0) -> float:
         """The busiest stage's demand (module docstring), with ``pending`` more STARTs by the default plan
         (admitted, not yet held)."""
-        vocoder = self._vocoder_stage()
-        return max(self._solver_now(pending, pending), vocoder.now if vocoder else 0.0)
+        vocoder = self._vocoder_stage(None)
+        return max(self._solver_now(pending, pending, False), vocoder.now if vocoder else 0.0)
 
     def stages(self, steps: Optional[int] = None, guidance_rate: Optional[float] = None,
-               pending: int = 0) -> list:
-        """The solver's :class:`Stage` and, where a vocoder reports, the vocoder's, for a START at its own
-        ``steps`` and ``guidance_rate`` after ``pending`` more: every solver stream priced with the calls' fixed
-        part shared by the START too (as it will be), so a stream held and one asking are priced alike."""
-        return self._kept(("stages", steps, guidance_rate, pending),
-                          lambda: self._stages(steps, guidance_rate, pending))
+               pending: int = 0, audio: Optional[bool] = None) -> list:
+        """The solver's :class:`Stage` and, where a vocoder reports and the START may go through it, the vocoder's,
+        for a START at its own ``steps`` and ``guidance_rate`` after ``pending`` more like it: every solver stream
+        priced with the calls' fixed part shared by the START too (as it will be), so a stream held and one asking
+        are priced alike. ``audio``: whether the START is ``token2wav``'s (True), ``token2mel``'s (False: it
+        needs no vocoder) or not known (None: the vocoder's mean stream times the share of streams that vocode)."""
+        return self._kept(("stages", steps, guidance_rate, pending, audio),
+                          lambda: self._stages(steps, guidance_rate, pending, audio))
 
-    def _stages(self, steps: Optional[int], guidance_rate: Optional[float], pending: int) -> list:
-        out = [Stage("solver", self._solver_now(pending, pending + 1), self._solver_need(steps, guidance_rate, pending))]
-        vocoder = self._vocoder_stage()
+    def _stages(self, steps: Optional[int], guidance_rate: Optional[float], pending: int,
+                audio: Optional[bool]) -> list:
+        need = self._solver_need(steps, guidance_rate, pending) * (self.wav_factor if audio else 1.0)
+        out = [Stage("solver", self._solver_now(pending, pending + 1, bool(audio)), need)]
+        vocoder = self._vocoder_stage(audio) if audio is not False else None
         return out + [vocoder] if vocoder else out
 
-    def _vocoder_stage(self) -> Optional[Stage]:
-        """The vocoders' streams' summed demand, and their mean stream's times the share of the solver's streams
-        that go through a vocoder (None: no vocoder reports)."""
+    @property
+    def wav_factor(self) -> float:
+        """How much more of the solver a ``token2wav`` stream takes than a ``token2mel`` one: the solver's
+        capacity over token2wav's (``wav_capacity``; >= 1). Where the vocoder bounds token2wav, its streams are
+        priced by that bound; where the solver's costs were measured alone (its calibration, a restart with a
+        saved price) and the vocoder's beside it, this is what the vocoder will take of the shared device (issue
+        48: a restarted server admitted 6 of 10 token2wav STARTs priced as token2mel's, and all 6 stalled)."""
+        wav = self.wav_capacity
+        return max(self.capacity / wav, 1.0) if wav > 0 else 1.0
+
+    @property
+    def _vocoded(self) -> set:
+        """The sequences a vocoder instance holds: ``token2wav``'s."""
+        return {c for r in self.reports if r.kind == "vocoder" for c in list(r.streams) + r.waiting}
+
+    def _vocoder_stage(self, audio: Optional[bool]) -> Optional[Stage]:
+        """The vocoders' streams' summed demand, and a START's need (None: no vocoder reports): a ``token2wav``
+        START's (``audio``), their mean stream's, or with none held the vocoders' price of one stream making audio
+        in real time (one over their capacity); one not known, the mean stream's times the share of the solver's
+        streams that go through a vocoder."""
         vocoders = [r for r in self.reports if r.kind == "vocoder"]
         if not vocoders:
             return None
         demand = {c: d for v in vocoders for c, d in v.demand().items() if d > 0}
+        mean = sum(demand.values()) / len(demand) if demand else 0.0
         live = self.solver_ids
-        need = sum(demand.values()) / len(demand) * min(1.0, len(demand) / len(live)) if demand and live else 0.0
+        if audio:
+            capacity = sum(v.capacity for v in vocoders)
+            need = mean if demand else (1.0 / capacity if capacity > 0 else 0.0)
+        else:
+            need = mean * min(1.0, len(demand) / len(live)) if demand and live else 0.0
         return Stage("vocoder", sum(demand.values()), need)
 
-    def _solver_now(self, pending: int, sharing: int) -> float:
-        """The solvers' streams' summed demand, and ``pending`` more by the default plan, each solver call's fixed
-        part shared by them all and ``sharing`` more."""
-        capacity = self.capacity
-        total = sum(sum(r.demand(sharing, capacity).values()) for r in self._solvers)
+    def _solver_now(self, pending: int, sharing: int, audio: bool) -> float:
+        """The solvers' streams' summed demand, and ``pending`` more by the default plan (``token2wav``'s if
+        ``audio``), each solver call's fixed part shared by them all and ``sharing`` more; a stream a vocoder holds
+        is ``token2wav``'s (``wav_factor``)."""
+        capacity, vocoded, factor = self.capacity, self._vocoded, self.wav_factor
+        total = sum(d * (factor if c in vocoded else 1.0)
+                    for r in self._solvers for c, d in r.demand(sharing, capacity).items())
         r = self._entry()
         if pending and r is not None:
-            total += pending * r.planned_demand(r.costs.share(r.held + sharing), capacity=capacity)
+            total += pending * r.planned_demand(r.costs.share(r.held + sharing), capacity=capacity) * \
+                (factor if audio else 1.0)
         return total
 
     def _solver_need(self, steps: Optional[int], guidance_rate: Optional[float], pending: int) -> float:
@@ -299,33 +329,38 @@ class ServerLoad:
             return 0.0
         return r.planned_demand(r.costs.share(r.held + pending + 1), steps, guidance_rate, self.capacity)
 
-    def wait_until(self, stage: Stage, target: float, expected_s: float, pending: int = 0) -> float:
+    def wait_until(self, stage: Stage, target: float, expected_s: float, pending: int = 0,
+                   audio: bool = False) -> float:
         """Seconds until ``stage`` has room for its ``need`` under ``target``, looked at every ``WAIT_STEP_S``: in
         that time each stream makes as much more audio by the plan (the solver: a young stream's demand falls as it
         leaves its costly start, so STARTs that come together are let in one after another) and those past
         ``expected_s`` of audio end (one older than that is taken to end within the next second); 0 if there is
-        room now, ``expected_s`` if even their ending is not enough."""
-        return self._kept(("wait", stage.name, stage.need, target, expected_s, pending),
-                          lambda: self._wait_until(stage, target, expected_s, pending))
+        room now, ``expected_s`` if even their ending is not enough. ``audio``: the ``pending`` STARTs are
+        ``token2wav``'s (``stages``)."""
+        return self._kept(("wait", stage.name, stage.need, target, expected_s, pending, audio),
+                          lambda: self._wait_until(stage, target, expected_s, pending, audio))
 
-    def _wait_until(self, stage: Stage, target: float, expected_s: float, pending: int) -> float:
+    def _wait_until(self, stage: Stage, target: float, expected_s: float, pending: int, audio: bool) -> float:
         if stage.fits(target):
             return 0.0
-        ahead_load = self._solver_ahead if stage.name == "solver" else self._vocoder_ahead
         for k in range(1, int(expected_s / WAIT_STEP_S) + 1):
-            if ahead_load(k * WAIT_STEP_S, expected_s, pending) + stage.need <= target:
+            ahead = k * WAIT_STEP_S
+            load = self._solver_ahead(ahead, expected_s, pending, audio) if stage.name == "solver" else \
+                self._vocoder_ahead(ahead, expected_s)
+            if load + stage.need <= target:
                 return k * WAIT_STEP_S
         return expected_s
 
-    def _vocoder_ahead(self, ahead: float, expected_s: float, pending: int) -> float:
+    def _vocoder_ahead(self, ahead: float, expected_s: float) -> float:
         """The vocoder's demand ``ahead`` seconds from now: that of its streams still going then."""
         return sum(d for v in self.reports if v.kind == "vocoder" for c, d in v.demand().items()
                    if ahead < max(expected_s - v.streams.get(c, Work()).frames / FRAMES_PER_SECOND, 1.0))
 
-    def _solver_ahead(self, ahead: float, expected_s: float, pending: int) -> float:
+    def _solver_ahead(self, ahead: float, expected_s: float, pending: int, audio: bool) -> float:
         """The solvers' demand ``ahead`` seconds from now, each stream further along the plan, with ``pending``
-        more STARTs as far along."""
+        more STARTs as far along (``token2wav``'s if ``audio``)."""
         load, capacity, entry = 0.0, self.capacity, self._entry()
+        vocoded, factor = self._vocoded, self.wav_factor
         for r in self._solvers:
             if r.planned is None:
                 continue
@@ -337,9 +372,10 @@ class ServerLoad:
                 work = r.streams.get(c, Work())
                 later = Work(work.row_frames, work.steps, work.chunks, work.encoder_tokens, work.frames)
                 later.add(r.planned.window(f, ahead * FRAMES_PER_SECOND))
-                load += r.stream_demand(later, share, capacity)
+                load += r.stream_demand(later, share, capacity) * (factor if c in vocoded else 1.0)
             if pending and r is entry:
-                load += pending * r.stream_demand(r.planned.prefix(ahead * FRAMES_PER_SECOND), share, capacity)
+                load += pending * r.stream_demand(r.planned.prefix(ahead * FRAMES_PER_SECOND), share, capacity) * \
+                    (factor if audio else 1.0)
         return load
 
 

@@ -2,14 +2,15 @@
 
 Stateless (no sequence batching): it reads a request's sequence flags from Triton (``request.flags()``) and its
 tensors (``contract.REQUEST``), asks ``s3flow.serving.admission.Admission`` and answers ``admitted`` [1] BOOL,
-which ``cfm_solver`` waits for, or the refusal with its disposition. See ``s3flow.serving.admission``.
+(or ``admitted_audio``, the one ``token2wav`` asks for: the START is priced with the vocoder's work), which
+``cfm_solver`` waits for, or the refusal with its disposition. See ``s3flow.serving.admission``.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from s3flow_contract.answers import Answer, Disposition
-from s3flow_contract.tensors import ADMISSION_OUTPUTS, REQUEST
+from s3flow_contract.tensors import ADMISSION_OUTPUTS, ADMITTED_AUDIO, REQUEST
 from s3flow.engine.capacity import AdmissionTarget
 from s3flow.protocol import RequestError, RequestRules, tenant_of
 from s3flow.serving.admission import Admission
@@ -21,7 +22,6 @@ from s3flow.serving.responses import INVALID_ARG
 from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response, pb_utils
 
-_ADMITTED = ADMISSION_OUTPUTS[0]
 
 
 class TritonPythonModel(TritonModel):
@@ -52,14 +52,16 @@ class TritonPythonModel(TritonModel):
         except RequestError as exc:
             return self.error(f"{self.name}: sequence {request.correlation_id()}: {exc}", INVALID_ARG,
                               Answer(Disposition.FAIL, request.correlation_id()))
-        refusal = self.admission.check(request.correlation_id(), start, end, input_arrays(request, REQUEST), tenant)
+        asked = request.requested_output_names()
+        refusal = self.admission.check(request.correlation_id(), start, end, input_arrays(request, REQUEST), tenant,
+                                       audio=ADMITTED_AUDIO.name in asked)
         if refusal is not None:
             if refusal.reason != "gone":   # a late chunk of a dropped sequence is no START refused
                 self.metrics.publish(ADMISSION_REFUSALS, 1, {"reason": refusal.reason or "other"})
             if refusal.answer.retry_after_s is not None:
                 self.metrics.publish(ADMISSION_RETRY_AFTER, refusal.answer.retry_after_s, {})
             return self.error(refusal.error, refusal.code, refusal.answer)
-        return ok_response({_ADMITTED.name: np.ones((1, 1), dtype=_ADMITTED.np_dtype)})
+        return ok_response({t.name: np.ones((1, 1), dtype=t.np_dtype) for t in ADMISSION_OUTPUTS if t.name in asked})
 
     def finalize(self):
         self.metrics.close()
