@@ -351,3 +351,12 @@ def test_admission_answers_each_refusal_it_shares_with_the_solver_as_the_solver_
     if name != "full":   # the same words after each model's name (the solver says more of why it holds none)
         mine, its = by_admission.error.removeprefix("admission: "), by_solver.error.removeprefix("cfm_solver: ")
         assert mine == its or name == "sequence not held" and its.startswith(mine), (mine, its)
+
+
+def test_the_refusal_benchmark_refuses_alike_with_the_loads_answers_kept_and_priced_afresh(tmp_path):
+    """``python -m s3flow_tools.measure.refusals``' in-process section times a burst both ways; both ways must
+    refuse every START by capacity with the same words (it exits otherwise)."""
+    from s3flow_tools.measure.refusals import refusal_cost
+
+    cost = refusal_cost(tmp_path / "load", held=4, burst=5, rounds=2)
+    assert sorted(cost) == ["afresh", "kept"] and all(len(v) == 10 for v in cost.values())

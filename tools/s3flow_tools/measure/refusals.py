@@ -14,7 +14,11 @@ stream would:
    sequence slots for the idle window, and with as many of them as there are slots the new utterance waits in
    Triton's backlog;
 2. **cost**: ``--utterances`` utterances streamed one at a time (the client's chunk schedule 10, 20, 40, 80,
-   100 tokens, 4 Euler steps), each chunk's latency: what the admission hop adds per chunk.
+   100 tokens, 4 Euler steps), each chunk's latency: what the admission hop adds per chunk;
+3. **a busy refusal's own cost**, in process (no server; issue 48): ``--burst`` STARTs refused by capacity against
+   one load of ``--held`` streams at different points of their plan, each refusal's time in ``Admission.check``,
+   with the load's answers kept per question (``ServerLoad``, as served: a burst looks ahead once) and priced
+   afresh for every START (as before), alternated over ``--rounds`` rounds in one run.
 
 Exits non-zero when, with admission, the new utterance's first chunk takes 2 s or more.
 """
@@ -29,7 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from s3flow_contract.tensors import request_arrays
+from s3flow.engine.capacity import AdmissionTarget, CapacityModel
 from s3flow.engine.settings import SolverSettings
+from s3flow.protocol import RequestRules
+from s3flow.serving.admission import Admission
+from s3flow.serving.calibration import planned_start
+from s3flow.serving.load import InstanceLoad, LoadFiles, ServerLoad
 from s3flow.repository.settings import RepositorySettings
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
@@ -79,13 +88,59 @@ def chunk_latencies(server, utterances: int) -> list[float]:
     return out
 
 
+class Afresh:
+    """The load files read as a new ``ServerLoad`` every time: nothing it prices is kept between STARTs."""
+
+    def __init__(self, files: LoadFiles):
+        self.files = files
+
+    def read(self, max_age_s: float = 0.0) -> ServerLoad:
+        return ServerLoad(self.files.read(max_age_s).reports)
+
+
+def refusal_cost(folder: Path, held: int, burst: int, rounds: int) -> dict:
+    """Seconds per capacity refusal in ``Admission.check`` (section 3 of the module docstring): {"kept": [...],
+    "afresh": [...]}, every refusal of every round."""
+    plan, steps, rows = planned_start(SolverSettings(), 80, False)
+    model = CapacityModel(max_batch=8)
+    for batch, seconds in ((1, 0.004), (2, 0.006), (4, 0.010), (8, 0.018)):   # a small CPU host's calls, roughly
+        model.estimator_timed(2 * batch, 150, seconds)
+    files = LoadFiles(folder)
+    frames = plan.expected_frames
+    InstanceLoad(files, "cfm_solver_0", "solver", model, plan, steps, rows, cap=64).publish(
+        {c: plan.prefix(frames * c / held) for c in range(1, held + 1)})
+    u = demo_utterance(1.0, seed=1)
+    start = request_arrays(u.speech_tokens[:10], start=True, prompt_tokens=u.prompt_tokens,
+                           prompt_mel=u.prompt_mel, speaker_embedding=u.speaker_embedding)
+    out, said = {"kept": [], "afresh": []}, {"kept": [], "afresh": []}
+    for r in range(rounds):
+        for way, load in (("kept", files), ("afresh", Afresh(files))):
+            admission = Admission(RequestRules(), 80, load=load, target=AdmissionTarget(utilization_target=1e-3))
+            for k in range(burst):
+                t0 = time.perf_counter()
+                refusal = admission.check(1_000 + k, True, False, start)
+                out[way].append(time.perf_counter() - t0)
+                if refusal is None or refusal.reason != "capacity":
+                    raise SystemExit(f"START {k} was not refused by capacity: {refusal}")
+                said[way].append(refusal.error)
+    if said["kept"] != said["afresh"]:
+        raise SystemExit("the load's kept answers refused otherwise than priced afresh")
+    return out
+
+
 def main(argv=None) -> int:
     p = command(__file__, __doc__)
     p.add_argument("--refused", type=int, default=256, help="refused STARTs left open (default: %(default)s)")
     p.add_argument("--utterances", type=int, default=12, help="utterances for the per-chunk cost (default: %(default)s)")
+    p.add_argument("--held", type=int, default=8, help="streams held for the refusal cost (default: %(default)s)")
+    p.add_argument("--burst", type=int, default=100, help="STARTs refused in a burst (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of each way, alternated (default: %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "refusals.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="refusals-"))
+    cost = refusal_cost(work / "load", args.held, args.burst, args.rounds)
+    ms = {way: np.array(v) * 1000 for way, v in cost.items()}
+    log(f"refusal in process: kept {np.median(ms['kept']):.3f} ms, afresh {np.median(ms['afresh']):.3f} ms (median)")
     rows, lat = [], {}
     for admission in (True, False):
         name = "admission" if admission else "direct"
@@ -115,7 +170,18 @@ def main(argv=None) -> int:
              markdown(["ensembles", "chunk latency p50", "p90"],
                       [["with admission", f"{on:.1f} ms", f"{np.percentile(lat[True], 90) * 1000:.1f} ms"],
                        ["straight to cfm_solver", f"{off:.1f} ms", f"{np.percentile(lat[False], 90) * 1000:.1f} ms"]]),
-             "", f"Median difference: {on - off:+.1f} ms per chunk ({(on - off) / off * 100:+.1f} %).", ""]
+             "", f"Median difference: {on - off:+.1f} ms per chunk ({(on - off) / off * 100:+.1f} %).", "",
+             f"## A busy refusal's own cost in admission ({args.burst} STARTs refused by capacity against one load "
+             f"of {args.held} streams, in process, {args.rounds} rounds of each way alternated)", "",
+             markdown(["the load's answers", "per refusal p50", "p99", "a burst (sum, median round)"],
+                      [[label, f"{np.median(ms[way]):.3f} ms", f"{np.percentile(ms[way], 99):.3f} ms",
+                        f"{np.median(ms[way].reshape(args.rounds, args.burst).sum(axis=1)):.1f} ms"]
+                       for way, label in (("kept", "kept per question (as served)"),
+                                          ("afresh", "priced afresh for every START (before)"))]), "",
+             f"Ratio of the medians: {np.median(ms['afresh']) / np.median(ms['kept']):.1f}x. A refusal's "
+             "`retry_after` looks ahead along every held stream's plan; a burst refused against one unchanged load "
+             "asks the same question, so it is answered once (`ServerLoad`). Served, under the admitted streams' "
+             "load, the refusal's answer time is in results/qos.md's admission tables.", ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print(args.out.read_text())
