@@ -68,7 +68,8 @@ from s3flow.model.flow import FlowConfig, TorchEstimator, synthesize
 from s3flow.engine.settings import SolverSettings
 from s3flow.serving.local_stream import stream_in_process
 from s3flow.serving.session import SolverSession
-from s3flow.runtime.ort import OrtEncoder, OrtEstimator, OrtSettings
+from s3flow.runtime.ort import OrtSettings
+from s3flow.runtime.ort_engine import OrtEncoder, OrtEstimator
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import Batching, RepositorySettings
 from s3flow.server.triton_server import TritonServer

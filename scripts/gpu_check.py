@@ -61,7 +61,8 @@ from s3flow.model.flow import FlowConfig  # noqa: E402
 from s3flow.model.solver import FrameNoise  # noqa: E402
 from s3flow.engine.sequences import SequenceLimits  # noqa: E402
 from s3flow.engine.settings import ChunkSolving  # noqa: E402
-from s3flow.serving.session import Incoming, SolverSession  # noqa: E402
+from s3flow.serving.incoming import Incoming  # noqa: E402
+from s3flow.serving.session import SolverSession  # noqa: E402
 from s3flow.runtime import tensorrt as tb  # noqa: E402
 from s3flow_tools.gpu_check.flows import (FULL, QUICK, FlowModes, Plan, Utterance, initial_noise, random_flow,  # noqa: E402
                                             request, set_tf32, utterance)

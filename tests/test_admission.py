@@ -311,14 +311,15 @@ def _unknown_voice(voice_id, tenant=""):
 
 @pytest.mark.parametrize("name", ["invalid request", "unknown voice", "draining", "full", "sequence not held"])
 def test_admission_answers_each_refusal_it_shares_with_the_solver_as_the_solver_does(name, tmp_path):
-    """Each refusal both make (s3flow.serving.session.refusal), set up the same way on either: the same code and
+    """Each refusal both make (s3flow.serving.incoming.refusal), set up the same way on either: the same code and
     answer (disposition, sequence, resend, a retry time when busy); where the cause is the request or the server's
     state, not its load, the same words after each model's name."""
     from s3flow_contract.tensors import request_arrays
     from s3flow.engine.sequences import SequenceLimits
     from s3flow.engine.streaming import StreamingEngine
     from s3flow.serving.arrivals import ArrivalMarks
-    from s3flow.serving.session import Incoming, SolverSession
+    from s3flow.serving.incoming import Incoming
+    from s3flow.serving.session import SolverSession
 
     engine = StreamingEngine(None, None, n_feats=80, meanflow=False, limits=SequenceLimits(max_live_sequences=1))
     solver = SolverSession(engine, RequestRules(), name="cfm_solver")   # refusals never reach the models

@@ -12,7 +12,8 @@ from s3flow.model.estimator import ConditionalDecoder, EstimatorConfig
 from s3flow.model.flops import chunk_calls, estimator_flops, solve_flops
 from s3flow.model.solver import EstimatorInputs
 from s3flow.runtime.onnx_export import export_estimator, make_estimator_inputs
-from s3flow.runtime.ort import OrtEncoder, OrtEstimator, OrtSettings
+from s3flow.runtime.ort import OrtSettings
+from s3flow.runtime.ort_engine import OrtEncoder, OrtEstimator
 from s3flow.engine.settings import ChunkSolving
 from s3flow.engine.streaming import StreamingEngine
 from s3flow_client.demo import demo_utterance

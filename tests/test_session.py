@@ -7,7 +7,8 @@ from helpers import DropLog, request_inputs
 from s3flow.engine.observer import NO_OBSERVER
 from s3flow.engine.settings import SolverSettings
 from s3flow.serving.local_stream import stream_in_process
-from s3flow.serving.session import Incoming, ModelCallError, SolverSession
+from s3flow.serving.incoming import Incoming
+from s3flow.serving.session import ModelCallError, SolverSession
 from s3flow.serving.responses import CANCELLED, INTERNAL, INVALID_ARG, UNAVAILABLE
 from s3flow.engine.streaming import StreamingEngine
 from s3flow_client.demo import demo_utterance

@@ -18,7 +18,7 @@ from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.config_params import Params
 from s3flow.serving.load import LoadFiles
 from s3flow.serving.metrics import LIVE
-from s3flow.serving.session import Incoming
+from s3flow.serving.incoming import Incoming
 from s3flow.serving.solver_instance import SolverInstance
 from s3flow_client.demo import demo_utterance
 

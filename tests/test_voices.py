@@ -14,7 +14,7 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.protocol import RequestError
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import Batching, RepositorySettings, VoiceSettings
-from s3flow.serving.session import Incoming
+from s3flow.serving.incoming import Incoming
 from s3flow.serving.responses import INVALID_ARG
 from s3flow.server.triton_server import TritonServer
 from s3flow.model.voice import VoiceConfig, VoiceFrontend

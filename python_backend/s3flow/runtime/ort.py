@@ -1,7 +1,8 @@
-"""ONNX Runtime (CPU) sessions for the exported estimator and encoder, as solver/engine callables.
+"""ONNX Runtime (CPU) sessions for the exported estimator and encoder, run by tensor name with numpy arrays.
 
-The same code runs in process (benchmarks, tests) and inside the Triton python models
-(``s3flow.serving.triton_models.onnx_model``): :func:`session_options` holds the session settings in one place, and
+The same code runs in process (``s3flow.runtime.ort_engine``: the sessions as the engine's torch callables) and
+inside the Triton python models (``s3flow.serving.triton_models.onnx_model``, which import no torch: a stub
+without it starts sooner and holds less memory): :func:`session_options` holds the session settings in one place, and
 :class:`OrtModel` runs a session by tensor name (the graph rewritten for the CPU at load where the settings say:
 ``s3flow.runtime.ort_rewrite``). Inputs are shared with numpy/torch, not copied. With
 ``io_binding=True`` it binds them in place and, where the caller knows the output shapes, writes outputs
@@ -11,18 +12,14 @@ it is off by default and kept for providers where copies cost more.
 
 Example::
 
-    from s3flow.engine.streaming import StreamingEngine
-    from s3flow.runtime.ort import OrtEncoder, OrtEstimator
-    estimator = OrtEstimator("model_repository/estimator/1/model.onnx", threads=2)
-    encoder = OrtEncoder("model_repository/flow_encoder/1/model.onnx", threads=2)
-    engine = StreamingEngine(encoder, estimator, n_feats=80, meanflow=estimator.meanflow)
+    model = OrtModel("model_repository/estimator/1/model.onnx", OrtSettings(threads=2))
+    [velocity] = model.run(feeds, outputs=["velocity"])
 
 Shapes as in ``s3flow.runtime.onnx_export`` (``export_estimator``, ``export_encoder``);
 tensor names are the contract's (``s3flow_contract.tensors``).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +27,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 import onnxruntime as ort
-import torch
 
-from s3flow_contract import tensors as contract
-from s3flow.model.solver import EstimatorInputs
 from s3flow.runtime.ort_rewrite import RewriteCounts, rewrite_for_cpu
 
 _NP_DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32}
@@ -176,50 +170,3 @@ class OrtModel:
             else:
                 out.append(value.numpy())
         return out
-
-
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu").contiguous().numpy()
-
-
-class OrtEstimator:
-    """The estimator ONNX file as a solver Estimator: ``velocity = est(inputs: EstimatorInputs)``.
-
-    torch tensors in and out, shared with numpy (no copy). With ``io_binding`` the velocity is written into
-    a buffer reused from call to call (the solver consumes it before the next step); set ``copy_outputs``
-    to keep each.
-    """
-
-    def __init__(self, path: str | os.PathLike, settings: Optional[OrtSettings] = None, *,
-                 threads: Optional[int] = None, io_binding: bool = False, copy_outputs: bool = False):
-        if threads is not None:
-            settings = dataclasses.replace(settings or OrtSettings(), threads=threads)
-        self.model = OrtModel(path, settings, io_binding=io_binding)
-        self.meanflow = contract.MEANFLOW_INPUT.name in self.model.inputs
-        self.names = contract.names(contract.estimator_inputs(self.meanflow))
-        [self.output] = contract.names(contract.ESTIMATOR_OUTPUTS)
-        self.copy_outputs = copy_outputs
-
-    def __call__(self, inputs: EstimatorInputs) -> torch.Tensor:
-        if inputs.meanflow != self.meanflow:
-            raise ValueError(f"this estimator {'needs' if self.meanflow else 'takes no'} r (meanflow)")
-        feeds = {name: _np(a) for name, a in inputs.named().items()}
-        [v] = self.model.run(feeds, out_shapes={self.output: tuple(inputs.x.shape)}, outputs=[self.output],
-                             copy_outputs=self.copy_outputs)
-        return torch.from_numpy(v)
-
-
-class OrtEncoder:
-    """The flow-encoder ONNX file as the engine's ``encode(tokens, token_len, embedding) -> (mu, mask, spks)``."""
-
-    def __init__(self, path: str | os.PathLike, settings: Optional[OrtSettings] = None, *,
-                 threads: Optional[int] = None, io_binding: bool = False):
-        if threads is not None:
-            settings = dataclasses.replace(settings or OrtSettings(), threads=threads)
-        self.model = OrtModel(path, settings, io_binding=io_binding)
-
-    def __call__(self, tokens, token_len, embedding):
-        names = contract.names(contract.ENCODER_INPUTS)
-        feeds = {name: _np(a) for name, a in zip(names, (tokens, token_len, embedding))}
-        mu, mask, spks = self.model.run(feeds, outputs=list(contract.names(contract.ENCODER_OUTPUTS)))
-        return torch.from_numpy(mu), torch.from_numpy(mask), torch.from_numpy(spks)

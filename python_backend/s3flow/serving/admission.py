@@ -5,8 +5,8 @@ when the solver answered the START with an error; a refused START left without E
 and a new utterance then waits in Triton's backlog. So the ensembles (``token2mel``, ``token2wav``) run a
 stateless ``admission`` step first, and the solver waits for its answer (an ``admitted`` tensor): a START
 refused there never reaches the sequence batcher and holds nothing. It reads the START as the solver does
-(``s3flow.serving.session.parse_incoming``) and answers each refusal by the solver's mapping
-(``s3flow.serving.session.refusal``: code and disposition, ``s3flow_contract.answers``). It refuses:
+(``s3flow.serving.incoming.parse_incoming``) and answers each refusal by the solver's mapping
+(``s3flow.serving.incoming.refusal``: code and disposition, ``s3flow_contract.answers``). It refuses:
 
 * a request that does not validate (``s3flow.protocol.parse_request``): ``fail``;
 * a voice this server does not hold: ``retry`` with ``resend=prompt``;
@@ -38,7 +38,6 @@ Example::
 """
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable, Mapping, Optional
 
@@ -47,7 +46,7 @@ import numpy as np
 from s3flow.engine.capacity import AdmissionTarget
 from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence
 from s3flow.serving.load import LoadFiles, ServerLoad
-from s3flow.serving.session import Draining, Incoming, Outcome, naming_sequence, parse_incoming, refused
+from s3flow.serving.incoming import Draining, Incoming, Outcome, naming_sequence, parse_incoming, refused
 from s3flow.serving.voice_registry import UnknownVoice
 
 
@@ -126,7 +125,7 @@ class Admission:
         return None
 
     def _refuse(self, corr_id: int, exc: RequestError, reason: str) -> Outcome:
-        """The refusal ``exc`` answered as the solver answers it (``session.refusal``), naming this model and the
+        """The refusal ``exc`` answered as the solver answers it (``incoming.refusal``), naming this model and the
         sequence; ``reason``: its label in the refusals metric."""
         return refused(corr_id, f"{self.name}: {naming_sequence(corr_id, exc)}", exc, reason)
 

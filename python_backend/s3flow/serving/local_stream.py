@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from s3flow_contract.tensors import request_arrays
-from s3flow.serving.session import Incoming, SolverSession
+from s3flow.serving.incoming import Incoming
+from s3flow.serving.session import SolverSession
 
 
 @dataclass

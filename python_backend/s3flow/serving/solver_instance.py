@@ -47,7 +47,8 @@ from s3flow.serving.keys import snapshot_key
 from s3flow.serving.load import InstanceLoad, LoadFiles
 from s3flow.serving.metrics import CAPACITY, LIVE, UTILIZATION, Publish, SolverBook
 from s3flow.serving.reaper import IdleReaper
-from s3flow.serving.session import Incoming, Outcome, SolverSession
+from s3flow.serving.incoming import Incoming, Outcome
+from s3flow.serving.session import SolverSession
 from s3flow.serving.step_service import SteppedSolver
 from s3flow.serving.saved_price import SavedPrice
 from s3flow.serving.warmup import warm_up_solver

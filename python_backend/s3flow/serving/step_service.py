@@ -30,7 +30,8 @@ from typing import Callable
 from s3flow_contract.answers import Disposition
 from s3flow.engine.step_loop import Done, StepLoop
 from s3flow.serving.responses import UNAVAILABLE
-from s3flow.serving.session import Incoming, Outcome, SolverSession, failed_outcome
+from s3flow.serving.incoming import Incoming, Outcome, failed_outcome
+from s3flow.serving.session import SolverSession
 
 Reply = Callable[[Outcome], None]
 

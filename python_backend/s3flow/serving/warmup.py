@@ -149,7 +149,7 @@ def _utterances(session, n_feats: int, prompt_tokens: int, chunks: tuple, stream
                 steps: Optional[int] = None) -> None:
     """``streams`` copies of one short utterance (``chunks`` token counts; ``steps``: the START's n_timesteps,
     None: the default) through ``session``, chunk k of all of them in one call."""
-    from s3flow.serving.session import Incoming
+    from s3flow.serving.incoming import Incoming
 
     rng = np.random.default_rng(0)
     for k, size in enumerate(chunks):

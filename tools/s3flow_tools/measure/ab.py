@@ -3,12 +3,16 @@
 A change to the server (a scheduler, a loop, a hop) is judged against the code before it in the same run: this
 host's noise moves C by 10-15 % from one run to the next, more than most changes do. The other checkout is any
 git checkout with its own ``.venv`` (``git worktree add /tmp/before <commit> && make -C /tmp/before setup``);
-each round starts one server from each (``fifo`` by default, the trained small teacher, ``token2mel``, admission
-off, as ``s3flow_tools.measure.qos`` builds it), each checkout's own code serving (a server's python models import
+each round starts one server from each (``fifo`` by default, the trained small teacher, ``token2mel``, the
+admission step on with its capacity check off, so every START is taken as in ``s3flow_tools.measure.qos``), each checkout's own code serving (a server's python models import
 the package installed in the venv that starts it), and measures
 
+* its start: seconds from launch until the server answers ready, and each python stub's resident memory then;
 * a stream alone: ``--alone`` held-out sentences one after the other (first mel, wall time per second of audio);
 * C: ``--at-once`` held-out sentences started together, ``--c-runs`` times (seconds of audio per second).
+
+Both sides are measured by this checkout's ``ab.py`` (run by the other checkout's python, so each serves its own
+code).
 
 ``--flags`` and ``--other-flags`` add ``scripts/build_repository.py`` flags to either side's repository: two
 settings of one checkout are compared with ``--other .`` (the same checkout twice).
@@ -28,6 +32,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,13 +49,20 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list
     from s3flow.server.metrics_reader import wait_priced
     from s3flow_tools.measure.qos import MODES, TRAINED, streams, utterances
 
-    out = {"alone_first_s": [], "alone_wall_per_audio": [], "c": []}
+    from s3flow.server.healing import stubs
+    from s3flow_tools.bench.load import rss_mb
+
+    out = {"alone_first_s": [], "alone_wall_per_audio": [], "c": [], "ready_s": []}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--output", str(repo),
-                                  "--no-voice", "--no-admission", *MODES[scheduling], *flags]) != 0:
+                                  "--no-voice", "--utilization-target", "0", *MODES[scheduling], *flags]) != 0:
             raise SystemExit("building the repository failed")
+        t0 = time.monotonic()
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
+            out["ready_s"].append(time.monotonic() - t0)
+            for pid, model in sorted(stubs(server.pid).items()):
+                out.setdefault(f"stub_mib:{model}", []).append(rss_mb(pid))
             wait_priced(f"127.0.0.1:{server.metrics_port}")   # its calibration must not share the cores with a stream
             streams(server.grpc_url, "token2mel", utterances(2), 0.0)   # warm the client path
             for k in range(alone):
@@ -72,8 +84,7 @@ def run_side(checkout: Path, args, flags: str = "") -> dict:
     cmd = [str(checkout / ".venv" / "bin" / "python"), "-m", "s3flow_tools.measure.ab", "--one-side",
            "--scheduling", args.scheduling, "--alone", str(args.alone), "--at-once", str(args.at_once),
            "--c-runs", str(args.c_runs)] + ([f"--flags={flags}"] if flags else [])
-    if not (checkout / "tools" / "s3flow_tools" / "measure" / "ab.py").is_file():   # an older checkout: ours
-        cmd[1:3] = [str(Path(__file__).resolve())]
+    cmd[1:3] = [str(Path(__file__).resolve())]   # measured alike: this checkout's measuring code, its served code
     run = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True)
     lines = [line for line in run.stdout.splitlines() if line.startswith("AB ")]
     if run.returncode != 0 or not lines:
@@ -125,7 +136,7 @@ def main(argv=None) -> int:
              f"--rounds {args.rounds}"
              f"{f' --flags={chr(34)}{args.flags}{chr(34)}' if args.flags else ''}"
              f"{f' --other-flags={chr(34)}{args.other_flags}{chr(34)}' if args.other_flags else ''}` on {', '.join(f'{k} {v}' for k, v in machine().items())}: the trained small "
-             f"teacher (10 guided steps), `token2mel`, admission off, `{args.scheduling}`; {args.rounds} servers "
+             f"teacher (10 guided steps), `token2mel`, the admission step on with its capacity check off, `{args.scheduling}`; {args.rounds} servers "
              f"from each checkout, alternating; per server {args.alone} held-out sentences alone, then "
              f"{args.c_runs} x {args.at_once} at once (C).", "",
              f"| figure | {args.label} | {args.other_label} | ratio |", "| --- | ---: | ---: | ---: |",
@@ -133,7 +144,11 @@ def main(argv=None) -> int:
              f"| C, standard deviation | {np.std(mine['c']):.2f} | {np.std(theirs['c']):.2f} | |",
              row("a stream alone: first mel p50 (ms)", "alone_first_s", 1000, np.median, ".0f"),
              row("a stream alone: first mel mean (ms)", "alone_first_s", 1000, np.mean, ".0f"),
-             row("a stream alone: wall time per second of audio", "alone_wall_per_audio", 1, np.mean, ".3f"), ""]
+             row("a stream alone: wall time per second of audio", "alone_wall_per_audio", 1, np.mean, ".3f"),
+             row("start: launch to ready (s)", "ready_s", 1, np.median, ".1f")]
+    stubs = sorted(k for k in mine if k.startswith("stub_mib:") and k in theirs)
+    lines += [row(f"`{k.split(':', 1)[1]}` stub resident memory at ready (MiB)", k, 1, np.median, ".0f")
+              for k in stubs] + [""]
     text = "\n".join(lines)
     print(text)
     if args.out is not None:

@@ -23,7 +23,7 @@ from s3flow.model.prefix_cache import CacheShape
 from s3flow.protocol import RequestError, one_bytes, tenant_of
 from s3flow.serving.metrics import SOLVER_FAMILIES
 from s3flow.serving.saved_price import SavedPrice, device_name
-from s3flow.serving.session import Incoming, Outcome
+from s3flow.serving.incoming import Incoming, Outcome
 from s3flow.serving.solver_instance import SolverInstance
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
                                                read_controls)
