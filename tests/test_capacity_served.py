@@ -191,8 +191,9 @@ def test_a_pod_is_ready_for_traffic_only_once_its_solver_has_priced_its_work(tmp
 
 def test_the_admission_and_onnx_runtime_stubs_never_load_torch(server):
     """Issue 49: a stub that imports torch starts ~1 s slower and holds ~250 MiB more (results/stub_imports.md);
-    admission and the ONNX Runtime models need none of it, after their setup and after serving (this module's
-    streams have passed through them by now). The solver and the vocoder do load it."""
+    admission and the ONNX Runtime models (the estimator, the encoder, the CPU host's vocoder) need none of it,
+    after their setup and after serving (this module's streams have passed through them by now). The solver
+    (its engine is torch) does load it."""
     from s3flow.server.healing import stubs
 
     def torch_loaded(pid: int) -> bool:
@@ -200,6 +201,6 @@ def test_the_admission_and_onnx_runtime_stubs_never_load_torch(server):
             return "libtorch" in f.read()
 
     by_model = {model: torch_loaded(pid) for pid, model in stubs(server.pid).items()}
-    assert {"admission", "estimator", "flow_encoder", "cfm_solver"} <= set(by_model), by_model
-    assert not any(by_model[m] for m in ("admission", "estimator", "flow_encoder")), by_model
+    assert {"admission", "estimator", "flow_encoder", "vocoder", "cfm_solver"} <= set(by_model), by_model
+    assert not any(by_model[m] for m in ("admission", "estimator", "flow_encoder", "vocoder")), by_model
     assert by_model["cfm_solver"], "the check reads what it claims: the solver's stub has torch mapped"

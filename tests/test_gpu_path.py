@@ -145,7 +145,7 @@ def test_bad_gpu_backend_is_refused(tmp_path):
 def test_gpu_target_vocoder_runs_hift_in_torch_on_the_gpu(tmp_path):
     """The vocoder of each target and vocoder_backend: instance kind, parameters and weight files."""
     from s3flow.model.vocoder import VocoderConfig, load_vocoder, random_vocoder
-    from s3flow.runtime.vocoder import VocoderRunnerSettings
+    from s3flow.runtime.vocoder_runner import VocoderRunnerSettings
     from s3flow.repository.model_config import to_text
     from s3flow.repository.generator import write_vocoder_models
 

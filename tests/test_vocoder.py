@@ -34,7 +34,8 @@ from s3flow.engine.vocoder_stream import F0_LOOKAHEAD_FRAMES, StreamError, Strea
 from s3flow.model.vocoder import (HiFTGenerator, VocoderConfig, hann_window, load_vocoder, random_vocoder,
                                   vocoder_state_dict, write_vocoder_checkpoint)
 from s3flow.model.vocoder_source import HOP_SAMPLES, Excitation, harmonic_source, offline_vocode, trim_fade
-from s3flow.runtime.vocoder import OnnxVocoder, TorchVocoder, check_vocoder_onnx, export_vocoder, vocode
+from s3flow.runtime.vocoder import TorchVocoder, check_vocoder_onnx, export_vocoder, vocode
+from s3flow.runtime.vocoder_runner import OnnxVocoder
 
 SMALL = VocoderConfig.small()
 STREAM_TOL = 1e-6
@@ -282,7 +283,7 @@ def _repository_runners(tmp_path, hift):
     (``vocoder_backend`` onnx and torch, cpu target, so the torch one runs on the CPU)."""
     from s3flow.repository.generator import write_vocoder_models
     from s3flow.repository.settings import RepositorySettings
-    from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
+    from s3flow.runtime.vocoder_runner import VocoderRunnerSettings, open_vocoder_runner
 
     runners = {}
     for backend in ("onnx", "torch"):
@@ -320,7 +321,7 @@ def test_torch_backend_streams_like_the_onnx_backend_and_like_offline(tmp_path):
 
 
 def test_vocoder_runner_settings():
-    from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner, vocoder_backend_for
+    from s3flow.runtime.vocoder_runner import VocoderRunnerSettings, open_vocoder_runner, vocoder_backend_for
 
     s = VocoderRunnerSettings.from_args({"vocoder_backend": "torch", "intra_op_threads": "2"}, "GPU", "1")
     assert (s.backend, s.device, s.threads) == ("torch", "cuda:1", 2)
@@ -575,7 +576,7 @@ def test_the_server_counts_each_utterances_first_audio_once_within_the_clients_f
 def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_path):
     """token2wav with ``vocoder_backend torch`` (the gpu target's runner; here KIND_CPU, device cpu) on its
     own server, against the ONNX-backed server of the module: same flow, same vocoder weights, same stream."""
-    from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
+    from s3flow.runtime.vocoder_runner import VocoderRunnerSettings, open_vocoder_runner
     from s3flow.serving.config_params import Params
     from s3flow.repository.model_config import read_config
     from s3flow.repository.generator import write_repository

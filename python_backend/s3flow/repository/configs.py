@@ -133,7 +133,7 @@ def stateless_config(name: str, n_feats: int, meanflow: bool, settings: Reposito
 def vocoder_config(n_feats: int, s: RepositorySettings, stream, source) -> ModelConfig:
     """The stateful ``vocoder``: the solver's sequence controls and limits (idle eviction, live cap),
     ``stream``: its ``StreamSettings``, no queue delay; ``source``: the HiFT's ``SourceParams``."""
-    from s3flow.runtime.vocoder import vocoder_backend_for
+    from s3flow.runtime.vocoder_runner import vocoder_backend_for
 
     backend = vocoder_backend_for(s.target, s.vocoder_backend)   # torch on the gpu target: HiFT on the GPU
     config = _python("vocoder", s.batching.max_batch_size)

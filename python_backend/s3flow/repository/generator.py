@@ -130,7 +130,8 @@ def write_vocoder_models(out: Path, vocoder, n_feats: int, s: RepositorySettings
     """
     from s3flow.engine.vocoder_stream import SERVED_FIRST_LOOKAHEAD_FRAMES, StreamSettings
     from s3flow.model.vocoder import write_vocoder_checkpoint
-    from s3flow.runtime.vocoder import VOCODER_WEIGHTS_FILE, export_vocoder, vocoder_backend_for
+    from s3flow.runtime.vocoder import export_vocoder
+    from s3flow.runtime.vocoder_runner import VOCODER_WEIGHTS_FILE, vocoder_backend_for
 
     if vocoder.config.in_channels != n_feats:
         raise ValueError(f"the vocoder takes {vocoder.config.in_channels} mel bins, the flow makes {n_feats}")

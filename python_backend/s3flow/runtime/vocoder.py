@@ -1,23 +1,22 @@
-"""The vocoder on a backend: torch on a device, its two ONNX graphs (export, ONNX Runtime), the served runner's
-choice, and offline vocoding.
+"""The vocoder in torch: the module on a device, its two ONNX graphs' export and check, and offline vocoding.
 
 The HiFT port (``s3flow.model.vocoder.HiFTGenerator``) runs as two stateless networks with the numpy
 excitation between them (``s3flow.model.vocoder_source``): ``f0`` (mel -> F0 in float64) and ``decode``
 (mel, harmonics -> audio). The served ``vocoder`` model runs them either
 
-* as the graphs ``f0.onnx`` and ``decoder.onnx`` in ONNX Runtime on the CPU (:class:`OnnxVocoder`,
+* as the graphs ``f0.onnx`` and ``decoder.onnx`` in ONNX Runtime on the CPU (``vocoder_runner.OnnxVocoder``,
   ``vocoder_backend onnx``), exported by :func:`export_vocoder` with the contract's tensor names
   (``s3flow_contract.tensors.HIFT_F0`` / ``HIFT_DECODER``), or
-* as the torch module (:class:`TorchVocoder`, CPU or CUDA, weights in :data:`VOCODER_WEIGHTS_FILE`;
+* as the torch module (:class:`TorchVocoder`, CPU or CUDA, weights in ``vocoder_runner.VOCODER_WEIGHTS_FILE``;
   ``vocoder_backend torch``).
 
-:func:`open_vocoder_runner` opens either from a model version folder and :class:`VocoderRunnerSettings`;
-:func:`vocode` vocodes a whole utterance offline over :class:`TorchVocoder` on the CPU, as upstream does.
+``s3flow.runtime.vocoder_runner.open_vocoder_runner`` opens either from a model version folder (it imports this
+module only for the torch backend); :func:`vocode` vocodes a whole utterance offline over :class:`TorchVocoder` on the CPU, as upstream does.
 
 Example::
 
     from s3flow.model.vocoder import VocoderConfig, random_vocoder
-    from s3flow.runtime.vocoder import OnnxVocoder, check_vocoder_onnx, export_vocoder
+    from s3flow.runtime.vocoder import check_vocoder_onnx, export_vocoder
     hift = random_vocoder(VocoderConfig.small(), seed=0)
     export_vocoder(hift, "out/")                    # out/f0.onnx, out/decoder.onnx
     check_vocoder_onnx(hift, "out/")                # {"f0": Hz, "audio": ..., "audio_rms": ...}
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
@@ -34,20 +32,11 @@ import numpy as np
 import torch
 
 from s3flow_contract import tensors as contract
-from s3flow.model.vocoder import F0Float64, HiFTGenerator, load_vocoder
+from s3flow.model.vocoder import F0Float64, HiFTGenerator
 from s3flow.model.vocoder_source import offline_vocode
-from s3flow.runtime.devices import instance_device
 from s3flow.runtime.onnx_export import dynamic_axes
-
-#: Tensor names of the two exported graphs (from the contract).
-F0_INPUTS, F0_OUTPUTS = (list(contract.names(ts)) for ts in contract.HIFT_F0)
-DECODER_INPUTS, DECODER_OUTPUTS = (list(contract.names(ts)) for ts in contract.HIFT_DECODER)
-#: ``vocoder_backend`` values; ``auto`` resolves by target: torch on GPU hosts, onnx on CPU hosts.
-VOCODER_BACKENDS = ("onnx", "torch")
-#: The torch backend's weights in the model's version folder (``write_vocoder_checkpoint``'s format).
-VOCODER_WEIGHTS_FILE = "hift.safetensors"
-GRAPH_FILES = ("f0.onnx", "decoder.onnx")
-
+from s3flow.runtime.vocoder_runner import (DECODER_INPUTS, DECODER_OUTPUTS, F0_INPUTS, F0_OUTPUTS, GRAPH_FILES,
+                                           OnnxVocoder)
 
 class TorchVocoder:
     """The two callables ``VocoderStream`` runs, over a torch HiFTGenerator (numpy in, numpy out).
@@ -100,35 +89,6 @@ def vocode(hift: HiFTGenerator, mel, seed: int = 0, fade: bool = True) -> np.nda
     return offline_vocode(runner.f0, runner.decode, mel, hift.source_params, seed=seed, fade=fade)
 
 
-class OnnxVocoder:
-    """The two callables, over ONNX Runtime (CPU) sessions of ``f0.onnx`` and ``decoder.onnx`` in a folder.
-
-    The sessions are the estimator's (``s3flow.runtime.ort.OrtModel``: one place for the session settings, the
-    memory pattern off among them), without its graph rewrite (Mish and attention: the vocoder has neither).
-    ``threads``: intra-op threads, 0 = ONNX Runtime's default.
-    """
-
-    def __init__(self, directory, threads: int = 0):
-        from s3flow.runtime.ort import OrtModel, OrtSettings   # here: the torch backend never loads onnxruntime
-
-        settings = OrtSettings(threads=threads, rewrite=False)
-        models = []
-        for name in GRAPH_FILES:
-            path = Path(directory) / name
-            if not path.is_file():
-                raise FileNotFoundError(f"vocoder graph not found: {path}")
-            models.append(OrtModel(path, settings))
-        self.f0_model, self.decoder_model = models
-
-    def f0(self, mel: np.ndarray) -> np.ndarray:
-        """mel (B, C, T) float32 -> (B, T) float64 Hz."""
-        return self.f0_model.run(dict(zip(F0_INPUTS, (mel,))), outputs=F0_OUTPUTS)[0]
-
-    def decode(self, mel: np.ndarray, harmonics: np.ndarray) -> np.ndarray:
-        """mel (B, C, T), harmonics (B, H + 1, 480 T) float32 -> audio (B, 480 T) float32."""
-        return self.decoder_model.run(dict(zip(DECODER_INPUTS, (mel, harmonics))), outputs=DECODER_OUTPUTS)[0]
-
-
 def export_vocoder(hift: HiFTGenerator, out_dir: Union[str, Path], opset: int = 17) -> tuple[Path, Path]:
     """Export ``f0.onnx`` (mel (B, C, T) float32 -> f0 (B, T) float64, see ``F0Float64``) and
     ``decoder.onnx`` (mel, harmonics (B, H + 1, 480 T) -> audio (B, 480 T), float32) into ``out_dir``,
@@ -170,60 +130,3 @@ def check_vocoder_onnx(hift: HiFTGenerator, out_dir: Union[str, Path], frames: i
         raise AssertionError(f"shapes differ: audio {a_ort.shape} vs {a_ref.shape}, f0 {f_ort.shape} vs {f_ref.shape}")
     return {"f0": float(np.abs(f_ref - f_ort).max()), "audio": float(np.abs(a_ref - a_ort).max()),
             "audio_rms": float(np.sqrt(np.mean(a_ref ** 2)))}
-
-
-# ---------------------------------------------------------------------------------------------------
-# The served vocoder's runner: ONNX Runtime (CPU) or torch (CPU or CUDA), chosen by config
-
-
-def vocoder_backend_for(target: str, requested: str = "auto") -> str:
-    """The backend a repository of ``target`` (cpu | gpu) serves: ``requested``, or for ``auto`` torch on
-    the gpu target (the GPU runs HiFT) and onnx on the cpu target."""
-    if requested == "auto":
-        return "torch" if target == "gpu" else "onnx"
-    if requested not in VOCODER_BACKENDS:
-        raise ValueError(f"vocoder_backend must be 'auto' or one of {VOCODER_BACKENDS}, got {requested!r}")
-    return requested
-
-
-@dataclass(frozen=True)
-class VocoderRunnerSettings:
-    """How the ``vocoder`` model runs its two networks: the ``vocoder_backend`` and ``intra_op_threads``
-    config parameters and the instance's placement (``KIND_GPU`` -> ``cuda:<device id>``)."""
-    backend: str = "onnx"
-    device: str = "cpu"
-    threads: int = 0                    # ONNX Runtime intra-op / torch CPU threads; 0: the library's default
-
-    @classmethod
-    def from_args(cls, params: dict, instance_kind: str = "CPU", device_id: Union[int, str] = 0
-                  ) -> "VocoderRunnerSettings":
-        backend = (params.get("vocoder_backend") or "onnx").lower()
-        if backend not in VOCODER_BACKENDS:
-            raise ValueError(f"parameter vocoder_backend must be one of {VOCODER_BACKENDS}, got {backend!r}")
-        try:
-            threads = int(params.get("intra_op_threads") or 0)
-        except ValueError:
-            raise ValueError(f"parameter intra_op_threads must be an integer, "
-                             f"got {params.get('intra_op_threads')!r}") from None
-        device = instance_device(instance_kind, device_id)
-        if backend == "onnx" and device != "cpu":
-            raise ValueError("vocoder_backend onnx runs ONNX Runtime on the CPU: give it a KIND_CPU instance "
-                             "group, or use vocoder_backend torch on the GPU")
-        return cls(backend=backend, device=device, threads=threads)
-
-
-def open_vocoder_runner(directory: Union[str, Path], settings: VocoderRunnerSettings):
-    """The ``f0`` / ``decode`` callables over a model version folder: ``f0.onnx`` + ``decoder.onnx``
-    (onnx) or ``hift.safetensors`` (torch, on ``settings.device``)."""
-    if settings.backend == "onnx":
-        return OnnxVocoder(directory, threads=settings.threads)
-    if settings.backend != "torch":
-        raise ValueError(f"vocoder backend must be one of {VOCODER_BACKENDS}, got {settings.backend!r}")
-    path = Path(directory) / VOCODER_WEIGHTS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"vocoder weights not found: {path}")
-    if settings.device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"vocoder device {settings.device} but torch sees no CUDA device")
-    if settings.device == "cpu" and settings.threads:
-        torch.set_num_threads(settings.threads)
-    return TorchVocoder(load_vocoder(path), settings.device)

@@ -21,7 +21,7 @@ from s3flow_contract.tensors import VOCODER_INPUTS, VOCODER_OUTPUTS, by_name
 from s3flow.engine.vocoder_stream import StreamSettings, VocoderStream
 from s3flow.model.vocoder_source import SourceParams
 from s3flow.protocol import numbers_from_parameters
-from s3flow.runtime.vocoder import VocoderRunnerSettings, open_vocoder_runner
+from s3flow.runtime.vocoder_runner import VocoderRunnerSettings, open_vocoder_runner
 from s3flow.serving.metrics import VOCODER_FAMILIES
 from s3flow.serving.saved_price import VOCODER_PRICED, SavedPrice, device_name
 from s3flow.serving.triton_models.base import (TritonModel, empty_response, input_arrays, ok_response, pb_utils,
