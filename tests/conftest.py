@@ -22,8 +22,8 @@ def one_torch_thread():
 @pytest.fixture(scope="session", autouse=True)
 def one_instance_layout():
     """The suite's repositories run one solver and one estimator instance unless a test names its layout: each
-    instance is a stub process that imports torch, and the suite starts about 47 servers (the shipped CPU layout,
-    two of each, added minutes). tests/test_layout.py serves the shipped layout (``shipped_layout``)."""
+    instance is a stub process (the solver's imports torch), and the suite starts about 47 servers (the shipped CPU
+    layout, two of each, added minutes). tests/test_layout.py serves the shipped layout (``shipped_layout``)."""
     from s3flow.repository import settings
 
     shipped = {target: dict(counts) for target, counts in settings.DEFAULT_INSTANCES.items()}
