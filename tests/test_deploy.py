@@ -1021,6 +1021,9 @@ def check_compose_healthcheck(service: dict) -> None:
     urls = health_urls(healthcheck_command(service), {**image_env(), **compose_env(service)})
     assert urls, "the healthcheck should ask Triton's HTTP health endpoint"
     for url in urls:
+        if urllib.parse.urlsplit(url).path == METRICS_PATH:   # (--priced, as the readiness probe)
+            loopback_url(url, PORTS["metrics"], {METRICS_PATH}, "healthcheck")
+            continue
         loopback_url(url, PORTS["http"], HEALTH_PATHS, "healthcheck")
 
 
