@@ -47,7 +47,8 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list
     from s3flow.repository import cli as build_repository
     from s3flow.server.triton_server import TritonServer
     from s3flow.server.metrics_reader import wait_priced
-    from s3flow_tools.measure.qos import MODES, TRAINED, streams, utterances
+    from s3flow_tools.measure.corpus import TRAINED, utterances
+    from s3flow_tools.measure.qos import MODES, streams
 
     from s3flow.server.healing import stubs
     from s3flow_tools.bench.load import rss_mb

@@ -56,9 +56,10 @@ from s3flow_client import StreamingClient
 from s3flow_client.stream import StreamError
 from s3flow_contract.answers import answer_of
 from s3flow_tools.bench.report import machine
-from s3flow_tools.measure.qos import TRAINED, utterances   # the same held-out sentences as the scheduler's table
+from s3flow_tools.measure.corpus import TRAINED, utterances   # the same held-out sentences as the scheduler's table
 from s3flow_tools.bench.killed_client import kill_mid_stream
 from s3flow_tools.measure.command import command
+from s3flow_tools.measure.sections import write_section
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -66,7 +67,6 @@ BUFFER_S = 0.3
 #: single utterances in the traced run (issue 39's: idle, 1, 16 at once, idle, 3 at once, 10 singles, idle)
 TRACE_SINGLES = 10
 C_BURSTS = 3   # C is the median of this many bursts of ``--at-once`` streams
-BEGIN, END = "<!-- measure_admission -->", "<!-- /measure_admission -->"
 
 
 def build(repo: Path, target: float, flags: tuple = ()) -> None:
@@ -374,16 +374,6 @@ def measure_pair(model: str, repos: dict, tmp: Path) -> list[str]:
                 f"accepted lost.", ""]
 
 
-def write_section(out: Path, lines: list[str]) -> None:
-    text = out.read_text() if out.exists() else ""
-    section = "\n".join([BEGIN] + lines + [END])
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    out.write_text(text)
-
-
 def main(argv=None) -> int:
     p = command(__file__, __doc__)
     p.add_argument("--model", default="both", choices=("token2mel", "token2wav", "both"))
@@ -414,7 +404,7 @@ def main(argv=None) -> int:
         for model in models:
             lines += measure_model(model, loads, args.at_once, repos, tmp, args.pair, args.singles, args.lost_runs,
                                    args.out.parent)
-            write_section(args.out, lines)   # what is measured so far
+            write_section(args.out, "admission", lines)   # what is measured so far
     print("\n".join(lines))
     return 0
 

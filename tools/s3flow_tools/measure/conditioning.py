@@ -58,13 +58,13 @@ from s3flow_client import StreamingClient, chunk_schedule
 from s3flow_client.demo import demo_utterance
 from s3flow_tools.bench.report import log, machine, markdown
 from s3flow_tools.measure.command import command
+from s3flow_tools.measure.corpus import TRAINED
 from s3flow_training.evaluate import stream_utterance, synthesize_one
 from s3flow_training.intelligibility import intelligibility
 from s3flow_training.package import HeldoutUtterance, load_heldout
 from s3flow_training.streaming_eval import seam_roughness
 
 ROOT = Path(__file__).resolve().parents[3]
-TRAINED = ROOT / "checkpoints" / "trained"
 CONTEXT = 100
 #: name -> ChunkSolving settings (all with context_frames = CONTEXT)
 CANDIDATES = {

@@ -37,9 +37,9 @@ from s3flow.runtime.vocoder import vocode
 from s3flow_training.intelligibility import intelligibility
 from s3flow_training.package import HeldoutUtterance, load_heldout
 from s3flow_tools.measure.command import command
+from s3flow_tools.measure.corpus import TRAINED
 
 ROOT = Path(__file__).resolve().parents[3]
-TRAINED = ROOT / "checkpoints" / "trained"
 FULL = 10
 #: a row: its name and each chunk's steps from the chunk's index
 Row = tuple[str, Callable[[int], int]]

@@ -46,9 +46,9 @@ from s3flow_training.intelligibility import intelligibility, log_spectral_distan
 from s3flow_training.package import load_heldout
 from s3flow_tools.bench.report import log, machine, markdown
 from s3flow_tools.measure.command import command
+from s3flow_tools.measure.corpus import TRAINED
 
 ROOT = Path(__file__).resolve().parents[3]
-TRAINED = ROOT / "checkpoints" / "trained"
 SR, HALF_S = 24000, 12000
 #: The first lookahead the served default uses (what this script chose; results/first_audio.md).
 DEFAULT_FIRST_LOOKAHEAD = SERVED_FIRST_LOOKAHEAD_FRAMES

@@ -31,7 +31,8 @@ from s3flow.repository import cli as build_repository
 from s3flow.server.triton_server import TritonServer
 from s3flow_tools.bench.report import machine
 from s3flow_tools.measure.command import command
-from s3flow_tools.measure.qos import TRAINED, streams, utterances
+from s3flow_tools.measure.corpus import TRAINED, utterances
+from s3flow_tools.measure.qos import streams
 
 ROOT = Path(__file__).resolve().parents[3]
 ENSEMBLES = ("token2mel", "token2wav")

@@ -41,10 +41,10 @@ from s3flow_client.chunking import PlannedChunks
 from s3flow_client.live import stalls
 from s3flow_tools.bench.report import log, machine, markdown
 from s3flow_tools.measure.command import command
+from s3flow_tools.measure.corpus import TRAINED
 from s3flow_training.package import load_heldout
 
 ROOT = Path(__file__).resolve().parents[3]
-TRAINED = ROOT / "checkpoints" / "trained"
 RATES = tuple(k * TOKENS_PER_SECOND for k in (1.0, 2.0, 4.0))   # tokens pushed a second: 1x, 2x, 4x
 
 

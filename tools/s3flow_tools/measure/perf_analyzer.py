@@ -20,7 +20,7 @@ from s3flow.repository import cli as build_repository
 from s3flow.server.triton_server import TritonServer
 from s3flow_tools import perf_analyzer
 from s3flow_tools.bench.report import machine
-from s3flow_tools.measure.qos import TRAINED
+from s3flow_tools.measure.corpus import TRAINED
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "scripts"))

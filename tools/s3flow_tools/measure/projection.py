@@ -46,7 +46,8 @@ from s3flow.model.flops import estimator_flops
 from s3flow.model.prefix_cache import CacheShape
 from s3flow.repository.settings import Batching, RepositorySettings
 from s3flow_tools.bench.report import machine
-from s3flow_tools.measure.qos import BUFFER_S, starts, utterances
+from s3flow_tools.measure.corpus import utterances
+from s3flow_tools.measure.qos import BUFFER_S, starts
 from s3flow_tools.sim.streams import run_streams
 from s3flow_tools.sim.virtual_server import HostCosts, Pricing, VirtualServer
 

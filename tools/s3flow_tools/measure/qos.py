@@ -40,7 +40,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[3]
 
-from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
+from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.repository import cli as build_repository
 from s3flow.server.metrics_reader import metric_sum, read_metrics, wait_priced
 from s3flow.server.triton_server import TritonServer
@@ -50,9 +50,9 @@ from s3flow_tools.sim.price import chunk_work, fit_alone, served_costs
 from s3flow_tools.sim.streams import run_streams
 from s3flow_tools.sim.virtual_server import HostCosts, Pricing, VirtualServer
 from s3flow_tools.measure.command import command
-from s3flow_training.package import HeldoutUtterance, load_heldout
+from s3flow_tools.measure.corpus import TRAINED, held, utterances
+from s3flow_tools.measure.sections import write_keeping_sections
 
-TRAINED = ROOT / "checkpoints" / "trained"
 BUFFER_S = 0.3
 #: a chunk's way in and out without admission (client and gRPC, the ensemble's hops): results/overhead.md, alone
 TRANSIT_S = 1.3e-3
@@ -60,17 +60,6 @@ TRANSIT_S = 1.3e-3
 #: every frame solved once, ``keep_solved 2``, docs/streaming.md)
 MODES = {"fifo": ["--scheduling", "fifo"], "deadline": ["--scheduling", "deadline", "--min-steps", "0"],
          "fewer": ["--scheduling", "deadline"], "kept": ["--scheduling", "fifo", "--keep-solved", "2"]}
-
-
-def held(n: int, offset: int = 0) -> list[HeldoutUtterance]:
-    """n held-out sentences of 3-6 s, from the ``offset``-th on (round the list)."""
-    held = [u for u in load_heldout(TRAINED / "heldout.npz") if 3.0 <= len(u.speech_tokens) / TOKENS_PER_SECOND <= 6.0]
-    return [held[(offset + k) % len(held)] for k in range(n)]
-
-
-def utterances(n: int, offset: int = 0) -> list[Utterance]:
-    return [Utterance(u.speech_tokens, u.prompt_tokens, np.ascontiguousarray(u.prompt_mel.T), u.xvector, seed=k)
-            for k, u in enumerate(held(n, offset))]
 
 
 def fewer_steps(server) -> float:
@@ -298,10 +287,7 @@ def main(argv=None) -> int:
                      f"{r['stall_p95']:.2f} | {r['underruns']:.0f} | {r['cut']:.0f} / {r['chunks']} | "
                      f"{r['estoi']:.3f} | {_simulated(r)} |")
     lines += ["", _simulator_note(sims), ""] + _simulator_check(rows, modes)
-    from s3flow_tools.measure.admission import BEGIN   # (admission reads this module's sentences)
-    old = args.out.read_text() if args.out.exists() else ""
-    kept = "\n" + old[old.index(BEGIN):] if BEGIN in old else ""   # the admission section is its driver's
-    args.out.write_text("\n".join(lines) + kept)
+    write_keeping_sections(args.out, lines)   # (the admission section is its driver's)
     print("\n".join(lines))
     return 0
 

@@ -36,9 +36,9 @@ from s3flow_client import StreamingClient, Utterance
 from s3flow_client.demo import load_utterance
 from s3flow_tools.bench.report import log, machine, markdown
 from s3flow_tools.measure.command import command
+from s3flow_tools.measure.corpus import TRAINED
 
 ROOT = Path(__file__).resolve().parents[3]
-TRAINED = ROOT / "checkpoints" / "trained"
 MEL_TOL, AUDIO_TOL = 1e-4, 1e-4     # several utterances never share B here; batches of one: the same solves
 
 

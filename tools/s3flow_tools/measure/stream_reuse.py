@@ -52,13 +52,13 @@ from s3flow_client import chunk_schedule
 from s3flow_tools.bench.report import log, machine, markdown
 from s3flow_tools.measure.command import command
 from s3flow_tools.measure.conditioning import joined, voice_distance
+from s3flow_tools.measure.corpus import TRAINED
 from s3flow_training.evaluate import stream_utterance
 from s3flow_training.intelligibility import intelligibility
 from s3flow_training.package import HeldoutUtterance, load_heldout
 from s3flow_training.streaming_eval import seam_roughness
 
 ROOT = Path(__file__).resolve().parents[3]
-TRAINED = ROOT / "checkpoints" / "trained"
 STEPS = 10
 LONG_PROMPT_TOKENS = 250   # 10 s
 

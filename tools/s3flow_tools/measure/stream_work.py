@@ -39,9 +39,9 @@ from s3flow_client import StreamingClient, chunk_schedule
 from s3flow_client.demo import demo_utterance
 from s3flow_tools.bench.report import machine
 from s3flow_tools.measure.command import command
+from s3flow_tools.measure.corpus import TRAINED
 
 ROOT = Path(__file__).resolve().parents[3]
-TRAINED = ROOT / "checkpoints" / "trained"
 PROMPTS_S, UTTERANCES_S = (1, 3, 10), (2, 5, 10, 30)
 STEPS, LOOKAHEAD = 10, 6
 SCHEMES = ("today", "prompt kept", "prompt kept, context 25", "each frame once")

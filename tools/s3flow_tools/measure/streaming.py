@@ -36,8 +36,8 @@ from s3flow_training.package import load_heldout
 from s3flow_training.streaming_eval import long_utterances, measure
 from s3flow_client import chunk_schedule
 from s3flow_tools.measure.command import command
+from s3flow_tools.measure.corpus import TRAINED
 
-TRAINED = ROOT / "checkpoints" / "trained"
 
 
 def mode_name(c) -> str:

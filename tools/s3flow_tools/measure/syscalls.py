@@ -27,9 +27,9 @@ from s3flow_client import StreamingClient, chunk_schedule
 from s3flow_client.demo import demo_utterance
 from s3flow_tools.bench.report import machine
 from s3flow_tools.measure.command import command
+from s3flow_tools.measure.corpus import TRAINED
 
 ROOT = Path(__file__).resolve().parents[3]
-TRAINED = ROOT / "checkpoints" / "trained"
 CALLS = "openat,open,rename,renameat,renameat2,flock,unlink,unlinkat,stat,newfstatat,statx,access,mkdir,getdents64"
 RECORD = re.compile(r"s3flow-(\w+)-\d+")
 
