@@ -11,7 +11,8 @@ excitation between them (``s3flow.model.vocoder_source``): ``f0`` (mel -> F0 in 
   ``vocoder_backend torch``).
 
 ``s3flow.runtime.vocoder_runner.open_vocoder_runner`` opens either from a model version folder (it imports this
-module only for the torch backend); :func:`vocode` vocodes a whole utterance offline over :class:`TorchVocoder` on the CPU, as upstream does.
+module only for the torch backend); :func:`vocode` vocodes a whole utterance offline over :class:`TorchVocoder` on
+the CPU, as upstream does.
 
 Example::
 

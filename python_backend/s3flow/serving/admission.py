@@ -19,8 +19,9 @@ refused there never reaches the sequence batcher and holds nothing. It reads the
   against the capacity measured from their work, plus what this START needs, by the default plan at its own
   steps for the solver, priced as what its ensemble makes: the two ensembles map different outputs of this step,
   ``admitted`` for ``token2mel``, ``admitted_audio`` for ``token2wav``, and a START is priced for the one it
-  asks for, a token2wav one with the vocoder's work too, ``ServerLoad.stages``): ``busy``, with ``retry_after`` the time until the server expects room (young streams
-  past their costly start, or streams of ``expected_utterance_s`` ended), clamped to [0.2, 5] s. A server that
+  asks for, a token2wav one with the vocoder's work too, ``ServerLoad.stages``): ``busy``, with ``retry_after``
+  the time until the server expects room (young streams past their costly start, or streams of
+  ``expected_utterance_s`` ended), clamped to [0.2, 5] s. A server that
   holds no stream takes one whatever its estimate. A server is never open wider than its knowledge: before every
   solver instance has priced its work (its calibration at load, seconds after the server is ready), a START waits
   for that up to ``pricing_wait_s``, and is then refused ``busy`` if the server holds any stream (issue 48: a

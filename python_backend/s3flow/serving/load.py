@@ -12,10 +12,11 @@ the STARTs admitted but not yet held, and the one asking):
   not yet held) and what a new START adds to it (the solver's: the default plan at the START's own steps and
   guidance; the vocoder's: its per-stream demand, for a START that asks for audio, ``audio``). A ``token2wav``
   stream (one a vocoder holds, or a START that asks for audio) takes more of the solver than a ``token2mel`` one
-  by ``wav_factor``, the solver's capacity over token2wav's. A stream fits when it fits every stage. The stages are not added: each one's costs are measured while the other runs beside it on the
-  same device (cores, or one GPU), so the solver's already hold what the vocoder takes from it (16 token2wav
-  streams at once on 2 cores: solver 2.70 audio s per s, vocoder 8.5, served 2.60; added, 2.05), and the
-  server's ``utilization`` is the busiest stage's;
+  by ``wav_factor``, the solver's capacity over token2wav's. A stream fits when it fits every stage. The stages
+  are not added: each one's costs are measured while the other runs beside it on the same device (cores, or one
+  GPU), so the solver's already hold what the vocoder takes from it (16 token2wav streams at once on 2 cores:
+  solver 2.70 audio s per s, vocoder 8.5, served 2.60; added, 2.05), and the server's ``utilization`` is the
+  busiest stage's;
 * ``capacity``: audio seconds per second of default streams at full batches, measured from the solver's work
   (``CapacityModel.capacity``, summed over the solver instances; ``wav_capacity``: token2wav's, the solver's
   bounded by the vocoder's); each solver demand is scaled so that N default streams need N / capacity wherever
@@ -278,10 +279,10 @@ class ServerLoad:
     @property
     def wav_factor(self) -> float:
         """How much more of the solver a ``token2wav`` stream takes than a ``token2mel`` one: the solver's
-        capacity over token2wav's (``wav_capacity``; >= 1). Where the vocoder bounds token2wav, its streams are
-        priced by that bound; where the solver's costs were measured alone (its calibration, a restart with a
-        saved price) and the vocoder's beside it, this is what the vocoder will take of the shared device (issue
-        48: a restarted server admitted 6 of 10 token2wav STARTs priced as token2mel's, and all 6 stalled)."""
+        capacity over token2wav's (``wav_capacity``, the solver's bounded by the vocoder's; >= 1): where the
+        vocoder bounds token2wav, its streams are priced by that bound. 1 where the vocoder's own figure is the
+        higher, as on 2 cores after the solver's calibration alone: then token2wav's streams are priced as
+        token2mel's (docs/reliability.md, issue 48: what that misses)."""
         wav = self.wav_capacity
         return max(self.capacity / wav, 1.0) if wav > 0 else 1.0
 

@@ -4,8 +4,9 @@ A change to the server (a scheduler, a loop, a hop) is judged against the code b
 host's noise moves C by 10-15 % from one run to the next, more than most changes do. The other checkout is any
 git checkout with its own ``.venv`` (``git worktree add /tmp/before <commit> && make -C /tmp/before setup``);
 each round starts one server from each (``fifo`` by default, the trained small teacher, ``token2mel``, the
-admission step on with its capacity check off, so every START is taken as in ``s3flow_tools.measure.qos``), each checkout's own code serving (a server's python models import
-the package installed in the venv that starts it), and measures
+admission step on with its capacity check off, so every START is taken as in ``s3flow_tools.measure.qos``), each
+checkout's own code serving (a server's python models import the package installed in the venv that starts it),
+and measures
 
 * its start: seconds from launch until the server answers ready, and each python stub's resident memory then;
 * a stream alone: ``--alone`` held-out sentences one after the other (first mel, wall time per second of audio);
@@ -137,7 +138,8 @@ def main(argv=None) -> int:
              f"--rounds {args.rounds}"
              f"{f' --flags={chr(34)}{args.flags}{chr(34)}' if args.flags else ''}"
              f"{f' --other-flags={chr(34)}{args.other_flags}{chr(34)}' if args.other_flags else ''}` on {', '.join(f'{k} {v}' for k, v in machine().items())}: the trained small "
-             f"teacher (10 guided steps), `token2mel`, the admission step on with its capacity check off, `{args.scheduling}`; {args.rounds} servers "
+             f"teacher (10 guided steps), `token2mel`, the admission step on with its capacity check off, "
+             f"`{args.scheduling}`; {args.rounds} servers "
              f"from each checkout, alternating; per server {args.alone} held-out sentences alone, then "
              f"{args.c_runs} x {args.at_once} at once (C).", "",
              f"| figure | {args.label} | {args.other_label} | ratio |", "| --- | ---: | ---: | ---: |",
