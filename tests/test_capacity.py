@@ -239,7 +239,8 @@ def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tm
 
 def test_a_measured_capacity_rescales_every_solver_demand_and_token2wav_adds_the_vocoder(tmp_path):
     """N default streams need N / capacity of the device, whatever the fits say (they price one stream against
-    another); token2wav's capacity is the solver's, bounded by the vocoder's own."""
+    another); token2wav's capacity adds the vocoder's device time to the solver's where the solver's figure was
+    measured without it (here: none of its work went through the vocoder)."""
     files = LoadFiles(tmp_path)
     model = _fitted(fixed=0.002, per_unit=2e-5)
     model.chunk_work(1, PLAN.prefix(100))
@@ -260,7 +261,41 @@ def test_a_measured_capacity_rescales_every_solver_demand_and_token2wav_adds_the
     InstanceLoad(files, "v", "vocoder", vocoder).publish({1: Work(row_frames=100, steps=1, frames=100)})
     load = files.read()
     assert load.capacity == pytest.approx(measured.capacity)
-    assert load.wav_capacity == pytest.approx(min(measured.capacity, 8.0)), "the vocoder bounds token2wav's"
+    assert load.vocoder_capacity == pytest.approx(8.0)
+    assert load.wav_capacity == pytest.approx(1 / (1 / measured.capacity + 1 / 8.0)), "the two device times add"
+
+
+def test_token2wav_capacity_adds_the_vocoders_time_only_where_the_solvers_figure_does_not_hold_it(tmp_path):
+    """Issue 48: one device runs the solver and the vocoder. A solver figure measured on token2wav's streams holds
+    the vocoder's time already (the vocoder worked beside it): token2wav makes min(solver, vocoder); one measured
+    alone (its calibration, token2mel's streams) does not: the two device times add; between, by the share of the
+    solver's audio that went on to the vocoder (``CapacityModel(vocoded=)``, kept in the saved price too)."""
+    from s3flow.serving.load import LoadReport
+
+    vocoded = {1}
+    model = CapacityModel(max_batch=1, vocoded=vocoded.__contains__)
+    model.estimator_timed(2, 100, 0.01)
+    model.chunk_work(1, PLAN.expected())   # token2wav's stream
+    model.chunk_work(2, PLAN.expected())   # token2mel's, as long
+    model.worked(1.0)
+    assert model.vocoded_share == pytest.approx(0.5)
+    restored = CapacityModel(max_batch=1)
+    restored.restore(model.state())
+    assert restored.vocoded_share == pytest.approx(0.5), "the saved price says what it was measured on"
+
+    def wav(share):
+        files = LoadFiles(tmp_path / f"w{share}")
+        files.write("s", LoadReport("solver", capacity=6.0, vocoded_share=share))
+        files.write("v", LoadReport("vocoder", capacity=12.0))
+        return files.read().wav_capacity
+
+    assert wav(1.0) == pytest.approx(6.0), "measured beside the vocoder: the solver's figure holds its time"
+    assert wav(0.0) == pytest.approx(4.0), "measured alone: 1 / (1/6 + 1/12)"
+    assert wav(0.0) < wav(0.5) < wav(1.0)
+    files = LoadFiles(tmp_path / "unpriced")
+    files.write("s", LoadReport("solver", capacity=6.0))
+    files.write("v", LoadReport("vocoder", capacity=0.0))
+    assert files.read().wav_capacity == pytest.approx(6.0), "a vocoder with no price yet: the solver's alone"
 
 
 def test_solver_instances_are_one_server_of_their_summed_capacity_and_a_start_goes_to_the_emptier(tmp_path):

@@ -12,16 +12,14 @@ the STARTs admitted but not yet held, and the one asking):
   not yet held) and what a new START adds to it (the solver's: the default plan at the START's own steps and
   guidance; the vocoder's: its per-stream demand, for a START that asks for audio, ``audio``). A ``token2wav``
   stream (one a vocoder holds, or a START that asks for audio) takes more of the solver than a ``token2mel`` one
-  by ``wav_factor``, the solver's capacity over token2wav's. A stream fits when it fits every stage. The stages
-  are not added: each one's costs are measured while the other runs beside it on the same device (cores, or one
-  GPU), so the solver's already hold what the vocoder takes from it (16 token2wav streams at once on 2 cores:
-  solver 2.70 audio s per s, vocoder 8.5, served 2.60; added, 2.05), and the server's ``utilization`` is the
-  busiest stage's;
+  by ``wav_factor``, the solver's capacity over token2wav's (``wav_capacity``: the vocoder's part of the shared
+  device, as far as the solver's figure does not hold it already). A stream fits when it fits every stage, and
+  the server's ``utilization`` is the busiest stage's;
 * ``capacity``: audio seconds per second of default streams at full batches, measured from the solver's work
   (``CapacityModel.capacity``, summed over the solver instances; ``wav_capacity``: token2wav's, the solver's
-  bounded by the vocoder's); each solver demand is scaled so that N default streams need N / capacity wherever
-  they are held (the costs only price one stream against another), and a START is priced on the solver instance
-  holding the fewest streams;
+  and the vocoder's device time together); each solver demand is scaled so that N default streams need N /
+  capacity wherever they are held (the costs only price one stream against another), and a START is priced on
+  the solver instance holding the fewest streams;
 * ``wait_until(stage, target, expected_s)``: the time until ``stage`` has room for its ``need`` under ``target``,
   looking ahead: streams end, each assumed to last ``expected_s`` of audio (no stream says how long it will be),
   and the solver's young streams leave their costly start (STARTs that came together go in one after another).
@@ -90,6 +88,8 @@ class LoadReport:
     #: a vocoder's: the last time it was seen free, between batches (wall clock; 0: never): an answer the solver
     #: sent on well before then reached it or never will (its client cancelled it in the ensemble: ``Delivery``)
     free_at: float = 0.0
+    #: a solver's: the share of the audio its capacity was measured on that went on to a vocoder (token2wav's)
+    vocoded_share: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "costs": dataclasses.asdict(self.costs),
@@ -101,7 +101,7 @@ class LoadReport:
                            "planned_steps": self.planned_steps, "planned_rows": self.planned_rows,
                            "capacity": self.capacity, "throughput": self.throughput, "duty": self.duty,
                            "cap": self.cap, "ended": [int(c) for c in self.ended], "pid": self.pid,
-                           "started": self.started, "free_at": self.free_at})
+                           "started": self.started, "free_at": self.free_at, "vocoded_share": self.vocoded_share})
 
     @classmethod
     def from_json(cls, text: str) -> "LoadReport":
@@ -115,7 +115,8 @@ class LoadReport:
                    capacity=float(d.get("capacity", 0.0)), throughput=float(d.get("throughput", 0.0)),
                    duty=float(d.get("duty", 1.0)), cap=int(d.get("cap", 0)),
                    ended=[int(c) for c in d.get("ended", [])], pid=int(d.get("pid", 0)),
-                   started=float(d.get("started", 0.0)), free_at=float(d.get("free_at", 0.0)))
+                   started=float(d.get("started", 0.0)), free_at=float(d.get("free_at", 0.0)),
+                   vocoded_share=float(d.get("vocoded_share", 0.0)))
 
     @functools.cached_property
     def planned_capacity(self) -> float:
@@ -245,13 +246,29 @@ class ServerLoad:
         return min(r.free_at for r in holding) if holding else None
 
     @property
+    def vocoder_capacity(self) -> float:
+        """Audio seconds per second the vocoder makes at full batches (its instances' best; 0: not priced)."""
+        return max((r.capacity for r in self.reports if r.kind == "vocoder"), default=0.0)
+
+    @property
     def wav_capacity(self) -> float:
-        """``token2wav``'s: the solver's, bounded by the vocoder's own. Not their device times added: the solver's
-        busy time, measured while the vocoder shares its device (cores, or one GPU), already holds what the vocoder
-        takes from it (16 token2wav streams at once on 2 cores: solver 2.70, vocoder 8.5, served 2.60 audio s per
-        s; added, 2.05)."""
-        vocoder = max((r.capacity for r in self.reports if r.kind == "vocoder"), default=0.0)
-        return min(self.capacity, vocoder) if vocoder > 0 else self.capacity
+        """``token2wav``'s: the solver and the vocoder share one device (cores, or one GPU), so a second of
+        token2wav audio takes the solver's device time per audio second (``s``, one over its capacity) and the
+        vocoder's (``v``) as far as the solver's figure does not hold it already. It does in the share of the work
+        it was measured on that went through the vocoder (``vocoded_share``, ``w``): there the vocoder worked
+        beside it and its busy time grew by what the vocoder took, and token2wav makes ``1 / max(s, v)``; it does
+        not in the rest (its calibration, token2mel's streams), where the two add: ``1 / (w max(s, v) + (1 - w)
+        (s + v))``. Measured on 2 cores (the trained small model, 16 at once): after the calibration the solver
+        read 9.20 and token2wav made 5.6-7.0 (min 9.20, added 5.3 with the vocoder's 12.6); after token2wav's
+        streams the solver read 6.6-7.5 (min 6.6-7.5, as measured). The solver's alone before the vocoder has a
+        price."""
+        solver, vocoder = self.capacity, self.vocoder_capacity
+        if solver <= 0 or vocoder <= 0:
+            return solver
+        solvers = [r for r in self._solvers if r.capacity > 0]
+        w = sum(r.vocoded_share * r.capacity for r in solvers) / sum(r.capacity for r in solvers)
+        s, v = 1.0 / solver, 1.0 / vocoder
+        return 1.0 / (w * max(s, v) + (1.0 - w) * (s + v))
 
     def utilization(self, pending: int = 0) -> float:
         """The busiest stage's demand (module docstring), with ``pending`` more STARTs by the default plan
@@ -278,11 +295,10 @@ class ServerLoad:
 
     @property
     def wav_factor(self) -> float:
-        """How much more of the solver a ``token2wav`` stream takes than a ``token2mel`` one: the solver's
-        capacity over token2wav's (``wav_capacity``, the solver's bounded by the vocoder's; >= 1): where the
-        vocoder bounds token2wav, its streams are priced by that bound. 1 where the vocoder's own figure is the
-        higher, as on 2 cores after the solver's calibration alone: then token2wav's streams are priced as
-        token2mel's (docs/reliability.md, issue 48: what that misses)."""
+        """How much more of the solver's device a ``token2wav`` stream takes than a ``token2mel`` one: the
+        solver's capacity over token2wav's (``wav_capacity``; >= 1): the vocoder's part of the device where the
+        solver's figure does not hold it (issue 48: after the solver's calibration alone, token2wav's STARTs were
+        priced as token2mel's and a burst of 6 all stalled)."""
         wav = self.wav_capacity
         return max(self.capacity / wav, 1.0) if wav > 0 else 1.0
 
@@ -303,7 +319,7 @@ class ServerLoad:
         mean = sum(demand.values()) / len(demand) if demand else 0.0
         live = self.solver_ids
         if audio:
-            capacity = sum(v.capacity for v in vocoders)
+            capacity = self.vocoder_capacity
             need = mean if demand else (1.0 / capacity if capacity > 0 else 0.0)
         else:
             need = mean * min(1.0, len(demand) / len(live)) if demand and live else 0.0
@@ -477,6 +493,7 @@ class InstanceLoad:
         prior = report.planned_capacity * self.model.duty if self.planned is not None else 0.0
         report.capacity = self.model.capacity() or self.model.prior_capacity or prior
         report.throughput, report.duty = self.model.throughput, self.model.duty
+        report.vocoded_share = self.model.vocoded_share
         report.pid, report.started, report.free_at = os.getpid(), self.started, free_at
         try:
             self.files.write(self.instance, report)

@@ -116,7 +116,8 @@ UTILIZATION = Family("s3flow_utilization", "gauge",
                      "(each model's summed over its instances; a server's: its busiest model's)")
 CAPACITY = Family("s3flow_capacity_audio_seconds_per_second", "gauge",
                   "audio seconds per second the server makes for default streams at full batches, measured from its "
-                  "recent work, per ensemble (token2mel: the solver's; token2wav: bounded by the vocoder's)",
+                  "recent work, per ensemble (token2mel: the solver's; token2wav: the solver's and the vocoder's "
+                  "device time)",
                   labels=("ensemble",))
 
 ADMISSION_REFUSALS = Family("s3flow_admission_refusals_total", "counter",

@@ -11,9 +11,9 @@ capacity, capacity) to ``<model dir>/price/<instance>.json``; the next instance 
 (``CapacityModel.restore``) and is priced before its first request. The calibration still runs and refits the
 costs; the measured correction, duty and capacity stay the priors until served work measures them again. The
 vocoder keeps its own the same way (``models=VOCODER_PRICED``): a restarted server's token2wav capacity (the
-solver's bounded by the vocoder's) and the demand of each stream the vocoder holds are priced from its first push.
-It does not change a restarted server's first token2wav burst (6 of 10 admitted at 1.5 C and all 6 stalled, as
-before): the vocoder prices the streams it holds, and a burst's STARTs are judged before any reaches it.
+solver's and the vocoder's device time) and the demand of each stream the vocoder holds are priced from its first
+push; the solver's saved price says what share of its audio went through the vocoder (``vocoded_share``), so the
+next server knows whether its figure holds the vocoder's time.
 
 A saved price holds only for what it was measured on: the file is keyed by the host (processor, usable cores, the
 GPU) and the repository's solver, encoder and estimator (their configs, instance counts included, and their model
