@@ -52,7 +52,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.engine.observer import Observer
@@ -234,22 +234,15 @@ class CapacityModel(Observer):
     from its step thread)."""
 
     def __init__(self, max_batch: int = 8, halflife: float = 200.0, prior_correction: float = 1.0,
-                 window_s: float = WINDOW_S, clock=time.monotonic, duty_prior: Optional[float] = DUTY_PRIOR,
-                 vocoded: Callable[[object], bool] = lambda corr_id: False):
+                 window_s: float = WINDOW_S, clock=time.monotonic, duty_prior: Optional[float] = DUTY_PRIOR):
         """``duty_prior`` None: the instance's idle share at capacity is not its own (the vocoder waits for the
-        solver, the bottleneck): its capacity is its throughput alone. ``vocoded(corr_id)``: whether a stream's
-        answers go on to a vocoder (token2wav): the window keeps what share of its audio did
-        (:attr:`vocoded_share`), so that token2wav's capacity knows whether the solver's was measured with the
-        vocoder working beside it (``s3flow.serving.load.ServerLoad.wav_capacity``)."""
+        solver, the bottleneck): its capacity is its throughput alone."""
         self.max_batch = max(1, int(max_batch))
         self.estimator, self.encoder = CostFit(halflife), CostFit(halflife)
         #: busy time over what the fits price the work made in it at, over the last ``window_s`` of busy time;
         #: ``prior_correction`` until there is such work
         self.prior_correction, self.window_s = prior_correction, window_s
         self._busy = self._priced = self._full = self._audio = 0.0   # the window: decayed sums
-        self._vocoded_audio = 0.0                           # the window's audio that went on to a vocoder
-        self.vocoded, self._made_vocoded = vocoded, Work()
-        self.prior_vocoded_share = 0.0                      # before the window holds work (``restore``)
         #: the same over the stretches when the instance held a full batch of streams, with their wall time
         self._sat_wall = self._sat_busy = self._sat_priced = self._sat_full = self._sat_audio = 0.0
         self.clock, self._last, self.duty_prior = clock, None, duty_prior
@@ -277,8 +270,6 @@ class CapacityModel(Observer):
         """A chunk answered: the window counts what it did (its stream's work is the sequence table's)."""
         with self._lock:
             self._made.add(work)
-            if self.vocoded(corr_id):
-                self._made_vocoded.add(work)
 
     def worked(self, seconds: float, streams: int = 0) -> None:
         """The instance was busy ``seconds`` (an execute, a step-loop iteration, a vocoder push) holding
@@ -291,7 +282,6 @@ class CapacityModel(Observer):
             wall = max(now - self._last, seconds) if self._last is not None else seconds
             self._last = now
             made, self._made = self._made, Work()
-            vocoded, self._made_vocoded = self._made_vocoded, Work()
             decay = 0.5 ** (seconds / self.window_s)
             fits = self._costs(1.0)
             priced = fits.seconds(made, self._share()) if fits.known else 0.0
@@ -304,8 +294,6 @@ class CapacityModel(Observer):
             self._priced = decay * self._priced + priced
             self._full = decay * self._full + full
             self._audio = decay * self._audio + audio
-            share = vocoded.audio_s / made.audio_s if made.audio_s > 0 else 0.0
-            self._vocoded_audio = decay * self._vocoded_audio + audio * share
             if streams >= self.max_batch and wall < SATURATED_GAP_S:   # a full batch held: the server at capacity
                 d = 0.5 ** (wall / self.window_s)
                 self._sat_wall, self._sat_busy = d * self._sat_wall + wall, d * self._sat_busy + seconds
@@ -333,8 +321,7 @@ class CapacityModel(Observer):
                     "encoder": [self.encoder.fixed, self.encoder.per_unit],
                     "correction": self._correction() if served else self.prior_correction,
                     "duty": self._duty(), "served": served or self._served_prior,
-                    "capacity": measured if served else self.prior_capacity,
-                    "vocoded_share": self._vocoded_share()}
+                    "capacity": measured if served else self.prior_capacity}
 
     def restore(self, state: dict) -> None:
         """Start from a ``state`` an earlier instance measured: its fits (until calls are timed here), correction,
@@ -348,22 +335,12 @@ class CapacityModel(Observer):
                 self.duty_prior = float(state["duty"])
             self.prior_capacity = float(state["capacity"]) if state.get("capacity") else None
             self._served_prior = bool(state.get("served"))
-            self.prior_vocoded_share = float(state.get("vocoded_share", 0.0))
 
     @property
     def correction(self) -> Optional[float]:
         """Busy time over priced work in the window; None before there is any."""
         with self._lock:
             return self._correction()
-
-    @property
-    def vocoded_share(self) -> float:
-        """The share of the window's audio whose streams went on to a vocoder (the prior's before any work)."""
-        with self._lock:
-            return self._vocoded_share()
-
-    def _vocoded_share(self) -> float:
-        return min(1.0, self._vocoded_audio / self._audio) if self._audio > 0 else self.prior_vocoded_share
 
     @property
     def throughput(self) -> float:

@@ -12,8 +12,8 @@ the STARTs admitted but not yet held, and the one asking):
   not yet held) and what a new START adds to it (the solver's: the default plan at the START's own steps and
   guidance; the vocoder's: its per-stream demand, for a START that asks for audio, ``audio``). A ``token2wav``
   stream (one a vocoder holds, or a START that asks for audio) takes more of the solver than a ``token2mel`` one
-  by ``wav_factor``, the solver's capacity over token2wav's (``wav_capacity``: the vocoder's part of the shared
-  device, as far as the solver's figure does not hold it already). A stream fits when it fits every stage, and
+  by ``wav_factor``, the solver's capacity over token2wav's (``wav_capacity``: the two device times added, the
+  solver and the vocoder sharing one device). A stream fits when it fits every stage, and
   the server's ``utilization`` is the busiest stage's;
 * ``capacity``: audio seconds per second of default streams at full batches, measured from the solver's work
   (``CapacityModel.capacity``, summed over the solver instances; ``wav_capacity``: token2wav's, the solver's
@@ -88,8 +88,6 @@ class LoadReport:
     #: a vocoder's: the last time it was seen free, between batches (wall clock; 0: never): an answer the solver
     #: sent on well before then reached it or never will (its client cancelled it in the ensemble: ``Delivery``)
     free_at: float = 0.0
-    #: a solver's: the share of the audio its capacity was measured on that went on to a vocoder (token2wav's)
-    vocoded_share: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "costs": dataclasses.asdict(self.costs),
@@ -101,7 +99,7 @@ class LoadReport:
                            "planned_steps": self.planned_steps, "planned_rows": self.planned_rows,
                            "capacity": self.capacity, "throughput": self.throughput, "duty": self.duty,
                            "cap": self.cap, "ended": [int(c) for c in self.ended], "pid": self.pid,
-                           "started": self.started, "free_at": self.free_at, "vocoded_share": self.vocoded_share})
+                           "started": self.started, "free_at": self.free_at})
 
     @classmethod
     def from_json(cls, text: str) -> "LoadReport":
@@ -115,8 +113,7 @@ class LoadReport:
                    capacity=float(d.get("capacity", 0.0)), throughput=float(d.get("throughput", 0.0)),
                    duty=float(d.get("duty", 1.0)), cap=int(d.get("cap", 0)),
                    ended=[int(c) for c in d.get("ended", [])], pid=int(d.get("pid", 0)),
-                   started=float(d.get("started", 0.0)), free_at=float(d.get("free_at", 0.0)),
-                   vocoded_share=float(d.get("vocoded_share", 0.0)))
+                   started=float(d.get("started", 0.0)), free_at=float(d.get("free_at", 0.0)))
 
     @functools.cached_property
     def planned_capacity(self) -> float:
@@ -253,22 +250,17 @@ class ServerLoad:
     @property
     def wav_capacity(self) -> float:
         """``token2wav``'s: the solver and the vocoder share one device (cores, or one GPU), so a second of
-        token2wav audio takes the solver's device time per audio second (``s``, one over its capacity) and the
-        vocoder's (``v``) as far as the solver's figure does not hold it already. It does in the share of the work
-        it was measured on that went through the vocoder (``vocoded_share``, ``w``): there the vocoder worked
-        beside it and its busy time grew by what the vocoder took, and token2wav makes ``1 / max(s, v)``; it does
-        not in the rest (its calibration, token2mel's streams), where the two add: ``1 / (w max(s, v) + (1 - w)
-        (s + v))``. Measured on 2 cores (the trained small model, 16 at once): after the calibration the solver
-        read 9.20 and token2wav made 5.6-7.0 (min 9.20, added 5.3 with the vocoder's 12.6); after token2wav's
-        streams the solver read 6.6-7.5 (min 6.6-7.5, as measured). The solver's alone before the vocoder has a
-        price."""
+        token2wav audio takes the solver's device time per audio second (one over its capacity) and the vocoder's:
+        ``1 / (1 / solver + 1 / vocoder)``; the solver's alone while the vocoder has no price. Conservative where
+        the solver's figure was measured beside the vocoder (its busy time then holds some of the vocoder's).
+        Measured on 2 cores (the trained small model, 16 at once; token2wav made 6.3-7.0 s per s): after the
+        solver's calibration 9.2-9.3 and the vocoder's 12.5-13.6 give 5.3 (0.8x); after token2wav's bursts the
+        solver read 6.6-8.1, giving 4.5-5.4 (0.7-0.85x); the smaller of the two (what this was before) read
+        1.1-1.4x after the calibration and light loads, and a burst priced by it stalled (issue 48)."""
         solver, vocoder = self.capacity, self.vocoder_capacity
         if solver <= 0 or vocoder <= 0:
             return solver
-        solvers = [r for r in self._solvers if r.capacity > 0]
-        w = sum(r.vocoded_share * r.capacity for r in solvers) / sum(r.capacity for r in solvers)
-        s, v = 1.0 / solver, 1.0 / vocoder
-        return 1.0 / (w * max(s, v) + (1.0 - w) * (s + v))
+        return 1.0 / (1.0 / solver + 1.0 / vocoder)
 
     def utilization(self, pending: int = 0) -> float:
         """The busiest stage's demand (module docstring), with ``pending`` more STARTs by the default plan
@@ -296,9 +288,9 @@ class ServerLoad:
     @property
     def wav_factor(self) -> float:
         """How much more of the solver's device a ``token2wav`` stream takes than a ``token2mel`` one: the
-        solver's capacity over token2wav's (``wav_capacity``; >= 1): the vocoder's part of the device where the
-        solver's figure does not hold it (issue 48: after the solver's calibration alone, token2wav's STARTs were
-        priced as token2mel's and a burst of 6 all stalled)."""
+        solver's capacity over token2wav's (``wav_capacity``; >= 1): the vocoder's part of the device (issue 48:
+        after the solver's calibration alone, token2wav's STARTs were priced as token2mel's and a burst of 6 all
+        stalled)."""
         wav = self.wav_capacity
         return max(self.capacity / wav, 1.0) if wav > 0 else 1.0
 
@@ -493,7 +485,6 @@ class InstanceLoad:
         prior = report.planned_capacity * self.model.duty if self.planned is not None else 0.0
         report.capacity = self.model.capacity() or self.model.prior_capacity or prior
         report.throughput, report.duty = self.model.throughput, self.model.duty
-        report.vocoded_share = self.model.vocoded_share
         report.pid, report.started, report.free_at = os.getpid(), self.started, free_at
         try:
             self.files.write(self.instance, report)

@@ -12,8 +12,7 @@ capacity, capacity) to ``<model dir>/price/<instance>.json``; the next instance 
 costs; the measured correction, duty and capacity stay the priors until served work measures them again. The
 vocoder keeps its own the same way (``models=VOCODER_PRICED``): a restarted server's token2wav capacity (the
 solver's and the vocoder's device time) and the demand of each stream the vocoder holds are priced from its first
-push; the solver's saved price says what share of its audio went through the vocoder (``vocoded_share``), so the
-next server knows whether its figure holds the vocoder's time.
+push.
 
 A saved price holds only for what it was measured on: the file is keyed by the host (processor, usable cores, the
 GPU) and the repository's solver, encoder and estimator (their configs, instance counts included, and their model

@@ -106,9 +106,7 @@ class SolverInstance:
                               pending=self._pending, playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
         # what the server can carry (s3flow.engine.capacity): every call timed, for admission and the step loop
         rows_per_stream = 1 if self.meanflow or not self.settings.solving.default_guidance_rate else 2
-        self._vocoded: set = set()   # the live streams whose answers go on to the vocoder (token2wav's)
-        self.capacity = CapacityModel(max(1, deadlines.max_step_rows // rows_per_stream) if stepping else batch_size,
-                                      vocoded=self._vocoded.__contains__)
+        self.capacity = CapacityModel(max(1, deadlines.max_step_rows // rows_per_stream) if stepping else batch_size)
         self.saved = saved
         state = saved.restore_into(self.capacity) if saved is not None else None
         if state is not None:   # priced before its first request, as the last server here measured it
@@ -196,10 +194,6 @@ class SolverInstance:
             if i.ready and i.start:
                 self.slots.started(i.corr_id)
                 self.gone.take(i.corr_id)
-                if i.to_vocoder:   # token2wav's: its share of the capacity's work is the vocoder's too
-                    self._vocoded.add(i.corr_id)
-                else:
-                    self._vocoded.discard(i.corr_id)
 
     def _took(self, batch: list[Incoming]) -> None:
         self.on_the_way.picked_up([(i.corr_id, i.start) for i in batch if i.ready])
@@ -210,8 +204,6 @@ class SolverInstance:
         """A chunk's answer goes out: one that goes on to the vocoder is counted for ``Delivery``."""
         if o.result is not None and not incoming.end and incoming.to_vocoder:
             self.delivery.answered(incoming.corr_id, incoming.start)
-        if incoming.end:
-            self._vocoded.discard(incoming.corr_id)
 
     def _vocoders_since(self) -> Optional[float]:
         """When the vocoder instances serving now were made (their load reports; None: none reports yet)."""
@@ -256,7 +248,6 @@ class SolverInstance:
     def _dropped(self, corr_id, reason: str) -> None:
         """A sequence's state went before its END (counted by the metrics as ``s3flow_sequences_dropped_total``):
         logged, and unless its request ended it in Triton too, marked gone and its Triton slot freed."""
-        self._vocoded.discard(corr_id)
         idle = self.settings.sequences.idle_timeout_s
         if releases_slot(reason):
             self.gone.mark(corr_id, f"evicted after {idle} s idle" if reason == "idle" else f"dropped ({reason})")
