@@ -213,19 +213,21 @@ def test_a_start_is_priced_as_what_its_ensemble_makes_a_token2wav_one_with_the_v
     when it holds no stream yet (one over its capacity); a token2mel one needs no vocoder; a stream the vocoder
     holds is token2wav's wherever it is priced."""
     from s3flow.engine.capacity import AdmissionTarget
-    from s3flow.serving.load import LoadReport
+    from s3flow.serving.load import VOCODER_OVERLAP, LoadReport
 
     files = _solver_load(tmp_path / "load", [1, 2], per_stream=0.2)
     capacity = files.read().capacity
-    # the solver priced alone (none of its work vocoded): the vocoder's device time adds, token2wav makes half
-    files.write("vocoder_0", LoadReport("vocoder", capacity=capacity))
+    # a vocoder slower than the solver: token2wav takes its time and part of the solver's (load.VOCODER_OVERLAP):
+    # with the overlap at 0.5, twice the solver's time per audio second
+    assert VOCODER_OVERLAP == 0.5
+    files.write("vocoder_0", LoadReport("vocoder", capacity=capacity / 1.5))
     load = files.read()
     assert load.wav_factor == pytest.approx(2.0)
     [mel] = load.stages(audio=False)
     solver, vocoder = load.stages(audio=True)
     assert mel.now == pytest.approx(solver.now) == pytest.approx(0.4, rel=1e-3), "streams 1, 2: token2mel's"
     assert solver.need == pytest.approx(2 * mel.need) and mel.need == pytest.approx(0.2, rel=1e-3)
-    assert vocoder.need == pytest.approx(1 / capacity), "none held: the vocoder's price of one real-time stream"
+    assert vocoder.need == pytest.approx(1.5 / capacity), "none held: the vocoder's price of one real-time stream"
     a = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.7))
     assert a.check(3, True, False, START, audio=False) is None, "token2mel: 0.4 + 0.2 fits under 0.7"
     o = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.7)).check(
@@ -234,7 +236,7 @@ def test_a_start_is_priced_as_what_its_ensemble_makes_a_token2wav_one_with_the_v
     assert f"the solver's utilization 0.40 + 0.40 for this token2wav stream is above the target 0.70 (capacity " \
            f"{capacity / 2:.1f} audio s per s)" in o.error, o.error
 
-    files.write("vocoder_0", LoadReport("vocoder", capacity=capacity, waiting=[1, 2]))   # 1, 2 vocode
+    files.write("vocoder_0", LoadReport("vocoder", capacity=capacity / 1.5, waiting=[1, 2]))   # 1, 2 vocode
     [held] = files.read().stages(audio=False)
     assert held.now == pytest.approx(0.8, rel=1e-3), "token2wav streams take twice the solver's share"
     o = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.9)).check(

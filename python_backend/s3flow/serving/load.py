@@ -50,6 +50,11 @@ from s3flow.serving.records import is_temporary, server_folder, write_atomic, wr
 
 #: how finely ``ServerLoad.wait_until`` looks ahead (seconds)
 WAIT_STEP_S = 0.2
+#: the share of the smaller of the solver's and the vocoder's device time per audio second that token2wav adds
+#: to the larger (``ServerLoad.wav_capacity``). Measured on 2 cores (the trained small model, results/qos.md):
+#: the smaller capacity (0) read 1.1-1.4x of the C token2wav made over a run and a burst priced by it stalled;
+#: the two times added (1) read 0.61-0.80x (2 of 74 samples within 25 %)
+VOCODER_OVERLAP = 0.5
 
 
 def _work(w: Work) -> list:
@@ -250,17 +255,15 @@ class ServerLoad:
     @property
     def wav_capacity(self) -> float:
         """``token2wav``'s: the solver and the vocoder share one device (cores, or one GPU), so a second of
-        token2wav audio takes the solver's device time per audio second (one over its capacity) and the vocoder's:
-        ``1 / (1 / solver + 1 / vocoder)``; the solver's alone while the vocoder has no price. Conservative where
-        the solver's figure was measured beside the vocoder (its busy time then holds some of the vocoder's).
-        Measured on 2 cores (the trained small model, 16 at once; token2wav made 6.3-7.0 s per s): after the
-        solver's calibration 9.2-9.3 and the vocoder's 12.5-13.6 give 5.3 (0.8x); after token2wav's bursts the
-        solver read 6.6-8.1, giving 4.5-5.4 (0.7-0.85x); the smaller of the two (what this was before) read
-        1.1-1.4x after the calibration and light loads, and a burst priced by it stalled (issue 48)."""
+        token2wav audio takes the larger of their device times per audio second (one over each's capacity) and
+        ``VOCODER_OVERLAP`` of the smaller: each figure is measured with the other working beside it some of the
+        time, so neither the smaller of the two capacities (their times overlapping whole) nor the two times added
+        (not at all) is what token2wav makes; the solver's alone while the vocoder has no price."""
         solver, vocoder = self.capacity, self.vocoder_capacity
         if solver <= 0 or vocoder <= 0:
             return solver
-        return 1.0 / (1.0 / solver + 1.0 / vocoder)
+        s, v = 1.0 / solver, 1.0 / vocoder
+        return 1.0 / (max(s, v) + VOCODER_OVERLAP * min(s, v))
 
     def utilization(self, pending: int = 0) -> float:
         """The busiest stage's demand (module docstring), with ``pending`` more STARTs by the default plan
