@@ -53,7 +53,8 @@ WAIT_STEP_S = 0.2
 #: the share of the smaller of the solver's and the vocoder's device time per audio second that token2wav adds
 #: to the larger (``ServerLoad.wav_capacity``). Measured on 2 cores (the trained small model, results/qos.md):
 #: the smaller capacity (0) read 1.1-1.4x of the C token2wav made over a run and a burst priced by it stalled;
-#: the two times added (1) read 0.61-0.80x (2 of 74 samples within 25 %)
+#: the two times added (1) read 0.61-0.80x (2 of 74 samples within 25 %); 0.5 read 0.80-0.96x and 0.77-1.00x
+#: (69 of 69 and 74 of 74 within 25 %; docs/reliability.md). Fitted on that host: unmeasured on a GPU
 VOCODER_OVERLAP = 0.5
 
 
