@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 
 from s3flow_contract.tensors import (ADMISSION_OUTPUTS, ADMITTED, ADMITTED_AUDIO, ENCODER_MODEL, ESTIMATOR_MODEL,
-                                     REQUEST, SOLVER_INPUTS, SOLVER_OUTPUTS, SOLVER_TO_VOCODER, STREAM_RESPONSE, VOCODER_INPUTS,
-                                     VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS, Tensor,
-                                     stateless_tensors)
+                                     REQUEST, SOLVER_INPUTS, SOLVER_OUTPUTS, SOLVER_TO_VOCODER, STREAM_RESPONSE,
+                                     VOCODER_INPUTS, VOCODER_OUTPUTS, VOICE_ENCODER_INPUTS, VOICE_ENCODER_OUTPUTS,
+                                     Tensor, stateless_tensors)
 from s3flow.repository.model_config import (ModelConfig, add_ensemble_step, add_instances, add_sequence_controls,
                                          add_tensors, set_parameters, set_strategy)
 from s3flow.repository.settings import RepositorySettings

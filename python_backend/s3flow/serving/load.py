@@ -295,13 +295,16 @@ class ServerLoad:
         solver's capacity over token2wav's (``wav_capacity``; >= 1): the vocoder's part of the device (issue 48:
         after the solver's calibration alone, token2wav's STARTs were priced as token2mel's and a burst of 6 all
         stalled)."""
-        wav = self.wav_capacity
-        return max(self.capacity / wav, 1.0) if wav > 0 else 1.0
+        def factor():
+            wav = self.wav_capacity
+            return max(self.capacity / wav, 1.0) if wav > 0 else 1.0
+        return self._kept(("wav_factor",), factor)
 
     @property
     def _vocoded(self) -> set:
-        """The sequences a vocoder instance holds: ``token2wav``'s."""
-        return {c for r in self.reports if r.kind == "vocoder" for c in list(r.streams) + r.waiting}
+        """The sequences a vocoder instance holds: ``token2wav``'s (asked at every step of a look-ahead)."""
+        return self._kept(("vocoded",), lambda: {c for r in self.reports if r.kind == "vocoder"
+                                                 for c in list(r.streams) + r.waiting})
 
     def _vocoder_stage(self, audio: Optional[bool]) -> Optional[Stage]:
         """The vocoders' streams' summed demand, and a START's need (None: no vocoder reports): a ``token2wav``

@@ -133,7 +133,7 @@ class VocoderInstance(Observer):
             return
         self.publish_metric(VOCODER_LIVE, len(works), {})
         self.publish_metric(UTILIZATION, load.utilization, {})
-        # token2wav's capacity: the solver's, bounded by this vocoder's (s3flow.serving.load.ServerLoad.wav_capacity)
+        # token2wav's capacity: the solver's and this vocoder's device time (s3flow.serving.load's wav_capacity)
         self.publish_metric(CAPACITY, self.load.files.read(READ_EVERY_S).wav_capacity, {"ensemble": "token2wav"})
 
     def sequence_dropped(self, corr_id, reason: str) -> None:

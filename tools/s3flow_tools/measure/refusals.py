@@ -114,7 +114,7 @@ def refusal_cost(folder: Path, held: int, burst: int, rounds: int) -> dict:
     start = request_arrays(u.speech_tokens[:10], start=True, prompt_tokens=u.prompt_tokens,
                            prompt_mel=u.prompt_mel, speaker_embedding=u.speaker_embedding)
     out, said = {"kept": [], "afresh": []}, {"kept": [], "afresh": []}
-    for r in range(rounds):
+    for _ in range(rounds):
         for way, load in (("kept", files), ("afresh", Afresh(files))):
             admission = Admission(RequestRules(), 80, load=load, target=AdmissionTarget(utilization_target=1e-3))
             for k in range(burst):

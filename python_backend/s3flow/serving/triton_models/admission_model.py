@@ -23,7 +23,6 @@ from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response, pb_utils
 
 
-
 class TritonPythonModel(TritonModel):
 
     def setup(self, args):
