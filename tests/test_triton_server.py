@@ -237,7 +237,8 @@ class TritonPythonModel:
 # one step at a time over the head request of every sequence, all their rows in one BLS call to add_one, and
 # answers each request with COMPLETE_FINAL after its last step. A request adds INPUT to its sequence's sum, then
 # 1 per step (add_one); SUM is the sum after it, DEPTH how many requests of its sequence were queued in the model
-# when it arrived, ROWS the most rows of one step while it was served.
+# when it arrived, ROWS the most rows of one step while it was served. A START that does not end its sequence waits
+# (5 s at most) for the sequence's next request before its first step, so DEPTH does not hang on how fast steps run.
 STEP_SUM_CONFIG = """
 name: "step_sum"
 backend: "python"
@@ -264,15 +265,27 @@ instance_group [ { kind: KIND_CPU count: 1 } ]
 
 STEP_SUM_MODEL = """
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+FOLLOWER_WAIT_S = 5.0   # a START that does not end its sequence is held this long at most for the sequence's next
 
 
 def value(request, name):
     return pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)[0]
+
+
+def ready(queue):
+    # a sequence's head may be served: it is not a START still waiting for its sequence's next request (so DEPTH
+    # says whether the batcher hands that request over while the START is unanswered, whatever the host's speed)
+    if not queue:
+        return False
+    h = queue[0]
+    return not (h["start"] and not h["end"] and len(queue) < 2
+                and time.monotonic() - h["arrived"] < FOLLOWER_WAIT_S)
 
 
 class TritonPythonModel:
@@ -295,17 +308,18 @@ class TritonPythonModel:
                 q = self.queues.setdefault(request.correlation_id(), [])
                 q.append({"sender": sender, "x": float(value(request, "INPUT")),
                           "steps": steps, "start": bool(value(request, "START")),
-                          "end": bool(value(request, "END")), "depth": len(q), "rows": 0, "begun": False})
+                          "end": bool(value(request, "END")), "depth": len(q), "rows": 0, "begun": False,
+                          "arrived": time.monotonic()})
             self.cond.notify()
         return None   # decoupled: every answer goes through its request's sender
 
     def loop(self):
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.stopping or any(self.queues.values()))
+                self.cond.wait_for(lambda: self.stopping or any(map(ready, self.queues.values())), timeout=0.1)
                 if self.stopping:
                     return
-                heads = [(c, q[0]) for c, q in self.queues.items() if q]
+                heads = [(c, q[0]) for c, q in self.queues.items() if ready(q)]
             rows = []
             for c, h in heads:
                 if not h["begun"]:
