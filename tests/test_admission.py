@@ -13,7 +13,7 @@ from s3flow.engine.capacity import DUTY_PRIOR, AdmissionTarget, CapacityModel, W
 from s3flow.engine.settings import SolverSettings
 from s3flow.protocol import RequestRules
 from s3flow.serving.admission import Admission
-from s3flow.serving.load import InstanceLoad, LoadFiles
+from s3flow.serving.load import InstanceLoad, LoadBoard
 from s3flow.serving.voice_registry import UnknownVoice
 from s3flow_client.demo import demo_utterance
 
@@ -54,7 +54,7 @@ class Live:
     (nothing priced yet)."""
 
     def __init__(self, folder):
-        self.files = LoadFiles(folder)
+        self.files = LoadBoard(folder)
 
     def write(self, instance, live_ids, cap, recent=()):
         from s3flow.engine.capacity import CapacityModel, Work
@@ -114,7 +114,7 @@ def _solver_load(folder, live_ids, per_stream: float):
     # per unit only; before any work the capacity is the plan's times the busy share at capacity (DUTY_PRIOR), so
     # every demand is the costs' over DUTY_PRIOR
     model.estimator_timed(1, 1000, 1000 * per_stream * DUTY_PRIOR * work.audio_s / work.row_frames)
-    files = LoadFiles(folder)
+    files = LoadBoard(folder)
     InstanceLoad(files, "cfm_solver_0", "solver", model, plan, steps, rows).publish({c: Work() for c in live_ids})
     return files
 
@@ -154,7 +154,7 @@ def test_a_start_right_after_the_last_end_is_judged_by_the_report_written_at_tha
     assert a.load.read() is a.load.read(), "unchanged reports are parsed once"
     _solver_load(tmp_path / "load", [], per_stream=0.3)   # the END: the same file, rewritten
     assert a.check(3, True, False, START) is None, "an idle server takes a stream"
-    assert LoadFiles(tmp_path / "load").read().solver_ids == set()
+    assert LoadBoard(tmp_path / "load").read().solver_ids == set()
 
 
 def test_a_start_over_the_utilization_target_is_refused_busy_with_a_retry_after(tmp_path):
@@ -250,7 +250,7 @@ def test_before_the_solver_priced_anything_an_idle_server_takes_one_and_the_rest
     come in time, only an idle server takes a START."""
     import threading
     from s3flow.engine.capacity import AdmissionTarget
-    from s3flow.serving.load import LoadFiles
+    from s3flow.serving.load import LoadBoard
 
     live = Live(tmp_path / "load")
     live.write("cfm_solver_0", [], cap=64)
@@ -262,7 +262,7 @@ def test_before_the_solver_priced_anything_an_idle_server_takes_one_and_the_rest
     assert busy is not None and busy.answer.disposition is Disposition.BUSY and "not priced" in busy.error
     assert 0.3 <= waited < 2.0, f"the second START waited for the pricing, bounded: {waited:.2f} s"
 
-    files = LoadFiles(tmp_path / "priced")            # the pricing arrives while a START waits: judged by it
+    files = LoadBoard(tmp_path / "priced")            # the pricing arrives while a START waits: judged by it
     unpriced = InstanceLoad(files, "cfm_solver_0", "solver", CapacityModel(), PLAN, STEPS, ROWS, cap=64)
     unpriced.publish({1: Work()})
     b = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.97), pricing_wait_s=5.0)
@@ -287,7 +287,7 @@ def test_a_start_that_waited_for_the_price_counts_as_pending_for_the_starts_queu
     from s3flow.engine.capacity import AdmissionTarget
 
     folder = tmp_path / "load"
-    files = LoadFiles(folder)
+    files = LoadBoard(folder)
     InstanceLoad(files, "cfm_solver_0", "solver", CapacityModel(), PLAN, STEPS, ROWS, cap=64).publish({1: Work()})
     a = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.7), grace_s=0.1,
                   pricing_wait_s=5.0)

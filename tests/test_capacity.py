@@ -14,7 +14,7 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import RequestRules, parse_request
 from s3flow.serving.calibration import planned_start
-from s3flow.serving.load import InstanceLoad, LoadFiles, LoadReport
+from s3flow.serving.load import InstanceLoad, LoadBoard, LoadReport
 
 PLAN, STEPS, ROWS = planned_start(SolverSettings(), n_feats=80, meanflow=False)
 
@@ -202,7 +202,7 @@ def test_the_capacity_model_keeps_no_book_that_grows_with_chunks_or_ended_stream
 
 
 def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tmp_path):
-    files = LoadFiles(tmp_path)
+    files = LoadBoard(tmp_path)
     model = _fitted(fixed=0.002, per_unit=2e-5)
     model.encoder_timed(100, 0.001)
     for c in (1, 2):
@@ -243,7 +243,7 @@ def test_a_measured_capacity_rescales_every_solver_demand_and_token2wav_adds_the
     (``load.VOCODER_OVERLAP``)."""
     from s3flow.serving.load import VOCODER_OVERLAP
 
-    files = LoadFiles(tmp_path)
+    files = LoadBoard(tmp_path)
     model = _fitted(fixed=0.002, per_unit=2e-5)
     model.chunk_work(1, PLAN.prefix(100))
     solver = InstanceLoad(files, "s", "solver", model, PLAN, STEPS, ROWS)
@@ -273,14 +273,14 @@ def test_token2wav_capacity_adds_part_of_the_vocoders_device_time_to_the_solvers
     solver's alone while the vocoder has no price."""
     from s3flow.serving.load import VOCODER_OVERLAP, LoadReport
 
-    files = LoadFiles(tmp_path / "priced")
+    files = LoadBoard(tmp_path / "priced")
     files.write("s", LoadReport("solver", capacity=6.0))
     files.write("v", LoadReport("vocoder", capacity=12.0))
     load = files.read()
     assert load.wav_capacity == pytest.approx(1 / (1 / 6 + VOCODER_OVERLAP / 12)), "the larger time and a share of the other"
     assert 4.0 < load.wav_capacity < 6.0, "between the times added (4) and the smaller capacity (6)"
     assert load.wav_factor == pytest.approx(6.0 / load.wav_capacity)
-    files = LoadFiles(tmp_path / "unpriced")
+    files = LoadBoard(tmp_path / "unpriced")
     files.write("s", LoadReport("solver", capacity=6.0))
     files.write("v", LoadReport("vocoder", capacity=0.0))
     assert files.read().wav_capacity == pytest.approx(6.0), "a vocoder with no price yet: the solver's alone"
@@ -290,7 +290,7 @@ def test_solver_instances_are_one_server_of_their_summed_capacity_and_a_start_go
     """Several solver instances (results/layout.md: the CPU default is two) each measure what they make while the
     others work beside them: the server's capacity is their sum, every stream's demand is against it wherever it
     is held (N default streams need N / capacity), and a START is priced on the instance that holds the fewest."""
-    files, reports = LoadFiles(tmp_path), []
+    files, reports = LoadBoard(tmp_path), []
     for name, made_per_busy_s, held in (("cfm_solver_0", 2.0, {1: PLAN.prefix(100), 2: PLAN.prefix(100)}),
                                         ("cfm_solver_1", 3.0, {3: PLAN.prefix(100)})):
         model = _fitted(fixed=0.002, per_unit=2e-5)
@@ -312,7 +312,7 @@ def test_solver_instances_are_one_server_of_their_summed_capacity_and_a_start_go
 
 
 def test_the_wait_is_until_enough_streams_end_or_young_ones_leave_their_costly_start(tmp_path):
-    files = LoadFiles(tmp_path)
+    files = LoadBoard(tmp_path)
     model = CapacityModel(max_batch=1)
     model.estimator_timed(1, 100, 0.01)
     model.chunk_work(1, PLAN.prefix(300))     # 6 s made of 8 expected: ends in about 2 s
@@ -328,7 +328,7 @@ def test_the_wait_is_until_enough_streams_end_or_young_ones_leave_their_costly_s
     assert 1.0 < wait <= 3.0, "about when stream 1 ends (2 s), as stream 2's demand goes by then"
     assert load.wait_until(stage, target=0.5 * one, expected_s=8.0) == 8.0, "never enough: the longest wait"
 
-    young = LoadFiles(tmp_path / "young")     # two STARTs a moment ago: their first chunks are the costliest
+    young = LoadBoard(tmp_path / "young")     # two STARTs a moment ago: their first chunks are the costliest
     InstanceLoad(young, "s", "solver", model, PLAN, STEPS, ROWS).publish({5: Work(), 6: Work()})
     load = young.read()
     start = load.utilization()

@@ -75,9 +75,9 @@ def test_a_new_servers_vocoder_is_priced_before_its_first_stream(server):
     """The vocoder calibrates at set-up (nothing saved here, no token2wav stream yet): token2wav's capacity holds
     the vocoder's time from the start (issue 48: a new server priced its first token2wav burst by the solver alone,
     and 4 of the 5 streams it admitted stalled)."""
-    from s3flow.serving.load import LoadFiles
+    from s3flow.serving.load import LoadBoard
 
-    load = LoadFiles(LoadFiles.default_folder(server.pid)).read()
+    load = LoadBoard(LoadBoard.default_folder(server.pid)).read()
     vocoders = [r for r in load.reports if r.kind == "vocoder"]
     assert vocoders and all(not r.streams and not r.waiting for r in vocoders), "no stream went through a vocoder"
     assert load.vocoder_capacity > 0

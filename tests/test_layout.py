@@ -17,8 +17,7 @@ from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.vocoder import VocoderConfig, random_vocoder
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import RepositorySettings
-from s3flow.serving.load import LoadFiles, LoadReport
-from s3flow.serving.records import is_temporary
+from s3flow.serving.load import LoadBoard, LoadReport
 from s3flow.server.metrics_reader import metric_sum, read_metrics
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
@@ -39,7 +38,7 @@ def server(tmp_path_factory, shipped_layout):
     assert (settings.batching.solver_instances, settings.batching.estimator_instances) == (2, 2), settings.batching
     write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=4))
     with TritonServer(root / "repo", log_file=root / "server.log") as srv:
-        loads = LoadFiles(LoadFiles.default_folder(srv.pid))
+        loads = LoadBoard(LoadBoard.default_folder(srv.pid))
         t0 = time.monotonic()
         while not loads.read().known or len([r for r in loads.read().reports if r.kind == "solver"]) < 2:
             assert time.monotonic() - t0 < 90, "the two solver instances never priced their work: " + srv.log_tail()
@@ -58,15 +57,12 @@ def test_streams_at_once_spread_over_both_solver_instances_and_every_frame_arriv
     utts = [demo_utterance(1.2, seed=20 + k) for k in range(6)]
     held, done = {}, threading.Event()
 
-    def watch():   # which solver instance holds which stream, from their load reports (each writes its own)
-        folder = LoadFiles.default_folder(server.pid)
+    def watch():   # which solver instance holds which stream, from their load reports (each its own lane)
+        board = LoadBoard(LoadBoard.default_folder(server.pid)).board
         while not done.is_set():
-            for path in folder.iterdir():
-                if path.name.startswith("cfm_solver") and not is_temporary(path):
-                    try:
-                        held.setdefault(path.name, set()).update(LoadReport.from_json(path.read_text()).streams)
-                    except (OSError, ValueError):   # replaced meanwhile
-                        pass
+            for name, (_, payload) in board.read().items():
+                if name.startswith("cfm_solver"):
+                    held.setdefault(name, set()).update(LoadReport.from_json(payload.decode()).streams)
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
@@ -84,7 +80,7 @@ def test_streams_at_once_spread_over_both_solver_instances_and_every_frame_arriv
 
 
 def test_the_capacity_admission_reads_is_the_instances_summed_as_the_gauge_says(server):
-    load = LoadFiles(LoadFiles.default_folder(server.pid)).read()
+    load = LoadBoard(LoadBoard.default_folder(server.pid)).read()
     solvers = [r for r in load.reports if r.kind == "solver"]
     assert len(solvers) == 2 and all(r.capacity > 0 for r in solvers)
     assert load.capacity == pytest.approx(sum(r.capacity for r in solvers))

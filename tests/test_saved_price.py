@@ -19,7 +19,7 @@ from s3flow.model.flow import TorchEstimator
 from s3flow.repository.configs import solver_config
 from s3flow.repository.settings import RepositorySettings
 from s3flow.serving.config_params import Params
-from s3flow.serving.load import LoadFiles
+from s3flow.serving.load import LoadBoard
 from s3flow.serving.saved_price import SavedPrice, price_key
 from s3flow.serving.solver_instance import SolverInstance
 
@@ -47,7 +47,7 @@ def test_an_instance_that_served_leaves_its_price_and_the_next_is_priced_before_
     model_dir = repository(tmp_path) / "cfm_solver"
     first = solver(flow, model_dir)
     try:
-        assert not LoadFiles(LoadFiles.default_folder()).read().known, "nothing saved, no calibration: unpriced"
+        assert not LoadBoard(LoadBoard.default_folder()).read().known, "nothing saved, no calibration: unpriced"
         for k in range(200):   # served work, until its busy time measures a capacity
             first.handle([chunk(1000 + k, 0, 10, start=True), chunk(2000 + k, 0, 14, start=True)])
             first.handle([chunk(1000 + k, 10, 30, end=True), chunk(2000 + k, 14, 30, end=True)])
@@ -59,7 +59,7 @@ def test_an_instance_that_served_leaves_its_price_and_the_next_is_priced_before_
     assert measured["served"] and measured["capacity"] > 0
     second = solver(flow, model_dir)
     try:
-        load = LoadFiles(LoadFiles.default_folder()).read()
+        load = LoadBoard(LoadBoard.default_folder()).read()
         assert load.known, "priced before its first request"
         assert load.capacity == pytest.approx(measured["capacity"]), "the capacity the first one measured"
         assert second.capacity.costs().est_per_unit == pytest.approx(

@@ -16,7 +16,7 @@ from s3flow.repository.settings import RepositorySettings
 from s3flow.server.leftovers import remove_server_files
 from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.config_params import Params
-from s3flow.serving.load import LoadFiles
+from s3flow.serving.load import LoadBoard
 from s3flow.serving.metrics import LIVE
 from s3flow.serving.incoming import Incoming
 from s3flow.serving.solver_instance import SolverInstance
@@ -81,13 +81,13 @@ def test_fifo_solves_a_batch_whole_and_reports_its_load_for_admission(flow, reco
         assert solver.book.end(started) == 2
         assert [o.result.frame_offset for o in outcomes] == [0, 0] and all(o.error is None for o in outcomes)
         assert slots.started_ids == [1, 2], "a START's id is in use again: no release pending for it"
-        load = LoadFiles(LoadFiles.default_folder()).read()
+        load = LoadBoard(LoadBoard.default_folder()).read()
         assert load.solver_ids == {1, 2} and load.cap == solver.settings.sequences.max_live_sequences
         assert [r.streams[1].steps for r in load.reports] == [2], "each stream's work, as the table keeps it"
         assert [v for name, v in published if name == LIVE.name][-1] == 2
         [o] = solver.handle([chunk(1, 10, 30, end=True)])
         assert o.result is not None and 1 not in solver.table
-        assert LoadFiles(LoadFiles.default_folder()).read().solver_recent_ids == {1, 2}, "1 ended moments ago"
+        assert LoadBoard(LoadBoard.default_folder()).read().solver_recent_ids == {1, 2}, "1 ended moments ago"
     finally:
         solver.close()
 

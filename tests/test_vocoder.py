@@ -613,12 +613,12 @@ def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_
     # the vocoder kept what it measured for the next server here (issue 48: a restarted server priced its first
     # token2wav burst by the solver alone), and the next one is priced by it before its first request
     import json
-    from s3flow.serving.load import LoadFiles
+    from s3flow.serving.load import LoadBoard
     [price] = (tmp_path / "repo" / "vocoder" / "price").glob("*.json")
     fixed, per_unit = json.loads(price.read_text())["state"]["estimator"]
     assert fixed > 0 or per_unit > 0, "timed pushes"
     with TritonServer(tmp_path / "repo", log_file=tmp_path / "again.log") as again:
-        [report] = [r for r in LoadFiles(LoadFiles.default_folder(again.pid)).read().reports if r.kind == "vocoder"]
+        [report] = [r for r in LoadBoard(LoadBoard.default_folder(again.pid)).read().reports if r.kind == "vocoder"]
         assert report.costs.known, "the vocoder's price before its first push"
 
 

@@ -34,7 +34,7 @@ The solver keeps every check of its own, so a request sent to it directly is ref
 
 Example::
 
-    admission = Admission(RequestRules(), n_feats=80, load=LoadFiles(folder))
+    admission = Admission(RequestRules(), n_feats=80, load=LoadBoard(folder))
     outcome = admission.check(corr_id=7, start=True, inputs=tensors)   # None: admitted
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 
 from s3flow.engine.capacity import AdmissionTarget
 from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence
-from s3flow.serving.load import LoadFiles, ServerLoad
+from s3flow.serving.load import LoadBoard, ServerLoad
 from s3flow.serving.incoming import Draining, Incoming, Outcome, naming_sequence, parse_incoming, refused
 from s3flow.serving.voice_registry import UnknownVoice
 
@@ -61,7 +61,7 @@ PRICING_WAIT_S, PRICING_POLL_S = 10.0, 0.05
 class Admission:
     """Decides whether a request may go on to the solver (module docstring)."""
 
-    def __init__(self, rules: RequestRules, n_feats: int, load: Optional[LoadFiles] = None,
+    def __init__(self, rules: RequestRules, n_feats: int, load: Optional[LoadBoard] = None,
                  voices: Optional[Callable[[str, str], dict]] = None, draining: Callable[[], bool] = lambda: False,
                  name: str = "admission", grace_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  starts=None, seen=None, gone=None, target: AdmissionTarget = AdmissionTarget(),

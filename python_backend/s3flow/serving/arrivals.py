@@ -1,12 +1,13 @@
-"""When requests arrived at the ensembles, for the models further down: per-server marks on ``/dev/shm``.
+"""When requests arrived at the ensembles, for the models further down: per-server marks in shared memory.
 
 The ensembles' first step (admission) sees every request arrive before Triton's sequence batcher queues it;
-the solver and the vocoder are separate processes further down. Admission leaves a mark per correlation id
-(a small file holding the wall-clock time) in two per-server folders:
+the solver and the vocoder are separate processes further down. Marks per correlation id cross between them, each
+kind a table in shared memory (``s3flow.serving.mark_table``: opened once per process, read and written without a
+system call):
 
 * **starts** (``kind="starts"``): each admitted START. The vocoder takes the mark at the utterance's START and
   observes ``now - mark`` when its first samples beyond the silent start go out (``s3flow_first_audio_seconds``).
-  A token2mel utterance never reaches a vocoder: its mark is swept after ``MAX_AGE_S``.
+  A token2mel utterance never reaches a vocoder: its mark's slot is free again after ``RETAIN_S``.
 * **gone** (``kind="gone"``): written by the solver, not admission: each sequence it dropped before its END, with
   why (``s3flow.serving.triton_models.slots``: Triton's slot is then freed, so a late chunk never reaches the
   solver; admission answers it with the solver's words).
@@ -42,29 +43,24 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from s3flow.engine.observer import Observer
-from s3flow.serving.records import server_folder, write_atomic
+from s3flow.serving.mark_table import MarkTable
+from s3flow.serving.records import server_folder
 
-MAX_AGE_S = 600.0
-SWEEP_EVERY = 256
-#: the lock file of a folder whose marks are counted (several admission instances count at once)
-LOCK = ".lock"
 #: a request counted by admission and not seen by the solver this long after is taken for one that never comes
 #: (its client cancelled it between the two), even while the solver never idles (overload)
 MAX_TRANSIT_S = 60.0
 #: the records kept as marks (``s3flow.serving.records``: their writers and readers)
 KINDS = ("starts", "seen", "gone", "vocoded")
+#: the table's file in a record's per-server folder
+TABLE = "marks"
 
 
 class ArrivalMarks:
-    def __init__(self, folder: Path, clock: Callable[[], float] = time.time, shared: bool = True):
-        """``shared``: other processes count marks in this folder too (several admission instances): each count
-        reads the last under a lock. A sole writer (one admission instance, the vocoder) keeps its counts in
-        memory, reading a mark only for an id it has not counted since it started (a stub reloaded under the
-        server goes on from the file), and takes no lock: two system calls a count instead of five."""
+    def __init__(self, folder: Path, clock: Callable[[], float] = time.time, shared: bool = False):
+        """``shared``: several processes count the same sequences (several admission instances): each count
+        reads the last and writes the next under the table's lock (two system calls); else none."""
         self.folder, self.clock, self.shared = Path(folder), clock, shared
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._marks = 0
-        self._counts: dict[int, int] = {}   # a sole writer's: corr_id -> its count
+        self.table = MarkTable(self.folder / TABLE, clock)
 
     @staticmethod
     def default_folder(kind: str, server_pid: Optional[int] = None) -> Path:
@@ -75,73 +71,49 @@ class ArrivalMarks:
 
     def mark(self, corr_id: int, note: str = "") -> None:
         """Mark ``corr_id`` now, with an optional one-line ``note`` (:meth:`note` reads it back)."""
-        write_atomic(self.folder / str(int(corr_id)), f"{self.clock():.6f} {note}".rstrip() + "\n")
-        self._marks += 1
-        if self._marks % SWEEP_EVERY == 0:
-            self.sweep()
+        self.table.put(corr_id, note=note)
+
+    def _live(self, corr_id: int):
+        m = self.table.newest(corr_id)
+        return None if m is None or m.cleared else m
 
     def peek(self, corr_id: int) -> Optional[float]:
         """The latest mark's time (wall clock), left in place; None when there is none."""
-        try:
-            return float((self.folder / str(int(corr_id))).read_text().split(maxsplit=1)[0])
-        except (OSError, ValueError, IndexError):
-            return None
+        m = self._live(corr_id)
+        return None if m is None else m.time
 
     def note(self, corr_id: int) -> Optional[str]:
         """The latest mark's note ("" when it has none); None when there is no mark."""
-        try:
-            fields = (self.folder / str(int(corr_id))).read_text().split(maxsplit=1)
-        except OSError:
-            return None
-        return fields[1].strip() if len(fields) > 1 else ("" if fields else None)
+        m = self._live(corr_id)
+        return None if m is None else m.note
 
     def count(self, corr_id: int, start: bool) -> int:
         """Count one more request of ``corr_id`` (``start``: the first of a sequence, counted as 1) and mark its
-        time; safe from several processes at once (``shared``). Returns the count."""
+        time. Returns the count."""
         if not self.shared:
-            n = 1 if start else (self._counts.get(corr_id) or (self.counted(corr_id) or (0,))[0]) + 1
-            self._counts[corr_id] = n
-            self.mark(corr_id, str(n))
-            return n
-        with open(self.folder / LOCK, "a") as lock:
+            return self._count(corr_id, start)
+        with open(self.table.path, "rb") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
-            counted = None if start else self.counted(corr_id)
-            n = 1 if counted is None else counted[0] + 1
-            self.mark(corr_id, str(n))
+            return self._count(corr_id, start)
+
+    def _count(self, corr_id: int, start: bool) -> int:
+        counted = None if start else self.counted(corr_id)
+        n = 1 if counted is None else counted[0] + 1
+        self.table.put(corr_id, count=n)
         return n
 
     def counted(self, corr_id: int) -> Optional[tuple[int, float]]:
         """(requests counted since the START, the last one's time); None when the sequence has no count."""
-        try:
-            when, n = (self.folder / str(int(corr_id))).read_text().split()
-            return int(n), float(when)
-        except (OSError, ValueError):
-            return None
+        m = self._live(corr_id)
+        return None if m is None or m.count <= 0 else (m.count, m.time)
 
     def take(self, corr_id: int) -> Optional[float]:
-        """The START's arrival time (wall clock), removing the mark; None when there is none."""
-        path = self.folder / str(int(corr_id))
-        try:
-            value = float(path.read_text().split(maxsplit=1)[0])
-            path.unlink(missing_ok=True)
-            return value
-        except (OSError, ValueError, IndexError):
+        """The latest mark's time (wall clock), the mark taken (no one reads it again); None when there is none."""
+        m = self._live(corr_id)
+        if m is None:
             return None
-
-    def sweep(self) -> int:
-        """Remove marks older than MAX_AGE_S (utterances no vocoder took); returns how many."""
-        gone, now = 0, self.clock()
-        for path in self.folder.iterdir():
-            if path.name == LOCK:
-                continue
-            try:
-                if now - path.stat().st_mtime > MAX_AGE_S:
-                    path.unlink(missing_ok=True)
-                    self._counts.pop(int(path.name), None)
-                    gone += 1
-            except (OSError, ValueError):
-                continue
-        return gone
+        self.table.put(corr_id, cleared=True)
+        return m.time
 
 
 class OnTheWay(Observer):

@@ -3,7 +3,7 @@
 The solver and the vocoder instances are separate stub processes, and admission is another: each stateful
 instance writes a small :class:`LoadReport` (JSON, in the server's ``load`` folder under ``/dev/shm``) at once when
 the streams it holds change, else at most every second (its cost fits and each stream's work so far), and
-admission reads them all (:class:`LoadFiles`) into one :class:`ServerLoad`, which prices the work
+admission reads them all (:class:`LoadBoard`) into one :class:`ServerLoad`, which prices the work
 (``s3flow.engine.capacity.Costs``), each solver call's fixed part shared by all the solver's streams (those held,
 the STARTs admitted but not yet held, and the one asking):
 
@@ -26,7 +26,7 @@ the STARTs admitted but not yet held, and the one asking):
 
 Example::
 
-    files = LoadFiles(LoadFiles.default_folder())
+    files = LoadBoard(LoadBoard.default_folder())
     InstanceLoad(files, "cfm_solver_0", "solver", capacity_model, *planned_start(settings, 80, False)).publish(
         table.works(), table.recently_ended())
     load = files.read()
@@ -45,9 +45,12 @@ from typing import Optional
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.engine.capacity import CapacityModel, Costs, Plan, Work
-from s3flow.serving.records import is_temporary, server_folder, write_atomic, writer_alive
+from s3flow.serving.records import server_folder, writer_watched
+from s3flow.serving.report_board import ReportBoard
 
 
+#: the board's file in the server's ``load`` folder
+BOARD = "board"
 #: how finely ``ServerLoad.wait_until`` looks ahead (seconds)
 WAIT_STEP_S = 0.2
 #: the share of the smaller of the solver's and the vocoder's device time per audio second that token2wav adds
@@ -86,7 +89,7 @@ class LoadReport:
     #: sequences whose END it answered in the last moments (their last mel may still be on its way to the vocoder)
     cap: int = 0
     ended: list = field(default_factory=list)
-    #: the writer's process (0: not named): a report whose writer died does not count (``LoadFiles.read``)
+    #: the writer's process (0: not named): a report whose writer died does not count (``LoadBoard.read``)
     pid: int = 0
     #: when the writer's instance was made (wall clock): a vocoder made after a solver's answer was sent on never
     #: got that answer (its stub died with it and was reloaded, ``s3flow.serving.arrivals.Delivery``)
@@ -186,7 +189,7 @@ class Stage:
 
 @dataclass
 class ServerLoad:
-    """The reports of a server's instances, summed (module docstring). ``LoadFiles.read`` hands out the same
+    """The reports of a server's instances, summed (module docstring). ``LoadBoard.read`` hands out the same
     object while no report changes, so what it prices is kept per question: a burst of STARTs refused against one
     load asks the same ones (the look-ahead of ``wait_until`` was most of a refusal's time)."""
     reports: list
@@ -395,64 +398,54 @@ class ServerLoad:
         return load
 
 
-class LoadFiles:
-    """The instances' reports as files in one folder (one per instance, replaced whole on every write). A reader
-    reads them all every time and parses them again only when one changed (a burst of STARTs costs a few small
-    reads each, and never judges by a report older than the last one written)."""
+class LoadBoard:
+    """The instances' reports on the server's board (``s3flow.serving.report_board``: a lane each, in shared
+    memory). A reader parses a report again only when its lane changed, and hands out the same ``ServerLoad`` while
+    none did (a burst of STARTs refused against one load prices it once)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self._last: tuple = ([], [])               # (the files' texts, (path, report) of each)
-        self._load: tuple = ((), ServerLoad([]))   # (the live reports' ids, their ServerLoad)
-        self._read_at = float("-inf")              # when the files were last read (monotonic)
+        self.board = ReportBoard(self.folder / BOARD)
+        self._parsed: dict = {}                    # instance -> (its payload, its LoadReport)
+        self._load: tuple = (None, ServerLoad([]))   # (the lanes' versions and the writers alive, their ServerLoad)
+        self._read_at = float("-inf")              # when the board was last read (monotonic)
 
     @staticmethod
     def default_folder(server_pid: Optional[int] = None) -> Path:
         return server_folder("load", server_pid)
 
     def write(self, instance: str, report: LoadReport) -> None:
-        write_atomic(self.folder / instance, report.to_json())
+        self.board.write(instance, report.to_json().encode())
 
     def remove(self, instance: str) -> None:
-        (self.folder / instance).unlink(missing_ok=True)
+        self.board.clear(instance)
 
     def read(self, max_age_s: float = 0.0) -> ServerLoad:
-        """Every live instance's last report; one whose writer has died is passed over and removed (its writer's
-        streams are gone with it: a dead instance must not refuse traffic on its behalf). ``max_age_s``: what was
-        read that long ago or less will do (the vocoder's idle checks and gauge, the solver's ``vocoders_since``:
-        a fraction of a second stale is nothing to them, and reading every report per chunk was most of the system
-        calls a chunk cost, results/syscalls.md); admission reads afresh (0) at every START."""
+        """Every live instance's last report; one whose writer has died is passed over (its writer's streams are gone
+        with it: a dead instance must not refuse traffic on its behalf; ``s3flow.serving.records.writer_watched``).
+        ``max_age_s``: what was read that long ago or less will do (the vocoder's idle checks and gauge, the solver's
+        ``vocoders_since``); admission reads afresh (0) at every START: memory only, no system call."""
         now = time.monotonic()
         if max_age_s > 0 and now - self._read_at <= max_age_s:
             return self._load[1]
         self._read_at = now
-        paths, texts = [], []
-        for path in sorted(self.folder.iterdir()):
-            if is_temporary(path):
-                continue
-            try:
-                texts.append(path.read_text())
-                paths.append(path)
-            except OSError:   # removed meanwhile
-                continue
-        if texts != self._last[0]:
-            parsed = []
-            for path, text in zip(paths, texts):
+        versions = self.board.versions()
+        if self._load[0] is not None and self._load[0][0] == versions and \
+                all(writer_watched(pid) for pid in self._load[0][1]):
+            return self._load[1]
+        alive, parsed = [], {}
+        for instance, (pid, payload) in self.board.read().items():
+            kept = self._parsed.get(instance)
+            if kept is None or kept[0] != payload:
                 try:
-                    parsed.append((path, LoadReport.from_json(text)))
+                    kept = (payload, LoadReport.from_json(payload.decode()))
                 except (ValueError, KeyError, TypeError):   # an older server's
                     continue
-            self._last = (texts, parsed)
-        alive = []
-        for path, report in self._last[1]:
-            if writer_alive(report.pid):
-                alive.append(report)
-            else:
-                path.unlink(missing_ok=True)
-        key = tuple(map(id, alive))
-        if self._load[0] != key:   # (unchanged reports: the same ServerLoad, parsed once)
-            self._load = (key, ServerLoad(alive))
+            parsed[instance] = kept
+            if writer_watched(kept[1].pid):
+                alive.append(kept[1])
+        self._parsed = parsed
+        self._load = ((versions, tuple(r.pid for r in alive)), ServerLoad(alive))
         return self._load[1]
 
 
@@ -460,12 +453,12 @@ class InstanceLoad:
     """A stateful instance's side: its ``CapacityModel`` (fed by the engine, or by the vocoder's pushes) and, for
     a solver, the default START's planned work; :meth:`publish` writes its report for admission."""
 
-    def __init__(self, files: LoadFiles, instance: str, kind: str, model: CapacityModel,
+    def __init__(self, board: LoadBoard, instance: str, kind: str, model: CapacityModel,
                  planned: Optional[Plan] = None, planned_steps: int = 0, planned_rows: int = 0, cap: int = 0,
                  every_s: float = 0.0):
         """``every_s``: while the streams held and just ended stay the same, write at most this often (0: every
         time); a change of them (a START, an END, a drop) is written at once."""
-        self.files, self.instance, self.kind, self.model = files, instance, kind, model
+        self.board, self.instance, self.kind, self.model = board, instance, kind, model
         self.planned, self.planned_steps, self.planned_rows = planned, planned_steps, planned_rows
         self.cap, self.every_s = cap, every_s
         self.started = time.time()
@@ -494,10 +487,10 @@ class InstanceLoad:
         report.throughput, report.duty = self.model.throughput, self.model.duty
         report.pid, report.started, report.free_at = os.getpid(), self.started, free_at
         try:
-            self.files.write(self.instance, report)
+            self.board.write(self.instance, report)
         except OSError:   # admission counts this instance as it last wrote
             pass
         return report
 
     def remove(self) -> None:
-        self.files.remove(self.instance)
+        self.board.remove(self.instance)

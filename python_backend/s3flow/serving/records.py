@@ -1,16 +1,19 @@
-"""The records a server's python-model instances share: what each publishes, who reads it, one way to write it.
+"""The records a server's python-model instances share: what each publishes, who reads it, how it crosses.
 
 Every instance of a python model is a stub process of its own (and so is each instance of ``admission``), so a
-fact one of them knows and another needs crosses between processes. Each such fact is published once, by one
-writer, as a small file in a per-server folder (:func:`server_folder`, ``/dev/shm/s3flow-<record>-<server pid>``)
-or, for the drain, in the file the launcher names; every file is replaced whole (:func:`write_atomic`), so a
-reader sees the last complete version or the one before it, never half of one. ``RECORDS`` is the schema:
+fact one of them knows and another needs crosses between processes. Each such fact is published by one writer
+into shared memory in a per-server folder (:func:`server_folder`, ``/dev/shm/s3flow-<record>-<server pid>``), one
+file per record opened and mapped once per process, then written and read as memory: the load reports on a board
+of lanes, one per instance (``s3flow.serving.report_board``), the per-sequence marks in a table of lanes, one per
+writer process (``s3flow.serving.mark_table``); the drain, in the file the launcher names, is watched by the
+kernel (``s3flow.serving.draining``). A chunk costs the records no system call but a look at the drain file at a
+START (results/syscalls.md; they were 14 files opened, renamed and locked a chunk). ``RECORDS`` is the schema:
 
 =========  =====================================  =======================================  =====================
-record     writer (one per file)                  readers                                  a file holds
+record     writer (one per lane)                  readers                                  a lane holds
 =========  =====================================  =======================================  =====================
 load       each solver and vocoder instance, its  admission (capacity, the live cap), the  ``LoadReport`` JSON
-           own file, on a change of its streams   vocoder (a stream the solver holds or
+           own lane, on a change of its streams   vocoder (a stream the solver holds or
            and at most every 1 s else             ended moments ago is not idle), the
                                                   vocoder's capacity gauge
 starts     admission: each START it admits        the vocoder (first audio; takes it)      arrival time
@@ -20,18 +23,19 @@ gone       the solver: each sequence it dropped   admission (answers its late ch
            before its END, with why               takes it at a new START)
 vocoded    the vocoder: every answer, counted     the solver (``Delivery``: a token2wav    time and count
                                                   stream is idle from its vocoder answer)
-voices     the voice_encoder                      the solver and admission (a START's      the prompt (npz)
-                                                  ``voice_id``)
+voices     the voice_encoder                      the solver and admission (a START's      the prompt (npz
+                                                  ``voice_id``)                            file, not a lane)
 drain      the drain supervisor                   the solver, the vocoder, admission       ``draining`` or
-           (``s3flow.server.drain``)                                                       ``closing``
+           (``s3flow.server.drain``)                                                       ``closing`` (a file)
 =========  =====================================  =======================================  =====================
 
-Why files (docs/reliability.md): the readers need the last word of another process, at any moment and without a
-round trip through it (admission answers a burst of STARTs while the solver is busy solving; a BLS call into the
-solver would queue behind its batch). A process that dies leaves its files, which the next start sweeps
-(``s3flow.server.leftovers``); a shared-memory region would need the same sweep and a lock of its own. A load
-report names its writer's PID, and a report whose writer has died is passed over and removed by the reader that
-finds it (:func:`writer_alive`): a dead instance never refuses traffic on its behalf.
+Why shared memory (docs/reliability.md): the readers need the last word of another process, at any moment and
+without a round trip through it (admission answers a burst of STARTs while the solver is busy solving; a BLS call
+into the solver would queue behind its batch). A process that dies leaves its files, which the next start sweeps
+(``s3flow.server.leftovers``). A record names its writer's PID, and a report whose writer has died is passed
+over by its readers (:func:`writer_watched`: the kernel tells a reader when a writer exits): a dead instance never
+refuses traffic on its behalf. Files that are still replaced whole (a voice, the drain, a saved price) go through
+:func:`write_atomic`.
 
 Example::
 
@@ -41,6 +45,7 @@ Example::
 from __future__ import annotations
 
 import os
+import select
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -59,7 +64,7 @@ class Record:
 
 
 RECORDS = (
-    Record("load", "each solver and vocoder instance (its own file)", ("admission", "vocoder"), "LoadReport JSON"),
+    Record("load", "each solver and vocoder instance (its own lane)", ("admission", "vocoder"), "LoadReport JSON"),
     Record("starts", "admission", ("vocoder",), "a START's arrival time"),
     Record("seen", "admission", ("cfm_solver",), "time and count of a sequence's requests"),
     Record("gone", "cfm_solver", ("admission",), "time and why a sequence was dropped"),
@@ -96,6 +101,69 @@ def writer_alive(pid: int) -> bool:
     except PermissionError:   # someone else's process: alive
         return True
     return True
+
+
+class WriterWatch:
+    """Whether records' writers live, kept by the kernel: a reader opens a pidfd per writer once (Linux 5.3+), and one
+    daemon thread sleeps in ``epoll`` until one of them exits; asking is then memory only (a ``kill(pid, 0)`` per
+    writer per look was 12 system calls a chunk once the records themselves cost none, issue 49). Where pidfds are
+    not there, :func:`writer_alive` each time."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self._fds: dict[int, int] = {}       # writer pid -> its pidfd
+        self._dead: set[int] = set()
+        self._lock = threading.Lock()
+        try:
+            self._epoll = select.epoll()
+        except (AttributeError, OSError):
+            self._epoll = None
+            return
+        threading.Thread(target=self._run, name="writer-watch", daemon=True).start()
+
+    def alive(self, pid: int) -> bool:
+        if pid <= 0:
+            return True
+        with self._lock:
+            if pid in self._dead:
+                return False
+            if pid in self._fds:
+                return True
+            if self._epoll is None:
+                return writer_alive(pid)
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._dead.add(pid)
+                return False
+            except (AttributeError, OSError):   # no pidfd here (or not ours to watch)
+                return writer_alive(pid)
+            self._fds[pid] = fd
+            self._epoll.register(fd, select.EPOLLIN)   # (seen by the waiting thread at once)
+            return True
+
+    def _run(self) -> None:
+        while True:
+            for fd, _ in self._epoll.poll():   # a watched writer exited
+                with self._lock:
+                    pid = next((p for p, f in self._fds.items() if f == fd), None)
+                    if pid is not None:
+                        self._dead.add(pid)
+                        del self._fds[pid]
+                    self._epoll.unregister(fd)
+                    os.close(fd)
+
+
+_watch: Optional[WriterWatch] = None
+
+
+def writer_watched(pid: int) -> bool:
+    """Whether ``pid`` (a record's writer) still runs, by this process's :class:`WriterWatch` (one per process; a
+    forked child makes its own)."""
+    global _watch
+    if _watch is None or _watch.pid != os.getpid():
+        _watch = WriterWatch()
+    return _watch.alive(pid)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

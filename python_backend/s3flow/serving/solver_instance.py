@@ -44,7 +44,7 @@ from s3flow.serving.config_params import Params
 from s3flow.serving.draining import closing_probe, draining_probe
 from s3flow.serving.heap import trim_heap
 from s3flow.serving.keys import snapshot_key
-from s3flow.serving.load import InstanceLoad, LoadFiles
+from s3flow.serving.load import InstanceLoad, LoadBoard
 from s3flow.serving.metrics import CAPACITY, LIVE, UTILIZATION, Publish, SolverBook
 from s3flow.serving.reaper import IdleReaper
 from s3flow.serving.incoming import Incoming, Outcome
@@ -118,7 +118,7 @@ class SolverInstance:
                                  bucket_ratio=p.float("length_bucket_ratio", 0.0), table=table, snapshots=snapshots)
         if p.bool("warmup", True):  # s3flow.serving.warmup: no first-run cost on a real chunk
             log("info", warm_up_solver(engine, self.settings.rules).describe())
-        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), instance, "solver", self.capacity,
+        self.load = InstanceLoad(LoadBoard(LoadBoard.default_folder()), instance, "solver", self.capacity,
                                  *planned_start(self.settings, self.n_feats, self.meanflow),
                                  cap=self.settings.sequences.max_live_sequences, every_s=PUBLISH_EVERY_S)
         # Triton has called execute (its model_warmup request, or a client's): the instance is set up, BLS works
@@ -218,7 +218,7 @@ class SolverInstance:
     def _vocoders(self):
         """The load reports as read at most ``VOCODERS_READ_EVERY_S`` ago (None before the instance's own load)."""
         load = getattr(self, "load", None)
-        return load.files.read(VOCODERS_READ_EVERY_S) if load is not None else None
+        return load.board.read(VOCODERS_READ_EVERY_S) if load is not None else None
 
     def _pending(self, corr_id) -> bool:
         """A chunk of the sequence is on its way (in Triton's queue), queued in the stepped path, or its last

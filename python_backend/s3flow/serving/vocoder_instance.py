@@ -31,7 +31,7 @@ from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.config_params import Params
 from s3flow.serving.draining import closing_probe
 from s3flow.serving.keys import snapshot_key
-from s3flow.serving.load import InstanceLoad, LoadFiles
+from s3flow.serving.load import InstanceLoad, LoadBoard
 from s3flow.serving.metrics import CAPACITY, FIRST_AUDIO_SECONDS, UTILIZATION, VOCODER_LIVE, Publish
 from s3flow.serving.reaper import IdleReaper
 from s3flow.serving.vocoder_session import VocoderIncoming, VocoderOutcome, VocoderSession
@@ -56,15 +56,15 @@ class VocoderInstance(Observer):
         if state is not None:   # priced before its first push, as the last vocoder here measured it
             log("info", f"{name}: the price saved by the last server here: {state['capacity'] or 0:.2f} audio s "
                         f"per s")
-        self.load = InstanceLoad(LoadFiles(LoadFiles.default_folder()), instance, "vocoder", model,
+        self.load = InstanceLoad(LoadBoard(LoadBoard.default_folder()), instance, "vocoder", model,
                                  every_s=READ_EVERY_S)
         limits = SequenceLimits.from_parameters(params.raw)
-        self.table = SequenceTable(limits, self, pending=lambda c: c in self.load.files.read(
+        self.table = SequenceTable(limits, self, pending=lambda c: c in self.load.board.read(
             PENDING_EVERY_S).solver_recent_ids)
         self.session = VocoderSession(stream, self.table, VocoderSnapshots(snapshot_key(), stream), name)
         self.starts = ArrivalMarks(ArrivalMarks.default_folder("starts"))     # admission marked each START's arrival
         # every answer counted (one vocoder instance: the sole writer keeps its counts in memory)
-        self.vocoded = ArrivalMarks(ArrivalMarks.default_folder("vocoded"), shared=False)
+        self.vocoded = ArrivalMarks(ArrivalMarks.default_folder("vocoded"))
         self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
         # when it was last seen free (its report's ``free_at``): now between batches, else the last batch's end
         # (the reaper's thread publishes while a batch runs too)
@@ -138,7 +138,7 @@ class VocoderInstance(Observer):
         self.publish_metric(VOCODER_LIVE, len(works), {})
         self.publish_metric(UTILIZATION, load.utilization, {})
         # token2wav's capacity: the solver's and this vocoder's device time (s3flow.serving.load's wav_capacity)
-        self.publish_metric(CAPACITY, self.load.files.read(READ_EVERY_S).wav_capacity, {"ensemble": "token2wav"})
+        self.publish_metric(CAPACITY, self.load.board.read(READ_EVERY_S).wav_capacity, {"ensemble": "token2wav"})
 
     def sequence_dropped(self, corr_id, reason: str) -> None:
         self.awaiting_audio.pop(corr_id, None)

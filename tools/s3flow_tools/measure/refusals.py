@@ -39,7 +39,7 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.protocol import RequestRules
 from s3flow.serving.admission import Admission
 from s3flow.serving.calibration import planned_start
-from s3flow.serving.load import InstanceLoad, LoadFiles, ServerLoad
+from s3flow.serving.load import InstanceLoad, LoadBoard, ServerLoad
 from s3flow.repository.settings import RepositorySettings
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
@@ -92,7 +92,7 @@ def chunk_latencies(server, utterances: int) -> list[float]:
 class Afresh:
     """The load files read as a new ``ServerLoad`` every time: nothing it prices is kept between STARTs."""
 
-    def __init__(self, files: LoadFiles):
+    def __init__(self, files: LoadBoard):
         self.files = files
 
     def read(self, max_age_s: float = 0.0) -> ServerLoad:
@@ -106,7 +106,7 @@ def refusal_cost(folder: Path, held: int, burst: int, rounds: int) -> dict:
     model = CapacityModel(max_batch=8)
     for batch, seconds in ((1, 0.004), (2, 0.006), (4, 0.010), (8, 0.018)):   # a small CPU host's calls, roughly
         model.estimator_timed(2 * batch, 150, seconds)
-    files = LoadFiles(folder)
+    files = LoadBoard(folder)
     frames = plan.expected_frames
     InstanceLoad(files, "cfm_solver_0", "solver", model, plan, steps, rows, cap=64).publish(
         {c: plan.prefix(frames * c / held) for c in range(1, held + 1)})

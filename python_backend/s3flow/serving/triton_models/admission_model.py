@@ -15,7 +15,7 @@ from s3flow.engine.capacity import AdmissionTarget
 from s3flow.protocol import RequestError, RequestRules, tenant_of
 from s3flow.serving.admission import Admission
 from s3flow.serving.draining import draining_probe
-from s3flow.serving.load import LoadFiles
+from s3flow.serving.load import LoadBoard
 from s3flow.serving.metrics import ADMISSION_FAMILIES, ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER
 from s3flow.serving.triton_models.metric_api import TritonMetrics
 from s3flow.serving.responses import INVALID_ARG
@@ -35,7 +35,7 @@ class TritonPythonModel(TritonModel):
             voices = VoiceRegistry.from_params(p).get
         self.metrics = TritonMetrics(ADMISSION_FAMILIES, self.name, args.get("model_instance_name", self.name))
         instances = sum(int(g.get("count", 1)) for g in self.config.get("instance_group", [])) or 1
-        self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, LoadFiles(LoadFiles.default_folder()),
+        self.admission = Admission(RequestRules.from_parameters(p.raw), n_feats, LoadBoard(LoadBoard.default_folder()),
                                    voices, draining_probe(), name=self.name,
                                    starts=ArrivalMarks(ArrivalMarks.default_folder("starts")),
                                    seen=ArrivalMarks(ArrivalMarks.default_folder("seen"), shared=instances > 1),
