@@ -146,7 +146,7 @@ def token2wav_section(rep: Report, fm: FlowModes, plan: Plan, clock_cpu: Clock, 
     VocoderStream over HiFT in torch on the device (what the gpu target's vocoder model runs)."""
     from s3flow.engine.vocoder_stream import StreamSettings, VocoderStream
     from s3flow.model.vocoder import VocoderConfig, random_vocoder
-    from s3flow.runtime.vocoder import TorchVocoder
+    from s3flow.runtime.torch_vocoder import TorchVocoder
     from s3flow.model.vocoder_source import offline_vocode
 
     config = VocoderConfig.full() if plan.size == "full" else VocoderConfig.small()

@@ -178,7 +178,6 @@ def test_at_capacity_the_wall_time_the_instance_waits_for_the_rest_of_the_pipeli
         model.worked(0.5, streams=1)
     alone = model.capacity()
     assert model._duty() == DUTY_PRIOR, "never at capacity yet"
-    fits = model._costs(1.0)
     for _ in range(400):                             # 8 streams held, busy 0.7 of every second
         now[0] += 1.0
         model.estimator_step(8, 16, 100)

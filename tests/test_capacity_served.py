@@ -82,7 +82,7 @@ def test_a_new_servers_vocoder_is_priced_before_its_first_stream(server):
     assert vocoders and all(not r.streams and not r.waiting for r in vocoders), "no stream went through a vocoder"
     assert load.vocoder_capacity > 0
     assert 0 < load.wav_capacity < load.capacity, "token2wav's capacity holds the vocoder's device time"
-    assert "vocoder calibration" in server.log_file.read_text()
+    assert "vocoder: calibration" in server.log_file.read_text()
 
 
 def test_a_start_over_capacity_is_refused_busy_at_admission_to_a_plain_client(server):

@@ -363,11 +363,11 @@ def test_every_model_warmed_up_before_the_first_request(served):
     import time
 
     t0 = time.monotonic()   # the solver's calibration (s3flow.serving.calibration) calls them too, once, at load
-    while "cfm_solver calibration: warm-up" not in served.log_path.read_text():
+    while "cfm_solver: calibration" not in served.log_path.read_text():
         assert time.monotonic() - t0 < 60, "the solver never calibrated"
         time.sleep(0.2)
     log = served.log_path.read_text()
-    [calibration] = re.findall(r"cfm_solver calibration: warm-up: \d+ chunks, (\d+) network calls", log)
+    [calibration] = re.findall(r"cfm_solver: calibration: \d+ chunks, (\d+) network calls", log)
     stats = model_stats(served.client())
     assert stats["estimator"][0] == WARMUP_ITERATIONS + int(calibration), stats
     assert stats["flow_encoder"][0] > WARMUP_ITERATIONS, stats

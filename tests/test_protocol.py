@@ -21,7 +21,8 @@ from s3flow.engine.sequences import SequenceLimits
 from s3flow.engine.settings import ChunkSolving, SolverSettings
 from s3flow.protocol import INPUT_DTYPES, START_ONLY, ChunkRequest, RequestError, RequestRules, parse_request
 from s3flow_contract.tensors import VOCAB_SIZE, XVECTOR_DIM
-from s3flow.engine.streaming import SequenceState, StreamingEngine
+from s3flow.engine.chunk import SequenceState
+from s3flow.engine.streaming import StreamingEngine
 
 N_FEATS = 80
 SETTINGS = SolverSettings.of(max_steps=20, max_guidance_rate=5.0, max_utterance_frames=30, max_prompt_tokens=8,

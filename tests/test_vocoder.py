@@ -34,7 +34,8 @@ from s3flow.engine.vocoder_stream import F0_LOOKAHEAD_FRAMES, StreamError, Strea
 from s3flow.model.vocoder import (HiFTGenerator, VocoderConfig, hann_window, load_vocoder, random_vocoder,
                                   vocoder_state_dict, write_vocoder_checkpoint)
 from s3flow.model.vocoder_source import HOP_SAMPLES, Excitation, harmonic_source, offline_vocode, trim_fade
-from s3flow.runtime.vocoder import TorchVocoder, check_vocoder_onnx, export_vocoder, vocode
+from s3flow.runtime.torch_vocoder import TorchVocoder
+from s3flow.runtime.vocoder import check_vocoder_onnx, export_vocoder, vocode
 from s3flow.runtime.vocoder_runner import OnnxVocoder
 
 SMALL = VocoderConfig.small()

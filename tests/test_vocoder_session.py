@@ -13,7 +13,7 @@ from s3flow.engine.snapshot import pack
 from s3flow.engine.vocoder_snapshot import VocoderSnapshots
 from s3flow.engine.vocoder_stream import StreamSettings, VocoderStream
 from s3flow.model.vocoder import VocoderConfig, random_vocoder
-from s3flow.runtime.vocoder import TorchVocoder
+from s3flow.runtime.torch_vocoder import TorchVocoder
 from s3flow.serving.responses import INTERNAL, INVALID_ARG, UNAVAILABLE
 from s3flow.serving.vocoder_session import VocoderIncoming, VocoderSession
 

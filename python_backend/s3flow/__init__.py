@@ -35,7 +35,9 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
   - ``ort_rewrite``: the load-time CPU graph rewrite (Mish in exp form, fused attention)
   - ``torch_runner``: the estimator or encoder in torch on a device
   - ``devices``: which torch device a model instance runs on
-  - ``vocoder``: the vocoder on a backend (``TorchVocoder``, ``OnnxVocoder``, export, runner choice, ``vocode``)
+  - ``vocoder``: the vocoder's ONNX export and check, offline ``vocode``
+  - ``vocoder_runner``: the served vocoder's backend (``OnnxVocoder``, the runner's choice)
+  - ``torch_vocoder``: the vocoder module on a torch device (``TorchVocoder``)
   - ``tensorrt/``: TensorRT engines built on the GPU that serves them
 
     - ``profiles``: the optimisation profiles, sized from the served shapes
@@ -47,13 +49,16 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
 - ``engine/``: Triton-free streaming state and the step mechanism
 
   - ``streaming``: the chunk engine (``StreamingEngine``): prefix and bounded-context modes, commit after success
+  - ``chunk``: what a stream keeps between its chunks and what one chunk is (``SequenceState``, ``Chunk``,
+    ``ChunkResult``), shared by the engine and the loop
   - ``sequences``: the one owner of a sequence's life (begin, serve, commit, roll back, end, evict) and of what
     each stream has had (its playback clock, its work); the sequence limits
   - ``settings``: the solver's settings (request rules, sequence limits, admission target, chunk solving,
     deadlines)
   - ``observer``: what the engine reports as it works
   - ``stepping``: one Euler step over the rows of many chunks in one estimator call
-  - ``step_loop``: the one solving loop: chunks join, one step at a time, each answered once (both schedulings)
+  - ``step_loop``: the one solving loop: chunks join, one step at a time, each answered once (both schedulings);
+    it knows the engine only by what it calls (``ChunkEngine``)
   - ``scheduler``: which rows go into the next step (the policy: whole batches, least slack, arrival)
   - ``playback``: a stream's playback clock (its deadline and lead)
   - ``capacity``: the costs measured online, each stream's demand, the server's capacity, the admission target

@@ -45,14 +45,34 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
+
+import numpy as np
 
 from s3flow.engine.capacity import Costs
+from s3flow.engine.chunk import Chunk, ChunkResult
+from s3flow.engine.observer import Observer
 from s3flow.engine.scheduler import Candidate, Policy, StepBudget, pick, steps_in_time
+from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.stepping import RowSolve, StepBatch
 
-if TYPE_CHECKING:   # (the engine runs its batches through this loop: it imports this module)
-    from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
+
+class ChunkEngine(Protocol):
+    """What the loop asks of the engine whose chunks it solves (``s3flow.engine.streaming.StreamingEngine``): the
+    chunks' solves planned, a solved chunk committed, a chunk given fewer steps; its networks, its sequence table
+    and its observer."""
+    sequences: SequenceTable
+    observer: Observer
+    meanflow: bool
+    estimator_calls: int
+    solved_frames: int
+    estimator: Callable      # (s3flow.model.solver.Estimator)
+
+    def prepare(self, chunks: Sequence[Chunk]) -> list[RowSolve]: ...
+
+    def commit(self, chunk: Chunk, x: np.ndarray, recorded) -> ChunkResult: ...
+
+    def fewer_steps(self, chunk: Chunk, solve: RowSolve, steps: int) -> None: ...
 
 
 class StepCancelled(RuntimeError):
@@ -62,14 +82,14 @@ class StepCancelled(RuntimeError):
 @dataclass
 class Done:
     """A chunk's one outcome: ``result`` (committed), or ``cause`` (failed; rolled back already)."""
-    chunk: "Chunk"
-    result: Optional["ChunkResult"] = None
+    chunk: Chunk
+    result: Optional[ChunkResult] = None
     cause: Optional[BaseException] = None
 
 
 @dataclass
 class _InFlight:
-    chunk: "Chunk"
+    chunk: Chunk
     on_done: Callable[[Done], None]
     is_cancelled: Callable[[], bool]
     arrival: float
@@ -85,7 +105,7 @@ def never_cancelled() -> bool:
 
 
 class StepLoop:
-    def __init__(self, engine: "StreamingEngine", policy: Policy = "deadline", budget: StepBudget = StepBudget(),
+    def __init__(self, engine: ChunkEngine, policy: Policy = "deadline", budget: StepBudget = StepBudget(),
                  costs: Callable[[], Costs] = lambda: UNMEASURED, min_steps: int = 0, bucket_ratio: float = 0.0,
                  timer: Callable[[], float] = time.perf_counter):
         """``costs``: what a step costs now (the instance's measurement); ``min_steps``: the fewest Euler steps a
@@ -108,14 +128,14 @@ class StepLoop:
     def __len__(self) -> int:
         return len(self._new) + len(self._solving)
 
-    def submit(self, chunk: "Chunk", on_done: Callable[[Done], None],
+    def submit(self, chunk: Chunk, on_done: Callable[[Done], None],
                is_cancelled: Callable[[], bool] = never_cancelled) -> None:
         """An admitted chunk joins at the next step. Any thread."""
         now = self.clock()
         with self._lock:
             self._new.append(_InFlight(chunk, on_done, is_cancelled, now))
 
-    def solve(self, chunks: Sequence["Chunk"], is_cancelled: Callable[[], bool] = never_cancelled) -> list[Done]:
+    def solve(self, chunks: Sequence[Chunk], is_cancelled: Callable[[], bool] = never_cancelled) -> list[Done]:
         """Submit ``chunks`` and run the loop on this thread until every one is answered (the ``fifo`` solver's
         batch; what it runs is not reported as ``worked``: the caller times its own); their outcomes, in order."""
         done: list[Optional[Done]] = [None] * len(chunks)

@@ -20,8 +20,8 @@ TorchScript ONNX exporter has no ``istft``), checked against ``torch.stft`` / ``
 For serving the vocoder is two stateless networks: ``f0`` (mel -> F0) and ``decoder`` (mel, harmonics ->
 audio); the excitation between them, which carries the phase from chunk to chunk, is numpy
 (``s3flow.model.vocoder_source``; streamed by ``s3flow.engine.vocoder_stream``). Running them is runtime work
-(``s3flow.runtime.vocoder``): in torch on a device (``TorchVocoder``), their ONNX export and ONNX Runtime sessions,
-the served backend's choice, and offline vocoding (``vocode``).
+(``s3flow.runtime``): in torch on a device (``torch_vocoder.TorchVocoder``), their ONNX export and offline vocoding
+(``vocoder``), ONNX Runtime sessions and the served backend's choice (``vocoder_runner``).
 
 Example::
 

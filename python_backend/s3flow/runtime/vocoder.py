@@ -1,4 +1,4 @@
-"""The vocoder in torch: the module on a device, its two ONNX graphs' export and check, and offline vocoding.
+"""The vocoder in torch: its two ONNX graphs' export and check, and offline vocoding.
 
 The HiFT port (``s3flow.model.vocoder.HiFTGenerator``) runs as two stateless networks with the numpy
 excitation between them (``s3flow.model.vocoder_source``): ``f0`` (mel -> F0 in float64) and ``decode``
@@ -7,12 +7,11 @@ excitation between them (``s3flow.model.vocoder_source``): ``f0`` (mel -> F0 in 
 * as the graphs ``f0.onnx`` and ``decoder.onnx`` in ONNX Runtime on the CPU (``vocoder_runner.OnnxVocoder``,
   ``vocoder_backend onnx``), exported by :func:`export_vocoder` with the contract's tensor names
   (``s3flow_contract.tensors.HIFT_F0`` / ``HIFT_DECODER``), or
-* as the torch module (:class:`TorchVocoder`, CPU or CUDA, weights in ``vocoder_runner.VOCODER_WEIGHTS_FILE``;
-  ``vocoder_backend torch``).
+* as the torch module (``s3flow.runtime.torch_vocoder.TorchVocoder``, CPU or CUDA, weights in
+  ``vocoder_runner.VOCODER_WEIGHTS_FILE``; ``vocoder_backend torch``).
 
-``s3flow.runtime.vocoder_runner.open_vocoder_runner`` opens either from a model version folder (it imports this
-module only for the torch backend); :func:`vocode` vocodes a whole utterance offline over :class:`TorchVocoder` on
-the CPU, as upstream does.
+``s3flow.runtime.vocoder_runner.open_vocoder_runner`` opens either from a model version folder; :func:`vocode`
+vocodes a whole utterance offline over ``TorchVocoder`` on the CPU, as upstream does.
 
 Example::
 
@@ -24,7 +23,6 @@ Example::
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
 from pathlib import Path
 from typing import Union
@@ -36,48 +34,9 @@ from s3flow_contract import tensors as contract
 from s3flow.model.vocoder import F0Float64, HiFTGenerator
 from s3flow.model.vocoder_source import offline_vocode
 from s3flow.runtime.onnx_export import dynamic_axes
+from s3flow.runtime.torch_vocoder import TorchVocoder
 from s3flow.runtime.vocoder_runner import (DECODER_INPUTS, DECODER_OUTPUTS, F0_INPUTS, F0_OUTPUTS, GRAPH_FILES,
                                            OnnxVocoder)
-
-class TorchVocoder:
-    """The two callables ``VocoderStream`` runs, over a torch HiFTGenerator (numpy in, numpy out).
-
-    ``device`` ``cpu`` or ``cuda[:N]``: weights folded and moved there, fp32 (F0 in float64, see
-    ``F0Float64``). On CUDA, TF32 is off during the calls (cuDNN enables it for convolutions by default, which
-    would round the decoder to 10 mantissa bits), so the GPU runs the same arithmetic as the CPU and as
-    ONNX Runtime, up to summation order.
-    """
-
-    def __init__(self, hift: HiFTGenerator, device: Union[str, torch.device] = "cpu"):
-        self.device = torch.device(device)
-        folded = hift.folded()
-        self.f0_float64 = F0Float64(folded.f0_predictor).eval().to(self.device)
-        self.hift = folded.to(self.device)
-
-    @contextlib.contextmanager
-    def _fp32(self):
-        if self.device.type != "cuda":
-            yield
-            return
-        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        try:
-            yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-    def _tensor(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(self.device)
-
-    def f0(self, mel: np.ndarray) -> np.ndarray:
-        """mel (B, C, T) float32 -> (B, T) float64 Hz."""
-        with torch.inference_mode(), self._fp32():
-            return self.f0_float64(self._tensor(mel)).cpu().numpy()
-
-    def decode(self, mel: np.ndarray, harmonics: np.ndarray) -> np.ndarray:
-        """mel (B, C, T), harmonics (B, H + 1, 480 T) float32 -> audio (B, 480 T) float32."""
-        with torch.inference_mode(), self._fp32():
-            return self.hift(self._tensor(mel), self._tensor(harmonics)).cpu().numpy()
 
 
 def vocode(hift: HiFTGenerator, mel, seed: int = 0, fade: bool = True) -> np.ndarray:

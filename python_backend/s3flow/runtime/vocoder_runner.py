@@ -4,7 +4,7 @@ The HiFT port runs as two stateless networks with the numpy excitation between t
 (``s3flow.model.vocoder_source``): ``f0`` (mel -> F0 in float64) and ``decode`` (mel, harmonics -> audio). The
 served ``vocoder`` model runs them either as the graphs ``f0.onnx`` and ``decoder.onnx`` in ONNX Runtime on the
 CPU (:class:`OnnxVocoder`, ``vocoder_backend onnx``; exported by ``s3flow.runtime.vocoder.export_vocoder`` with
-the contract's tensor names), or as the torch module (``s3flow.runtime.vocoder.TorchVocoder``, weights in
+the contract's tensor names), or as the torch module (``s3flow.runtime.torch_vocoder.TorchVocoder``, weights in
 :data:`VOCODER_WEIGHTS_FILE`; ``vocoder_backend torch``). This module imports torch only for the torch backend:
 the CPU host's vocoder stub starts without it.
 
@@ -114,7 +114,7 @@ def open_vocoder_runner(directory: Union[str, Path], settings: VocoderRunnerSett
     import torch   # here: the onnx backend's stub never loads torch
 
     from s3flow.model.vocoder import load_vocoder
-    from s3flow.runtime.vocoder import TorchVocoder
+    from s3flow.runtime.torch_vocoder import TorchVocoder
 
     if settings.device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"vocoder device {settings.device} but torch sees no CUDA device")

@@ -26,7 +26,7 @@ from s3flow.serving.responses import INVALID_ARG, UNAVAILABLE
 from s3flow.serving.voice_registry import UnknownVoice
 
 if TYPE_CHECKING:
-    from s3flow.engine.streaming import ChunkResult
+    from s3flow.engine.chunk import ChunkResult
 
 
 class Draining(ServerBusy):

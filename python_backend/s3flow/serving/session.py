@@ -53,7 +53,8 @@ from s3flow.protocol import RequestError, RequestRules, ServerBusy
 from s3flow.serving.incoming import (Closing, Draining, Incoming, Outcome, failed_outcome, naming_sequence,
                                      parse_incoming, refused)
 from s3flow.engine.step_loop import Done, StepCancelled
-from s3flow.engine.streaming import Chunk, ChunkResult, StreamingEngine
+from s3flow.engine.chunk import Chunk, ChunkResult
+from s3flow.engine.streaming import StreamingEngine
 from s3flow.serving.responses import CANCELLED, INTERNAL, UNAVAILABLE
 
 

@@ -73,7 +73,7 @@ class VocoderInstance(Observer):
             log("info", warm_up_vocoder(stream).describe())
         if model.prior_capacity is None:   # priced before its first push (a new server's first token2wav burst)
             report = calibrate_vocoder(stream, model)
-            log("info", f"{name}: {report.describe()}: {model.prior_capacity:.2f} audio s per s")
+            log("info", f"{report.describe()}: {model.prior_capacity:.2f} audio s per s")
         self.publish()
         self.closing = closing_probe()
         self.reaper = IdleReaper(self.table.evict_idle, limits.idle_timeout_s, name, on_evicted=self.publish,

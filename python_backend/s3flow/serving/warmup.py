@@ -47,14 +47,16 @@ VOCODER_WARMUP_FRAMES = (40, 40)
 VOCODER_CALIBRATION_S = 4.0
 @dataclass
 class WarmupReport:
-    """What one warm-up ran: ``chunks`` requests through the model's path, ``calls`` network calls."""
+    """What one warm-up (or calibration, ``what``) ran: ``chunks`` requests through the model's path, ``calls``
+    network calls."""
     model: str
     chunks: int
     calls: int
     seconds: float
+    what: str = "warm-up"
 
     def describe(self) -> str:
-        return (f"{self.model}: warm-up: {self.chunks} chunks, {self.calls} network calls in "
+        return (f"{self.model}: {self.what}: {self.chunks} chunks, {self.calls} network calls in "
                 f"{self.seconds:.2f} s")
 
 
@@ -144,7 +146,8 @@ def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), step
     for tokens, seconds in fastest.encoder.items():
         observer.encoder_timed(tokens, seconds)
     observer.calibrated(busy, fastest.made, streams[-1])
-    return WarmupReport("cfm_solver calibration", rounds * len(chunks) * sum(streams), calls, time.perf_counter() - t0)
+    return WarmupReport("cfm_solver", rounds * len(chunks) * sum(streams), calls, time.perf_counter() - t0,
+                        "calibration")
 
 
 def _utterances(session, n_feats: int, prompt_tokens: int, chunks: tuple, streams: int,
@@ -192,7 +195,7 @@ def calibrate_vocoder(stream, model, seconds: float = VOCODER_CALIBRATION_S) -> 
     busy = time.perf_counter() - t0
     if model.prior_capacity is None:
         model.prior_capacity = offset / FRAMES_PER_SECOND / busy
-    return WarmupReport("vocoder calibration", len(sizes), 2 * len(sizes), busy)
+    return WarmupReport("vocoder", len(sizes), 2 * len(sizes), busy, "calibration")
 
 
 def warm_up_vocoder(stream, frames: tuple = VOCODER_WARMUP_FRAMES) -> WarmupReport:

@@ -320,7 +320,7 @@ def measure_model(model: str, loads: list[float], at_once: int, repos: dict, tmp
                   f"first utterance on, **{inside} of {len(ratios)} samples within +-25 % of C**, from "
                   f"{min(ratios, default=float('nan')):.2f}x to {max(ratios, default=float('nan')):.2f}x C (before "
                   f"any stream, the calibrated prior: {trace.samples[0][1] / c:.2f}x).", "",
-              f"Admission off, accepted utterances lost: " + ", ".join(
+              "Admission off, accepted utterances lost: " + ", ".join(
                   f"{n} at once {'/'.join(str(x) for x in v)} (of {n}, {len(v)} runs)" for n, v in lost.items()) + ".",
               "",
               f"A client killed after 2 answered chunks of a 5 s utterance (its stream held until the idle timeout), "

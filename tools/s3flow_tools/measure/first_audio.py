@@ -38,7 +38,7 @@ import torch
 from s3flow.engine.vocoder_stream import SERVED_FIRST_LOOKAHEAD_FRAMES, StreamSettings, VocoderStream
 from s3flow.model.checkpoint import load_flow
 from s3flow.model.vocoder import load_vocoder
-from s3flow.runtime.vocoder import TorchVocoder
+from s3flow.runtime.torch_vocoder import TorchVocoder
 from s3flow.model.vocoder_source import offline_vocode
 from s3flow_client import chunk_schedule
 from s3flow_training.evaluate import stream_utterance

@@ -28,8 +28,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
 from s3flow.engine.planning import planned_calls
 from s3flow.engine.settings import ChunkSolving

@@ -48,7 +48,8 @@ from s3flow.engine.planning import ZeroEstimator
 from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.playback import PlaybackSettings
 from s3flow.engine.step_loop import Done, StepLoop
-from s3flow.engine.streaming import ChunkResult, StreamingEngine
+from s3flow.engine.chunk import ChunkResult
+from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import ChunkRequest, RequestError
 from s3flow.repository.settings import RepositorySettings
 
