@@ -29,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import struct
 import threading
@@ -38,13 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from s3flow.serving.records import writer_alive
+from s3flow.serving.records import map_region, writer_alive
 
 LANES, SLOTS, PROBES, NOTE_BYTES = 8, 4096, 32, 56
 #: a mark older than this is no one's any more (its readers look 60 s back at most): its slot is free again
 RETAIN_S = 120.0
 MAGIC = 0x53334D41524B5331   # "S3MARKS1": this layout
-_HEADER = struct.Struct("<QQQQ")                 # magic, lanes, slots, note bytes
+_HEADER = struct.Struct("<QQQQ")                 # magic, lanes, slots, note bytes (``map_region``)
 _LANE = struct.Struct("<q")                      # the lane's writer PID (0: free)
 _SLOT = struct.Struct(f"<QdqQQ{NOTE_BYTES}s")    # corr_id, time, count, flags, note length, note
 _CLEARED = 1
@@ -72,20 +71,7 @@ class MarkTable:
 
     def __init__(self, path: Path, clock: Callable[[], float] = time.time, retain_s: float = RETAIN_S):
         self.path, self.clock, self.retain_s = Path(path), clock, retain_s
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < SIZE:
-                os.ftruncate(fd, SIZE)   # (every opener may: it only ever grows to SIZE, zeros)
-            self._map = mmap.mmap(fd, SIZE)
-        finally:
-            os.close(fd)
-        self._view = memoryview(self._map)
-        magic = _HEADER.unpack_from(self._view, 0)[0]
-        if magic == 0:
-            _HEADER.pack_into(self._view, 0, MAGIC, LANES, SLOTS, NOTE_BYTES)
-        elif magic != MAGIC:
-            raise ValueError(f"{self.path} holds marks of another layout (magic {magic:#x})")
+        self._map, self._view = map_region(self.path, SIZE, (MAGIC, LANES, SLOTS, NOTE_BYTES), "marks")
         self._lane: Optional[int] = None
         self._lock = threading.Lock()
 
@@ -131,8 +117,8 @@ class MarkTable:
                 struct.pack_into("<qQQ", self._view, at + 16, count, flags, len(data))
                 struct.pack_into(f"<{NOTE_BYTES}s", self._view, at + 40, data)
                 struct.pack_into("<d", self._view, at + 8, self.clock())
-            else:   # a new slot: its fields, then its id
-                _SLOT.pack_into(self._view, at, 0, self.clock(), count, flags, len(data), data)
+            else:   # a new slot: its fields (its id a tombstone meanwhile: lookups go on past it), then its id
+                _SLOT.pack_into(self._view, at, _TOMB, self.clock(), count, flags, len(data), data)
                 struct.pack_into("<Q", self._view, at, corr_id)
 
     def _slot_for(self, lane: int, corr_id: int) -> int:

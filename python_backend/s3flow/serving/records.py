@@ -44,8 +44,10 @@ Example::
 """
 from __future__ import annotations
 
+import mmap
 import os
 import select
+import struct
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -101,6 +103,31 @@ def writer_alive(pid: int) -> bool:
     except PermissionError:   # someone else's process: alive
         return True
     return True
+
+
+def map_region(path: Path, size: int, header: tuple[int, ...], what: str) -> tuple[mmap.mmap, memoryview]:
+    """``path`` mapped shared (made ``size`` bytes of zeros if new: every opener may, it only ever grows to
+    ``size``), and a view of it. Its first fields are ``header`` (u64 each, the first the layout's magic), written by
+    the first to map it; ValueError naming ``what`` it holds when another layout's magic is there."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        region = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    view = memoryview(region)
+    fields = struct.Struct(f"<{len(header)}Q")
+    magic = fields.unpack_from(view, 0)[0]
+    if magic == 0:
+        fields.pack_into(view, 0, *header)
+    elif magic != header[0]:
+        view.release()
+        region.close()
+        raise ValueError(f"{path} holds {what} of another layout (magic {magic:#x})")
+    return region, view
 
 
 class WriterWatch:

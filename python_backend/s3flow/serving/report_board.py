@@ -25,7 +25,6 @@ Example::
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
 import struct
 import threading
@@ -33,7 +32,7 @@ import zlib
 from pathlib import Path
 from typing import Optional
 
-from s3flow.serving.records import writer_alive
+from s3flow.serving.records import map_region, writer_alive
 
 LANES, LANE_BYTES = 16, 128 * 1024
 MAGIC = 0x53334C4F41444231   # "S3LOADB1": this layout
@@ -51,20 +50,7 @@ class ReportBoard:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < SIZE:
-                os.ftruncate(fd, SIZE)   # (every opener may: it only ever grows to SIZE, zeros)
-            self._map = mmap.mmap(fd, SIZE)
-        finally:
-            os.close(fd)
-        self._view = memoryview(self._map)
-        magic = _HEADER.unpack_from(self._view, 0)[0]
-        if magic == 0:
-            _HEADER.pack_into(self._view, 0, MAGIC, LANES, LANE_BYTES, 0)
-        elif magic != MAGIC:
-            raise ValueError(f"{self.path} holds reports of another layout (magic {magic:#x})")
+        self._map, self._view = map_region(self.path, SIZE, (MAGIC, LANES, LANE_BYTES, 0), "reports")
         self._lanes: dict[str, int] = {}              # this process's: instance name -> its lane
         self._copies: dict[int, tuple] = {}           # lane -> (version, name, pid, payload) read last
         self._lock = threading.Lock()
