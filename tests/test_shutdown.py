@@ -133,6 +133,27 @@ def test_scripts_server_stop_after_the_same_is_a_quick_sigterm(repo, tmp_path):
     assert not any(name.endswith(f"-{pid}") for name in ours()), "its /dev/shm folders went with it"
 
 
+def test_a_program_running_a_server_in_a_with_block_stopped_by_sigterm_takes_its_server_with_it(repo, tmp_path):
+    """A measurement driver stopped by its PID left its tritonserver running (its session is its own)."""
+    program = ("import sys, time\nfrom s3flow.server.triton_server import TritonServer\n"
+               f"with TritonServer({str(repo)!r}, log_file={str(tmp_path / 'server.log')!r}) as server:\n"
+               "    print(server.pid, flush=True)\n    time.sleep(300)\n")
+    runner = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    pid = 0
+    try:
+        pid = int(runner.stdout.readline())
+        runner.send_signal(signal.SIGTERM)
+        code = runner.wait(STOPS_WITHIN_S + 30)
+        left = is_running(pid)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        if pid and is_running(pid):   # (the test failed: no server outlives it)
+            os.kill(pid, signal.SIGKILL)
+    assert code == 128 + signal.SIGTERM and not left, "the server went with the program that ran it"
+    assert not any(name.endswith(f"-{pid}") for name in ours()), "and its /dev/shm folders"
+
+
 def test_the_drain_supervisor_stops_quickly_after_an_abandoned_stream(repo, tmp_path):
     with TritonServer(repo, log_file=tmp_path / "server.log", drain_s=20) as server:
         abandon(server.grpc_url, "token2wav", 601, utterance(4))

@@ -18,7 +18,7 @@ Example::
     with TritonServer("model_repository") as server:      # start() + wait_ready()
         client = server.client()                          # tritonclient.grpc.InferenceServerClient
         print(server.grpc_url, client.is_server_ready())
-    # leaving the block stops the server (SIGTERM, then SIGKILL after the timeout)
+    # leaving the block stops the server (SIGTERM, then SIGKILL after the timeout), on SIGTERM to this program too
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -394,6 +395,7 @@ class TritonServer:
         return log_tail(self.log_file, lines)
 
     def __enter__(self) -> TritonServer:
+        _leave_on_sigterm()
         self.start()
         try:
             self.wait_ready()
@@ -407,6 +409,19 @@ class TritonServer:
 
     def __repr__(self) -> str:
         return f"TritonServer(pid={self.pid}, grpc={self.grpc_url}, repository={self.model_repository})"
+
+
+def _leave_on_sigterm() -> None:
+    """A program that runs a server in a ``with`` block and is sent SIGTERM (``kill PID``, a job runner's stop)
+    leaves the block as on Ctrl-C, so the server stops with it: Python's default ends the program at once, and the
+    server, in a session of its own, ran on (seen when a measurement driver was stopped by its PID). Set from the
+    main thread only, and only where the program has no SIGTERM handler of its own."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def stop_server_pid(pid: int, timeout: float = 30.0) -> bool:
