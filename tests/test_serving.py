@@ -203,6 +203,20 @@ def test_bad_input_is_rejected_while_others_keep_streaming(served, case):
     np.testing.assert_allclose(result["r"].mel, np.concatenate([r.mel for r in local], 1), atol=5e-4)
 
 
+@pytest.mark.parametrize("start", [True, False])
+def test_a_request_outside_any_sequence_is_refused_and_the_server_keeps_serving(served, start):
+    """Sequence id 0 (a plain ModelInfer that names no sequence): admission lets it through without a mark (there
+    is no sequence to mark) and Triton's sequence batcher refuses it with its own words."""
+    server, _ = served
+    u = demo_utterance(1.0, seed=45)
+    inputs = infer_inputs(good_start(u)) if start else raw_inputs({"speech_tokens": u.speech_tokens[None, :5]})
+    with pytest.raises(InferenceServerException) as info:
+        infer(server, 0, start, False, inputs)
+    assert "correlation ID" in str(info.value), str(info.value)
+    [r] = StreamingClient(server.grpc_url).synthesize([demo_utterance(1.0, seed=46)])
+    assert r.error is None and r.mel.shape[1] > 0
+
+
 def test_start_only_tensors_on_a_later_chunk_are_rejected(served):
     server, _ = served
     u = demo_utterance(1.0, seed=42)

@@ -70,8 +70,10 @@ class ArrivalMarks:
         return server_folder(kind, server_pid)
 
     def mark(self, corr_id: int, note: str = "") -> None:
-        """Mark ``corr_id`` now, with an optional one-line ``note`` (:meth:`note` reads it back)."""
-        self.table.put(corr_id, note=note)
+        """Mark ``corr_id`` now, with an optional one-line ``note`` (:meth:`note` reads it back). A request outside
+        any sequence (id 0: Triton's batcher refuses it further on) leaves no mark."""
+        if corr_id:
+            self.table.put(corr_id, note=note)
 
     def _live(self, corr_id: int):
         m = self.table.newest(corr_id)
@@ -99,7 +101,8 @@ class ArrivalMarks:
     def _count(self, corr_id: int, start: bool) -> int:
         counted = None if start else self.counted(corr_id)
         n = 1 if counted is None else counted[0] + 1
-        self.table.put(corr_id, count=n)
+        if corr_id:   # (id 0: no sequence, no mark)
+            self.table.put(corr_id, count=n)
         return n
 
     def counted(self, corr_id: int) -> Optional[tuple[int, float]]:

@@ -77,12 +77,16 @@ class MarkTable:
 
     # -- reading: every lane ------------------------------------------------------------------------------
     def newest(self, corr_id: int) -> Optional[Mark]:
-        """The newest mark of ``corr_id`` over all lanes (cleared ones included); None when there is none."""
+        """The newest mark of ``corr_id`` over all lanes (cleared ones included); None when there is none (an id no
+        mark can have, 0 included: a request outside any sequence)."""
+        corr_id = int(corr_id)
+        if not 0 < corr_id < _TOMB:
+            return None
         best = None
         for lane in range(LANES):
             if _LANE.unpack_from(self._view, _LANES_AT + lane * _LANE.size)[0] == 0:
                 continue
-            slot = self._find(lane, int(corr_id))
+            slot = self._find(lane, corr_id)
             if slot is None:
                 continue
             _, when, count, flags, n, note = _SLOT.unpack_from(self._view, slot)

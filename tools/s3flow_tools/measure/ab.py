@@ -1,4 +1,4 @@
-"""This checkout's server against another checkout's, on the same host, interleaved: C and a stream alone.
+"""This checkout's server against another's on the same host, interleaved: C, a stream alone, a chunk's fixed cost.
 
 A change to the server (a scheduler, a loop, a hop) is judged against the code before it in the same run: this
 host's noise moves C by 10-15 % from one run to the next, more than most changes do. The other checkout is any
@@ -10,6 +10,10 @@ and measures
 
 * its start: seconds from launch until the server answers ready, and each python stub's resident memory then;
 * a stream alone: ``--alone`` held-out sentences one after the other (first mel, wall time per second of audio);
+* the fixed cost of a chunk: the first ``FIXED_TOKENS`` tokens of each of those sentences sent as a one-chunk
+  utterance at 2 and at 4 Euler steps; what the client waits for its answer is a fixed part (client, gRPC,
+  admission, the encoder, the hops, the Python around the steps) plus the steps, so ``2 T(2) - T(4)`` is the fixed
+  part (issue 49's figure; its median over the sentences);
 * C: ``--at-once`` held-out sentences started together, ``--c-runs`` times (seconds of audio per second).
 
 Both sides are measured by this checkout's ``ab.py`` (run by the other checkout's python, so each serves its own
@@ -28,6 +32,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -40,6 +45,8 @@ import numpy as np
 from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
+#: the one chunk whose answer time measures a chunk's fixed cost (tokens)
+FIXED_TOKENS = 40
 
 
 def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list[str] = ()) -> dict:
@@ -54,7 +61,7 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list
     from s3flow.server.healing import stubs
     from s3flow_tools.bench.load import rss_mb
 
-    out = {"alone_first_s": [], "alone_wall_per_audio": [], "c": [], "ready_s": []}
+    out = {"alone_first_s": [], "alone_wall_per_audio": [], "fixed_s": [], "c": [], "ready_s": []}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--output", str(repo),
@@ -73,6 +80,16 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list
                     raise SystemExit(f"a stream failed: {r.error}")
                 out["alone_first_s"].append(r.first_chunk_s)
                 out["alone_wall_per_audio"].append(wall / (r.mel.shape[1] / FRAMES_PER_SECOND))
+            for k in range(alone):   # a chunk's fixed cost: 2 T(2 steps) - T(4 steps) of one chunk (module docstring)
+                [u] = utterances(1, offset=k)
+                u = dataclasses.replace(u, speech_tokens=u.speech_tokens[:FIXED_TOKENS], chunks=[FIXED_TOKENS])
+                answered = {}
+                for steps in (2, 4):
+                    [r], _ = streams(server.grpc_url, "token2mel", [dataclasses.replace(u, n_timesteps=steps)], 0.0)
+                    if r.error is not None:
+                        raise SystemExit(f"a one-chunk utterance failed: {r.error}")
+                    answered[steps] = r.first_chunk_s
+                out["fixed_s"].append(2 * answered[2] - answered[4])
             for _ in range(c_runs):
                 results, wall = streams(server.grpc_url, "token2mel", utterances(at_once), 0.0)
                 if any(r.error is not None for r in results):
@@ -140,7 +157,8 @@ def main(argv=None) -> int:
              f"{f' --other-flags={chr(34)}{args.other_flags}{chr(34)}' if args.other_flags else ''}` on {', '.join(f'{k} {v}' for k, v in machine().items())}: the trained small "
              f"teacher (10 guided steps), `token2mel`, the admission step on with its capacity check off, "
              f"`{args.scheduling}`; {args.rounds} servers "
-             f"from each checkout, alternating; per server {args.alone} held-out sentences alone, then "
+             f"from each checkout, alternating; per server {args.alone} held-out sentences alone, as many one-chunk "
+             f"utterances of their first {FIXED_TOKENS} tokens at 2 and 4 steps, then "
              f"{args.c_runs} x {args.at_once} at once (C).", "",
              f"| figure | {args.label} | {args.other_label} | ratio |", "| --- | ---: | ---: | ---: |",
              row(f"C, s of audio per s (mean of {len(mine['c'])})", "c"),
@@ -148,6 +166,8 @@ def main(argv=None) -> int:
              row("a stream alone: first mel p50 (ms)", "alone_first_s", 1000, np.median, ".0f"),
              row("a stream alone: first mel mean (ms)", "alone_first_s", 1000, np.mean, ".0f"),
              row("a stream alone: wall time per second of audio", "alone_wall_per_audio", 1, np.mean, ".3f"),
+             row(f"the fixed cost of a chunk: 2 T(2 steps) - T(4 steps), one {FIXED_TOKENS}-token chunk (ms, median)",
+                 "fixed_s", 1000, np.median, ".1f"),
              row("start: launch to ready (s)", "ready_s", 1, np.median, ".1f")]
     stubs = sorted(k for k in mine if k.startswith("stub_mib:") and k in theirs)
     lines += [row(f"`{k.split(':', 1)[1]}` stub resident memory at ready (MiB)", k, 1, np.median, ".0f")
