@@ -150,3 +150,20 @@ def test_a_load_report_is_written_at_once_when_its_streams_change_and_at_most_ev
     assert load.publish({2: Work()}, ended=[1]) is not None, "an END"
     assert load.publish({2: Work()}, ended=[1], force=True) is not None, "forced"
     assert sorted(files.read().solver_recent_ids) == [1, 2]
+
+
+def test_a_dead_writers_pid_taken_by_a_new_writer_is_alive_again(tmp_path):
+    """PIDs are reused: a pid once seen dead that publishes a new report is a live writer (the watch forgets it)."""
+    from s3flow.engine.capacity import CapacityModel, Work
+    from s3flow.serving.load import InstanceLoad
+    from s3flow.serving.records import writer_watch
+
+    board = LoadBoard(tmp_path)
+    InstanceLoad(board, "cfm_solver_0_0", "solver", CapacityModel(), cap=4).publish({1: Work()})
+    assert board.read().solver_ids == {1}
+    watch = writer_watch()
+    with watch._lock:
+        watch._dead.add(os.getpid())   # as if this pid had been seen to exit before (another process's)
+    assert not watch.alive(os.getpid())
+    InstanceLoad(board, "cfm_solver_0_0", "solver", CapacityModel(), cap=4).publish({2: Work()})
+    assert board.read().solver_ids == {2}, "its new report counts"

@@ -45,7 +45,7 @@ from typing import Optional
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.engine.capacity import CapacityModel, Costs, Plan, Work
-from s3flow.serving.records import server_folder, writer_watched
+from s3flow.serving.records import server_folder, writer_watch, writer_watched
 from s3flow.serving.report_board import ReportBoard
 
 
@@ -441,6 +441,7 @@ class LoadBoard:
                     kept = (payload, LoadReport.from_json(payload.decode()))
                 except (ValueError, KeyError, TypeError):   # an older server's
                     continue
+                writer_watch().wrote(kept[1].pid)   # (a dead writer writes nothing new: a reused PID is alive)
             parsed[instance] = kept
             if writer_watched(kept[1].pid):
                 alive.append(kept[1])

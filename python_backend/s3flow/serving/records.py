@@ -169,6 +169,12 @@ class WriterWatch:
             self._epoll.register(fd, select.EPOLLIN)   # (seen by the waiting thread at once)
             return True
 
+    def wrote(self, pid: int) -> None:
+        """``pid`` has just published something new: if it was taken for dead, its number now names a new process
+        (PIDs are reused), looked at afresh at the next :meth:`alive`."""
+        with self._lock:
+            self._dead.discard(pid)
+
     def _run(self) -> None:
         while True:
             for fd, _ in self._epoll.poll():   # a watched writer exited
@@ -184,13 +190,17 @@ class WriterWatch:
 _watch: Optional[WriterWatch] = None
 
 
-def writer_watched(pid: int) -> bool:
-    """Whether ``pid`` (a record's writer) still runs, by this process's :class:`WriterWatch` (one per process; a
-    forked child makes its own)."""
+def writer_watch() -> WriterWatch:
+    """This process's :class:`WriterWatch` (one per process; a forked child makes its own)."""
     global _watch
     if _watch is None or _watch.pid != os.getpid():
         _watch = WriterWatch()
-    return _watch.alive(pid)
+    return _watch
+
+
+def writer_watched(pid: int) -> bool:
+    """Whether ``pid`` (a record's writer) still runs, by this process's :class:`WriterWatch`."""
+    return writer_watch().alive(pid)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
