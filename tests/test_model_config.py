@@ -41,7 +41,8 @@ CASES = {
         length_bucket_ratio=1.5), ort_threads=2, voices=VoiceSettings(voice_dir="/v", max_voices=3)),
         False, True, True),
     "cpu_meanflow_direct": (RepositorySettings(solver=SOLVER, batching=Batching(strategy="direct",
-                                                                              max_queue_delay_us=0),
+                                                                              max_queue_delay_us=0,
+                                                                              admission_batching=True),
                                                warmup=False), True, False, False),
     "gpu_tensorrt_meanflow": (RepositorySettings(target="gpu", solver=SOLVER, batching=Batching(
         encoder_instances=2)), True, True, False),
@@ -202,6 +203,18 @@ def test_instance_groups(repos, case):
         [group] = config.instance_group
         have[name] = (group.count, group.kind)
     assert have == want
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_admission_alone_takes_what_is_queued_for_it_in_one_execute(repos, case):
+    """``Batching.admission_batching`` (default off): admission's config holds a dynamic batcher with no delay; no
+    other model has one (the solver's batching is the sequence batcher's)."""
+    settings = CASES[case][0]
+    found = configs(repos[case])
+    batched = {name for name, config in found.items() if config.HasField("dynamic_batching")}
+    assert batched == ({"admission"} if settings.batching.admission_batching else set())
+    if batched:
+        assert found["admission"].dynamic_batching.max_queue_delay_microseconds == 0
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

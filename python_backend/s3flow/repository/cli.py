@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--admission", action=argparse.BooleanOptionalAction, default=True,
                    help="the ensembles' admission step ahead of the solver: a refused START takes no sequence "
                         "slot (s3flow.serving.admission) (default: on)")
+    b.add_argument("--admission-batching", action=argparse.BooleanOptionalAction, default=d.admission_batching,
+                   help="admission takes the requests queued for it in one execute (Triton's dynamic batcher, no "
+                        "delay; results/refusals.md: no sooner for a refused burst) (default: off)")
     b.add_argument("--scheduling", choices=SCHEDULING, default="fifo",
                    help="fifo: Triton batches whole chunks; deadline: the solver steps the chunks of many "
                         "streams one Euler step at a time, the closest to running dry first (default: %(default)s)")
@@ -132,7 +135,7 @@ def settings_of(args: argparse.Namespace) -> RepositorySettings:
                         max_queue_delay_us=args.max_queue_delay_us,
                         max_candidate_sequences=args.max_candidate_sequences,
                         solver_instances=args.solver_instances, estimator_instances=args.estimator_instances,
-                        encoder_instances=args.encoder_instances)
+                        encoder_instances=args.encoder_instances, admission_batching=args.admission_batching)
     return RepositorySettings(target=args.target, solver=solver, batching=batching, ort_threads=args.ort_threads,
                               gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype, scheduling=args.scheduling,
                               vocoder_backend=args.vocoder_backend, triton_idle_grace_s=args.triton_idle_grace_s,

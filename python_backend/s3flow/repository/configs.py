@@ -67,6 +67,8 @@ def admission_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     config = _python("admission", s.batching.max_batch_size)
     add_tensors(config, REQUEST, ADMISSION_OUTPUTS, n_feats=n_feats)
     add_instances(config, s.batching.admission_instances, gpu=False)
+    if s.batching.admission_batching:   # the requests queued while it was busy, in one execute (no delay)
+        config.dynamic_batching.SetInParent()
     set_parameters(config, {"n_feats": n_feats, **dataclasses.asdict(s.solver.rules),
                             **dataclasses.asdict(s.solver.admission), "voices": v.enabled,
                             "voice_dir": v.voice_dir, "max_voices": v.max_voices,

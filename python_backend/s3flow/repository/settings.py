@@ -54,6 +54,9 @@ class Batching:
     estimator_instances: Optional[int] = None
     encoder_instances: int = 1
     admission_instances: int = 1            # the ensembles' first step (s3flow.serving.admission)
+    #: admission takes the requests queued for it in one execute (Triton's dynamic batcher, no delay); off: one
+    #: request an execute. A burst of 100 STARTs refused busy is answered no sooner with it (results/refusals.md)
+    admission_batching: bool = False
     length_bucket_ratio: float = 0.0        # >= 1: split a batch where a prefix is > this x the shortest; 0: off
 
     def check(self) -> None:

@@ -2,7 +2,7 @@
 
 Examples::
 
-    .venv/bin/python -m s3flow_tools.measure.refusals                  # -> results/refusals.md (about 5 minutes)
+    .venv/bin/python -m s3flow_tools.measure.refusals                  # -> results/refusals.md (about 2 minutes)
     .venv/bin/python -m s3flow_tools.measure.refusals --refused 64 --out /tmp/refusals.md
 
 Two repositories of the small config on seeded random weights, the cpu target's settings (Triton keeps an idle
@@ -19,7 +19,10 @@ stream would:
 3. **a busy refusal's own cost**, in process (no server; issue 48): ``--burst`` STARTs refused by capacity against
    one load of ``--held`` streams at different points of their plan, each refusal's time in ``Admission.check``,
    with the load's answers kept per question (``ServerLoad``, as served: a burst looks ahead once) and priced
-   afresh for every START (as before), alternated over ``--rounds`` rounds in one run.
+   afresh for every START (as before), alternated over ``--rounds`` rounds in one run;
+4. **a busy burst, served**: two more repositories, a tiny utilization target (every START refused busy while one
+   stream is held), differing only in ``Batching.admission_batching``: ``--burst`` STARTs at once over one stream,
+   each refusal's answer time, ``BURST_SERVERS`` servers of each way alternated.
 
 Exits non-zero when, with admission, the new utterance's first chunk takes 2 s or more.
 """
@@ -40,7 +43,8 @@ from s3flow.protocol import RequestRules
 from s3flow.serving.admission import Admission
 from s3flow.serving.calibration import planned_start
 from s3flow.serving.load import InstanceLoad, LoadBoard, ServerLoad
-from s3flow.repository.settings import RepositorySettings
+from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.server.metrics_reader import wait_priced
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
@@ -50,6 +54,8 @@ from s3flow_tools.bench.report import log, machine, markdown
 from s3flow_tools.measure.command import command
 
 ROOT = Path(__file__).resolve().parents[3]
+#: the served busy burst: servers of each way (alternated) and bursts on each
+BURST_SERVERS, BURSTS_PER_SERVER = 2, 3
 
 
 def refused_then_first_chunk(server, refused: int) -> tuple[float, float]:
@@ -129,6 +135,34 @@ def refusal_cost(folder: Path, held: int, burst: int, rounds: int) -> dict:
     return out
 
 
+def busy_burst(server, burst: int) -> list[float]:
+    """One stream held (a START straight to ``cfm_solver``, so the repository's tiny target refuses every START
+    busy at admission), then ``burst`` STARTs sent at once over one plain tritonclient stream: each refusal's answer
+    time from the first send (seconds)."""
+    import tritonclient.grpc as grpcclient
+
+    u = demo_utterance(1.0, seed=3)
+    start = infer_inputs(request_arrays(u.speech_tokens[:10], start=True, prompt_tokens=u.prompt_tokens,
+                                        prompt_mel=u.prompt_mel, speaker_embedding=u.speaker_embedding))
+    held = server.client()
+    held.infer("cfm_solver", start, sequence_id=5, sequence_start=True)
+    held.close()
+    events: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: events.put((time.monotonic(), error)))
+    try:
+        t0 = time.monotonic()
+        for i in range(burst):
+            client.async_stream_infer("token2mel", start, request_id=str(i), sequence_id=100 + i, sequence_start=True)
+        answers = [events.get(timeout=120) for _ in range(burst)]
+    finally:
+        client.stop_stream()
+        client.close()
+    if not all(error is not None and "busy" in str(error).lower() for _, error in answers):
+        raise SystemExit("a START of the burst was not refused busy")
+    return [t - t0 for t, _ in answers]
+
+
 def held_slots_note(refused: int, rows: list) -> str:
     """What the first table says, by its own figures: (admission, answered in, next first chunk after) rows."""
     (_, on_answered, on_first), (_, off_answered, off_first) = rows
@@ -167,6 +201,19 @@ def main(argv=None) -> int:
             answered, first = refused_then_first_chunk(server, args.refused)
         rows.append((admission, answered, first))
         log(f"admission {admission}: {args.refused} refused in {answered:.2f} s; next first chunk after {first:.2f} s")
+    burst = {True: [], False: []}   # admission_batching -> per burst (p50, p99) of the refusals' answer times
+    for k in range(BURST_SERVERS):
+        for batching in ((True, False) if k % 2 == 0 else (False, True)):
+            name = f"burst-{k}-{'batched' if batching else 'single'}"
+            repo = small_repository(work / name, RepositorySettings(
+                solver=SolverSettings.of(max_steps=20, utilization_target=1e-3), ort_threads=1,
+                batching=Batching(admission_batching=batching)), seed=5)
+            with TritonServer(repo, log_file=work / f"{name}.log") as server:
+                wait_priced(f"127.0.0.1:{server.metrics_port}")
+                for _ in range(BURSTS_PER_SERVER):
+                    t = np.array(busy_burst(server, args.burst)) * 1000
+                    burst[batching].append((np.percentile(t, 50), np.percentile(t, 99)))
+            log(f"busy burst, admission batching {batching}: p99 {burst[batching][-1][1]:.0f} ms")
     on, off = (np.median(lat[True]) * 1000, np.median(lat[False]) * 1000)
     info = machine()
     lines = ["# Refused STARTs hold nothing: the admission step, measured", "",
@@ -195,7 +242,16 @@ def main(argv=None) -> int:
              f"Ratio of the medians: {np.median(ms['afresh']) / np.median(ms['kept']):.1f}x. A refusal's "
              "`retry_after` looks ahead along every held stream's plan; a burst refused against one unchanged load "
              "asks the same question, so it is answered once (`ServerLoad`). Served, under the admitted streams' "
-             "load, the refusal's answer time is in results/qos.md's admission tables.", ""]
+             "load, the refusal's answer time is in results/qos.md's admission tables.", "",
+             f"## A burst refused busy, served: admission's requests one per execute or the queued ones in one "
+             f"({args.burst} STARTs at once over one stream beside one held stream, {BURST_SERVERS} servers of each "
+             f"way alternated, {BURSTS_PER_SERVER} bursts each)", "",
+             markdown(["admission", "a refusal's answer time p50 (median burst)", "p99 (median burst)",
+                       "p99 (worst burst)"],
+                      [[label, f"{np.median([b[0] for b in burst[way]]):.0f} ms",
+                        f"{np.median([b[1] for b in burst[way]]):.0f} ms", f"{max(b[1] for b in burst[way]):.0f} ms"]
+                       for way, label in ((True, "the queued requests in one execute (`--admission-batching`)"),
+                                          (False, "one request per execute (shipped)"))]), ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print(args.out.read_text())
