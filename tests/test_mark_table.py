@@ -100,3 +100,19 @@ def test_an_id_outside_the_table_is_refused(tmp_path):
     with pytest.raises(ValueError, match="corr_id must be"):
         table.put(0)
     assert mark_table.SIZE < 8 * 2 ** 20, "a kind's table stays a few MiB of /dev/shm (touched pages only)"
+
+
+def _count_shared(folder, n):
+    marks = ArrivalMarks(folder, shared=True)
+    for _ in range(n):
+        marks.count(7, start=False)
+
+
+def test_several_admission_instances_count_one_sequence_in_turn(tmp_path):
+    """``shared`` (admission_instances > 1): each count reads the last one, whichever process made it, under a lock
+    of its own (the table's file is the lanes' claim lock: locking it twice in one process would hang)."""
+    first = ArrivalMarks(tmp_path, shared=True)
+    assert first.count(7, start=True) == 1
+    _in_another_process(_count_shared, tmp_path, 3)
+    assert first.count(7, start=False) == 5
+    assert ArrivalMarks(tmp_path).counted(7)[0] == 5

@@ -51,8 +51,8 @@ from s3flow.serving.records import server_folder
 MAX_TRANSIT_S = 60.0
 #: the records kept as marks (``s3flow.serving.records``: their writers and readers)
 KINDS = ("starts", "seen", "gone", "vocoded")
-#: the table's file in a record's per-server folder
-TABLE = "marks"
+#: the table's file in a record's per-server folder, and the lock file of counts several processes make
+TABLE, LOCK = "marks", ".lock"
 
 
 class ArrivalMarks:
@@ -94,7 +94,7 @@ class ArrivalMarks:
         time. Returns the count."""
         if not self.shared:
             return self._count(corr_id, start)
-        with open(self.table.path, "rb") as lock:
+        with open(self.folder / LOCK, "a") as lock:   # (not the table's file: claiming a lane locks that)
             fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
             return self._count(corr_id, start)
 
