@@ -48,3 +48,20 @@ def test_a_reader_that_may_be_stale_reads_the_reports_once_per_period_and_admiss
     writer.publish({3: Work(row_frames=10.0, steps=1, chunks=1, frames=20)})
     assert cached.read(60.0).reports[0].streams == {}, "within its period: what it read"
     assert 3 in cached.read().reports[0].streams, "admission's read (no period) sees the last report"
+
+
+def test_the_syscall_count_names_records_by_path_and_by_descriptor_and_leaves_the_stubs_server_watch_out():
+    """``s3flow_tools.measure.syscalls.count`` over ``strace -f -y`` lines (results/syscalls.md's figure)."""
+    from s3flow_tools.measure.syscalls import count
+
+    trace = "\n".join([
+        '101 openat(AT_FDCWD, "/dev/shm/s3flow-load-77/cfm_solver_0", O_RDONLY) = 5',
+        '101 flock(6</dev/shm/s3flow-seen-77/marks>, LOCK_EX) = 0',
+        '102 read(4<anon_inode:inotify>, "...", 4096) = 32',
+        '102 newfstatat(AT_FDCWD, "/tmp/s3flow-drain-x/draining", 0x7ffc, 0) = -1 ENOENT',
+        '103 kill(555, 0) = 0',     # a reader asks whether a record's writer lives
+        '103 kill(77, 0) = 0',      # a stub asks whether its server lives: Triton's, not ours
+        '103 openat(AT_FDCWD, "/usr/lib/libfoo.so", O_RDONLY) = 3',
+    ])
+    assert count(trace, server_pid=77) == {("openat", "load"): 1, ("flock", "seen"): 1, ("read", "drain"): 1,
+                                           ("newfstatat", "drain"): 1, ("kill", "a writer alive?"): 1}
