@@ -6,8 +6,7 @@ metrics' publisher, the slot release (``slots.SlotRelease``) and its logger. Eve
 sequence table (each stream's life and work; a stream the solver still holds, or ended moments ago, is not idle:
 its chunk may wait in the solver's queue, its last mel in ours), the session (``s3flow.serving.vocoder_session``),
 and what it keeps in step with the other processes (``s3flow.serving.records``): its load report (admission's
-vocoder stage, token2wav's capacity; priced at set-up by a calibration, or by the price the last server here
-saved), each answer counted (``vocoded``: the solver's idle clock for a token2wav
+vocoder stage, token2wav's capacity), each answer counted (``vocoded``: the solver's idle clock for a token2wav
 stream counts from it), the START marks admission left (first audio), the slots of the streams it dropped.
 
 Example (what the model does)::
@@ -35,7 +34,7 @@ from s3flow.serving.load import InstanceLoad, LoadBoard
 from s3flow.serving.metrics import CAPACITY, FIRST_AUDIO_SECONDS, UTILIZATION, VOCODER_LIVE, Publish
 from s3flow.serving.reaper import IdleReaper
 from s3flow.serving.vocoder_session import VocoderIncoming, VocoderOutcome, VocoderSession
-from s3flow.serving.warmup import calibrate_vocoder, warm_up_vocoder
+from s3flow.serving.warmup import warm_up_vocoder
 
 #: how stale the vocoder's view of the other instances' load reports may be for its gauge, and its own report
 #: (seconds); and for its idle checks (a stream the solver holds is not idle: a stale view delays an eviction)
@@ -71,9 +70,6 @@ class VocoderInstance(Observer):
         self.busy, self.last_free = False, time.time()
         if params.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no table entry
             log("info", warm_up_vocoder(stream).describe())
-        if model.prior_capacity is None:   # priced before its first push (a new server's first token2wav burst)
-            report = calibrate_vocoder(stream, model)
-            log("info", f"{report.describe()}: {model.prior_capacity:.2f} audio s per s")
         self.publish()
         self.closing = closing_probe()
         self.reaper = IdleReaper(self.table.evict_idle, limits.idle_timeout_s, name, on_evicted=self.publish,
