@@ -58,8 +58,8 @@ TABLE, LOCK = "marks", ".lock"
 class ArrivalMarks:
     def __init__(self, folder: Path, clock: Callable[[], float] = time.time, shared: bool = False):
         """``shared``: several processes count the same sequences (several admission instances): each count
-        reads the last and writes the next under the table's lock (two system calls); else none."""
-        self.folder, self.clock, self.shared = Path(folder), clock, shared
+        reads the last and writes the next under a lock file of their own (two system calls); else none."""
+        self.folder, self.shared = Path(folder), shared
         self.table = MarkTable(self.folder / TABLE, clock)
 
     @staticmethod
