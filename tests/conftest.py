@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -41,3 +42,25 @@ def shipped_layout(one_instance_layout):
     settings.DEFAULT_INSTANCES.update(one_instance_layout)
     yield one_instance_layout
     settings.DEFAULT_INSTANCES.update(pinned)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_stops():
+    """Servers made with ``background_stop=True`` (most modules' shared servers) stop while the next module
+    starts its own; the session ends only once every one has ended, and each must have left with its stop."""
+    yield
+    from s3flow.server.triton_server import wait_background_stops
+
+    stopped = wait_background_stops()
+    groups = {s.pid for s in stopped}   # each server leads its own process group, its stubs in it
+    left = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _group_of(pid) in groups]
+    assert not left, f"processes of stopped servers still run: {left}"
+    unclean = {s.pid: s.process.returncode for s in stopped if s.process.returncode != 0 and not s.heal}
+    assert not unclean, f"servers that did not stop on SIGTERM (pid: exit code): {unclean}"
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None

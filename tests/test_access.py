@@ -115,7 +115,8 @@ def server(tmp_path_factory):
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=3))
     write_repository(root / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=4), ort_threads=1))
     cert, key = self_signed(root, "server")
-    srv = TritonServer(root / "repo", log_file=root / "server.log", admin_key=KEY, tls=ServerTls(cert, key))
+    srv = TritonServer(root / "repo", log_file=root / "server.log", admin_key=KEY, tls=ServerTls(cert, key),
+                       background_stop=True)
     with srv:
         srv.certificate = cert
         srv.other_certificate = self_signed(root, "other")[0]

@@ -40,7 +40,7 @@ def server(tmp_path_factory):
     settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, utilization_target=1e-3, idle_timeout_s=120.0),
                                   ort_threads=1)
     write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=3))
-    with TritonServer(root / "repo", log_file=root / "server.log") as srv:
+    with TritonServer(root / "repo", log_file=root / "server.log", background_stop=True) as srv:
         t0 = time.monotonic()
         while gauge(srv, "s3flow_capacity_audio_seconds_per_second") <= 0:   # the calibration at load
             assert time.monotonic() - t0 < 60, "the solver never published a capacity: " + srv.log_tail()
@@ -176,7 +176,7 @@ def test_a_pod_is_ready_for_traffic_only_once_its_solver_has_priced_its_work(tmp
     flow = load_flow(write_random_checkpoint(tmp_path / "ckpt.safetensors", FlowConfig.small(), seed=9))
     write_repository(tmp_path / "repo", flow, RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1))
     with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", model_control_mode="explicit",
-                      load_models=["token2mel", "admission", "cfm_solver", "flow_encoder"]) as srv:
+                      load_models=["token2mel", "admission", "cfm_solver", "flow_encoder"], background_stop=True) as srv:
         http, metrics = f"http://{srv.http_url}", f"127.0.0.1:{srv.metrics_port}"
         assert ready(http, ""), "Triton is ready"
         time.sleep(1.0)

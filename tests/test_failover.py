@@ -41,7 +41,7 @@ def repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server_b(repo):
-    with TritonServer(repo, log_file=repo.parent / "b.log") as srv:
+    with TritonServer(repo, log_file=repo.parent / "b.log", background_stop=True) as srv:
         yield srv
 
 

@@ -63,7 +63,7 @@ def repo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(repo):
     with TritonServer(repo, log_file=repo.parent / "server.log", model_control_mode="explicit",
-                      load_models=MODELS) as srv:
+                      load_models=MODELS, background_stop=True) as srv:
         yield srv
 
 
@@ -173,7 +173,7 @@ def test_a_failed_chunk_leaves_the_sequence_as_before_and_can_be_sent_again(tmp_
         return int(r.as_numpy("frame_offset")[0, 0]), r.as_numpy("mel")[0]
 
     with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", model_control_mode="explicit",
-                      load_models=MODELS) as srv:
+                      load_models=MODELS, background_stop=True) as srv:
         undisturbed = [send(srv, 11, k) for k in range(3)]
         got = [send(srv, 12, 0)]
         srv.client().unload_model("estimator")

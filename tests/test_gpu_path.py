@@ -652,7 +652,7 @@ def test_torch_backend_served_equals_in_process(tmp_path):
         config.write_text(config.read_text().replace("kind: KIND_GPU", "kind: KIND_CPU"))
     u = demo_utterance(1.6, seed=31, noise_seed=5)
     u.chunks = chunk_schedule(len(u.speech_tokens), 10, 2.0, 40)
-    with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log") as server:
+    with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", background_stop=True) as server:
         [got] = StreamingClient(server.grpc_url).synthesize([u])
         stats = server.client().get_inference_statistics("estimator").model_stats[0]
     assert got.mel.shape == (80, 2 * len(u.speech_tokens))

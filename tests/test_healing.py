@@ -113,10 +113,11 @@ def test_an_utterance_in_flight_when_a_stub_dies_completes_with_every_frame(tmp_
                      vocoder=random_vocoder(VocoderConfig.small(), seed=2))
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", heal=True,
-                                                  extra_args=EXIT_TIMEOUT))
+                                                  extra_args=EXIT_TIMEOUT, background_stop=True))
         urls = [server.grpc_url]
         if two:
-            urls.append(stack.enter_context(TritonServer(tmp_path / "repo", log_file=tmp_path / "b.log")).grpc_url)
+            urls.append(stack.enter_context(TritonServer(tmp_path / "repo", log_file=tmp_path / "b.log",
+                                                                   background_stop=True)).grpc_url)
         for k, model in enumerate(models):
             ensemble = "token2wav" if model == "vocoder" else "token2mel"
             u = demo_utterance(6.0, seed=9 + k)

@@ -37,7 +37,7 @@ def server(tmp_path_factory, shipped_layout):
     settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, idle_timeout_s=60.0))
     assert (settings.batching.solver_instances, settings.batching.estimator_instances) == (2, 2), settings.batching
     write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=4))
-    with TritonServer(root / "repo", log_file=root / "server.log") as srv:
+    with TritonServer(root / "repo", log_file=root / "server.log", background_stop=True) as srv:
         loads = LoadBoard(LoadBoard.default_folder(srv.pid))
         t0 = time.monotonic()
         while not loads.read().known or len([r for r in loads.read().reports if r.kind == "solver"]) < 2:

@@ -82,7 +82,7 @@ def repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(repo):
-    with TritonServer(repo, log_file=repo.parent / "server.log") as srv:
+    with TritonServer(repo, log_file=repo.parent / "server.log", background_stop=True) as srv:
         yield srv
 
 

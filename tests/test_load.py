@@ -30,7 +30,7 @@ RSS_BOUND_MB = 2.0
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("load")
     repo = load_test_repository(root, streams=4)
-    with TritonServer(repo, log_file=root / "server.log") as srv:
+    with TritonServer(repo, log_file=root / "server.log", background_stop=True) as srv:
         srv.stub_pid = solver_stub_pid(srv.pid)
         srv.metrics_url = f"127.0.0.1:{srv.metrics_port}"
         assert srv.stub_pid is not None, "no cfm_solver stub among the server's children"

@@ -30,7 +30,7 @@ def test_a_three_minute_utterance_streams_through_token2wav_exactly(tmp_path):
     u = demo_utterance(60 * MINUTES, seed=7)
     n = len(u.speech_tokens)
     u.n_timesteps, u.chunks = 1, [10, 40] + [100] * ((n - 50) // 100) + ([(n - 50) % 100] if (n - 50) % 100 else [])
-    with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log") as server:
+    with TritonServer(tmp_path / "repo", log_file=tmp_path / "server.log", background_stop=True) as server:
         [r] = StreamingClient(server.grpc_url, model="token2wav").synthesize([u])
     assert r.error is None and r.mel.shape == (80, 2 * n) and 2 * n >= 3000 * MINUTES
     assert r.audio.shape == (480 * 2 * n,) and np.isfinite(r.audio).all()

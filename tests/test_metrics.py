@@ -320,7 +320,7 @@ def served(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("metrics")
     repo = warmup_repository(root, warmup=True)
-    with TritonServer(repo, log_file=root / "server.log") as server:
+    with TritonServer(repo, log_file=root / "server.log", background_stop=True) as server:
         server.log_path = root / "server.log"
         yield server
 

@@ -37,7 +37,7 @@ def server(tmp_path_factory):
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=9))
     settings = RepositorySettings(solver=SolverSettings.of(utilization_target=0.0, idle_timeout_s=1.0), ort_threads=1)
     write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=3))
-    with TritonServer(root / "repo", log_file=root / "server.log") as srv:
+    with TritonServer(root / "repo", log_file=root / "server.log", background_stop=True) as srv:
         yield srv
 
 

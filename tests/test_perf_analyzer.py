@@ -64,7 +64,7 @@ def served(tmp_path_factory):
     data = root / "perf_inputs.json"
     assert perf_inputs.main(["--limit", "8", "--sequence-length", str(STEPS), "--n-timesteps", "2",
                              "--output", str(data)]) == 0
-    with TritonServer(repo, log_file=root / "server.log") as server:
+    with TritonServer(repo, log_file=root / "server.log", background_stop=True) as server:
         server.perf_data = data
         yield server
 

@@ -194,7 +194,8 @@ def served(tmp_path_factory):
     settings = RepositorySettings(solver=SolverSettings.of(max_live_sequences=8, utilization_target=0.0),
                                   batching=Batching(max_queue_delay_us=20_000, max_candidate_sequences=16),
                                   ort_threads=1)
-    with TritonServer(trained_repository(root, settings), log_file=root / "server.log") as server:
+    with TritonServer(trained_repository(root, settings), log_file=root / "server.log",
+                      background_stop=True) as server:
         yield server
 
 

@@ -120,7 +120,7 @@ def served(tmp_path_factory):
                                   batching=Batching(max_queue_delay_us=2000, max_candidate_sequences=32),
                                   ort_threads=1)
     repo = trained_repository(root, settings)
-    with TritonServer(repo, log_file=root / "server.log") as server:
+    with TritonServer(repo, log_file=root / "server.log", background_stop=True) as server:
         yield server
 
 

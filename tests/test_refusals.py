@@ -43,7 +43,8 @@ def server(request, tmp_path_factory):
                                   ort_threads=1, triton_idle_grace_s=grace)
     write_repository(root / "repo", flow, settings)
     drain_file = root / "draining"
-    with TritonServer(root / "repo", log_file=root / "server.log", env={"S3FLOW_DRAIN_FILE": str(drain_file)}) as srv:
+    with TritonServer(root / "repo", log_file=root / "server.log", env={"S3FLOW_DRAIN_FILE": str(drain_file)},
+                      background_stop=True) as srv:
         srv.drain_marker = drain_file
         yield srv
 

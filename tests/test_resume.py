@@ -47,7 +47,7 @@ def fleet(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server_b(fleet):
     repo, env = fleet
-    with TritonServer(repo, log_file=repo.parent / "b.log", env=env) as srv:
+    with TritonServer(repo, log_file=repo.parent / "b.log", env=env, background_stop=True) as srv:
         yield srv
 
 

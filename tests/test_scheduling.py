@@ -42,9 +42,9 @@ def servers(tmp_path_factory):
     late = SolverSettings.of(first_audio_s=0.0, start_buffer_s=0.0, min_steps=2)
     write_repository(root / "late", flow, RepositorySettings(ort_threads=1, scheduling="deadline", solver=late),
                      vocoder=hift)
-    with TritonServer(root / "fifo", log_file=root / "fifo.log") as fifo, \
-            TritonServer(root / "deadline", log_file=root / "deadline.log") as deadline, \
-            TritonServer(root / "late", log_file=root / "late.log") as late:
+    with TritonServer(root / "fifo", log_file=root / "fifo.log", background_stop=True) as fifo, \
+            TritonServer(root / "deadline", log_file=root / "deadline.log", background_stop=True) as deadline, \
+            TritonServer(root / "late", log_file=root / "late.log", background_stop=True) as late:
         out.update(fifo=fifo, deadline=deadline, late=late)
         yield out
 

@@ -38,7 +38,7 @@ def served(tmp_path_factory):
     flow = load_flow(ckpt)
     settings = RepositorySettings(solver=SOLVER, batching=Batching(max_queue_delay_us=20_000), ort_threads=1)
     write_repository(root / "repo", flow, settings)
-    with TritonServer(root / "repo", log_file=root / "server.log") as server:
+    with TritonServer(root / "repo", log_file=root / "server.log", background_stop=True) as server:
         # the solver's calibration calls the encoder and estimator between streams until it is over: a test
         # counting those calls must not share the server with it (CI saw its 2 + 4 calls in such a count)
         assert wait_priced(f"127.0.0.1:{server.metrics_port}")

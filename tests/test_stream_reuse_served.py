@@ -32,7 +32,7 @@ def served(tmp_path_factory):
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=9))
     settings = RepositorySettings(solver=SOLVER, batching=Batching(max_queue_delay_us=20_000), ort_threads=1)
     write_repository(root / "repo", flow, settings)
-    with TritonServer(root / "repo", log_file=root / "server.log") as server:
+    with TritonServer(root / "repo", log_file=root / "server.log", background_stop=True) as server:
         yield server, flow, root / "repo"
 
 

@@ -664,6 +664,18 @@ def test_stop_ends_the_process(tmp_path):
 
 
 @pytest.mark.server
+def test_a_background_stop_returns_from_the_block_and_ends_the_process_as_stop_does(tmp_path):
+    repo = tmp_path / "repo"
+    write_model(repo, "add_one", ADD_ONE_CONFIG, ADD_ONE_MODEL)
+    with TritonServer(repo, log_file=tmp_path / "server.log", background_stop=True) as srv:
+        pid = srv.pid
+    assert srv in triton_server.wait_background_stops()
+    assert srv.process.returncode == 0 and not triton_server.is_running(pid)
+    assert not list(pathlib.Path("/dev/shm").glob(f"{srv.shm_prefix}*")), "its regions went, as stop() removes them"
+    assert triton_server.wait_background_stops() == [], "each stop is joined once"
+
+
+@pytest.mark.server
 def test_explicit_model_control_loads_and_unloads(tmp_path):
     repo = tmp_path / "repo"
     write_model(repo, "add_one", ADD_ONE_CONFIG, ADD_ONE_MODEL)

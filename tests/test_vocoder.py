@@ -487,7 +487,7 @@ def served(tmp_path_factory):
     onnx = OnnxVocoder(root / "repo" / "vocoder" / "1", threads=1)  # the served graphs, as served
     (root / "snapshot.key").write_text("served-wav-test-snapshot-key")  # every answer but END carries a snapshot
     with TritonServer(root / "repo", log_file=root / "server.log",
-                      env={"S3FLOW_SNAPSHOT_KEY_FILE": str(root / "snapshot.key")}) as server:
+                      env={"S3FLOW_SNAPSHOT_KEY_FILE": str(root / "snapshot.key")}, background_stop=True) as server:
         yield server, flow, hift, onnx
 
 

@@ -205,7 +205,7 @@ def server(tmp_path_factory):
                                   batching=Batching(max_queue_delay_us=2000), ort_threads=1,
                                   voices=VoiceSettings(max_voices=8))
     write_repository(root / "repo", load_flow(ckpt), settings, voice_checkpoint=ckpt)
-    with TritonServer(root / "repo", log_file=root / "server.log") as srv:
+    with TritonServer(root / "repo", log_file=root / "server.log", background_stop=True) as srv:
         yield srv
 
 
@@ -261,7 +261,7 @@ def tenant_server(tmp_path_factory):
     write_repository(root / "repo", load_flow(ckpt), settings, voice_checkpoint=ckpt)
     (root / "voice-key").write_text("fleet-voice-key-0123456789\n")
     with TritonServer(root / "repo", log_file=root / "server.log", tenants=True,
-                      env={"S3FLOW_VOICE_KEY_FILE": str(root / "voice-key")}) as srv:
+                      env={"S3FLOW_VOICE_KEY_FILE": str(root / "voice-key")}, background_stop=True) as srv:
         yield srv
 
 

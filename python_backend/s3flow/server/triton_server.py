@@ -98,6 +98,10 @@ class TritonServer:
         heal: reload the model of a python stub that dies (:mod:`s3flow.server.healing`; Triton does not restart
             it); implies explicit model control with every model loaded at start. Supervised (``drain_s``), the
             supervisor heals, as the shipped entrypoint's does; else this launcher (:attr:`healer`).
+        background_stop: leaving the ``with`` block starts the stop and returns at once; a thread of this program
+            finishes it (:func:`wait_background_stops`), and the program does not exit before it has. A stop takes
+            2-3 s that are Triton's own (its python backend sleeps 1 s per stub before finalizing it, and the server
+            looks at its models once a second): a test suite starts its next server meanwhile.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class TritonServer:
         tls: ServerTls | None = None,
         tenants: bool = False,
         heal: bool = False,
+        background_stop: bool = False,
     ) -> None:
         if heal:   # the repository API's load is what heals (s3flow.server.healing)
             model_control_mode, load_models = "explicit", list(load_models) or ["*"]
@@ -154,6 +159,7 @@ class TritonServer:
         self._port_retries = 2
         self.heal = heal
         self.healer: StubWatch | None = None
+        self.background_stop = background_stop
 
     # ----------------------------------------------------------------------------------------- endpoints
     @property
@@ -405,10 +411,39 @@ class TritonServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        if self.background_stop:
+            self.stop_in_background()
+        else:
+            self.stop()
+
+    def stop_in_background(self, timeout: float = 30.0) -> threading.Thread:
+        """:meth:`stop` in a thread that is not a daemon (the program waits for it before it exits); returns it.
+        :func:`wait_background_stops` joins every such stop."""
+        thread = threading.Thread(target=self.stop, args=(timeout,), name=f"stop tritonserver {self.pid}")
+        with _STOPPING_LOCK:
+            _STOPPING.append((self, thread))
+        thread.start()
+        return thread
 
     def __repr__(self) -> str:
         return f"TritonServer(pid={self.pid}, grpc={self.grpc_url}, repository={self.model_repository})"
+
+
+_STOPPING: list[tuple[TritonServer, threading.Thread]] = []
+_STOPPING_LOCK = threading.Lock()
+
+
+def wait_background_stops(timeout: float = 60.0) -> list[TritonServer]:
+    """Join the stops :meth:`TritonServer.stop_in_background` started; returns those servers (each one's
+    ``process.returncode`` says how it ended). A stop still running after ``timeout`` s raises."""
+    with _STOPPING_LOCK:
+        stopping, _STOPPING[:] = list(_STOPPING), []
+    until = time.monotonic() + timeout
+    for server, thread in stopping:
+        thread.join(max(0.0, until - time.monotonic()))
+        if thread.is_alive():
+            raise TritonServerError(f"tritonserver {server.pid} still stopping after {timeout:.0f} s")
+    return [server for server, _ in stopping]
 
 
 def _leave_on_sigterm() -> None:
