@@ -279,6 +279,37 @@ def test_before_the_solver_priced_anything_an_idle_server_takes_one_and_the_rest
     assert files.read().known and (outcome is None or "not priced" not in outcome.error), "judged by the prices"
 
 
+def test_a_token2wav_start_waits_for_the_vocoders_price_and_a_token2mel_one_does_not(tmp_path):
+    """Issue 48: a new server's vocoder had no price before its first push, so its first token2wav burst was priced
+    by the solver alone (5 / 5 / 4 admitted, 4 / 4 / 3 stalled). The vocoder calibrates right after the solver; a
+    token2wav START that comes between waits for that price (bounded) and is judged by it; a token2mel START needs
+    no vocoder and is judged at once."""
+    import threading
+    from s3flow.engine.capacity import AdmissionTarget
+    from s3flow.serving.load import LoadReport
+
+    files = _solver_load(tmp_path / "load", [1], per_stream=0.2)   # the solver priced, one stream held
+    files.write("vocoder_0", LoadReport("vocoder"))                  # the vocoder not yet
+    assert files.read().known and not files.read().known_for(True) and files.read().known_for(False)
+    capacity = files.read().capacity
+    a = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.7), pricing_wait_s=5.0)
+    t0 = time.monotonic()
+    assert a.check(2, True, False, START, audio=False) is None, "token2mel: 0.2 + 0.2 fits, judged at once"
+    assert time.monotonic() - t0 < 1.0
+    # its price comes while the token2wav START waits: a vocoder at a third of the solver's speed makes token2wav's
+    # share of the solver 0.2 x 3.5, which does not fit beside the two streams held
+    later = threading.Timer(0.2, lambda: files.write("vocoder_0", LoadReport("vocoder", capacity=capacity / 3)))
+    later.start()
+    t0 = time.monotonic()
+    o = a.check(3, True, False, START, audio=True)
+    later.join()
+    assert time.monotonic() - t0 >= 0.15, "it waited for the vocoder's price"
+    assert o is not None and "for this token2wav stream" in o.error, "judged with the vocoder's price"
+    unpriced = Admission(RequestRules(), 80, load=_solver_load(tmp_path / "b", [1], per_stream=0.2),
+                         target=AdmissionTarget(utilization_target=0.7), pricing_wait_s=5.0)
+    assert unpriced.check(3, True, False, START, audio=True) is None, "no vocoder at all: the solver's price alone"
+
+
 def test_a_start_that_waited_for_the_price_counts_as_pending_for_the_starts_queued_behind_it(tmp_path):
     """A START admitted after waiting for the price is counted from when it was admitted, not from when it came: the
     STARTs queued behind it are judged at once when the price comes, before the solver lists it (issue 48: stamped

@@ -71,6 +71,23 @@ def test_the_server_exports_its_capacity_and_the_held_streams_utilization(server
         time.sleep(0.2)
 
 
+def test_a_new_servers_vocoder_is_priced_before_its_first_stream(server):
+    """The vocoder calibrates once the solver has (nothing saved here, no token2wav stream yet): token2wav's
+    capacity holds the vocoder's time from then on (issue 48: a new server priced its first token2wav burst by the
+    solver alone, and 4 of the 5 streams it admitted stalled)."""
+    from s3flow.serving.load import LoadBoard
+
+    board, t0 = LoadBoard(LoadBoard.default_folder(server.pid)), time.monotonic()
+    while not board.read().vocoder_capacity and time.monotonic() - t0 < 30:   # (moments after the solver's)
+        time.sleep(0.1)
+    load = board.read()
+    vocoders = [r for r in load.reports if r.kind == "vocoder"]
+    assert vocoders and all(not r.streams and not r.waiting for r in vocoders), "no stream went through a vocoder"
+    assert load.vocoder_capacity > 0
+    assert 0 < load.wav_capacity < load.capacity, "token2wav's capacity holds the vocoder's device time"
+    assert "vocoder: calibration" in server.log_file.read_text()
+
+
 def test_a_start_over_capacity_is_refused_busy_at_admission_to_a_plain_client(server):
     """Each ensemble's START is priced as what it makes (the output its admission step asks for): the refusal
     names token2mel's or token2wav's stream."""

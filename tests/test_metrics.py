@@ -312,6 +312,35 @@ def test_vocoder_warm_up_runs_both_networks():
     assert report.chunks == 2 and calls["f0"] >= 1 and calls["decode"] >= 1
 
 
+def test_vocoder_calibration_prices_its_pushes_and_keeps_a_saved_price():
+    """``calibrate_vocoder``: the default chunks of a 4 s utterance, every push timed into the cost fit, the audio
+    over the time the prior capacity; a price saved by an earlier server is left as it is."""
+    import time
+
+    from s3flow.engine.capacity import CapacityModel
+    from s3flow.engine.vocoder_stream import StreamSettings, VocoderStream
+    from s3flow.model.vocoder_source import SourceParams
+    from s3flow.serving.warmup import VOCODER_CALIBRATION_S, calibrate_vocoder
+
+    def decode(mel, harmonics):
+        time.sleep(0.002 + 2e-4 * mel.shape[-1])   # a push's cost: fixed + per frame
+        return np.zeros((1, harmonics.shape[2]), np.float32)
+
+    stream = VocoderStream(lambda mel: np.full(mel.shape[::2], 100.0), decode, SourceParams(), StreamSettings(),
+                           n_feats=80)
+    model = CapacityModel(max_batch=1, duty_prior=None)
+    report = calibrate_vocoder(stream, model)
+    assert report.chunks >= 3 and model.estimator.calls == report.chunks
+    assert model.costs().known and model.estimator.per_unit > 0
+    # 4 s of audio (200 frames) at >= 2e-4 s a frame plus 2 ms a push: at most ~90 audio s per s, and not far under
+    assert VOCODER_CALIBRATION_S / report.seconds == pytest.approx(model.prior_capacity, rel=0.05)
+    assert 10 < model.prior_capacity < 100
+    saved = CapacityModel(max_batch=1, duty_prior=None)
+    saved.prior_capacity = 3.0
+    calibrate_vocoder(stream, saved)
+    assert saved.prior_capacity == 3.0
+
+
 # ------------------------------------------------------------------------------------------ real server
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):

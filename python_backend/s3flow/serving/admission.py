@@ -23,8 +23,9 @@ refused there never reaches the sequence batcher and holds nothing. It reads the
   the time until the server expects room (young streams past their costly start, or streams of
   ``expected_utterance_s`` ended), clamped to [0.2, 5] s. A server that
   holds no stream takes one whatever its estimate. A server is never open wider than its knowledge: before every
-  solver instance has priced its work (its calibration at load, seconds after the server is ready), a START waits
-  for that up to ``pricing_wait_s``, and is then refused ``busy`` if the server holds any stream (issue 48: a
+  solver instance has priced its work (its calibration at load, seconds after the server is ready; for a token2wav
+  START every vocoder instance too, whose calibration follows the solver's), a START waits for that up to
+  ``pricing_wait_s``, and is then refused ``busy`` if the server holds any stream (issue 48: a
   burst right after start-up went in unpriced, 10 of 10, and every one stalled).
 
 Chunks after the START pass unchecked (their sequence holds its slot legitimately; the solver validates them),
@@ -130,10 +131,11 @@ class Admission:
         sequence; ``reason``: its label in the refusals metric."""
         return refused(corr_id, f"{self.name}: {naming_sequence(corr_id, exc)}", exc, reason)
 
-    def _priced(self, load: ServerLoad) -> ServerLoad:
-        """The load once every solver instance has priced its work, or as it is after ``pricing_wait_s``."""
+    def _priced(self, load: ServerLoad, audio: Optional[bool]) -> ServerLoad:
+        """The load once every solver instance (and for a START that asks for audio, every vocoder instance) has
+        priced its work, or as it is after ``pricing_wait_s``."""
         deadline = time.monotonic() + self.pricing_wait_s
-        while not load.known and time.monotonic() < deadline:
+        while not load.known_for(audio) and time.monotonic() < deadline:
             time.sleep(PRICING_POLL_S)
             load = self.load.read()
         return load
@@ -144,8 +146,8 @@ class Admission:
         pending = sum(1 for c in self._admitted if c not in held and c != corr_id)   # admitted, not yet held
         if not held and not pending:   # an idle server takes a stream whatever its estimate: none is better served
             return None
-        if not load.known:   # a stream is held: the START waits for the instances' prices (bounded)
-            load = self._priced(load)
+        if not load.known_for(audio):   # a stream is held: the START waits for the instances' prices (bounded)
+            load = self._priced(load, audio)
             held = load.solver_ids
             pending = sum(1 for c in self._admitted if c not in held and c != corr_id)
             if not held and not pending:

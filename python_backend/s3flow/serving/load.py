@@ -225,6 +225,11 @@ class ServerLoad:
         calls): before, admission cannot judge a START by capacity."""
         return bool(self._solvers) and all(r.costs.known and r.planned is not None for r in self._solvers)
 
+    def known_for(self, audio: Optional[bool]) -> bool:
+        """:attr:`known`, and for a START that asks for audio (``token2wav``'s) the vocoder instances' prices too
+        (each its calibration right after the solver's, or its first timed pushes)."""
+        return self.known and (audio is not True or all(r.capacity > 0 for r in self.reports if r.kind == "vocoder"))
+
     @property
     def capacity(self) -> float:
         """``token2mel``'s: audio seconds per second of default streams at full batches, the solver instances'

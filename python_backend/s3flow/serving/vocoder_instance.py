@@ -6,8 +6,10 @@ metrics' publisher, the slot release (``slots.SlotRelease``) and its logger. Eve
 sequence table (each stream's life and work; a stream the solver still holds, or ended moments ago, is not idle:
 its chunk may wait in the solver's queue, its last mel in ours), the session (``s3flow.serving.vocoder_session``),
 and what it keeps in step with the other processes (``s3flow.serving.records``): its load report (admission's
-vocoder stage, token2wav's capacity), each answer counted (``vocoded``: the solver's idle clock for a token2wav
-stream counts from it), the START marks admission left (first audio), the slots of the streams it dropped.
+vocoder stage, token2wav's capacity; priced by the price the last server here saved, or else by a calibration
+in a thread once the solver instances have priced their work, before any stream), each answer counted
+(``vocoded``: the solver's idle clock for a token2wav stream counts from it), the START marks admission left
+(first audio), the slots of the streams it dropped.
 
 Example (what the model does)::
 
@@ -17,6 +19,7 @@ Example (what the model does)::
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable
 
@@ -34,11 +37,13 @@ from s3flow.serving.load import InstanceLoad, LoadBoard
 from s3flow.serving.metrics import CAPACITY, FIRST_AUDIO_SECONDS, UTILIZATION, VOCODER_LIVE, Publish
 from s3flow.serving.reaper import IdleReaper
 from s3flow.serving.vocoder_session import VocoderIncoming, VocoderOutcome, VocoderSession
-from s3flow.serving.warmup import warm_up_vocoder
+from s3flow.serving.warmup import calibrate_vocoder, warm_up_vocoder
 
 #: how stale the vocoder's view of the other instances' load reports may be for its gauge, and its own report
 #: (seconds); and for its idle checks (a stream the solver holds is not idle: a stale view delays an eviction)
 READ_EVERY_S, PENDING_EVERY_S = 1.0, 0.25
+#: how long the calibration waits for the solver instances' own (they load the same cores), and how often it looks
+CALIBRATION_WAIT_S, CALIBRATION_POLL_S = 30.0, 0.1
 
 
 class VocoderInstance(Observer):
@@ -74,6 +79,29 @@ class VocoderInstance(Observer):
         self.closing = closing_probe()
         self.reaper = IdleReaper(self.table.evict_idle, limits.idle_timeout_s, name, on_evicted=self.publish,
                                  then=self._free_slots, log=lambda m: log("error", m))
+        self.device = threading.Lock()   # one at a time through the networks: a served batch, or the calibration
+        self.closed = False
+        if model.prior_capacity is None:   # priced before a new server's first token2wav burst
+            threading.Thread(target=self._calibrate, name=f"{name} calibration", daemon=True).start()
+
+    def _calibrate(self) -> None:
+        """``calibrate_vocoder`` once the solver instances have priced their work (or after ``CALIBRATION_WAIT_S``)
+        while no stream is held, unless served pushes have priced the vocoder first; then the price is published."""
+        model, deadline = self.load.model, time.monotonic() + CALIBRATION_WAIT_S
+        while time.monotonic() < deadline and not self.load.board.read(CALIBRATION_POLL_S).known:
+            time.sleep(CALIBRATION_POLL_S)
+        while len(self.table) and not self.closing():
+            time.sleep(CALIBRATION_POLL_S)
+        with self.device:
+            if self.closed or self.closing() or model.capacity() is not None or model.prior_capacity is not None:
+                return
+            report = calibrate_vocoder(self.stream, model, seal=self._seal)
+        self.log("info", f"{report.describe()}: {model.prior_capacity:.2f} audio s per s")
+        self.publish()
+
+    def _seal(self, state) -> bytes:
+        """The snapshot a served push makes (after a solver's section; none without a snapshot key)."""
+        return self.session.snapshots.make(state, b"solver")
 
     def batch(self, requests: Callable[[], list]) -> list:
         """One ``execute``: idle streams evicted first, ``requests()`` (each through :meth:`handle`), then one
@@ -81,7 +109,8 @@ class VocoderInstance(Observer):
         self.table.evict_idle()
         self.busy = True
         try:
-            return requests()
+            with self.device:
+                return requests()
         finally:
             self.busy, self.last_free = False, time.time()
             self.publish()
@@ -153,6 +182,8 @@ class VocoderInstance(Observer):
 
     def close(self) -> None:
         self.reaper.stop()
+        with self.device:   # (a calibration under way finishes first: the networks go with the instance)
+            self.closed = True
         if self.saved is not None:   # what it measured, for the next server
             self.saved.keep(self.load.model)
         self.load.remove()

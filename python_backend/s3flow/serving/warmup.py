@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from s3flow_contract.tensors import VOCAB_SIZE, XVECTOR_DIM, request_arrays
+from s3flow_contract.tensors import FRAMES_PER_SECOND, VOCAB_SIZE, XVECTOR_DIM, request_arrays
 
 #: Speech tokens of a warm-up request (4 s: the size of a typical chunk's solve with its prompt).
 WARMUP_TOKENS = 100
@@ -43,6 +43,8 @@ WARMUP_TOKENS = 100
 WARMUP_PROMPT_TOKENS = 25
 #: Mel frames the vocoder's warm-up streams, in two chunks.
 VOCODER_WARMUP_FRAMES = (40, 40)
+#: Seconds of audio the vocoder's calibration at load makes, in the client's default chunks.
+VOCODER_CALIBRATION_S = 4.0
 @dataclass
 class WarmupReport:
     """What one warm-up (or calibration, ``what``) ran: ``chunks`` requests through the model's path, ``calls``
@@ -170,6 +172,35 @@ def _utterances(session, n_feats: int, prompt_tokens: int, chunks: tuple, stream
                 raise RuntimeError(f"the solver's warm-up request was refused: {outcome.error}")
     if len(session.engine.sequences):
         raise RuntimeError("the solver's warm-up left a sequence behind")
+
+
+def calibrate_vocoder(stream, model, seconds: float = VOCODER_CALIBRATION_S, seal=None) -> WarmupReport:
+    """Price the vocoder before its first stream: the client's default chunks of a ``seconds`` utterance (as mel
+    frames, two a token) streamed through a fresh state of ``stream`` (a ``VocoderStream``, thrown away), each push
+    (and ``seal(state)``, the snapshot a served push makes) timed into ``model``
+    (``s3flow.engine.capacity.CapacityModel``: its cost fit, as a served push is), and the audio made over the
+    whole time as its capacity until served pushes measure their own, unless a price saved from served work
+    (``s3flow.serving.saved_price``) gave one. Without it a new server priced its first token2wav burst by the
+    solver alone: 4 of 5 admitted streams stalled (issue 48, results/qos.md). Run it on a quiet host: the same
+    pushes timed while the other models loaded took three times as long (10 against 28-40 audio s per s)."""
+    from s3flow.engine.capacity import default_plan
+
+    state = stream.start(seed=0)
+    busy, offset = 0.0, 0
+    sizes = [2 * tokens for tokens in default_plan(seconds)]
+    for k, n in enumerate(sizes):
+        mel = np.full((stream.n_feats, n), -6.0, np.float32)
+        started = time.perf_counter()
+        state, _ = stream.push(state, mel, offset, end=k == len(sizes) - 1)
+        if seal is not None and k < len(sizes) - 1:
+            seal(state)
+        took = time.perf_counter() - started
+        model.estimator_timed(1, n, took)
+        busy += took
+        offset += n
+    if model.prior_capacity is None:
+        model.prior_capacity = offset / FRAMES_PER_SECOND / busy
+    return WarmupReport("vocoder", len(sizes), 2 * len(sizes), busy, "calibration")
 
 
 def warm_up_vocoder(stream, frames: tuple = VOCODER_WARMUP_FRAMES) -> WarmupReport:
