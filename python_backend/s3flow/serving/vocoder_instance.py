@@ -85,12 +85,13 @@ class VocoderInstance(Observer):
             threading.Thread(target=self._calibrate, name=f"{name} calibration", daemon=True).start()
 
     def _calibrate(self) -> None:
-        """``calibrate_vocoder`` once the solver instances have priced their work (or after ``CALIBRATION_WAIT_S``)
-        while no stream is held, unless served pushes have priced the vocoder first; then the price is published."""
+        """``calibrate_vocoder`` once the solver instances have priced their work (or after ``CALIBRATION_WAIT_S``),
+        between two served batches, unless served pushes have priced the vocoder first; then the price is published.
+        It does not wait for the streams held to end: a token2wav START waits for this price (admission), and an
+        idle server takes its first stream unpriced (when it waited for them, a new server's token2wav STARTs waited
+        2.7-2.9 s)."""
         model, deadline = self.load.model, time.monotonic() + CALIBRATION_WAIT_S
         while time.monotonic() < deadline and not self.load.board.read(CALIBRATION_POLL_S).known:
-            time.sleep(CALIBRATION_POLL_S)
-        while len(self.table) and not self.closing():
             time.sleep(CALIBRATION_POLL_S)
         with self.device:
             if self.closed or self.closing() or model.capacity() is not None or model.prior_capacity is not None:
