@@ -279,6 +279,23 @@ def test_before_the_solver_priced_anything_an_idle_server_takes_one_and_the_rest
     assert files.read().known and (outcome is None or "not priced" not in outcome.error), "judged by the prices"
 
 
+def test_a_solver_instance_not_yet_priced_is_priced_as_its_priced_sibling(tmp_path):
+    """The CPU layout's two solver instances: the one that took a new server's first stream cannot calibrate while
+    it holds it, and admission waited for all to be priced (a burst's STARTs about 1 s more). Priced as its sibling,
+    the server is known once one is, its capacity theirs summed, and what the unpriced one holds still counts."""
+    files = _solver_load(tmp_path / "load", [1], per_stream=0.2)        # cfm_solver_0: priced, holds 1
+    InstanceLoad(files, "cfm_solver_1", "solver", CapacityModel(), PLAN, STEPS, ROWS).publish({2: Work()})
+    load = files.read()
+    one = _solver_load(tmp_path / "one", [1], per_stream=0.2).read()
+    assert load.known and load.solver_ids == {1, 2}
+    assert load.capacity == pytest.approx(2 * one.capacity)
+    [stage] = load.stages(audio=False)
+    assert stage.now == pytest.approx(2 * 0.2 / 2, rel=1e-3), "two streams of 0.2 each over twice the capacity"
+    alone = LoadBoard(tmp_path / "alone")
+    InstanceLoad(alone, "cfm_solver_1", "solver", CapacityModel(), PLAN, STEPS, ROWS).publish({2: Work()})
+    assert not alone.read().known, "none priced: not known"
+
+
 def test_a_token2wav_start_waits_for_the_vocoders_price_and_a_token2mel_one_does_not(tmp_path):
     """Issue 48: a new server's vocoder had no price before its first push, so its first token2wav burst was priced
     by the solver alone (5 / 5 / 4 admitted, 4 / 4 / 3 stalled). The vocoder calibrates right after the solver; a

@@ -195,6 +195,21 @@ class ServerLoad:
     reports: list
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        """A solver instance not yet priced is priced as a sibling that is: the instances of one model on one host
+        are alike, and one that took a new server's first stream cannot calibrate until it ends (its calibration
+        waits for an idle engine), so a burst's STARTs waited for that stream's served calls (about 1 s more on a
+        new server with the CPU layout's two)."""
+        priced = next((r for r in self.reports if r.kind == "solver" and r.costs.known and r.planned is not None),
+                      None)
+        if priced is not None:
+            self.reports = [dataclasses.replace(r, costs=priced.costs, planned=priced.planned,
+                                                planned_steps=priced.planned_steps, planned_rows=priced.planned_rows,
+                                                capacity=priced.capacity, throughput=priced.throughput,
+                                                duty=priced.duty)
+                            if r.kind == "solver" and not (r.costs.known and r.planned is not None) else r
+                            for r in self.reports]
+
     def _kept(self, key: tuple, make):
         if key not in self._memo:
             self._memo[key] = make()
