@@ -237,7 +237,8 @@ class ServerLoad:
     @property
     def known(self) -> bool:
         """Whether the solver instances have priced their work (each its calibration at load, or its first timed
-        calls): before, admission cannot judge a START by capacity."""
+        calls; one priced prices its siblings, ``__post_init__``): before, admission cannot judge a START by
+        capacity."""
         return bool(self._solvers) and all(r.costs.known and r.planned is not None for r in self._solvers)
 
     def known_for(self, audio: Optional[bool]) -> bool:

@@ -7,7 +7,7 @@ sequence table (each stream's life and work; a stream the solver still holds, or
 its chunk may wait in the solver's queue, its last mel in ours), the session (``s3flow.serving.vocoder_session``),
 and what it keeps in step with the other processes (``s3flow.serving.records``): its load report (admission's
 vocoder stage, token2wav's capacity; priced by the price the last server here saved, or else by a calibration
-in a thread once the solver instances have priced their work, before any stream), each answer counted
+in a thread once the solver instances have priced their work, between two served batches), each answer counted
 (``vocoded``: the solver's idle clock for a token2wav stream counts from it), the START marks admission left
 (first audio), the slots of the streams it dropped.
 

@@ -45,6 +45,8 @@ WARMUP_PROMPT_TOKENS = 25
 VOCODER_WARMUP_FRAMES = (40, 40)
 #: Seconds of audio the vocoder's calibration at load makes, in the client's default chunks.
 VOCODER_CALIBRATION_S = 4.0
+
+
 @dataclass
 class WarmupReport:
     """What one warm-up (or calibration, ``what``) ran: ``chunks`` requests through the model's path, ``calls``
