@@ -339,6 +339,16 @@ def test_vocoder_calibration_prices_its_pushes_and_keeps_a_saved_price():
     saved.prior_capacity = 3.0
     calibrate_vocoder(stream, saved)
     assert saved.prior_capacity == 3.0
+    sealed = []   # the snapshot a served push seals after each chunk but the END: timed with its push
+
+    def seal(state):
+        sealed.append(state)
+        time.sleep(0.02)
+    sealing = CapacityModel(max_batch=1, duty_prior=None)
+    with_seal = calibrate_vocoder(stream, sealing, seal=seal)
+    assert len(sealed) == with_seal.chunks - 1
+    assert with_seal.seconds >= 0.02 * len(sealed), "the seal is timed with its push"
+    assert sealing.prior_capacity < model.prior_capacity
 
 
 # ------------------------------------------------------------------------------------------ real server
