@@ -17,6 +17,7 @@ Stated tolerances (measured figures in comments; the signal's std is about 0.03)
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import pytest
@@ -537,6 +538,23 @@ def test_served_stream_equals_offline_vocoding_and_has_no_seams(served):
           f"streamed mel itself differs from offline); first audio {got.first_audio_s * 1000:.0f} ms")
     assert err < SERVED_TOL
     assert report["seam_excess"] < SERVED_TOL and report["seam_jump"] <= report["jump_elsewhere"]
+
+
+@pytest.mark.server
+def test_the_vocoder_calibrates_with_the_snapshots_a_served_push_seals(served):
+    """This server gives snapshots (a key): the calibration seals each push as a served one does, and prices the
+    vocoder before any token2wav stream (a stand-in bound to no real solver section failed it: every token2wav START
+    then waited its whole bound for a price)."""
+    from s3flow.serving.load import LoadBoard
+
+    server = served[0]
+    board, t0 = LoadBoard(LoadBoard.default_folder(server.pid)), time.monotonic()
+    while not board.read().vocoder_capacity and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+    log = server.log_file.read_text()
+    assert "vocoder: calibration:" in log and "calibration failed" not in log and "Traceback" not in log, \
+        server.log_tail()
+    assert board.read().vocoder_capacity > 0
 
 
 @pytest.mark.server
