@@ -289,6 +289,24 @@ def test_torch_dtype_has_one_default():
         RepositorySettings(torch_dtype="fp8").check()
 
 
+def test_a_build_keeps_the_targets_chunk_solving_where_its_flags_name_none():
+    """scripts/build_repository.py: the cpu target keeps each stream's prompt with 25 frames of context, the gpu
+    target (TensorRT: no cache) nothing with 100; a flag given wins, and prefix mode or a sliding prompt keep
+    nothing rather than failing."""
+    from s3flow.repository.cli import parse_args, settings_of
+
+    def solving(*argv):
+        s = settings_of(parse_args(list(argv))).solver.solving
+        return s.keep_solved, s.context_frames
+
+    assert solving() == (1, 25) and solving("--target", "cpu") == (1, 25)
+    assert solving("--target", "gpu") == (0, 100) == solving("--target", "gpu", "--gpu-backend", "torch")
+    assert solving("--keep-solved", "0") == (0, 25) and solving("--context-frames", "100") == (1, 100)
+    assert solving("--keep-solved", "2") == (2, 25) and solving("--context-frames", "-1") == (0, -1)
+    assert solving("--slide-prompt", "1") == (0, 25)
+    settings_of(parse_args([])).check()
+
+
 def test_the_sweeps_rewrite_is_the_generators_and_keeps_the_weights(repos, tmp_path):
     import shutil
 

@@ -5,7 +5,8 @@
   older chunk is refused (``fail``) and the stream goes on too.
 * Server A is SIGKILLed mid-stream: the client resumes every utterance on B from its last snapshot (no answered
   chunk sent again) and each equals an undisturbed run on B: mel within 1e-5 and audio within 1e-5 for an
-  utterance solved alone; several at once within the batched tolerance (2e-4).
+  utterance solved alone; several at once within the batched tolerance (2e-4); with the prompt kept
+  (``keep_solved`` 1, the cpu target's default) as without.
 * A snapshot B cannot use (here: forged) is refused with ``retry, resend=replay``; the client then replays, and
   the utterance is still whole and equal.
 """
@@ -31,17 +32,21 @@ pytestmark = pytest.mark.server
 ALONE_TOL, BATCHED_TOL = 1e-5, 2e-4
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    """The repository (token2mel and token2wav, small seeded models) and the fleet's snapshot key file."""
-    root = tmp_path_factory.mktemp("resume")
+def make_fleet(root, vocoder: bool = True, **solving):
+    """The repository (token2mel and, with ``vocoder``, token2wav; small seeded models) and the fleet's snapshot
+    key file."""
     settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, idle_timeout_s=5.0, context_frames=40,
-                                                           prompt_frames=20),
+                                                           prompt_frames=20, **solving),
                                   batching=Batching(max_queue_delay_us=2000), ort_threads=1)
-    repo = small_repository(root, settings, seed=4, vocoder=True)
+    repo = small_repository(root, settings, seed=4, vocoder=vocoder)
     key = root / "snapshot.key"
     key.write_bytes(os.urandom(32).hex().encode())
     return repo, {"S3FLOW_SNAPSHOT_KEY_FILE": str(key)}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    return make_fleet(tmp_path_factory.mktemp("resume"))
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +133,20 @@ def test_a_stream_resumed_from_its_snapshot_replays_nothing_and_equals_an_undist
         assert np.abs(got.audio - want.audio).max() <= ALONE_TOL
     print(f"\n{model}: resumed on B from the snapshot after chunk 4, 0 chunks replayed; "
           f"mel {np.abs(got.mel - want.mel).max():.1e} from undisturbed")
+
+
+def test_a_stream_that_keeps_its_prompt_resumes_equal_to_an_undisturbed_run(tmp_path_factory, tmp_path):
+    """The cpu target's chunk solving (``keep_solved`` 1, s3flow.repository.settings.DEFAULT_SOLVING): B solves the
+    stream's first chunk again from the snapshot's tokens before the resumed chunk, and reads the prompt cache it
+    makes (docs/streaming.md)."""
+    kept = make_fleet(tmp_path_factory.mktemp("resume_kept"), vocoder=False, keep_solved=1)
+    repo, env = kept
+    with TritonServer(repo, log_file=tmp_path / "b.log", env=env, background_stop=True) as b:
+        [want] = StreamingClient(b.grpc_url, timeout_s=120).synthesize(utterances(1, seed=90))
+        [got] = killed_mid_stream(kept, b, "token2mel", utterances(1, seed=90), 4, tmp_path)
+    assert got.error is None and len(got.resumes) == 1 and got.replayed_chunks == 0, got.resumes
+    assert got.mel.shape == want.mel.shape and np.abs(got.mel - want.mel).max() <= ALONE_TOL
+    print(f"\nkeep_solved 1: resumed on B after chunk 4, mel {np.abs(got.mel - want.mel).max():.1e} from undisturbed")
 
 
 def test_several_streams_resume_from_their_snapshots(fleet, server_b, tmp_path):

@@ -127,6 +127,37 @@ def test_a_stream_that_keeps_what_it_solved_resumes_keeping_anew_every_frame_in_
     assert 0 < np.abs(got - want).mean() < 0.5 * spread
 
 
+def test_a_stream_that_keeps_its_prompt_resumes_as_the_undisturbed_one_by_solving_its_first_chunk_again():
+    """keep_solved 1: the snapshot carries the first chunk's tokens (that chunk made the prompt cache); the resumed
+    stream's first chunk solves it again on a fresh state before its own solve, reads the same cache, and every
+    frame after the resume is the undisturbed stream's, bit for bit. The same snapshot without those tokens (as a
+    server of an earlier version made it) resumes as before: every frame in order, not bit for bit."""
+    kept = SolverSettings.of(context_frames=40, prompt_frames=20, keep_solved=1)
+    u = demo_utterance(3.2, seed=7, noise_seed=3)
+    whole = stream(engine(settings=kept), u)
+    first = engine(settings=kept)
+    head = stream(first, u, chunks=range(2))
+    assert np.array_equal(first.sequences.peek(1).cache_tokens, u.speech_tokens[:SIZES[0]])
+    other = engine(settings=kept)
+    calls = other.estimator_calls
+    tail = stream(other, u, corr_id=2, chunks=range(2, 5), first_resume=head[-1].snapshot)
+    for got, want in zip(head + tail, whole):
+        assert got.frame_offset == want.frame_offset and np.array_equal(got.mel, want.mel)
+    steps = SolverSettings().solving.default_steps or 10
+    assert other.estimator_calls - calls == 4 * steps, "the replayed first chunk's steps, then the three chunks'"
+    # without the first chunk's tokens: solved inline, kept anew (near, not equal)
+    fields, arrays = unpack(KEY.open(head[-1].snapshot, "solver", tenant="acme"))
+    del arrays["cache_tokens"]
+    bare = KEY.seal("solver", pack(fields, arrays), tenant="acme")
+    inline = stream(engine(settings=kept), u, corr_id=3, chunks=range(2, 5), first_resume=bare)
+    assert [r.frame_offset for r in inline] == [r.frame_offset for r in tail]
+    assert not np.array_equal(inline[0].mel, tail[0].mel)
+    for bad in (np.zeros(0, np.int16), np.full(3, 7000, np.int16), np.zeros(25, np.int16)):   # 24 tokens came
+        forged = KEY.seal("solver", pack(fields, {**arrays, "cache_tokens": bad}), tenant="acme")
+        with pytest.raises(SnapshotError, match="cache_tokens must be 1 to 24 tokens"):
+            engine(settings=kept).admit(5, chunk_request(u, 2, resume=forged, start=True), tenant="acme")
+
+
 def test_a_snapshot_is_refused_with_another_prompt_options_tenant_settings_or_offset():
     u = demo_utterance(3.2, seed=7, noise_seed=3)
     snapshot = stream(engine(), u, chunks=range(2))[-1].snapshot

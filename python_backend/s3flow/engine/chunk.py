@@ -46,6 +46,9 @@ class SequenceState:
     mel_tail: Optional[np.ndarray] = None
     tenant: str = ""                   # whose stream (a snapshot is sealed for it)
     cache: Optional[StreamCache] = None   # keep_solved: the solved frames kept (``s3flow.engine.reuse``)
+    #: keep_solved 1: the tokens of the stream's first chunk when that chunk made the kept prompt cache (None
+    #: otherwise): a snapshot carries them, and a resumed stream solves that chunk again to make the same cache
+    cache_tokens: Optional[np.ndarray] = None
     last: Optional["Answered"] = None  # the chunk taken last and its answer: sent again if the chunk comes again
 
     @property
@@ -100,6 +103,9 @@ class Chunk:
     past: Optional[list[StepCaches]] = None
     skipped: int = 0
     keep: int = 0
+    #: keep_solved 1, the first chunk of a resumed stream: its stream's first chunk again, on a fresh state (the
+    #: same solve), whose prompt cache this chunk reads once it is made (``StreamingEngine.prepare``)
+    replay: Optional["Chunk"] = None
 
     @property
     def frames(self) -> int:

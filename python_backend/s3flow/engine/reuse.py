@@ -16,8 +16,11 @@ Either way a later chunk reads the kept frames as they were when solved: they no
 after them. That approximation's cost in quality is measured, paired, in results/stream_reuse.md.
 
 A cache is of one Euler grid: a chunk solved at another step count (fewer steps given by the scheduler, a replay
-naming its steps) or the first after a resume (a snapshot carries no cache) solves the prompt and context inline
-as without reuse, and keeps its own cache anew.
+naming its steps) solves the prompt and context inline as without reuse, and keeps its own cache anew. A snapshot
+carries no cache: with ``prompt`` reuse it carries the tokens of the first chunk, which made the cache, and the
+resumed stream solves that chunk again on a fresh state first (``StreamingEngine.prepare``), so it reads the same
+cache and goes on exactly as the undisturbed stream; with ``context`` reuse the first chunk after a resume solves
+prompt and context inline and keeps anew (exact would mean solving again every chunk the context came from).
 """
 from __future__ import annotations
 

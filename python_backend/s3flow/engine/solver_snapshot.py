@@ -6,7 +6,8 @@ frames went out, the last emitted frames' mel (the next chunks' conditioning), a
 is pinned. The pinned noise itself is not carried: every value of ``noised_mels`` is ``FrameNoise(seed)`` of its
 frame (a chunk's starting point is carried noise or fresh noise, by induction from the first chunk), so its
 range is enough. A digest of the kept prompt (its tokens and mel, and the speaker embedding) ties the section
-to the START that must come with it.
+to the START that must come with it. A stream that keeps its prompt's cache (``keep_solved`` 1) also carries the
+tokens of the first chunk that made it, which the resumed stream solves again (``s3flow.engine.reuse``).
 
 Prefix mode has no snapshot (a chunk depends on every frame so far): its streams resume by replay.
 
@@ -66,6 +67,8 @@ class SolverSnapshots:
         arrays = {"tokens": np.asarray(state.tokens, np.int16)}   # ids < 6561
         if state.mel_tail is not None:
             arrays["mel_tail"] = np.asarray(state.mel_tail, np.float32)
+        if self.solving.keep_solved == 1 and state.cache_tokens is not None:   # the chunk that made the cache
+            arrays["cache_tokens"] = np.asarray(state.cache_tokens, np.int16)
         return self.key.seal(KIND, pack(fields, arrays), tenant=state.tenant)
 
     def restore(self, state, blob: bytes) -> None:
@@ -104,5 +107,11 @@ class SolverSnapshots:
             if hi < lo:
                 raise SnapshotError(f"snapshot noised frames [{lo}, {hi}) are not a range")
             noised = NoisedMels(state.noise.frames(lo, hi), lo)
+        cache_tokens = None
+        if self.solving.keep_solved == 1 and "cache_tokens" in arrays:
+            cache_tokens = array_field(arrays, "cache_tokens", "int16", (-1,)).astype(np.int64)
+            if not 0 < cache_tokens.size <= received or cache_tokens.min() < 0 or cache_tokens.max() >= VOCAB_SIZE:
+                raise SnapshotError(f"snapshot cache_tokens must be 1 to {received} tokens in [0, {VOCAB_SIZE})")
         state.received_tokens, state.token_offset, state.tokens = received, offset, tokens
+        state.cache_tokens = cache_tokens
         state.emitted, state.mel_tail, state.noised_mels = emitted, None if tail is None else tail.copy(), noised

@@ -51,6 +51,7 @@ The engine calls two functions it is given, so it runs in process (tests, benchm
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Optional
 
@@ -67,7 +68,7 @@ from s3flow.engine.scheduler import check_bucket_ratio
 from s3flow.engine.solver_snapshot import SolverSnapshots
 from s3flow.engine.step_loop import Done, StepLoop, never_cancelled
 from s3flow.engine.reuse import REUSE_MODES, StreamCache
-from s3flow.engine.stepping import RowSolve, StepCaches
+from s3flow.engine.stepping import RowSolve, StepBatch, StepCaches
 from s3flow.model.chunks import NoisedMels, condition, solve_frames, starting_point
 from s3flow.model.solver import FrameNoise, cfm_grid, default_steps
 from s3flow.protocol import ChunkRequest, RequestError
@@ -202,7 +203,20 @@ class StreamingEngine:
                       steps=req.chunk_steps or s.n_steps, pinned=req.chunk_steps is not None)
         if self.reuse != "none":
             self._reuse(chunk)
+            if (chunk.past is None and s.cache_tokens is not None and e > 0 and chunk.steps == s.n_steps
+                    and not chunk.finalize):   # a resumed stream that kept its prompt: its first chunk again
+                chunk.replay = self._plan(corr_id, self._fresh(s), dataclasses.replace(
+                    req, speech_tokens=s.cache_tokens, start=True, end=False, token_offset=None, chunk_steps=None,
+                    resume=None), None)
         return chunk
+
+    @staticmethod
+    def _fresh(s: SequenceState) -> SequenceState:
+        """A state as ``s``'s START made it, before any chunk (a first chunk planned on it is that stream's)."""
+        return SequenceState(prompt_tokens=s.prompt_tokens, prompt_mel=s.prompt_mel,
+                             speaker_embedding=s.speaker_embedding, n_steps=s.n_steps,
+                             guidance_rate=s.guidance_rate, noise=s.noise, prompt_noise=s.prompt_noise,
+                             tenant=s.tenant)
 
     def _reuse(self, c: Chunk) -> None:
         """Which of ``c``'s leading frames it reads from its stream's cache, and which it keeps."""
@@ -239,7 +253,33 @@ class StreamingEngine:
 
     def prepare(self, chunks: list[Chunk]) -> list[RowSolve]:
         """The chunks' encoder call (one padded batch) and conditioning: one ``RowSolve`` per chunk, at step 0
-        of its own grid, on the encoder's device (``s3flow.engine.stepping``)."""
+        of its own grid, on the encoder's device (``s3flow.engine.stepping``). A resumed stream's chunk that
+        replays its first one (``Chunk.replay``) has that chunk solved first, and reads the prompt cache it made."""
+        for c in chunks:
+            if c.replay is not None:
+                self._cache_again(c)
+        return self._row_solves(chunks)
+
+    def _cache_again(self, c: Chunk) -> None:
+        """Solve ``c.replay`` (its stream's first chunk on a fresh state: the solve that made the prompt cache the
+        stream kept) alone, and let ``c`` read the cache it makes: a resumed stream then goes on as the undisturbed
+        one (tests/test_snapshot.py). Should it fail, ``c`` solves its prompt inline and keeps a cache anew."""
+        first, c.replay = c.replay, None
+        try:
+            [solve] = self._row_solves([first])
+            batch = StepBatch([solve], self.meanflow)
+            while not solve.done:
+                t0 = time.perf_counter()
+                batch.step(self.estimator)
+                self.observer.estimator_timed(batch.rows, batch.frames, time.perf_counter() - t0)
+                self.estimator_calls += 1
+                self.solved_frames += batch.frames
+        except Exception:   # (the chunk's own solve reports a failing estimator)
+            return
+        c.state.cache = StreamCache.made(solve.recorded, first.steps, first.prompt_frames, 0)
+        self._reuse(c)
+
+    def _row_solves(self, chunks: list[Chunk]) -> list[RowSolve]:
         b = len(chunks)
         token_len = torch.tensor([c.encoder_tokens.size for c in chunks], dtype=torch.int64)
         tokens = torch.zeros(b, int(token_len.max()), dtype=torch.int64)
@@ -286,6 +326,8 @@ class StreamingEngine:
                 s.cache = s.cache.extended(recorded or [], c.keep, context)
             elif recorded:
                 s.cache = StreamCache.made(recorded, c.steps, c.prompt_frames, context)
+                first = self.reuse == "prompt" and s.received_tokens == 0 and c.steps == s.n_steps
+                s.cache_tokens = c.tokens.copy() if first else None
         s.received_tokens += int(c.tokens.size)
         if c.tokens.size:
             s.tokens = np.concatenate([s.tokens, c.tokens])

@@ -39,8 +39,8 @@ from s3flow.engine.settings import SolverSettings
 from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE, DTYPES
 from s3flow.engine.vocoder_stream import SERVED_FIRST_LOOKAHEAD_FRAMES, StreamSettings
 from s3flow.repository.generator import write_repository
-from s3flow.repository.settings import (DEFAULT_INSTANCES, SCHEDULING, Batching, RepositorySettings, TRITON_IDLE_GRACE_S,
-                                       VoiceSettings)
+from s3flow.repository.settings import (DEFAULT_INSTANCES, DEFAULT_SOLVING, SCHEDULING, Batching, RepositorySettings,
+                                       TRITON_IDLE_GRACE_S, VoiceSettings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,8 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     lim = p.add_argument_group("request rules, sequence limits, admission target, chunk solving and deadlines "
                                "(cfm_solver parameters; s3flow.engine.settings)")
     for name, value in SolverSettings.names().items():
-        lim.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
-                         help="(default: %(default)s)")
+        if any(name in v for v in DEFAULT_SOLVING.values()):   # None: the target's (solver_flags)
+            shown = ", ".join(f"{t} {DEFAULT_SOLVING[t].get(name, value)}" for t in DEFAULT_SOLVING)
+            lim.add_argument("--" + name.replace("_", "-"), type=type(value), default=None,
+                             help=f"(default: the target's: {shown})")
+        else:
+            lim.add_argument("--" + name.replace("_", "-"), type=type(value), default=value,
+                             help="(default: %(default)s)")
     return p
 
 
@@ -127,9 +132,24 @@ def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 
+def solver_flags(args: argparse.Namespace) -> dict:
+    """The solver's settings by flat name: the flags given, the target's (``DEFAULT_SOLVING``) for those left
+    open, the settings' own defaults for the rest. The target's ``keep_solved`` holds only where it can: with
+    prefix mode or a sliding prompt named, nothing is kept."""
+    flat = {k: getattr(args, k) for k in SolverSettings.names()}
+    mine, defaults = DEFAULT_SOLVING.get(args.target, {}), SolverSettings.names()
+    left_open = {k for k, v in flat.items() if v is None}
+    for k in left_open - {"keep_solved"}:
+        flat[k] = mine.get(k, defaults[k])
+    if "keep_solved" in left_open:
+        kept = mine.get("keep_solved", defaults["keep_solved"])
+        flat["keep_solved"] = kept if flat["context_frames"] >= 0 and not flat["slide_prompt"] else 0
+    return flat
+
+
 def settings_of(args: argparse.Namespace) -> RepositorySettings:
     """The repository's settings from its flags (what ``main`` builds; the simulator builds its server from them)."""
-    solver = SolverSettings.of(**{k: getattr(args, k) for k in SolverSettings.names()})
+    solver = SolverSettings.of(**solver_flags(args))
     batching = Batching(strategy=args.strategy, max_batch_size=args.max_batch_size,
                         preferred_batch_sizes=tuple(args.preferred_batch_sizes),
                         max_queue_delay_us=args.max_queue_delay_us,
