@@ -145,6 +145,9 @@ def test_a_stream_that_keeps_its_prompt_resumes_as_the_undisturbed_one_by_solvin
         assert got.frame_offset == want.frame_offset and np.array_equal(got.mel, want.mel)
     steps = SolverSettings().solving.default_steps or 10
     assert other.estimator_calls - calls == 4 * steps, "the replayed first chunk's steps, then the three chunks'"
+    more = stream(first, u, chunks=range(2, 4))   # resumed right before the END chunk: the same again
+    [last] = stream(engine(settings=kept), u, corr_id=4, chunks=range(4, 5), first_resume=more[-1].snapshot)
+    assert last.frame_offset == whole[4].frame_offset and np.array_equal(last.mel, whole[4].mel)
     # without the first chunk's tokens: solved inline, kept anew (near, not equal)
     fields, arrays = unpack(KEY.open(head[-1].snapshot, "solver", tenant="acme"))
     del arrays["cache_tokens"]

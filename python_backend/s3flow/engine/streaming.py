@@ -203,8 +203,8 @@ class StreamingEngine:
                       steps=req.chunk_steps or s.n_steps, pinned=req.chunk_steps is not None)
         if self.reuse != "none":
             self._reuse(chunk)
-            if (chunk.past is None and s.cache_tokens is not None and e > 0 and chunk.steps == s.n_steps
-                    and not chunk.finalize):   # a resumed stream that kept its prompt: its first chunk again
+            if s.cache is None and s.cache_tokens is not None and chunk.steps == s.n_steps:
+                # a resumed stream whose first chunk made its prompt cache: that chunk again, first
                 chunk.replay = self._plan(corr_id, self._fresh(s), dataclasses.replace(
                     req, speech_tokens=s.cache_tokens, start=True, end=False, token_offset=None, chunk_steps=None,
                     resume=None), None)
