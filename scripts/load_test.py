@@ -11,7 +11,8 @@ p50/p99 (first chunks apart), errors, throughput, the cfm_solver stub's resident
 
 Phase 2 (memory): ``--memory-utterances`` short utterances in a row (0.3 s, 2 chunks, 1 Euler step) through
 ``--memory-model`` (token2wav: the vocoder's stub watched too), the stubs' RSS sampled as they go; the growth from
-the post-warm-up start must stay within ``--rss-bound-mb``. ``--scheduling deadline`` builds the repository with
+the post-warm-up start (by the samples' least-squares line, ``MemoryReport.growth``) must stay within
+``--rss-bound-mb``. ``--scheduling deadline`` builds the repository with
 the step-level scheduler.
 
 It builds a small seeded model repository into a temporary folder and starts tritonserver on 127.0.0.1
