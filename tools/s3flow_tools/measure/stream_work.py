@@ -158,7 +158,9 @@ def served_walls(runs: int, keep_solved: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--output", str(repo),
-                                  "--no-voice", "--utilization-target", "0", "--keep-solved", str(keep_solved)]) != 0:
+                                  "--no-voice", "--utilization-target", "0", "--keep-solved", str(keep_solved),
+                                  # the count's context (the cpu target's own default is 25 since 2026-12-06)
+                                  "--context-frames", str(ChunkSolving().context_frames)]) != 0:
             raise SystemExit("building the repository failed")
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
             wait_priced(f"127.0.0.1:{server.metrics_port}")   # its calibration must not share the cores with a stream
