@@ -34,8 +34,9 @@ scaled so that N default streams need N / capacity), its ``retry_after`` and the
 Work. A stream's chunks report what they cost (:class:`Work`: estimator row-frames over all steps, steps,
 chunks, encoder tokens, frames made final); the sequence table adds them up per stream. The server knows neither an utterance's length nor a live client's
 next chunks: a stream's demand is the default plan's (:class:`Plan`) over the next ``HORIZON_S`` of its audio,
-scaled by how much heavier than the plan its chunks so far have been; a START's is the plan's first
-``HORIZON_S`` (at its own steps and guidance).
+scaled by how much heavier than the plan its chunks so far have been; a START's is what the plan's ramp needs
+(each chunk after the first made within the start-up buffer plus the audio before it: :meth:`Plan.start_need`, at
+its own steps and guidance).
 
 Example::
 
