@@ -104,17 +104,16 @@ def test_live_counts_sum_the_instances_and_forget_one_that_unloads(tmp_path):
 def _solver_load(folder, live_ids, per_stream: float):
     """A solver instance's load report whose streams (no answer yet: priced by the plan) each need ``per_stream``
     of the device: costs scaled to make it so."""
-    from s3flow.engine.capacity import CapacityModel, Costs, Work
+    from s3flow.engine.capacity import CapacityModel, Work
     from s3flow.engine.settings import SolverSettings
     from s3flow.serving.calibration import planned_start
 
     plan, steps, rows = planned_start(SolverSettings(), 80, False)
     model = CapacityModel(max_batch=1)
-    # a stream with nothing answered yet is priced by what its ramp needs (Plan.start_need), here per unit only;
-    # before any work the capacity is the plan's times the busy share at capacity (DUTY_PRIOR), so every demand is
-    # the costs' over DUTY_PRIOR
-    per_unit_need = plan.start_need(Costs(est_per_unit=1.0), 1.0)
-    model.estimator_timed(1, 1000, 1000 * per_stream * DUTY_PRIOR / per_unit_need)
+    work = plan.window(0)   # a stream with nothing answered yet: the plan's first seconds
+    # per unit only; before any work the capacity is the plan's times the busy share at capacity (DUTY_PRIOR), so
+    # every demand is the costs' over DUTY_PRIOR
+    model.estimator_timed(1, 1000, 1000 * per_stream * DUTY_PRIOR * work.audio_s / work.row_frames)
     files = LoadBoard(folder)
     InstanceLoad(files, "cfm_solver_0", "solver", model, plan, steps, rows).publish({c: Work() for c in live_ids})
     return files
