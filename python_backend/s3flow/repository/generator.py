@@ -83,8 +83,8 @@ def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings,
     """token2mel, admission, cfm_solver, flow_encoder and estimator: each model's config (with its Triton
     warm-up sample where it has one, s3flow.serving.warmup) and the small files of its folder (model.py, the
     warm-up data); the weights are written beside them by :func:`write_repository`. ``cache_shape``: the
-    estimator's (``CacheShape``), where the solver keeps what streams solved (``keep_solved``; the cached estimator
-    has no Triton warm-up sample: the solver's calibration calls it first)."""
+    estimator's (``CacheShape``), where the solver keeps what streams solved (``keep_solved``: the estimator serves
+    the cached graph, and its warm-up sample is a first chunk's call)."""
     b = s.batching
     out = [(ensemble_config(n_feats, s), {})]
     if s.admission:
@@ -99,8 +99,9 @@ def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings,
         files: Files = {}
         if s.target == "cpu" or s.gpu_backend == "torch":
             files["1/model.py"] = MODEL_PY["onnx" if s.target == "cpu" else "torch"]
-        if s.warmup and not (name == ESTIMATOR_MODEL and s.keeps_solved):   # Triton's model_warmup samples: no
-            files.update(add_model_warmup(config, n_feats, meanflow))                # first-run cost on a real request
+        if s.warmup:   # Triton's model_warmup samples: no first-run cost on a real request
+            files.update(add_model_warmup(config, n_feats, meanflow,
+                                          cache_shape if name == ESTIMATOR_MODEL else None))
         out.append((config, files))
     return out
 

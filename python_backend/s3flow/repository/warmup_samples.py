@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from s3flow_contract.tensors import ENCODER_INPUTS, REQUEST, by_name, estimator_inputs
+from s3flow_contract.tensors import CACHE_INPUTS, ENCODER_INPUTS, REQUEST, by_name, estimator_inputs
 from s3flow.repository.model_config import read_config, write_config
 from s3flow.serving.warmup import WARMUP_TOKENS
 
@@ -26,12 +26,15 @@ _MASK = by_name(estimator_inputs(False))["mask"].name
 def _sample(name: str, tensors: tuple, n_feats: int, batch: int, length: int, iterations: int,
             data: dict) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
     """One ``model_warmup`` sample over the contract's ``tensors``: dims with the first ``-1`` as ``batch``,
-    the others as ``length``; ``data``: {tensor: "zero" | a numpy array}, random data for the rest. Returns
-    the sample and its data files ({path in the model folder: bytes})."""
+    the others as ``length``; ``data``: {tensor: "zero" | a numpy array}, random data for the rest (a flat
+    tensor given an array takes the array's length). Returns the sample and its data files ({path in the model
+    folder: bytes})."""
     sample = mc.ModelWarmup(name=name, batch_size=1, count=iterations)
     files = {}
     for t in tensors:
         dims = [batch if i == 0 and d == -1 else (length if d == -1 else d) for i, d in enumerate(t.shape(n_feats))]
+        if t.shape(n_feats) == (-1,) and isinstance(data.get(t.name), np.ndarray):
+            dims = [int(data[t.name].size)]
         spec = sample.inputs[t.name]
         spec.data_type = mc.DataType.Value(t.config_type)
         spec.dims.extend(dims)
@@ -56,13 +59,26 @@ def encoder_warmup(tokens: int = WARMUP_TOKENS, iterations: int = WARMUP_ITERATI
 
 
 def estimator_warmup(n_feats: int, meanflow: bool, frames: int = 2 * WARMUP_TOKENS,
-                     iterations: int = WARMUP_ITERATIONS) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
+                     iterations: int = WARMUP_ITERATIONS, cache=None) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
     """The ``model_warmup`` sample of ``estimator``: one Euler step's call for one sequence, ``frames`` long
     (2 rows, as classifier-free guidance calls it; 1 for meanflow); the mask (``warmup/mask``) is all ones,
-    so every frame is computed."""
+    so every frame is computed. With ``cache`` (a ``CacheShape``: the estimator serves the cached graph,
+    ``keep_solved``) the call is a stream's first chunk's: it reads a cache of one masked frame, as a call
+    whose rows read none does, and keeps its first half (``warmup/past``); without it the first real stream on a
+    new server paid the cached graph's first run (its first audio 474-536 ms against 227 without keeping)."""
     rows = 1 if meanflow else 2
-    return _sample(f"rows_{rows}_frames_{frames}", estimator_inputs(meanflow), n_feats, rows, frames, iterations,
-                   {_MASK: np.ones(1)})
+    data = {_MASK: np.ones(1)}
+    if cache is not None:
+        import torch
+
+        from s3flow.model.prefix_cache import PrefixCache
+
+        empty = PrefixCache(torch.zeros(cache.layers, rows, cache.heads, 1, cache.head_dim),
+                            torch.zeros(cache.layers, rows, cache.heads, 1, cache.head_dim),
+                            torch.zeros(cache.convs, rows, cache.width, cache.tail), torch.zeros(rows, 1, 1))
+        data[CACHE_INPUTS[0].name] = cache.pack_past(empty, torch.full((rows,), frames // 2)).numpy()
+    return _sample(f"rows_{rows}_frames_{frames}", estimator_inputs(meanflow, cached=cache is not None), n_feats,
+                   rows, frames, iterations, data)
 
 
 def solver_set_up() -> tuple[mc.ModelWarmup, dict[str, bytes]]:
@@ -74,15 +90,16 @@ def solver_set_up() -> tuple[mc.ModelWarmup, dict[str, bytes]]:
     return _sample("set_up", (speech,), 0, 1, 1, 1, {speech.name: "zero"})
 
 
-def add_model_warmup(config: mc.ModelConfig, n_feats: int, meanflow: bool) -> dict[str, bytes]:
+def add_model_warmup(config: mc.ModelConfig, n_feats: int, meanflow: bool, cache=None) -> dict[str, bytes]:
     """Add the warm-up sample of ``config``'s model (``flow_encoder``, ``estimator`` or ``cfm_solver``) to it;
-    return the data files the sample reads ({path in the model folder: bytes})."""
+    return the data files the sample reads ({path in the model folder: bytes}). ``cache``: the estimator's
+    ``CacheShape`` where it serves the cached graph."""
     if config.model_warmup:
         raise ValueError(f"{config.name}'s config has a model_warmup already")
     if config.name == "flow_encoder":
         sample, files = encoder_warmup()
     elif config.name == "estimator":
-        sample, files = estimator_warmup(n_feats, meanflow)
+        sample, files = estimator_warmup(n_feats, meanflow, cache=cache)
     elif config.name == "cfm_solver":
         sample, files = solver_set_up()
     else:
