@@ -289,6 +289,25 @@ def test_torch_dtype_has_one_default():
         RepositorySettings(torch_dtype="fp8").check()
 
 
+def test_the_cached_estimators_warmup_is_a_first_chunks_call():
+    """keep_solved: the estimator's warm-up sample reads a one-frame masked cache and keeps half its frames in both
+    rows, as a stream's first chunk calls it (without it a new server's first stream paid the graph's first run)."""
+    import torch
+
+    from s3flow.model.flow import FlowConfig
+    from s3flow.model.prefix_cache import CacheShape
+    from s3flow.repository.warmup_samples import estimator_warmup
+
+    shape = CacheShape.of(FlowConfig.small().estimator)
+    sample, files = estimator_warmup(80, False, frames=40, cache=shape)
+    assert set(sample.inputs) == {t.name for t in contract.estimator_inputs(False, cached=True)}
+    assert {tuple(sample.inputs[n].dims)[0] for n in sample.inputs if n != "past"} == {2}
+    past = np.frombuffer(files["warmup/past"], np.float32)
+    assert list(sample.inputs["past"].dims) == [past.size]
+    cache, keep = shape.unpack_past(torch.from_numpy(past.copy()), 2)
+    assert cache.frames == 1 and float(cache.mask.sum()) == 0 and keep.tolist() == [20, 20]
+
+
 def test_a_build_keeps_the_targets_chunk_solving_where_its_flags_name_none():
     """scripts/build_repository.py: the cpu target keeps each stream's prompt with 25 frames of context, the gpu
     target (TensorRT: no cache) nothing with 100; a flag given wins, and prefix mode or a sliding prompt keep
