@@ -104,7 +104,7 @@ class Chunk:
     skipped: int = 0
     keep: int = 0
     #: keep_solved 1, the first chunk of a resumed stream: its stream's first chunk again, on a fresh state (the
-    #: same solve), whose prompt cache this chunk reads once it is made (``StreamingEngine.prepare``)
+    #: same solve), whose prompt cache this chunk reads once it is made (``StepLoop._replay``)
     replay: Optional["Chunk"] = None
 
     @property

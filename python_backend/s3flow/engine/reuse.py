@@ -18,7 +18,7 @@ after them. That approximation's cost in quality is measured, paired, in results
 A cache is of one Euler grid: a chunk solved at another step count (fewer steps given by the scheduler, a replay
 naming its steps) solves the prompt and context inline as without reuse, and keeps its own cache anew. A snapshot
 carries no cache: with ``prompt`` reuse it carries the tokens of the first chunk, which made the cache, and the
-resumed stream solves that chunk again on a fresh state first (``StreamingEngine.prepare``), so it reads the same
+resumed stream solves that chunk again on a fresh state first (``s3flow.engine.step_loop``), so it reads the same
 cache and goes on exactly as the undisturbed stream; with ``context`` reuse the first chunk after a resume solves
 prompt and context inline and keeps anew (exact would mean solving again every chunk the context came from).
 """

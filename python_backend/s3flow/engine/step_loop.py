@@ -59,8 +59,8 @@ from s3flow.engine.stepping import RowSolve, StepBatch
 
 class ChunkEngine(Protocol):
     """What the loop asks of the engine whose chunks it solves (``s3flow.engine.streaming.StreamingEngine``): the
-    chunks' solves planned, a solved chunk committed, a chunk given fewer steps; its networks, its sequence table
-    and its observer."""
+    chunks' solves planned, a solved chunk committed, a chunk given fewer steps, the cache a replayed first chunk
+    made taken; its networks, its sequence table and its observer."""
     sequences: SequenceTable
     observer: Observer
     meanflow: bool
@@ -73,6 +73,8 @@ class ChunkEngine(Protocol):
     def commit(self, chunk: Chunk, x: np.ndarray, recorded) -> ChunkResult: ...
 
     def fewer_steps(self, chunk: Chunk, solve: RowSolve, steps: int) -> None: ...
+
+    def replayed(self, chunk: Chunk, recorded) -> None: ...
 
 
 class StepCancelled(RuntimeError):
@@ -179,17 +181,11 @@ class StepLoop:
         if self.min_steps:   # a chunk the budget leaves out of some steps waits those too: its share of them
             share = sum(c.rows for c in cands) / max(1, batch.rows)
             self._fewer_steps(picked, now, cost(batch.rows, batch.frames) * max(1.0, share))
-        self.engine.observer.estimator_step(len(chosen), batch.rows, batch.frames)
-        t0 = self.timer()
         try:
-            batch.step(self.engine.estimator)
+            self._step(batch, len(chosen))
         except Exception as exc:
             self._batch = None
             return answered + self._fail(chosen, exc)
-        self.engine.observer.estimator_timed(batch.rows, batch.frames, self.timer() - t0)
-        self.steps += 1
-        self.engine.estimator_calls += 1
-        self.engine.solved_frames += batch.frames * len(chosen)
         for f in [f for f in chosen if f.solve.done]:
             with self._lock:
                 self._solving.remove(f)
@@ -197,6 +193,30 @@ class StepLoop:
         if not self._solving:
             self._batch = None   # (its buffers go with the rows)
         return answered
+
+    def _step(self, batch: StepBatch, chunks: int) -> None:
+        """One estimator call over ``batch`` (``chunks`` chunks' rows), timed and counted."""
+        self.engine.observer.estimator_step(chunks, batch.rows, batch.frames)
+        t0 = self.timer()
+        batch.step(self.engine.estimator)
+        self.engine.observer.estimator_timed(batch.rows, batch.frames, self.timer() - t0)
+        self.steps += 1
+        self.engine.estimator_calls += 1
+        self.engine.solved_frames += batch.frames * chunks
+
+    def _replay(self, chunk: Chunk) -> None:
+        """A resumed stream's first chunk again (``Chunk.replay``: keep_solved 1), solved alone before ``chunk``,
+        its steps counted as any: the engine takes the prompt cache it made (``replayed``). Should it fail,
+        ``chunk`` solves its prompt inline and keeps a cache anew (its own solve reports a failing estimator)."""
+        first, chunk.replay = chunk.replay, None
+        try:
+            [solve] = self.engine.prepare([first])
+            batch = StepBatch([solve], self.engine.meanflow)
+            while not solve.done:
+                self._step(batch, 1)
+        except Exception:
+            return
+        self.engine.replayed(chunk, solve.recorded)
 
     def _batch_of(self, solves: list[RowSolve]) -> StepBatch:
         """The step's estimator buffers: the last step's when it steps the same rows (a batch solved whole), else
@@ -239,6 +259,9 @@ class StepLoop:
             new, self._new = self._new, []
         if not new:
             return 0
+        for f in new:
+            if f.chunk.replay is not None:
+                self._replay(f.chunk)
         try:
             solves = self.engine.prepare([f.chunk for f in new])
         except Exception as exc:

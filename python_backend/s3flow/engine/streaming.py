@@ -68,7 +68,7 @@ from s3flow.engine.scheduler import check_bucket_ratio
 from s3flow.engine.solver_snapshot import SolverSnapshots
 from s3flow.engine.step_loop import Done, StepLoop, never_cancelled
 from s3flow.engine.reuse import REUSE_MODES, StreamCache
-from s3flow.engine.stepping import RowSolve, StepBatch, StepCaches
+from s3flow.engine.stepping import RowSolve, StepCaches
 from s3flow.model.chunks import NoisedMels, condition, solve_frames, starting_point
 from s3flow.model.solver import FrameNoise, cfm_grid, default_steps
 from s3flow.protocol import ChunkRequest, RequestError
@@ -253,33 +253,7 @@ class StreamingEngine:
 
     def prepare(self, chunks: list[Chunk]) -> list[RowSolve]:
         """The chunks' encoder call (one padded batch) and conditioning: one ``RowSolve`` per chunk, at step 0
-        of its own grid, on the encoder's device (``s3flow.engine.stepping``). A resumed stream's chunk that
-        replays its first one (``Chunk.replay``) has that chunk solved first, and reads the prompt cache it made."""
-        for c in chunks:
-            if c.replay is not None:
-                self._cache_again(c)
-        return self._row_solves(chunks)
-
-    def _cache_again(self, c: Chunk) -> None:
-        """Solve ``c.replay`` (its stream's first chunk on a fresh state: the solve that made the prompt cache the
-        stream kept) alone, and let ``c`` read the cache it makes: a resumed stream then goes on as the undisturbed
-        one (tests/test_snapshot.py). Should it fail, ``c`` solves its prompt inline and keeps a cache anew."""
-        first, c.replay = c.replay, None
-        try:
-            [solve] = self._row_solves([first])
-            batch = StepBatch([solve], self.meanflow)
-            while not solve.done:
-                t0 = time.perf_counter()
-                batch.step(self.estimator)
-                self.observer.estimator_timed(batch.rows, batch.frames, time.perf_counter() - t0)
-                self.estimator_calls += 1
-                self.solved_frames += batch.frames
-        except Exception:   # (the chunk's own solve reports a failing estimator)
-            return
-        c.state.cache = StreamCache.made(solve.recorded, first.steps, first.prompt_frames, 0)
-        self._reuse(c)
-
-    def _row_solves(self, chunks: list[Chunk]) -> list[RowSolve]:
+        of its own grid, on the encoder's device (``s3flow.engine.stepping``)."""
         b = len(chunks)
         token_len = torch.tensor([c.encoder_tokens.size for c in chunks], dtype=torch.int64)
         tokens = torch.zeros(b, int(token_len.max()), dtype=torch.int64)
@@ -301,6 +275,13 @@ class StreamingEngine:
                                    grid=cfm_grid(c.steps, self.meanflow, cond.mu),
                                    rate=0.0 if self.meanflow else c.state.guidance_rate, past=c.past, keep=c.keep))
         return solves
+
+    def replayed(self, c: Chunk, recorded: list[StepCaches]) -> None:
+        """``c.replay`` (its stream's first chunk on a fresh state: the solve that made the prompt cache the stream
+        kept) was solved by the loop, keeping ``recorded``: ``c`` reads that cache, and the resumed stream goes on as
+        the undisturbed one (tests/test_snapshot.py)."""
+        c.state.cache = StreamCache.made(recorded, c.steps, c.prompt_frames, 0)
+        self._reuse(c)
 
     def fewer_steps(self, c: Chunk, solve: RowSolve, steps: int) -> None:
         """Solve ``c`` (its ``solve`` not begun) at ``steps`` Euler steps instead, on their own grid (a cosine grid
