@@ -138,28 +138,33 @@ def test_scripts_server_stop_after_the_same_is_a_quick_sigterm(repo, tmp_path):
 
 def test_a_program_running_a_server_in_a_with_block_stopped_by_sigterm_takes_its_server_with_it(repo, tmp_path):
     """A measurement driver stopped by its PID left its tritonserver running (its session is its own)."""
-    program = ("import sys, time\nfrom s3flow.server.triton_server import TritonServer\n"
+    program = ("import sys, time, faulthandler, signal\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+               "from s3flow.server.triton_server import TritonServer\n"
                f"with TritonServer({str(repo)!r}, log_file={str(tmp_path / 'server.log')!r}) as server:\n"
                "    print(server.pid, flush=True)\n    time.sleep(300)\n")
-    runner = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
-    pid, code = 0, None
+    runner = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    pid, code, stacks = 0, None, ""
     try:
         pid = int(runner.stdout.readline())
         t0 = time.monotonic()
         runner.send_signal(signal.SIGTERM)
         try:   # the bound is what TritonServer.stop itself can take: its close, Triton's exit timeout, the SIGKILL
             code = runner.wait(STOP_WORST_CASE_S)
-        except subprocess.TimeoutExpired:
-            pass
+        except subprocess.TimeoutExpired:   # where it hangs: every thread's stack (faulthandler)
+            runner.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
         took, left = time.monotonic() - t0, is_running(pid)
     finally:
         if runner.poll() is None:
             runner.kill()
+        stacks = runner.stderr.read()[-6000:] if code is None else ""
         if pid and is_running(pid):   # (the test failed: no server outlives it)
             os.kill(pid, signal.SIGKILL)
     print(f"\nthe program and its server stopped {took:.1f} s after its SIGTERM")
     log = log_tail(tmp_path / "server.log", 30)
-    assert code == 128 + signal.SIGTERM and not left, f"the server went with the program that ran it:\n{log}"
+    assert code == 128 + signal.SIGTERM and not left, \
+        f"the server went with the program that ran it:\n{log}\nthe program's threads:\n{stacks}"
     assert not any(name.endswith(f"-{pid}") for name in ours()), "and its /dev/shm folders"
 
 
