@@ -27,6 +27,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -450,13 +451,46 @@ def _leave_on_sigterm() -> None:
     """A program that runs a server in a ``with`` block and is sent SIGTERM (``kill PID``, a job runner's stop)
     leaves the block as on Ctrl-C, so the server stops with it: Python's default ends the program at once, and the
     server, in a session of its own, ran on (seen when a measurement driver was stopped by its PID). Set from the
-    main thread only, and only where the program has no SIGTERM handler of its own."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    main thread only, and only where the program has no SIGTERM handler of its own.
+
+    The kernel may hand the signal to any thread (gRPC's, for one); Python then only marks it for the main thread,
+    which runs the handler when it next runs Python code: a main thread asleep in ``time.sleep(300)`` slept on
+    (1 stop in about 15). So the handler also wakes the main thread: Python writes each signal's number to a
+    wakeup socket, and a daemon thread that reads a SIGTERM there sends it once more to the main thread itself,
+    whose sleep then ends. Skipped where the program has a wakeup fd of its own (asyncio)."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    reader, writer = socket.socketpair()   # (both open for the program's life: the wakeup fd is the writer)
+    writer.setblocking(False)
+    theirs = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    if theirs != -1:   # the program's own: give it back
+        signal.set_wakeup_fd(theirs)
+        reader.close()
+        writer.close()
+        return
+    _WAKEUP.append((reader, writer))
+    threading.Thread(target=_wake_main_on_sigterm, args=(reader, threading.main_thread().ident), daemon=True,
+                     name="wake the main thread on SIGTERM").start()
+
+
+def _wake_main_on_sigterm(reader: socket.socket, main: int) -> None:
+    woken = False
+    while True:   # (drains the socket for good: every signal Python handles writes its number there)
+        if signal.SIGTERM in reader.recv(64) and not woken:
+            woken = True
+            signal.pthread_kill(main, signal.SIGTERM)
+
+
+_WAKEUP: list[tuple[socket.socket, socket.socket]] = []
+_LEAVING = threading.Event()
 
 
 def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+    if not _LEAVING.is_set():   # once: the wake-up's own SIGTERM must not interrupt the stop it started
+        _LEAVING.set()
+        raise SystemExit(128 + signum)
 
 
 def stop_server_pid(pid: int, timeout: float = 30.0) -> bool:
