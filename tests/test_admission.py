@@ -104,16 +104,17 @@ def test_live_counts_sum_the_instances_and_forget_one_that_unloads(tmp_path):
 def _solver_load(folder, live_ids, per_stream: float):
     """A solver instance's load report whose streams (no answer yet: priced by the plan) each need ``per_stream``
     of the device: costs scaled to make it so."""
-    from s3flow.engine.capacity import CapacityModel, Work
+    from s3flow.engine.capacity import CapacityModel, Costs, Work
     from s3flow.engine.settings import SolverSettings
     from s3flow.serving.calibration import planned_start
 
     plan, steps, rows = planned_start(SolverSettings(), 80, False)
     model = CapacityModel(max_batch=1)
-    work = plan.window(0)   # a stream with nothing answered yet: the plan's first seconds
-    # per unit only; before any work the capacity is the plan's times the busy share at capacity (DUTY_PRIOR), so
-    # every demand is the costs' over DUTY_PRIOR
-    model.estimator_timed(1, 1000, 1000 * per_stream * DUTY_PRIOR * work.audio_s / work.row_frames)
+    # a stream with nothing answered yet is priced by what its ramp needs (Plan.start_need), here per unit only;
+    # before any work the capacity is the plan's times the busy share at capacity (DUTY_PRIOR), so every demand is
+    # the costs' over DUTY_PRIOR
+    per_unit_need = plan.start_need(Costs(est_per_unit=1.0), 1.0)
+    model.estimator_timed(1, 1000, 1000 * per_stream * DUTY_PRIOR / per_unit_need)
     files = LoadBoard(folder)
     InstanceLoad(files, "cfm_solver_0", "solver", model, plan, steps, rows).publish({c: Work() for c in live_ids})
     return files
@@ -172,6 +173,33 @@ def test_a_start_over_the_utilization_target_is_refused_busy_with_a_retry_after(
     assert a.check(5, True, False, cheap) is None
     off = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.0))
     assert all(off.check(10 + k, True, False, START) is None for k in range(5)), "target 0: no capacity check"
+
+
+def test_the_demand_offered_counts_what_is_held_and_each_start_refused_for_room_once_for_its_window(tmp_path):
+    """What the HPA scales on (``s3flow_demand``): a server that refuses holds less than its target by about one
+    stream's price (0.54-0.59 held while eleven were refused, under the HPA's 0.7); what it refused counts too, one
+    steady stream each (1 / capacity), each id once (a retry of the same id asks for one stream), for
+    ``DEMAND_WINDOW_S``, and no more once it got in."""
+    from s3flow.engine.capacity import AdmissionTarget
+    from s3flow.serving.demand import DEMAND_WINDOW_S
+
+    now = [100.0]
+    files = _solver_load(tmp_path / "load", [1, 2], per_stream=0.3)
+    steady = 1.0 / files.read().capacity
+    assert 0.05 < steady < 0.3, "a steady stream costs less than a START"
+    a = Admission(RequestRules(), 80, load=files, target=AdmissionTarget(utilization_target=0.7),
+                  clock=lambda: now[0])
+    assert a.offered(files.read()) == pytest.approx(0.6, rel=1e-3), "what it holds"
+    assert a.offered(files.read(), share=0.5) == pytest.approx(0.3, rel=1e-3), "one of two admission instances"
+    assert all(a.check(c, True, False, START) is not None for c in (3, 4, 3))   # 0.6 + 0.3 > 0.7: both refused
+    assert a.offered(files.read()) == pytest.approx(0.6 + 2 * steady, rel=1e-3), "two refused, 3 retried once"
+    now[0] += DEMAND_WINDOW_S - 1
+    assert a.check(5, True, False, START) is not None
+    now[0] += 2   # 3 and 4 left the window
+    assert a.offered(files.read()) == pytest.approx(0.6 + steady, rel=1e-3)
+    _solver_load(tmp_path / "load", [1], per_stream=0.3)   # a stream ended: 5 retries and gets in
+    assert a.check(5, True, False, START) is None
+    assert a.offered(files.read()) == pytest.approx(0.6, rel=1e-3), "held (1) and admitted (5), no refused"
 
 
 def _vocoder_report(files, live_ids, per_stream: float):

@@ -2,6 +2,7 @@
 without a server: the fits recover known costs, a stream is priced against the plan, the capacity is where N
 streams fill the device, the measured capacity follows the work (busy time and audio made) and nothing else, and
 the reports sum across instances."""
+import dataclasses
 import time
 
 import numpy as np
@@ -86,9 +87,10 @@ def test_a_plan_counts_the_estimator_calls_the_engine_really_makes():
 
 def test_a_stream_is_priced_against_the_plan_by_how_much_heavier_it_is():
     costs = Costs(0.005, 5e-5, 0.002, 5e-5, max_batch=8)
-    planned = costs.demand(PLAN.window(0), 4)                          # a START: the plan's first 2 s
-    assert PLAN.window(0).frames == 100 and PLAN.demand(costs, Work(), 4) == planned
-    assert planned > 1.15 * costs.demand(PLAN.expected(), 4), "a young stream needs more than the average"
+    planned = PLAN.start_need(costs, 4)                                  # a START: what its ramp needs
+    assert PLAN.demand(costs, Work(), 4) == planned
+    assert planned > 1.15 * costs.demand(PLAN.window(0), 4) > 1.15 ** 2 * costs.demand(PLAN.expected(), 4), \
+        "a START needs more than its first 2 s per second of audio, and those more than the average"
     early = PLAN.prefix(60)                                              # its first chunk and half the second
     assert early.frames == 60 and PLAN.demand(costs, early, 4) == pytest.approx(costs.demand(PLAN.window(60), 4))
     heavy = Work(2 * early.row_frames, 2 * early.steps, early.chunks, early.encoder_tokens, early.frames)
@@ -97,6 +99,27 @@ def test_a_stream_is_priced_against_the_plan_by_how_much_heavier_it_is():
     long = PLAN.prefix(5000)                                            # far past the plan: its last chunk again
     assert long.frames == 5000 and PLAN.demand(costs, long, 4) == pytest.approx(costs.demand(PLAN.window(5000), 4))
     assert PLAN.demand(costs, long, 4) < 0.8 * planned, "an old stream in steady chunks is cheaper than a young one"
+
+
+def test_a_start_is_priced_by_what_its_ramp_needs_each_chunk_within_the_buffer_and_the_audio_before_it():
+    """Chunks 2..j of the plan must be made within the start-up buffer plus the audio of chunks 1..j-1 (the first
+    is the first audio's wait): a START's price is the most any j asks, more than its first 2 s per second of audio
+    when the chunks double; steady chunks of one size ask no more than their cost per second of audio."""
+    costs = Costs(0.004, 6e-5, 0.002, 4e-5, max_batch=8)
+    need, cost, audio = 0.0, 0.0, PLAN.chunks[0].frames / 50
+    for w in PLAN.chunks[1:]:
+        if audio * 50 >= PLAN.expected_frames:
+            break
+        cost += costs.seconds(w, 2)
+        need = max(need, cost / (PLAN.start_buffer_s + audio))
+        audio += w.frames / 50
+    assert PLAN.start_need(costs, 2) == pytest.approx(need) and need > 1.2 * costs.demand(PLAN.window(0), 2)
+    slower = dataclasses.replace(PLAN, start_buffer_s=1.5)
+    assert slower.start_need(costs, 2) < PLAN.start_need(costs, 2), "a player that holds more asks less"
+    assert PLAN.start_need(costs, 2, nfe_ratio=2.0) > 1.5 * PLAN.start_need(costs, 2), "twice the estimator work"
+    last = PLAN.chunks[-1]
+    steady = dataclasses.replace(PLAN, chunks=[last] * 12, expected_frames=10 * last.frames)
+    assert steady.start_need(costs, 2) <= costs.demand(last, 2) + 1e-12
 
 
 def test_capacity_is_where_n_streams_fill_the_device():
@@ -219,7 +242,7 @@ def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tm
     assert load.capacity == pytest.approx(DUTY_PRIOR * costs.capacity(PLAN.expected())), \
         "before any work: the calibrated prior, times the busy share at capacity the live estimate applies"
     def streams(share):   # stream 3 has no answer yet: priced by the plan's start; against the prior's capacity
-        return (2 * costs.demand(PLAN.window(100), share) + costs.demand(PLAN.window(0), share)) / DUTY_PRIOR
+        return (2 * costs.demand(PLAN.window(100), share) + PLAN.start_need(costs, share)) / DUTY_PRIOR
 
     solver, vocoder = load.stages()
     assert (solver.name, vocoder.name) == ("solver", "vocoder")
@@ -227,7 +250,7 @@ def test_reports_sum_over_instances_and_price_pending_starts_with_the_streams(tm
     assert vocoder.now == pytest.approx(0.01 / 2)                                      # 0.01 s per 2 s of audio
     assert load.utilization() == pytest.approx(max(streams(3), 0.01 / 2), rel=1e-6), "the busiest stage, not the sum"
     assert load.utilization(pending=2) > load.utilization()
-    assert solver.need == pytest.approx(costs.demand(PLAN.window(0), 4) / DUTY_PRIOR, rel=1e-6)
+    assert solver.need == pytest.approx(PLAN.start_need(costs, 4) / DUTY_PRIOR, rel=1e-6)
     assert vocoder.need == pytest.approx(0.005 / 3, rel=1e-6), "a third of the streams vocode"
     def need(**kw):
         return load.stages(**kw)[0].need
@@ -253,7 +276,7 @@ def test_a_measured_capacity_rescales_every_solver_demand_and_token2wav_adds_the
     measured = solver.publish({1: PLAN.prefix(100)})
     assert measured.capacity == pytest.approx(model.capacity()) and measured.capacity != prior.capacity
     share = measured.costs.share(8)
-    planned = measured.planned_demand(share) / measured.costs.demand(PLAN.window(0), share)
+    planned = measured.planned_demand(share) / PLAN.start_need(measured.costs, share)
     assert planned == pytest.approx(measured.planned_capacity / measured.capacity, rel=1e-6)
     vocoder = CapacityModel(max_batch=1, duty_prior=None)   # as the vocoder model makes it
     vocoder.estimator_timed(1, 100, 0.01)

@@ -1387,9 +1387,9 @@ def test_probe_modules_import_no_heavy_modules(rendered, compose):
 
 
 # ---------------------------------------------------------------------------- scaling on load (issue 34)
-def test_the_hpa_owns_the_replicas_and_scales_on_utilization_below_the_admission_target(rendered):
+def test_the_hpa_owns_the_replicas_and_scales_on_demand_below_the_admission_target(rendered):
     from s3flow.engine.capacity import AdmissionTarget
-    from s3flow.serving.metrics import UTILIZATION
+    from s3flow.serving.metrics import DEMAND
 
     [hpa] = by_kind(rendered, "HorizontalPodAutoscaler")
     c = triton_container(rendered)
@@ -1398,7 +1398,7 @@ def test_the_hpa_owns_the_replicas_and_scales_on_utilization_below_the_admission
                                              "name": deployment["metadata"]["name"]}
     assert "replicas" not in deployment["spec"], "the HPA owns the replicas: a fixed count would fight it"
     [metric] = hpa["spec"]["metrics"]
-    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == UTILIZATION.name
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == DEMAND.name
     target = metric["pods"]["target"]["averageValue"]
     value = int(target[:-1]) / 1000 if target.endswith("m") else float(target)
     assert 0 < value < AdmissionTarget().utilization_target, "the fleet must grow before its pods refuse"
@@ -1409,15 +1409,15 @@ def test_the_hpa_owns_the_replicas_and_scales_on_utilization_below_the_admission
         "one drain at a time"
 
 
-def test_the_adapter_rule_serves_the_utilization_the_hpa_reads_per_pod_its_busiest_model(rendered):
+def test_the_adapter_rule_serves_the_demand_the_hpa_reads_per_pod_its_admission_instances_summed(rendered):
     [cm] = [d for d in by_kind(rendered, "ConfigMap") if d["metadata"]["name"] == "s3flow-adapter-rules"]
     [rule] = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
     [hpa] = by_kind(rendered, "HorizontalPodAutoscaler")
     name = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
     assert rule["seriesQuery"].startswith(name + "{") and rule["name"]["as"] == name
     assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
-    assert rule["metricsQuery"].startswith("max by (<<.GroupBy>>) (sum by (<<.GroupBy>>, model) ("), \
-        "each model's instances summed, the busiest model's per pod (as admission weighs its stages)"
+    assert rule["metricsQuery"] == "sum by (<<.GroupBy>>) (<<.Series>>{<<.LabelMatchers>>})", \
+        "each admission instance publishes its share of the pod's utilization and its own refusals: summed"
 
 
 def exported() -> set[str]:
@@ -1459,7 +1459,8 @@ def test_grafana_dashboard_reads_only_metrics_the_fleet_exports():
     used = dashboard_metrics(dashboard)
     assert used and used <= ours, sorted(used - ours)
     assert {"s3flow_first_audio_seconds_bucket", "s3flow_stream_underruns_total"} <= used, "what a listener feels"
-    assert {"s3flow_utilization", "s3flow_admission_refusals_total"} <= used, "how full, and who was turned away"
+    assert {"s3flow_utilization", "s3flow_demand", "s3flow_admission_refusals_total"} <= used, \
+        "how full, what is asked, and who was turned away"
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids)) and all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])
     broken = json.loads(json.dumps(dashboard).replace("s3flow_stream_underruns_total", "s3flow_stream_underrun_total"))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from s3flow.serving.demand import DEMAND_WINDOW_S
 from s3flow_tools import prometheus
 from s3flow_tools.prometheus import GPU_ONLY, HEALTH, Prometheus, adapter_query, alert_rules, dashboard_queries
 from test_overload import at_once  # noqa: E402 (tests/ is on the path: conftest)
@@ -181,7 +182,7 @@ def test_the_adapter_rule_and_every_dashboard_query_return_data_from_a_live_scra
             print(f"\n{what}: " + ", ".join(f"{dict(labels)} {v:.3g}" for labels, v in values))
         [(_, first_audio)] = prom.query(HEALTH["first audio p95 (s)"])
         assert 0 < first_audio < 60, f"first audio p95 {first_audio}: the histogram's first observations unseen"
-        print(f"\nutilization under the overload, at most: {max(peak):.2f}")
+        print(f"\nthe HPA's metric (demand: held + refused) under the overload, at most: {max(peak):.2f}")
         after = prom.wait_for(adapter_query(), check=lambda v: v and max(x for _, x in v) < HPA_TARGET,
-                              timeout_s=30)
+                              timeout_s=DEMAND_WINDOW_S + 30)   # the refused leave the demand after its window
         assert max(v for _, v in after) < HPA_TARGET, f"the streams ended, the HPA's metric stays at {after}"

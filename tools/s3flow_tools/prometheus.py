@@ -39,8 +39,8 @@ NAMESPACE, POD = "s3flow", "s3flow-triton-0"
 GPU_ONLY = ("nv_gpu_",)
 #: "is it healthy?" (docs/operations.md): the four queries a platform engineer reads first
 HEALTH = {
-    "utilization (the HPA's metric; admission refuses above 0.9)":
-        "max by (pod) (sum by (pod, model) (s3flow_utilization))",
+    "utilization (admission refuses above 0.9)": "max by (pod) (sum by (pod, model) (s3flow_utilization))",
+    "demand (the HPA's metric: utilization + what was refused in the last 15 s)": "sum by (pod) (s3flow_demand)",
     "streams running dry per second": "sum(rate(s3flow_stream_underruns_total[5m]))",
     "STARTs refused per second, by reason": "sum by (reason) (rate(s3flow_admission_refusals_total[5m]))",
     "first audio p95 (s)": "histogram_quantile(0.95, sum by (le) (rate(s3flow_first_audio_seconds_bucket[5m])))",

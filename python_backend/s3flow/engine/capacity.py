@@ -34,8 +34,9 @@ scaled so that N default streams need N / capacity), its ``retry_after`` and the
 Work. A stream's chunks report what they cost (:class:`Work`: estimator row-frames over all steps, steps,
 chunks, encoder tokens, frames made final); the sequence table adds them up per stream. The server knows neither an utterance's length nor a live client's
 next chunks: a stream's demand is the default plan's (:class:`Plan`) over the next ``HORIZON_S`` of its audio,
-scaled by how much heavier than the plan its chunks so far have been; a START's is the plan's first
-``HORIZON_S`` (at its own steps and guidance).
+scaled by how much heavier than the plan its chunks so far have been; a START's is what the plan's ramp needs
+(each chunk after the first made within the start-up buffer plus the audio before it: :meth:`Plan.start_need`, at
+its own steps and guidance).
 
 Example::
 
@@ -403,9 +404,11 @@ class Plan:
     expected to have (``expected_frames``). A stream is priced against it: its work so far over the plan's for as
     much audio (:meth:`prefix`) says how much heavier than the default it is (more steps, a longer prompt), and its
     demand is the plan's over the expected length times that ratio; so a stream's early chunks (the costliest per
-    second of audio: the first is small and carries the whole prompt) do not count as its rate for good."""
+    second of audio: the first is small and carries the whole prompt) do not count as its rate for good. A START is
+    priced by what its ramp needs (:meth:`start_need`), ``start_buffer_s`` the audio its player holds first."""
     chunks: list
     expected_frames: int
+    start_buffer_s: float = 0.3
 
     def prefix(self, frames: float) -> Work:
         """The plan's work for its first ``frames`` generated frames (within a chunk: in proportion; beyond the
@@ -435,14 +438,33 @@ class Plan:
         return Work(w.row_frames - before.row_frames, w.steps - before.steps, w.chunks - before.chunks,
                     w.encoder_tokens - before.encoder_tokens, w.frames - before.frames)
 
+    def start_need(self, costs: "Costs", share: float, nfe_ratio: float = 1.0, step_ratio: float = 1.0) -> float:
+        """A START's demand (device s per s of wall time): the first chunk is its first audio's wait; then each
+        chunk must be made within the start-up buffer plus the audio of the chunks before it, and each holds
+        twice the audio of the one before (the client's schedule), so while it ramps up a stream needs its frames
+        faster than it plays them: the most that any chunk up to the expected length asks of the device, counting
+        every chunk since the first (results/at_once.md: streams started together share the device and run dry
+        past about 0.6 C; priced by their first two seconds alone, floor(0.8 C) were admitted at once and some ran
+        dry). ``nfe_ratio``, ``step_ratio``: the START's own steps and guidance against the plan's. At least the
+        plan's first ``HORIZON_S`` per second of audio."""
+        floor = costs.demand(self.window(0).scaled(nfe_ratio, step_ratio), share)
+        need, cost, audio = 0.0, 0.0, self.chunks[0].frames
+        for w in self.chunks[1:]:
+            if audio >= max(self.expected_frames, HORIZON_FRAMES):
+                break
+            cost += costs.seconds(w.scaled(nfe_ratio, step_ratio), share)
+            need = max(need, cost / (self.start_buffer_s + audio / FRAMES_PER_SECOND))
+            audio += w.frames
+        return max(need, floor)
+
     def demand(self, costs: "Costs", work: Work, share: float) -> float:
         """A stream's demand (device s per s) that did ``work`` so far: the plan's over the next ``HORIZON_S`` of
         its audio (a young stream's chunks are the costliest per second of audio, and a real-time player needs
         each of them in time, not on average), scaled by how much more its work cost than the plan's for as much
-        audio; a START's: the plan's first ``HORIZON_S``."""
-        planned = costs.demand(self.window(work.frames), share)
+        audio; a START's: :meth:`start_need`."""
         if not work.frames:
-            return planned
+            return self.start_need(costs, share)
+        planned = costs.demand(self.window(work.frames), share)
         base = costs.seconds(self.prefix(work.frames), share)
         return planned * costs.seconds(work, share) / base if base > 0 else planned
 

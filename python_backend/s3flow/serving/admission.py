@@ -47,6 +47,7 @@ import numpy as np
 
 from s3flow.engine.capacity import AdmissionTarget
 from s3flow.protocol import RequestError, RequestRules, ServerBusy, UnknownSequence
+from s3flow.serving.demand import RefusedDemand
 from s3flow.serving.load import LoadBoard, ServerLoad
 from s3flow.serving.incoming import Draining, Incoming, Outcome, naming_sequence, parse_incoming, refused
 from s3flow.serving.voice_registry import UnknownVoice
@@ -79,6 +80,7 @@ class Admission:
         self.starts, self.seen, self.gone = starts, seen, gone
         self.name, self.grace_s, self.clock = name, grace_s, clock
         self._admitted: dict[int, float] = {}       # STARTs admitted and perhaps not yet counted: id -> time
+        self.refused = RefusedDemand(clock=clock)   # STARTs refused for room lately, by their price
 
     def check(self, corr_id: int, start: bool, end: bool, inputs: Mapping[str, np.ndarray],
               tenant: str = "", audio: Optional[bool] = None) -> Optional[Outcome]:
@@ -110,6 +112,7 @@ class Admission:
             held = len(live) + len(self._admitted) - (corr_id in live)   # a restart on a live id takes no slot
             if cap and held >= cap:
                 wait = self.grace_s
+                self._note_refused(corr_id, load, audio)
                 return self._refuse(corr_id, ServerBusy(f"too many live sequences ({held}, max_live_sequences "
                                                         f"{cap}); retry in {wait:.1f} s", wait), "live")
             if self.target.utilization_target > 0:
@@ -120,6 +123,7 @@ class Admission:
             # stamped with its arrival left the count at once, so the STARTs queued behind it each saw none
             # pending (issue 48: a new server admitted 7-8 of a burst, every one of them stalled)
             self._admitted[corr_id] = self.clock()
+            self.refused.admitted(corr_id)
         if self.starts is not None:
             self.starts.mark(corr_id)
         if self.seen is not None:
@@ -130,6 +134,24 @@ class Admission:
         """The refusal ``exc`` answered as the solver answers it (``incoming.refusal``), naming this model and the
         sequence; ``reason``: its label in the refusals metric."""
         return refused(corr_id, f"{self.name}: {naming_sequence(corr_id, exc)}", exc, reason)
+
+    def offered(self, load: ServerLoad, share: float = 1.0) -> float:
+        """The demand offered to the server (``s3flow.serving.demand``): ``share`` of the busiest stage's
+        utilization with the STARTs admitted and not yet held (1 / the admission instances: each publishes its
+        share, a pod's summed), plus the price of the STARTs this instance refused for room lately. Safe beside
+        :meth:`check` on another thread, given its own ``load`` (from a ``LoadBoard`` of its own)."""
+        now, held = self.clock(), load.solver_ids
+        pending = sum(1 for c, t in list(self._admitted.items()) if now - t <= self.grace_s and c not in held)
+        return share * load.utilization(pending) + self.refused.total()
+
+    def _note_refused(self, corr_id: int, load: ServerLoad, audio: Optional[bool]) -> None:
+        """Count a START refused for room at one stream's share of the server when steady: one over its
+        ensemble's capacity (token2wav's for a START that asks for audio), not at its start-up price (a fleet
+        sized for the starts of streams that last would be too large); nothing before the server has priced its
+        work."""
+        capacity = load.wav_capacity if audio else load.capacity
+        if load.known and capacity > 0:
+            self.refused.note(corr_id, 1.0 / capacity)
 
     def _priced(self, load: ServerLoad, audio: Optional[bool]) -> ServerLoad:
         """The load once every solver instance (and for a START that asks for audio, every vocoder instance) has
@@ -162,6 +184,7 @@ class Admission:
         over = [s for s in stages if not s.fits(target)]
         if not over or (corr_id in held and all(s.now <= target for s in stages)):   # a restart replaces its id
             return None
+        self._note_refused(corr_id, load, audio)
         waits = {s.name: load.wait_until(s, target, self.target.expected_utterance_s, pending, bool(audio))
                  for s in over}
         stage = max(over, key=lambda s: waits[s.name])

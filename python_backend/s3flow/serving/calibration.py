@@ -55,7 +55,8 @@ def planned_start(settings: SolverSettings, n_feats: int, meanflow: bool) -> tup
         sizes = sizes[:-1]   # the plan ends on a whole chunk: a longer stream goes on in chunks of that size
     chunks = plan_work(n_feats, meanflow, steps, guided, sizes, PLANNED_PROMPT_TOKENS, solving.context_frames,
                        solving.prompt_frames, solving.slide_prompt, solving.keep_solved)
-    return Plan(chunks, round(FRAMES_PER_SECOND * expected_s)), steps, 2 if guided else 1
+    return (Plan(chunks, round(FRAMES_PER_SECOND * expected_s), settings.deadlines.start_buffer_s), steps,
+            2 if guided else 1)
 
 
 class Calibration:

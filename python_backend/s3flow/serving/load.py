@@ -104,7 +104,8 @@ class LoadReport:
                            "waiting": [int(c) for c in self.waiting],
                            "planned": None if self.planned is None else {
                                "chunks": [_work(w) for w in self.planned.chunks],
-                               "expected_frames": self.planned.expected_frames},
+                               "expected_frames": self.planned.expected_frames,
+                               "start_buffer_s": self.planned.start_buffer_s},
                            "planned_steps": self.planned_steps, "planned_rows": self.planned_rows,
                            "capacity": self.capacity, "throughput": self.throughput, "duty": self.duty,
                            "cap": self.cap, "ended": [int(c) for c in self.ended], "pid": self.pid,
@@ -117,7 +118,8 @@ class LoadReport:
                    streams={int(k): Work(*v) for k, v in d["streams"].items()},
                    waiting=[int(c) for c in d["waiting"]],
                    planned=None if d["planned"] is None else Plan([Work(*w) for w in d["planned"]["chunks"]],
-                                                                  int(d["planned"]["expected_frames"])),
+                                                                  int(d["planned"]["expected_frames"]),
+                                                                  float(d["planned"]["start_buffer_s"])),
                    planned_steps=int(d["planned_steps"]), planned_rows=int(d["planned_rows"]),
                    capacity=float(d.get("capacity", 0.0)), throughput=float(d.get("throughput", 0.0)),
                    duty=float(d.get("duty", 1.0)), cap=int(d.get("cap", 0)),
@@ -146,9 +148,8 @@ class LoadReport:
             return 0.0
         rows = self.planned_rows if guidance_rate is None or self.planned_rows == 1 else (2 if guidance_rate else 1)
         ratio = (steps or self.planned_steps) * rows / max(self.planned_steps * self.planned_rows, 1)
-        first = self.planned.window(0)
-        return self._scale(capacity) * self.costs.demand(
-            first.scaled(ratio, (steps or self.planned_steps) / max(self.planned_steps, 1)), share)
+        return self._scale(capacity) * self.planned.start_need(
+            self.costs, share, ratio, (steps or self.planned_steps) / max(self.planned_steps, 1))
 
     def stream_demand(self, work: Work, share: float, capacity: Optional[float] = None) -> float:
         """A stream's demand by its work so far: against the plan (``Plan.demand``), or (no plan: the vocoder)

@@ -44,6 +44,11 @@ metric (labels ``model``, ``instance``)       kind       what
                                                          vocoder's; ``s3flow.serving.load``)
 ``s3flow_admission_refusals_total{reason}``   counter    admission: STARTs refused, by reason
 ``s3flow_admission_retry_after_seconds``      histogram  admission: the retry_after of each busy refusal
+``s3flow_demand``                             gauge      admission, every second: the server's utilization
+                                                         plus the price of the STARTs it refused for room
+                                                         in the last 15 s (each instance's share, a pod's
+                                                         summed): what the HPA scales on
+                                                         (``s3flow.serving.demand``)
 ============================================  =========  ===============================================
 
 Example::
@@ -125,7 +130,10 @@ ADMISSION_REFUSALS = Family("s3flow_admission_refusals_total", "counter",
                             "draining, voice, invalid)", labels=("reason",))
 ADMISSION_RETRY_AFTER = Family("s3flow_admission_retry_after_seconds", "histogram",
                                "the retry_after given with each busy refusal", SECONDS_BUCKETS)
-ADMISSION_FAMILIES = (ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER)
+DEMAND = Family("s3flow_demand", "gauge",
+                "admission: the share of the device the server's streams need (its utilization) plus what the STARTs "
+                "it refused for room in the last 15 s asked for (each instance's share; a pod's: the sum)")
+ADMISSION_FAMILIES = (ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER, DEMAND)
 
 SOLVER_FAMILIES = (LIVE, DROPPED, CHUNK_SECONDS, FIRST_CHUNK_SECONDS, CHUNK_NFE, CHUNK_FRAMES, STEP_BATCH,
                    STREAM_LEAD, UNDERRUNS, FEWER_STEPS, UTILIZATION, CAPACITY)

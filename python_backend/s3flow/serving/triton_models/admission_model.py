@@ -7,6 +7,8 @@ tensors (``contract.REQUEST``), asks ``s3flow.serving.admission.Admission`` and 
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from s3flow_contract.answers import Answer, Disposition
@@ -16,11 +18,15 @@ from s3flow.protocol import RequestError, RequestRules, tenant_of
 from s3flow.serving.admission import Admission
 from s3flow.serving.draining import draining_probe
 from s3flow.serving.load import LoadBoard
-from s3flow.serving.metrics import ADMISSION_FAMILIES, ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER
+from s3flow.serving.metrics import ADMISSION_FAMILIES, ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER, DEMAND
 from s3flow.serving.triton_models.metric_api import TritonMetrics
 from s3flow.serving.responses import INVALID_ARG
 from s3flow.serving.arrivals import ArrivalMarks
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response, pb_utils
+
+
+#: how often the demand gauge is set (seconds)
+DEMAND_EVERY_S = 1.0
 
 
 class TritonPythonModel(TritonModel):
@@ -41,6 +47,23 @@ class TritonPythonModel(TritonModel):
                                    seen=ArrivalMarks(ArrivalMarks.default_folder("seen"), shared=instances > 1),
                                    gone=ArrivalMarks(ArrivalMarks.default_folder("gone")),
                                    target=AdmissionTarget.from_parameters(p.raw))
+        self._stop = threading.Event()
+        self._gauge = threading.Thread(target=self._publish_demand, args=(instances,), daemon=True,
+                                       name=f"{self.name} demand gauge")
+        self._gauge.start()
+
+    def _publish_demand(self, instances: int) -> None:
+        """``s3flow_demand`` every second (a gauge set only at a START would stay high once the STARTs stop):
+        this instance's share of the server's utilization and the STARTs it refused itself."""
+        board = LoadBoard(LoadBoard.default_folder())   # its own: admission reads the other on Triton's thread
+        said = False
+        while not self._stop.wait(DEMAND_EVERY_S):
+            try:
+                self.metrics.publish(DEMAND, self.admission.offered(board.read(), share=1.0 / instances), {})
+            except Exception as exc:  # noqa: BLE001  (a gauge must not end the model: said once)
+                if not said:
+                    self.logger.log_warn(f"{self.name}: the demand gauge: {exc!r}")
+                    said = True
 
     def respond(self, request):
         flags = request.flags()
@@ -63,4 +86,6 @@ class TritonPythonModel(TritonModel):
         return ok_response({t.name: np.ones((1, 1), dtype=t.np_dtype) for t in ADMISSION_OUTPUTS if t.name in asked})
 
     def finalize(self):
+        self._stop.set()
+        self._gauge.join(2 * DEMAND_EVERY_S)
         self.metrics.close()
