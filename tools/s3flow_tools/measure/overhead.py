@@ -38,7 +38,7 @@ from typing import Optional
 
 from s3flow.engine.settings import SolverSettings
 from s3flow.model.flow import FlowConfig
-from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.repository.settings import DEFAULT_SOLVING, Batching, RepositorySettings
 from s3flow.server.triton_server import TritonServer
 from s3flow_client import StreamingClient
 from s3flow_client.demo import demo_utterance
@@ -169,9 +169,11 @@ def stream(url: str, utterances: list, latencies: list) -> None:
 
 
 def measure(config: FlowConfig, label: str, out: Path, alone: int, rounds: int, at_once: int, seconds: float,
-            steps: int) -> dict:
-    """{scenario: [Chunk]} for one model size: ``alone`` utterances one by one, then ``rounds`` of ``at_once``."""
-    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, idle_timeout_s=120.0, utilization_target=0.0),
+            steps: int, solving: dict) -> dict:
+    """{scenario: [Chunk]} for one model size: ``alone`` utterances one by one, then ``rounds`` of ``at_once``;
+    ``solving``: the chunk solving (``keep_solved``, ``context_frames``)."""
+    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, idle_timeout_s=120.0, utilization_target=0.0,
+                                                           **solving),
                                   batching=Batching(max_batch_size=8, max_queue_delay_us=2000), ort_threads=1)
     repo = small_repository(out / label, settings, config=config)
     trace = out / f"{label}-trace.json"
@@ -238,7 +240,9 @@ def write(results: dict, args, path: Path) -> None:
     m = machine()
     lines = ["# The cost of a call on the served path", "",
              f"`python -m s3flow_tools.measure.overhead --alone {args.alone} --rounds {args.rounds} --at-once "
-             f"{args.at_once} --seconds {args.seconds:g} --steps {args.steps}{' --full' if args.full else ''}` on {m.get('cpu')} ({m.get('cores')} "
+             f"{args.at_once} --seconds {args.seconds:g} --steps {args.steps}{' --full' if args.full else ''}"
+             f"{'' if args.keep_solved is None else f' --keep-solved {args.keep_solved}'}"
+             f"{'' if args.context_frames is None else f' --context-frames {args.context_frames}'}` on {m.get('cpu')} ({m.get('cores')} "
              f"cores; shared, noisy). Triton's request traces (TIMESTAMPS, every request) of `token2mel` chunks on the "
              f"client's default schedule, {args.seconds:g} s utterances, {args.steps} Euler steps with guidance; a "
              "chunk of several streams at once is charged its whole execute. How each part is measured: the "
@@ -257,8 +261,14 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="audio per utterance (default: 3)")
     p.add_argument("--steps", type=int, default=10, help="Euler steps (default: 10, guided)")
     p.add_argument("--full", action="store_true", help="also the full-size flow (71 M estimator; slow on CPU)")
+    p.add_argument("--keep-solved", type=int, default=None,
+                   help="what a stream keeps of what it solved (default: the cpu target's, DEFAULT_SOLVING)")
+    p.add_argument("--context-frames", type=int, default=None, help="context frames (default: the cpu target's)")
     p.add_argument("--output", type=Path, default=ROOT / "results" / "overhead.md")
     args = p.parse_args(argv)
+    solving = dict(DEFAULT_SOLVING["cpu"])
+    solving.update({k: v for k, v in (("keep_solved", args.keep_solved), ("context_frames", args.context_frames))
+                    if v is not None})
     sizes = {"small model (FlowConfig.small)": FlowConfig.small()}
     if args.full:
         sizes["full size (FlowConfig)"] = FlowConfig()
@@ -266,7 +276,7 @@ def main(argv: Optional[list] = None) -> int:
     try:
         for label, config in sizes.items():
             results[label] = measure(config, label.split()[0], tmp, args.alone, args.rounds, args.at_once,
-                                     args.seconds, args.steps)
+                                     args.seconds, args.steps, solving)
     except Exception:
         log(f"failed: the servers' logs and traces are kept in {tmp}")
         raise
