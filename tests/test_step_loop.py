@@ -143,7 +143,7 @@ def test_a_failed_step_fails_its_chunks_once_rolled_back_and_a_resend_continues_
 
 def test_a_cancelled_request_leaves_alone_and_the_others_go_on(flow):
     engine = make_engine(flow, SETTINGS)
-    loop = StepLoop(engine)
+    loop = StepLoop(engine, cancel_check_s=0.0)   # (asked at every step: the cancellation lands mid-chunk)
     cancelled, done = [False], {}
     a, b = utterance(1.0, 71, [25]), utterance(1.0, 72, [25])
     loop.submit(admit(engine, a, 0, 81), on_done=lambda d: done.setdefault(81, d), is_cancelled=lambda: cancelled[0])
@@ -156,6 +156,26 @@ def test_a_cancelled_request_leaves_alone_and_the_others_go_on(flow):
     assert 81 not in engine.sequences and 82 not in engine.sequences, "a START rolled back; b ended at END"
     [alone] = stream_in_process(make_engine(flow, SETTINGS), [b], [b.chunks])
     np.testing.assert_allclose(done[82].result.mel, alone[0].mel, atol=2e-4)
+
+
+def test_a_cancellation_probe_is_asked_before_the_first_step_and_then_at_most_every_cancel_check_s(flow):
+    """A served request's probe is a round trip to Triton (about 0.2 ms; at every step, 11 % of the solver's
+    Python): asked before a chunk's first step (a batch cancelled while it queued makes no step), then once per
+    ``cancel_check_s`` of the loop's timer, however many steps fit in it."""
+    now, asked = [0.0], []
+    engine = make_engine(flow, SolverSettings.of(default_steps=10))
+    loop = StepLoop(engine, timer=lambda: now[0], cancel_check_s=0.05)
+    a = utterance(1.0, 73, [25])
+    loop.submit(admit(engine, a, 0, 83), on_done=lambda d: None, is_cancelled=lambda: asked.append(now[0]) or False)
+    loop.run_once()
+    assert asked == [0.0], "before its first step"
+    for _ in range(3):   # three more steps within 50 ms: not asked again
+        now[0] += 0.01
+        loop.run_once()
+    assert asked == [0.0]
+    now[0] += 0.03
+    loop.run_once()
+    assert asked == [0.0, pytest.approx(0.06)] and loop.busy, "asked again once 50 ms have passed"
 
 
 class _FewerSteps(Observer):

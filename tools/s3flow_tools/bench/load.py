@@ -213,7 +213,7 @@ def run_load(url: str, streams: int, utterances: int, steps: int = 2, time_limit
         f"refused first ({report.busy_answers} busy answers), admitted after "
         f"{max(report.admission_s, default=0.0):.1f} s at most")
     if before is not None:
-        report.errors += server_histograms(report, before, read_metrics(metrics_url))
+        report.errors += server_histograms(report, before, settled_metrics(metrics_url, before, report.chunks))
 
     # the same utterances alone must give what they gave batched under load
     for index in sorted(results)[:check_outputs]:
@@ -251,6 +251,19 @@ def server_histograms(report: LoadReport, before: dict, after: dict) -> list[str
         if got != want:
             problems.append(f"{name}_count grew by {got:g} over the load, the client got {want} answers")
     return problems
+
+
+def settled_metrics(metrics_url: str, before: dict, chunks: int, settle_s: float = 3.0) -> dict:
+    """``/metrics`` once the solver's histograms show ``chunks`` more answered chunks than ``before`` (its
+    histograms are published by a thread of their own, a few ms after each answer: ``TritonMetrics``), or as they
+    are after ``settle_s``."""
+    end = time.monotonic() + settle_s
+    while True:
+        after = read_metrics(metrics_url)
+        grown = metric_sum(after, "s3flow_chunk_seconds_count") - metric_sum(before, "s3flow_chunk_seconds_count")
+        if grown >= chunks or time.monotonic() > end:
+            return after
+        time.sleep(0.05)
 
 
 def live_sequences(metrics_url: str, settle_s: float = 5.0) -> float:

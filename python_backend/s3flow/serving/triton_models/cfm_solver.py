@@ -21,7 +21,7 @@ from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_MODEL, ENCODER_OUTP
                                      SOLVER_INPUTS, SOLVER_OUTPUTS, by_name, estimator_inputs, estimator_outputs, names)
 from s3flow.model.prefix_cache import CacheShape
 from s3flow.protocol import RequestError, one_bytes, tenant_of
-from s3flow.serving.metrics import SOLVER_FAMILIES
+from s3flow.serving.metrics import HISTOGRAMS, SOLVER_FAMILIES
 from s3flow.serving.saved_price import SavedPrice, device_name
 from s3flow.serving.incoming import Incoming, Outcome
 from s3flow.serving.solver_instance import SolverInstance
@@ -55,7 +55,7 @@ class TritonPythonModel(TritonModel):
                                       names(estimator_inputs(meanflow, cached=cache is not None)),
                                       names(estimator_outputs(cached=cache is not None)), device_id, cache)
         instance = args.get("model_instance_name", self.name)
-        self.metrics = TritonMetrics(SOLVER_FAMILIES, self.name, instance)
+        self.metrics = TritonMetrics(SOLVER_FAMILIES, self.name, instance, background=HISTOGRAMS)   # (off the loop)
         tokens = by_name(REQUEST)["speech_tokens"]
         slots = SlotRelease(self.name, lambda: [pb_utils.Tensor(tokens.name, np.zeros((1, 0), tokens.np_dtype))],
                             log=self.logger.log_verbose)
