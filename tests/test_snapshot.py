@@ -161,6 +161,24 @@ def test_a_stream_that_keeps_its_prompt_resumes_as_the_undisturbed_one_by_solvin
             engine(settings=kept).admit(5, chunk_request(u, 2, resume=forged, start=True), tenant="acme")
 
 
+def test_a_state_started_again_holds_what_its_start_set_and_nothing_since():
+    """What a replayed first chunk is planned on (``SequenceState.started``): the prompt, the steps, the noise and
+    the tenant as the START set them; no tokens, frames, cache or answer since."""
+    kept = SolverSettings.of(context_frames=40, prompt_frames=20, keep_solved=1)
+    u = demo_utterance(3.2, seed=7, noise_seed=3)
+    e = engine(settings=kept)
+    stream(e, u, chunks=range(2))
+    s = e.sequences.peek(1)
+    fresh = s.started()
+    assert s.emitted > 0 and s.cache is not None and s.last is not None
+    for name in ("prompt_tokens", "prompt_mel", "speaker_embedding", "n_steps", "guidance_rate", "noise",
+                 "prompt_noise", "tenant"):
+        assert getattr(fresh, name) is getattr(s, name), name
+    assert fresh.tenant == "acme"
+    assert (fresh.emitted, fresh.received_tokens, fresh.cache, fresh.cache_tokens, fresh.last, fresh.mel_tail) == \
+        (0, 0, None, None, None, None) and fresh.tokens.size == 0
+
+
 def test_a_snapshot_is_refused_with_another_prompt_options_tenant_settings_or_offset():
     u = demo_utterance(3.2, seed=7, noise_seed=3)
     snapshot = stream(engine(), u, chunks=range(2))[-1].snapshot

@@ -12,7 +12,7 @@ loop does not know the engine beyond what it calls (``step_loop.ChunkEngine``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import numpy as np
@@ -24,17 +24,21 @@ from s3flow.model.solver import FrameNoise
 from s3flow.protocol import ChunkRequest
 
 
+#: the metadata of the fields a START sets (``SequenceState.started``)
+START = {"start": True}
+
+
 @dataclass
 class SequenceState:
     """Everything the server keeps for one utterance between its chunks."""
     #: the prompt's tokens and mel that may condition a chunk (the last ``prompt_frames`` when capped)
-    prompt_tokens: np.ndarray          # (Np,) int64
-    prompt_mel: np.ndarray             # (n_feats, Tp) float32, Tp = 2 Np
-    speaker_embedding: np.ndarray      # (192,) float32
-    n_steps: int
-    guidance_rate: float
-    noise: FrameNoise
-    prompt_noise: np.ndarray           # (n_feats, Tp): the kept prompt frames' fixed starting point
+    prompt_tokens: np.ndarray = field(metadata=START)          # (Np,) int64
+    prompt_mel: np.ndarray = field(metadata=START)             # (n_feats, Tp) float32, Tp = 2 Np
+    speaker_embedding: np.ndarray = field(metadata=START)      # (192,) float32
+    n_steps: int = field(metadata=START)
+    guidance_rate: float = field(metadata=START)
+    noise: FrameNoise = field(metadata=START)
+    prompt_noise: np.ndarray = field(metadata=START)   # (n_feats, Tp): the kept prompt frames' fixed starting point
     #: the speech tokens a later chunk can still use: those from token ``token_offset`` on (prefix mode: all;
     #: bounded context: from the first token of the next chunk's context on)
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -44,7 +48,7 @@ class SequenceState:
     emitted: int = 0                   # generated frames already returned
     #: the last emitted frames, (n_feats, F) covering [emitted - F, emitted): bounded-context conditioning
     mel_tail: Optional[np.ndarray] = None
-    tenant: str = ""                   # whose stream (a snapshot is sealed for it)
+    tenant: str = field(default="", metadata=START)   # whose stream (a snapshot is sealed for it)
     cache: Optional[StreamCache] = None   # keep_solved: the solved frames kept (``s3flow.engine.reuse``)
     #: keep_solved 1: the tokens of the stream's first chunk when that chunk made the kept prompt cache (None
     #: otherwise): a snapshot carries them, and a resumed stream solves that chunk again to make the same cache
@@ -54,6 +58,11 @@ class SequenceState:
     @property
     def prompt_frames(self) -> int:
         return self.prompt_mel.shape[1]
+
+    def started(self) -> "SequenceState":
+        """The state as its START made it, before any chunk: the fields a START sets (``START``), nothing since
+        (a first chunk planned on it is that stream's: ``Chunk.replay``)."""
+        return SequenceState(**{f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("start")})
 
 
 @dataclass

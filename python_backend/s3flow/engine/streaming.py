@@ -205,18 +205,10 @@ class StreamingEngine:
             self._reuse(chunk)
             if s.cache is None and s.cache_tokens is not None and chunk.steps == s.n_steps:
                 # a resumed stream whose first chunk made its prompt cache: that chunk again, first
-                chunk.replay = self._plan(corr_id, self._fresh(s), dataclasses.replace(
+                chunk.replay = self._plan(corr_id, s.started(), dataclasses.replace(
                     req, speech_tokens=s.cache_tokens, start=True, end=False, token_offset=None, chunk_steps=None,
                     resume=None), None)
         return chunk
-
-    @staticmethod
-    def _fresh(s: SequenceState) -> SequenceState:
-        """A state as ``s``'s START made it, before any chunk (a first chunk planned on it is that stream's)."""
-        return SequenceState(prompt_tokens=s.prompt_tokens, prompt_mel=s.prompt_mel,
-                             speaker_embedding=s.speaker_embedding, n_steps=s.n_steps,
-                             guidance_rate=s.guidance_rate, noise=s.noise, prompt_noise=s.prompt_noise,
-                             tenant=s.tenant)
 
     def _reuse(self, c: Chunk) -> None:
         """Which of ``c``'s leading frames it reads from its stream's cache, and which it keeps."""

@@ -98,6 +98,18 @@ class LoadReport:
     #: sent on well before then reached it or never will (its client cancelled it in the ensemble: ``Delivery``)
     free_at: float = 0.0
 
+    #: what prices an instance's work (the rest is its own streams and life)
+    PRICE = ("costs", "planned", "planned_steps", "planned_rows", "capacity", "throughput", "duty")
+
+    @property
+    def priced(self) -> bool:
+        """Whether it has priced its work: its costs known and (a solver) its plan made."""
+        return self.costs.known and (self.planned is not None or self.kind != "solver")
+
+    def priced_as(self, other: "LoadReport") -> "LoadReport":
+        """This instance's report with ``other``'s price (``PRICE``), its own streams and life kept."""
+        return dataclasses.replace(self, **{name: getattr(other, name) for name in self.PRICE})
+
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "costs": dataclasses.asdict(self.costs),
                            "streams": {str(k): _work(w) for k, w in self.streams.items()},
@@ -201,15 +213,9 @@ class ServerLoad:
         are alike, and one that took a new server's first stream cannot calibrate until it ends (its calibration
         waits for an idle engine), so a burst's STARTs waited for that stream's served calls (about 1 s more on a
         new server with the CPU layout's two)."""
-        priced = next((r for r in self.reports if r.kind == "solver" and r.costs.known and r.planned is not None),
-                      None)
+        priced = next((r for r in self.reports if r.kind == "solver" and r.priced), None)
         if priced is not None:
-            self.reports = [dataclasses.replace(r, costs=priced.costs, planned=priced.planned,
-                                                planned_steps=priced.planned_steps, planned_rows=priced.planned_rows,
-                                                capacity=priced.capacity, throughput=priced.throughput,
-                                                duty=priced.duty)
-                            if r.kind == "solver" and not (r.costs.known and r.planned is not None) else r
-                            for r in self.reports]
+            self.reports = [r.priced_as(priced) if r.kind == "solver" and not r.priced else r for r in self.reports]
 
     def _kept(self, key: tuple, make):
         if key not in self._memo:
@@ -240,7 +246,7 @@ class ServerLoad:
         """Whether the solver instances have priced their work (each its calibration at load, or its first timed
         calls; one priced prices its siblings, ``__post_init__``): before, admission cannot judge a START by
         capacity."""
-        return bool(self._solvers) and all(r.costs.known and r.planned is not None for r in self._solvers)
+        return bool(self._solvers) and all(r.priced for r in self._solvers)
 
     def known_for(self, audio: Optional[bool]) -> bool:
         """:attr:`known`, and for a START that asks for audio (``token2wav``'s) the vocoder instances' prices too
@@ -257,7 +263,7 @@ class ServerLoad:
         """The priced solver instance a new START is expected on: the one holding the fewest streams (Triton's
         sequence batcher hands a new sequence the lowest free slot index over its instances, so they fill
         evenly); None before any solver has priced its work."""
-        solvers = [r for r in self._solvers if r.planned is not None and r.costs.known]
+        solvers = [r for r in self._solvers if r.priced]
         return min(solvers, key=lambda r: r.held) if solvers else None
 
     @property
