@@ -50,19 +50,3 @@ def test_a_row_is_written_once_however_many_calls_read_it_and_goes_with_the_row(
     assert len(writer) == 1
     c = row(5, 3)   # a new row: a new file, never an old number again
     assert writer.refs([c])[0][1] > first[:, 1].max()
-
-
-def test_the_estimator_reads_a_row_from_its_file_once_and_holds_at_most_max_bytes(tmp_path):
-    writer = CacheWriter(SHAPE, tmp_path)
-    a, b = row(4, 1), row(4, 2)
-    refs = writer.refs([a, b])
-    reader = CacheReader(SHAPE.parameter(), tmp_path, max_bytes=10 ** 9)
-    first = reader.packed(refs, np.zeros(2, np.int64))
-    for p in tmp_path.iterdir():   # what was read is held: the files are not read again
-        p.unlink()
-    assert np.array_equal(reader.packed(refs, np.zeros(2, np.int64)), first)
-    one = SHAPE.pack_kept(a).numel() * 4
-    small = CacheReader(SHAPE.parameter(), tmp_path, max_bytes=one)
-    c, d = row(4, 4), row(4, 5)
-    small.packed(writer.refs([c, d]), np.zeros(2, np.int64))
-    assert len(small._held) == 1, "one row's bytes: the older went"

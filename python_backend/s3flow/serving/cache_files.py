@@ -26,7 +26,7 @@ Example::
 """
 from __future__ import annotations
 
-import collections
+import mmap
 import os
 import weakref
 from pathlib import Path
@@ -43,9 +43,6 @@ if TYPE_CHECKING:
 RECORD = "caches"
 #: a row that reads no cache
 NO_ROW = (-1, -1)
-#: the rows an estimator instance holds in memory once read (bytes): a stream's 20 rows of the full-size model's
-#: 50-frame prompt are about 23 MB
-MAX_HELD_BYTES = 512 << 20
 
 
 def default_folder(server_pid: Optional[int] = None) -> Path:
@@ -105,10 +102,8 @@ class CacheWriter:
 class CacheReader:
     """The estimator's side: the rows a call names, stacked and packed as the cached graph's ``past`` input."""
 
-    def __init__(self, shape: str, folder: Optional[Path] = None, max_bytes: int = MAX_HELD_BYTES):
-        """``shape``: the cache's six numbers, comma-separated (layers, heads, head_dim, convs, width, tail);
-        ``max_bytes``: the rows it holds in memory once read (a row never changes and its number is never used
-        again, so each is read from its file once; the least recently used go first)."""
+    def __init__(self, shape: str, folder: Optional[Path] = None):
+        """``shape``: the cache's six numbers, comma-separated (layers, heads, head_dim, convs, width, tail)."""
         numbers = [int(v) for v in shape.split(",")]
         if len(numbers) != 6 or min(numbers) < 1:
             raise ValueError(f"a cache shape is six positive numbers, got {shape!r}")
@@ -116,53 +111,35 @@ class CacheReader:
         self.folder = Path(folder) if folder is not None else default_folder()
         self._tail = self.convs * self.width * self.tail
         self._per_frame = 2 * self.layers * self.heads * self.head_dim + 1
-        self.max_bytes, self._held_bytes = max_bytes, 0
-        self._held: collections.OrderedDict = collections.OrderedDict()   # (pid, number) -> (P, floats)
 
     def packed(self, refs: np.ndarray, keep: np.ndarray) -> np.ndarray:
         """``CacheShape.pack_past(PrefixCache.stack(rows), keep)`` of the rows ``refs`` names, as float32 (every
         row padded to the longest, at least one frame; a row that reads none: masked keys, zero tails)."""
         s, b = self, len(refs)
-        rows = [None if int(p) < 0 else self._row(int(p), int(n)) for p, n in refs]
+        rows = [None if int(p) < 0 else self._read(int(p), int(n)) for p, n in refs]
         longest = max([1] + [frames for frames, _ in filter(None, rows)])
-        kv, cv = s.layers * b * s.heads * longest * s.head_dim, s.convs * b * s.width * s.tail
-        out = np.zeros(2 * kv + cv + b * longest + b, np.float32)   # written in place: keys | values | ...
-        keys = out[:kv].reshape(s.layers, b, s.heads, longest, s.head_dim)
-        values = out[kv:2 * kv].reshape(s.layers, b, s.heads, longest, s.head_dim)
-        convs = out[2 * kv:2 * kv + cv].reshape(s.convs, b, s.width, s.tail)
-        mask = out[2 * kv + cv:2 * kv + cv + b * longest].reshape(b, 1, longest)
-        out[2 * kv + cv + b * longest:] = np.asarray(keep, np.float32).reshape(-1)
+        keys = np.zeros((s.layers, b, s.heads, longest, s.head_dim), np.float32)
+        values = np.zeros_like(keys)
+        convs = np.zeros((s.convs, b, s.width, s.tail), np.float32)
+        mask = np.zeros((b, 1, longest), np.float32)
         for i, row in enumerate(rows):
             if row is None:
                 continue
-            p, data = row
-            n = s.layers * s.heads * p * s.head_dim
-            keys[:, i, :, :p] = data[:n].reshape(s.layers, s.heads, p, s.head_dim)
-            values[:, i, :, :p] = data[n:2 * n].reshape(s.layers, s.heads, p, s.head_dim)
-            convs[:, i] = data[2 * n:2 * n + self._tail].reshape(s.convs, s.width, s.tail)
-            mask[i, 0, :p] = data[2 * n + self._tail:2 * n + self._tail + p]
-        return out
-
-    def _row(self, pid: int, number: int) -> tuple[int, np.ndarray]:
-        """(P, the row's floats): held since an earlier call, or read from its file now."""
-        key = (pid, number)
-        row = self._held.get(key)
-        if row is not None:
-            self._held.move_to_end(key)
-            return row
-        row = self._read(pid, number)
-        self._held[key] = row
-        self._held_bytes += row[1].nbytes
-        while self._held_bytes > self.max_bytes and len(self._held) > 1:
-            _, (_, gone) = self._held.popitem(last=False)
-            self._held_bytes -= gone.nbytes
-        return row
+            p, flat = row
+            kv = s.layers * s.heads * p * s.head_dim
+            keys[:, i, :, :p] = flat[:kv].reshape(s.layers, s.heads, p, s.head_dim)
+            values[:, i, :, :p] = flat[kv:2 * kv].reshape(s.layers, s.heads, p, s.head_dim)
+            convs[:, i] = flat[2 * kv:2 * kv + self._tail].reshape(s.convs, s.width, s.tail)
+            mask[i, 0, :p] = flat[2 * kv + self._tail:2 * kv + self._tail + p]
+        return np.concatenate([keys.reshape(-1), values.reshape(-1), convs.reshape(-1), mask.reshape(-1),
+                               np.asarray(keep, np.float32).reshape(-1)])
 
     def _read(self, pid: int, number: int) -> tuple[int, np.ndarray]:
-        """(P, the row's floats) from its file."""
+        """(P, the row's floats) from its file (a copy: the file may go once the call is answered)."""
         path = row_file(self.folder, pid, number)
         try:
-            flat = np.fromfile(path, np.float32)
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+                flat = np.frombuffer(m, np.float32).copy()
         except (FileNotFoundError, ValueError) as exc:
             raise ValueError(f"cache row {pid}-{number} is not in {self.folder}: {exc}") from None
         frames, extra = divmod(flat.size - self._tail, self._per_frame)
