@@ -6,7 +6,6 @@ import os
 import pytest
 
 from s3flow.server.leftovers import remove_server_files, server_folders
-from s3flow.serving import cache_files
 from s3flow.serving.arrivals import KINDS, ArrivalMarks
 from s3flow.serving.load import LoadBoard
 from s3flow.serving.records import RECORDS, SERVER_FOLDERS, is_temporary, server_folder, write_atomic
@@ -15,7 +14,7 @@ from s3flow.serving.voice_registry import default_dir
 
 def test_every_folder_the_models_open_is_a_record_with_one_writer_and_leftovers_sweeps_them_all():
     opened = {ArrivalMarks.default_folder(kind, 1).name for kind in KINDS}
-    opened |= {LoadBoard.default_folder(1).name, default_dir(1).name, cache_files.default_folder(1).name}
+    opened |= {LoadBoard.default_folder(1).name, default_dir(1).name}
     assert opened == {server_folder(name, 1).name for name in SERVER_FOLDERS}
     assert {p.name for p in server_folders(1)} == opened
     assert all(r.writer and r.readers for r in RECORDS) and len({r.name for r in RECORDS}) == len(RECORDS)

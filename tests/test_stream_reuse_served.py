@@ -39,14 +39,11 @@ def served(tmp_path_factory):
 def test_the_repository_serves_the_cached_graph_and_tells_the_solver_its_shape(served):
     _, flow, repo = served
     estimator = read_config(repo / "estimator")
-    assert [t.name for t in estimator.input][-2:] == ["past_rows", "keep"], "the cpu target: the rows as files"
+    assert [t.name for t in estimator.input][-1] == "past"
     assert [t.name for t in estimator.output] == ["velocity", "kept"]
-    shape = CacheShape.of(flow.estimator.config).parameter()
     solver = read_config(repo / "cfm_solver")
-    assert solver.parameters["estimator_cache"].string_value == shape
-    assert estimator.parameters["estimator_cache"].string_value == shape, "the estimator reads the rows' files"
+    assert solver.parameters["estimator_cache"].string_value == CacheShape.of(flow.estimator.config).parameter()
     assert solver.parameters["keep_solved"].string_value == "2"
-    assert solver.parameters["cache_files"].string_value == "true"
 
 
 def test_a_served_stream_equals_the_in_process_one_with_the_same_keeping(served):

@@ -176,16 +176,11 @@ ESTIMATOR_OUTPUTS = (Tensor("velocity", "float32", (-1, FEATS, -1)),)
 #: and, in ``past``, each row's keep)
 CACHE_INPUTS = (Tensor("past", "float32", (-1,)),)
 CACHE_OUTPUTS = (Tensor("kept", "float32", (-1,)),)
-#: ... or, where the cache rows cross as files (the cpu target: ``s3flow.serving.cache_files``), each row's file
-#: (pid, number; -1, -1: none) and what it keeps: the estimator's Triton model packs ``past`` from them
-CACHE_FILE_INPUTS = (Tensor("past_rows", "int64", (-1, 2)), Tensor("keep", "int64", (-1,)))
 
 
-def estimator_inputs(meanflow: bool, cached: bool = False, files: bool = False) -> tuple[Tensor, ...]:
-    """The estimator's inputs, in graph order: x, mask, mu, t, spks, cond (+ r for meanflow) (+ the cache's: the
-    graph's ``past``, or with ``files`` the rows' files and keeps its Triton model packs it from)."""
-    cache = (CACHE_FILE_INPUTS if files else CACHE_INPUTS) if cached else ()
-    return _ESTIMATOR_INPUTS + ((MEANFLOW_INPUT,) if meanflow else ()) + cache
+def estimator_inputs(meanflow: bool, cached: bool = False) -> tuple[Tensor, ...]:
+    """The estimator's inputs, in graph order: x, mask, mu, t, spks, cond (+ r for meanflow) (+ the cache's)."""
+    return _ESTIMATOR_INPUTS + ((MEANFLOW_INPUT,) if meanflow else ()) + (CACHE_INPUTS if cached else ())
 
 
 def estimator_outputs(cached: bool = False) -> tuple[Tensor, ...]:
@@ -198,12 +193,12 @@ ENCODER_MODEL, ESTIMATOR_MODEL = "flow_encoder", "estimator"
 STATELESS_MODELS = (ENCODER_MODEL, ESTIMATOR_MODEL)
 
 
-def stateless_tensors(model: str, meanflow: bool = False, cached: bool = False,
-                      files: bool = False) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """(inputs, outputs) of ``flow_encoder`` or ``estimator`` (``meanflow``, ``cached`` and ``files`` matter to the
-    estimator only)."""
+def stateless_tensors(model: str, meanflow: bool = False,
+                      cached: bool = False) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """(inputs, outputs) of ``flow_encoder`` or ``estimator`` (``meanflow`` and ``cached`` matter to the estimator
+    only)."""
     if model == ESTIMATOR_MODEL:
-        return estimator_inputs(meanflow, cached, files), estimator_outputs(cached)
+        return estimator_inputs(meanflow, cached), estimator_outputs(cached)
     if model == ENCODER_MODEL:
         return ENCODER_INPUTS, ENCODER_OUTPUTS
     raise ValueError(f"the stateless models are {STATELESS_MODELS}, got {model!r}")

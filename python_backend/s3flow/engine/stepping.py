@@ -142,11 +142,7 @@ class StepBatch:
                 i.t[row] = s.grid[s.step]
                 if i.r is not None:
                     i.r[row] = s.grid[s.step + 1]
-        rows, i.keep = self._past_rows(), self.keep
-        if getattr(estimator, "reads_rows", False):   # it stacks them itself (its rows cross once, as files)
-            i.past, i.past_rows = None, rows
-        else:
-            i.past = PrefixCache.stack(rows) if any(r is not None for r in rows) else None
+        i.past, i.keep = self._past(), self.keep
         v = estimator(i)
         if self.keep is not None:
             v, recorded = v
@@ -162,12 +158,12 @@ class StepBatch:
             s.x = s.x + (r - t) * vk
             s.step += 1
 
-    def _past_rows(self) -> list[Optional[PrefixCache]]:
-        """This step's prefix cache of every row (None: a row that reads none)."""
+    def _past(self) -> Optional[PrefixCache]:
+        """This step's prefix caches of every row, padded to one (None when no solve reads one)."""
         rows: list[Optional[PrefixCache]] = [None] * self.rows
         for k, s in enumerate(self.solves):
             if s.past is not None:
                 rows[k], uncond = s.past[s.step]
                 if s.guided:
                     rows[self._uncond[k]] = uncond
-        return rows
+        return PrefixCache.stack(rows) if any(r is not None for r in rows) else None

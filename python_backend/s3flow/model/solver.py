@@ -55,10 +55,6 @@ class EstimatorInputs:
     r: Optional[torch.Tensor] = None
     past: Optional[PrefixCache] = None
     keep: Optional[torch.Tensor] = None
-    #: the rows of ``past`` unstacked (one ``PrefixCache`` row each, or None), for an estimator that
-    #: ``reads_rows`` (the served one whose rows cross as files, ``s3flow.serving.cache_files``): ``past`` is
-    #: then None
-    past_rows: Optional[list] = None
 
     @property
     def meanflow(self) -> bool:

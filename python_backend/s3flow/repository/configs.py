@@ -56,7 +56,7 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings, cache_sha
     if s.keeps_solved:
         if cache_shape is None:
             raise ValueError("keep_solved needs the estimator's cache shape (s3flow.model.prefix_cache.CacheShape)")
-        set_parameters(config, {"estimator_cache": cache_shape.parameter(), "cache_files": s.cache_files})
+        set_parameters(config, {"estimator_cache": cache_shape.parameter()})
     return config
 
 
@@ -111,13 +111,13 @@ def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
 
 
 def stateless_config(name: str, n_feats: int, meanflow: bool, settings: RepositorySettings,
-                     instances: int, cache_shape=None) -> ModelConfig:
+                     instances: int) -> ModelConfig:
     """``flow_encoder`` or ``estimator`` (``max_batch_size: 0``: the solver sends whole batches) as served on
     ``settings.target``: cpu: ONNX Runtime in a python model; gpu: a ``tensorrt_plan`` (built on the serving
     GPU by scripts/build_engines.py), or with ``gpu_backend="torch"`` torch on CUDA in a python model
     (``s3flow.serving.triton_models.torch_model``). ``meanflow`` matters to the estimator only."""
+    inputs, outputs = stateless_tensors(name, meanflow, cached=settings.keeps_solved)
     s = settings
-    inputs, outputs = stateless_tensors(name, meanflow, cached=s.keeps_solved, files=s.cache_files)
     if s.target == "gpu" and s.gpu_backend == "torch":
         from s3flow.runtime.torch_runner import default_dtype
         config = _python(name, 0)
@@ -128,10 +128,6 @@ def stateless_config(name: str, n_feats: int, meanflow: bool, settings: Reposito
         config, params = _python(name, 0), {"intra_op_threads": s.ort_threads}
     add_tensors(config, inputs, outputs, n_feats=n_feats)
     add_instances(config, instances, gpu=s.target == "gpu")
-    if name == ESTIMATOR_MODEL and s.cache_files:   # it reads the rows' files: their shape
-        if cache_shape is None:
-            raise ValueError("cache rows as files need the estimator's cache shape (CacheShape)")
-        params["estimator_cache"] = cache_shape.parameter()
     set_parameters(config, params)
     return config
 

@@ -95,13 +95,13 @@ def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings,
         solver_files.update(add_model_warmup(solver, n_feats, meanflow))
     out.append((solver, solver_files))
     for name, instances in ((ENCODER_MODEL, b.encoder_instances), (ESTIMATOR_MODEL, b.estimator_instances)):
-        config = stateless_config(name, n_feats, meanflow, s, instances, cache_shape)
+        config = stateless_config(name, n_feats, meanflow, s, instances)
         files: Files = {}
         if s.target == "cpu" or s.gpu_backend == "torch":
             files["1/model.py"] = MODEL_PY["onnx" if s.target == "cpu" else "torch"]
         if s.warmup:   # Triton's model_warmup samples: no first-run cost on a real request
             files.update(add_model_warmup(config, n_feats, meanflow,
-                                          cache_shape if name == ESTIMATOR_MODEL else None, s.cache_files))
+                                          cache_shape if name == ESTIMATOR_MODEL else None))
         out.append((config, files))
     return out
 

@@ -163,9 +163,3 @@ class RepositorySettings:
     def keeps_solved(self) -> bool:
         """The solver keeps what streams solved: the estimator serves the cached graph (``keep_solved``)."""
         return self.solver.solving.keep_solved > 0
-
-    @property
-    def cache_files(self) -> bool:
-        """The kept cache rows cross to the estimator once, as files (``s3flow.serving.cache_files``): on the cpu
-        target, where the estimator's Triton model is ours (ONNX Runtime in a python model)."""
-        return self.keeps_solved and self.target == "cpu"

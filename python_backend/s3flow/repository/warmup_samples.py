@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from s3flow_contract.tensors import (CACHE_FILE_INPUTS, CACHE_INPUTS, ENCODER_INPUTS, REQUEST, by_name,
-                                     estimator_inputs)
+from s3flow_contract.tensors import CACHE_INPUTS, ENCODER_INPUTS, REQUEST, by_name, estimator_inputs
 from s3flow.repository.model_config import read_config, write_config
 from s3flow.serving.warmup import WARMUP_TOKENS
 
@@ -60,21 +59,16 @@ def encoder_warmup(tokens: int = WARMUP_TOKENS, iterations: int = WARMUP_ITERATI
 
 
 def estimator_warmup(n_feats: int, meanflow: bool, frames: int = 2 * WARMUP_TOKENS,
-                     iterations: int = WARMUP_ITERATIONS, cache=None,
-                     files: bool = False) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
+                     iterations: int = WARMUP_ITERATIONS, cache=None) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
     """The ``model_warmup`` sample of ``estimator``: one Euler step's call for one sequence, ``frames`` long
     (2 rows, as classifier-free guidance calls it; 1 for meanflow); the mask (``warmup/mask``) is all ones,
     so every frame is computed. With ``cache`` (a ``CacheShape``: the estimator serves the cached graph,
     ``keep_solved``) the call is a stream's first chunk's: it reads a cache of one masked frame, as a call
     whose rows read none does, and keeps its first half (``warmup/past``); without it the first real stream on a
-    new server paid the cached graph's first run (its first audio 474-536 ms against 227 without keeping). With
-    ``files`` (the rows cross as files) the call names no row's file and keeps the same."""
+    new server paid the cached graph's first run (its first audio 474-536 ms against 227 without keeping)."""
     rows = 1 if meanflow else 2
     data = {_MASK: np.ones(1)}
-    if cache is not None and files:
-        data[CACHE_FILE_INPUTS[0].name] = np.full((rows, 2), -1, np.int64)
-        data[CACHE_FILE_INPUTS[1].name] = np.full(rows, frames // 2, np.int64)
-    elif cache is not None:
+    if cache is not None:
         import torch
 
         from s3flow.model.prefix_cache import PrefixCache
@@ -83,8 +77,8 @@ def estimator_warmup(n_feats: int, meanflow: bool, frames: int = 2 * WARMUP_TOKE
                             torch.zeros(cache.layers, rows, cache.heads, 1, cache.head_dim),
                             torch.zeros(cache.convs, rows, cache.width, cache.tail), torch.zeros(rows, 1, 1))
         data[CACHE_INPUTS[0].name] = cache.pack_past(empty, torch.full((rows,), frames // 2)).numpy()
-    return _sample(f"rows_{rows}_frames_{frames}", estimator_inputs(meanflow, cached=cache is not None, files=files),
-                   n_feats, rows, frames, iterations, data)
+    return _sample(f"rows_{rows}_frames_{frames}", estimator_inputs(meanflow, cached=cache is not None), n_feats,
+                   rows, frames, iterations, data)
 
 
 def solver_set_up() -> tuple[mc.ModelWarmup, dict[str, bytes]]:
@@ -96,24 +90,23 @@ def solver_set_up() -> tuple[mc.ModelWarmup, dict[str, bytes]]:
     return _sample("set_up", (speech,), 0, 1, 1, 1, {speech.name: "zero"})
 
 
-def add_model_warmup(config: mc.ModelConfig, n_feats: int, meanflow: bool, cache=None,
-                     files: bool = False) -> dict[str, bytes]:
+def add_model_warmup(config: mc.ModelConfig, n_feats: int, meanflow: bool, cache=None) -> dict[str, bytes]:
     """Add the warm-up sample of ``config``'s model (``flow_encoder``, ``estimator`` or ``cfm_solver``) to it;
     return the data files the sample reads ({path in the model folder: bytes}). ``cache``: the estimator's
-    ``CacheShape`` where it serves the cached graph (``files``: its rows cross as files)."""
+    ``CacheShape`` where it serves the cached graph."""
     if config.model_warmup:
         raise ValueError(f"{config.name}'s config has a model_warmup already")
     if config.name == "flow_encoder":
-        sample, data = encoder_warmup()
+        sample, files = encoder_warmup()
     elif config.name == "estimator":
-        sample, data = estimator_warmup(n_feats, meanflow, cache=cache, files=files)
+        sample, files = estimator_warmup(n_feats, meanflow, cache=cache)
     elif config.name == "cfm_solver":
-        sample, data = solver_set_up()
+        sample, files = solver_set_up()
     else:
         raise ValueError(f"no model_warmup sample for {config.name!r} (flow_encoder, estimator and cfm_solver "
                          f"have one)")
     config.model_warmup.append(sample)
-    return data
+    return files
 
 
 def write_model_warmup(repository: Path, n_feats: int, meanflow: bool) -> list[Path]:

@@ -23,9 +23,6 @@ gone       the solver: each sequence it dropped   admission (answers its late ch
            before its END, with why               takes it at a new START)
 vocoded    the vocoder: every answer, counted     the solver (``Delivery``: a token2wav    time and count
                                                   stream is idle from its vocoder answer)
-caches     the solver: each kept cache row a call the estimator (stacks the rows a call     one row (a file,
-           reads, once (``s3flow.serving.         names into its ``past``)                  not a lane)
-           cache_files``; gone with the row)
 voices     the voice_encoder                      the solver and admission (a START's      the prompt (npz
                                                   ``voice_id``)                            file, not a lane)
 drain      the drain supervisor                   the solver, the vocoder, admission       ``draining`` or
@@ -74,7 +71,6 @@ RECORDS = (
     Record("seen", "admission", ("cfm_solver",), "time and count of a sequence's requests"),
     Record("gone", "cfm_solver", ("admission",), "time and why a sequence was dropped"),
     Record("vocoded", "vocoder", ("cfm_solver",), "time and count of a sequence's vocoder answers"),
-    Record("caches", "cfm_solver (each row's file, once)", ("estimator",), "one kept prefix cache row"),
     Record("voices", "voice_encoder", ("cfm_solver", "admission"), "a voice's prompt tensors (npz)"),
     Record("drain", "drain supervisor", ("cfm_solver", "vocoder", "admission"), "draining or closing, since when",
            per_server=False),

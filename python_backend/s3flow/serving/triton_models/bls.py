@@ -18,7 +18,6 @@ import torch
 from torch.utils import dlpack
 
 from s3flow.model.prefix_cache import CacheShape, PrefixCache
-from s3flow.serving.cache_files import CacheWriter
 from s3flow.serving.session import ModelCallError
 from s3flow.serving.triton_models.base import pb_utils
 
@@ -89,35 +88,19 @@ class BlsEstimator(BlsModel):
     """The solver's ``Estimator`` (``EstimatorInputs`` in, velocity out) over BLS. With ``cache`` (the estimator's
     ``CacheShape``: it serves the cached graph, the solver keeps what streams solved) it takes a prefix cache too
     (``carries_prefix``): every call sends one, packed with a keep per row (a masked frame where no row reads any;
-    keep 0: none), and returns the kept cache where the inputs asked for one. With ``files`` (the cpu target) the
-    rows cross as files instead, each once (``reads_rows``: the step hands over its rows unstacked; the call
-    names each row's file, ``s3flow.serving.cache_files``)."""
+    keep 0: none), and returns the kept cache where the inputs asked for one."""
 
     def __init__(self, model_name: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
-                 device_id: int | None = None, cache: Optional[CacheShape] = None,
-                 files: Optional[CacheWriter] = None):
+                 device_id: int | None = None, cache: Optional[CacheShape] = None):
         super().__init__(model_name, inputs, outputs, device_id)
-        self.cache, self.files = cache, files
+        self.cache = cache
         self.carries_prefix = cache is not None
-        self.reads_rows = files is not None
 
     def __call__(self, inputs):
         if self.cache is None:
             return self.call(inputs.named())[0]
-        if self.files is not None:
-            return self._call_with_files(inputs)
         x = inputs.x
         past = inputs.past if inputs.past is not None else PrefixCache.empty(self.cache, x.shape[0], x)
         keep = inputs.keep if inputs.keep is not None else torch.zeros(x.shape[0], dtype=torch.int64)
         v, kept = self.call({**inputs.named(), "past": self.cache.pack_past(past, keep.to(x.device))})
         return v if inputs.keep is None else (v, self.cache.unpack_kept(kept, x.shape[0]))
-
-    def _call_with_files(self, inputs):
-        b = inputs.x.shape[0]
-        rows = inputs.past_rows if inputs.past_rows is not None else [None] * b
-        if inputs.past is not None:
-            raise TypeError("an estimator that reads its cache rows as files takes them unstacked (past_rows)")
-        keep = inputs.keep if inputs.keep is not None else torch.zeros(b, dtype=torch.int64)
-        v, kept = self.call({**inputs.named(), "past_rows": torch.from_numpy(self.files.refs(rows)),
-                             "keep": keep.to(torch.int64)})
-        return v if inputs.keep is None else (v, self.cache.unpack_kept(kept, b))

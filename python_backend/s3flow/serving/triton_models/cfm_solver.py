@@ -21,7 +21,6 @@ from s3flow_contract.tensors import (ENCODER_INPUTS, ENCODER_MODEL, ENCODER_OUTP
                                      SOLVER_INPUTS, SOLVER_OUTPUTS, by_name, estimator_inputs, estimator_outputs, names)
 from s3flow.model.prefix_cache import CacheShape
 from s3flow.protocol import RequestError, one_bytes, tenant_of
-from s3flow.serving.cache_files import CacheWriter
 from s3flow.serving.metrics import HISTOGRAMS, SOLVER_FAMILIES
 from s3flow.serving.saved_price import SavedPrice, device_name
 from s3flow.serving.incoming import Incoming, Outcome
@@ -52,11 +51,9 @@ class TritonPythonModel(TritonModel):
         self.encoder = BlsEncoder(p.str("encoder_model", ENCODER_MODEL), names(ENCODER_INPUTS),
                                   names(ENCODER_OUTPUTS), device_id)
         cache = CacheShape.parse(p.str("estimator_cache")) if p.int("keep_solved", 0) else None   # (issue 50)
-        files = cache is not None and p.bool("cache_files", False)   # its rows cross once, as files
         self.estimator = BlsEstimator(p.str("estimator_model", ESTIMATOR_MODEL),
-                                      names(estimator_inputs(meanflow, cached=cache is not None, files=files)),
-                                      names(estimator_outputs(cached=cache is not None)), device_id, cache,
-                                      CacheWriter(cache) if files else None)
+                                      names(estimator_inputs(meanflow, cached=cache is not None)),
+                                      names(estimator_outputs(cached=cache is not None)), device_id, cache)
         instance = args.get("model_instance_name", self.name)
         self.metrics = TritonMetrics(SOLVER_FAMILIES, self.name, instance, background=HISTOGRAMS)   # (off the loop)
         tokens = by_name(REQUEST)["speech_tokens"]

@@ -10,9 +10,7 @@ divided among the model's instances, ``s3flow.runtime.ort.auto_threads``), ``all
 (auto | true | false; auto: only in 1-thread sessions, see ``OrtSettings``), ``arena_shrinkage`` (default
 true: after each run ONNX Runtime's CPU arena gives back what that run needed beyond its resting size, so one
 long utterance does not leave the process gigabytes larger for good; measured cost 0-2 % per run on the small
-model, less on the full-size one). Where the config declares the cache rows as files (``past_rows``, ``keep``:
-the cpu target keeping what streams solved), ``estimator_cache`` (the cache's shape) and the rows' files make the
-graph's ``past`` here (``s3flow.serving.cache_files``).
+model, less on the full-size one).
 """
 from __future__ import annotations
 
@@ -20,11 +18,9 @@ import os
 
 import onnxruntime as ort
 
-from s3flow_contract.tensors import (CACHE_FILE_INPUTS, CACHE_INPUTS, CACHE_OUTPUTS, ESTIMATOR_OUTPUTS,
-                                     MEANFLOW_INPUT, names, stateless_tensors)
+from s3flow_contract.tensors import CACHE_OUTPUTS, ESTIMATOR_OUTPUTS, MEANFLOW_INPUT, names, stateless_tensors
 from s3flow.protocol import RequestError
 from s3flow.runtime.ort import OrtModel, OrtSettings, auto_threads
-from s3flow.serving.cache_files import CacheReader
 from s3flow.serving.heap import trim_heap
 from s3flow.serving.triton_models.base import TritonModel, input_arrays, ok_response
 
@@ -53,18 +49,13 @@ class TritonPythonModel(TritonModel):
         onnx_in = {i.name for i in self.session.get_inputs()}
         onnx_out = {o.name for o in self.session.get_outputs()}
         kind = "estimator" if set(names(ESTIMATOR_OUTPUTS)) <= onnx_out else "flow_encoder"
-        meanflow, cached = MEANFLOW_INPUT.name in onnx_in, set(names(CACHE_OUTPUTS)) <= onnx_out
-        # the cache rows as files (the config names them): this model packs the graph's ``past`` from them
-        declared = {t.get("name") for t in self.config.get("input", [])}
-        files = cached and set(names(CACHE_FILE_INPUTS)) <= declared
-        self.inputs, self.outputs = stateless_tensors(kind, meanflow=meanflow, cached=cached, files=files)
+        self.inputs, self.outputs = stateless_tensors(kind, meanflow=MEANFLOW_INPUT.name in onnx_in,
+                                                      cached=set(names(CACHE_OUTPUTS)) <= onnx_out)
         self.check_contract(self.inputs, self.outputs)
-        graph_inputs = stateless_tensors(kind, meanflow=meanflow, cached=cached)[0]
-        if set(names(graph_inputs)) - onnx_in or set(names(self.outputs)) - onnx_out:
+        if set(names(self.inputs)) - onnx_in or set(names(self.outputs)) - onnx_out:
             raise self.load_error(
-                f"config tensors {list(names(graph_inputs))} -> {list(names(self.outputs))} do not match the "
+                f"config tensors {list(names(self.inputs))} -> {list(names(self.outputs))} do not match the "
                 f"ONNX file's {sorted(onnx_in)} -> {sorted(onnx_out)}")
-        self.rows = CacheReader(p.str("estimator_cache")) if files else None
         self.out_names = list(names(self.outputs))
         self.required = [t.name for t in self.inputs if not t.optional]
         self.run_options = ort.RunOptions()
@@ -83,12 +74,6 @@ class TritonPythonModel(TritonModel):
         missing = [name for name in self.required if name not in feeds]
         if missing:
             raise RequestError(f"missing inputs {missing}")
-        if self.rows is not None:   # the rows' files, stacked and packed as the graph's one ``past``
-            rows, keep = (feeds.pop(t.name) for t in CACHE_FILE_INPUTS)
-            try:
-                feeds[CACHE_INPUTS[0].name] = self.rows.packed(rows, keep)
-            except ValueError as exc:
-                raise RequestError(str(exc)) from None
         values = self.session.run(self.out_names, feeds, run_options=self.run_options)
         self._bytes += sum(v.nbytes for v in feeds.values()) + sum(v.nbytes for v in values)
         return ok_response(dict(zip(self.out_names, values)))
