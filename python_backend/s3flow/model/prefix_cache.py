@@ -17,9 +17,9 @@ The tensors are stacked: keys and values (layers, B, heads, P, head_dim), the co
 widest input, kernel - 1; a narrower input fills its first channels), and the key mask (B, 1, P). Between
 processes a cache crosses as ONE flat float32 tensor each way (``CacheShape.pack_past`` / ``unpack_kept``; the
 estimator's Triton model takes ``past`` and returns ``kept``, ``s3flow_contract.tensors.CACHE_INPUTS``): nine of
-them made a stream's first chunk (10 calls) 30 ms slower. What a call costs is mostly its bytes, though (about
-1.1 ms per MB crossing and 0.04 ms per tensor on the 2-core host, results/bls_cost.md): the cache re-sent at every
-call is what keeping the prompt costs served (docs/streaming.md, "What crosses per call"). Rows differ in prefix length: the mask marks each row's frames, and each row's
+them made a stream's first chunk (10 calls) 30 ms slower. A call's cost is mostly its bytes, though (about 1.1 ms
+per MB crossing and 0.04 ms per tensor on the 2-core host, results/bls_cost.md); the cache crossing once instead
+of at every call was tried and measured no faster served (docs/streaming.md, "What crosses per call"). Rows differ in prefix length: the mask marks each row's frames, and each row's
 convolution tail is taken at its own length (zeros before a row's first frame, as the convolution's own left
 padding gives). A :class:`PrefixWalk` is one call's pass over the layers in their fixed order, written in tensor
 operations only, so the ONNX export traces it with the keep lengths as data.
