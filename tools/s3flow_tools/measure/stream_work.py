@@ -17,7 +17,7 @@ Examples::
 2. **Served wall time** (``--served``): the trained small teacher (``checkpoints/trained``) behind ``token2mel``
    as ``make demo`` builds it, admission off, one stream at a time through ``StreamingClient``: each utterance
    streamed on the default schedule and sent as one request, median of ``--runs`` each, interleaved; one server
-   per ``--keep-solved`` value (docs/streaming.md), side by side.
+   per ``--solving`` setting (keep_solved:context_frames; docs/streaming.md), side by side.
 """
 from __future__ import annotations
 
@@ -131,24 +131,24 @@ def count_section(solving: ChunkSolving) -> list[str]:
     return lines
 
 
-def served_section(runs: int, keep_solved: list[int]) -> list[str]:
-    """The served wall time, streamed over one request, on one server per ``keep_solved`` value."""
-    walls = {k: served_walls(runs, k) for k in keep_solved}
+def served_section(runs: int, solvings: list[tuple[int, int]]) -> list[str]:
+    """The served wall time, streamed over one request, on one server per (``keep_solved``, ``context_frames``)."""
+    walls = {k: served_walls(runs, *k) for k in solvings}
     lines = ["## Served wall time (trained small teacher, `token2mel`, one stream at a time)", "",
              f"Median of {runs} interleaved runs each: the utterance streamed on the client's default schedule "
              f"(first answer to last) against the same utterance in one request; admission off; one server per "
-             f"`keep_solved` (docs/streaming.md: 0 solves prompt and context again in every chunk, 1 keeps the "
-             f"prompt, 2 every frame once).", "",
-             "| prompt | utterance | " + " | ".join(f"keep_solved {k}: streamed / one request (s)" for k in walls)
-             + " |", "| --- | --- |" + " ---: |" * len(walls)]
-    first = walls[keep_solved[0]]
+             f"`keep_solved` and context (docs/streaming.md: 0 solves prompt and context again in every chunk, 1 "
+             f"keeps the prompt, 2 every frame once).", "",
+             "| prompt | utterance | " + " | ".join(f"keep_solved {k}, context {c}: streamed / one request (s)"
+                                                   for k, c in walls) + " |", "| --- | --- |" + " ---: |" * len(walls)]
+    first = walls[solvings[0]]
     for cell in first:
         lines.append(f"| {cell[0]} s | {cell[1]} s | " + " | ".join(
             f"{w[cell][0] / w[cell][1]:.2f}x ({w[cell][0]:.2f} / {w[cell][1]:.2f})" for w in walls.values()) + " |")
     return lines + [""]
 
 
-def served_walls(runs: int, keep_solved: int) -> dict:
+def served_walls(runs: int, keep_solved: int, context_frames: int) -> dict:
     """{(prompt s, utterance s): (streamed s, one request s)}, medians of ``runs`` interleaved runs."""
     from s3flow.repository import cli as build_repository
     from s3flow.server.triton_server import TritonServer
@@ -159,8 +159,7 @@ def served_walls(runs: int, keep_solved: int) -> dict:
         repo = Path(tmp) / "repo"
         if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--output", str(repo),
                                   "--no-voice", "--utilization-target", "0", "--keep-solved", str(keep_solved),
-                                  # the count's context (the cpu target's own default is 25 since 2026-12-06)
-                                  "--context-frames", str(ChunkSolving().context_frames)]) != 0:
+                                  "--context-frames", str(context_frames)]) != 0:
             raise SystemExit("building the repository failed")
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
             wait_priced(f"127.0.0.1:{server.metrics_port}")   # its calibration must not share the cores with a stream
@@ -180,7 +179,7 @@ def served_walls(runs: int, keep_solved: int) -> dict:
                             walls[mode].append(time.monotonic() - t0)
                     s, o = statistics.median(walls["streamed"]), statistics.median(walls["one request"])
                     rows[(p, u)] = (s, o)
-                    print(f"  served, keep_solved {keep_solved}: prompt {p} s, {u} s: streamed {s:.2f} s, one request "
+                    print(f"  served, keep_solved {keep_solved}, context {context_frames}: prompt {p} s, {u} s: streamed {s:.2f} s, one request "
                           f"{o:.2f} s ({s / o:.2f}x)", flush=True)
     return rows
 
@@ -190,8 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--served", action=__import__("argparse").BooleanOptionalAction, default=True,
                    help="also the served wall time (%(default)s)")
     p.add_argument("--runs", type=int, default=3, help="served runs of each (%(default)s)")
-    p.add_argument("--keep-solved", type=int, nargs="+", default=[0, 1, 2],
-                   help="the served settings compared, one server each (%(default)s)")
+    p.add_argument("--solving", nargs="+", default=["0:100", "1:100", "2:100"],
+                   help="the served settings compared, one server each, as keep_solved:context_frames (%(default)s: "
+                        "the count's context; the cpu target's default is 1:25)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "stream_work.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     solving = ChunkSolving()
@@ -200,7 +200,8 @@ def main(argv=None) -> int:
              f"{', '.join(f'{k} {v}' for k, v in machine().items())}.", ""]
     lines += count_section(solving)
     if args.served:
-        lines += served_section(args.runs, args.keep_solved)
+        solvings = [tuple(int(v) for v in s.split(":")) for s in args.solving]
+        lines += served_section(args.runs, solvings)
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
     return 0
