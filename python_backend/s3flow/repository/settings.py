@@ -163,3 +163,10 @@ class RepositorySettings:
     def keeps_solved(self) -> bool:
         """The solver keeps what streams solved: the estimator serves the cached graph (``keep_solved``)."""
         return self.solver.solving.keep_solved > 0
+
+    @property
+    def plain_beside_cached(self) -> bool:
+        """The estimator also serves the plain graph, to the calls whose rows read no cache and keep nothing (one
+        request): the cached graph's extra nodes made a 30 s one request 1.18-1.23x slower
+        (results/stream_work_default.md). On the cpu target, where the estimator's Triton model is ours."""
+        return self.keeps_solved and self.target == "cpu"

@@ -5,6 +5,7 @@ set its instance up (``solver_set_up``)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
@@ -24,11 +25,12 @@ _MASK = by_name(estimator_inputs(False))["mask"].name
 
 
 def _sample(name: str, tensors: tuple, n_feats: int, batch: int, length: int, iterations: int,
-            data: dict) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
+            data: dict, files: Optional[dict] = None) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
     """One ``model_warmup`` sample over the contract's ``tensors``: dims with the first ``-1`` as ``batch``,
     the others as ``length``; ``data``: {tensor: "zero" | a numpy array}, random data for the rest (a flat
-    tensor given an array takes the array's length). Returns the sample and its data files ({path in the model
-    folder: bytes})."""
+    tensor given an array takes the array's length); ``files``: a data file's name other than its tensor's. Returns
+    the sample and its data files ({path in the model folder: bytes})."""
+    names = files or {}
     sample = mc.ModelWarmup(name=name, batch_size=1, count=iterations)
     files = {}
     for t in tensors:
@@ -45,8 +47,8 @@ def _sample(name: str, tensors: tuple, n_feats: int, batch: int, length: int, it
             spec.zero_data = True
         else:
             array = np.ascontiguousarray(np.broadcast_to(np.asarray(given, dtype=t.np_dtype), dims))
-            spec.input_data_file = t.name
-            files[f"{WARMUP_DIR}/{t.name}"] = array.tobytes()
+            spec.input_data_file = names.get(t.name, t.name)
+            files[f"{WARMUP_DIR}/{spec.input_data_file}"] = array.tobytes()
     return sample, files
 
 
@@ -59,15 +61,22 @@ def encoder_warmup(tokens: int = WARMUP_TOKENS, iterations: int = WARMUP_ITERATI
 
 
 def estimator_warmup(n_feats: int, meanflow: bool, frames: int = 2 * WARMUP_TOKENS,
-                     iterations: int = WARMUP_ITERATIONS, cache=None) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
+                     iterations: int = WARMUP_ITERATIONS, cache=None,
+                     plain: bool = False) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
     """The ``model_warmup`` sample of ``estimator``: one Euler step's call for one sequence, ``frames`` long
     (2 rows, as classifier-free guidance calls it; 1 for meanflow); the mask (``warmup/mask``) is all ones,
     so every frame is computed. With ``cache`` (a ``CacheShape``: the estimator serves the cached graph,
     ``keep_solved``) the call is a stream's first chunk's: it reads a cache of one masked frame, as a call
     whose rows read none does, and keeps its first half (``warmup/past``); without it the first real stream on a
-    new server paid the cached graph's first run (its first audio 474-536 ms against 227 without keeping)."""
+    new server paid the cached graph's first run (its first audio 474-536 ms against 227 without keeping).
+    ``plain``: the call of a served cached graph whose rows read no cache and keep nothing (an empty ``past``: the
+    plain graph beside it serves it), its data file ``warmup/past_empty``."""
     rows = 1 if meanflow else 2
     data = {_MASK: np.ones(1)}
+    if plain:
+        data[CACHE_INPUTS[0].name] = np.zeros(0, np.float32)
+        return _sample(f"rows_{rows}_frames_{frames}_plain", estimator_inputs(meanflow, cached=True), n_feats, rows,
+                       frames, iterations, data, files={CACHE_INPUTS[0].name: "past_empty"})
     if cache is not None:
         import torch
 
@@ -90,16 +99,22 @@ def solver_set_up() -> tuple[mc.ModelWarmup, dict[str, bytes]]:
     return _sample("set_up", (speech,), 0, 1, 1, 1, {speech.name: "zero"})
 
 
-def add_model_warmup(config: mc.ModelConfig, n_feats: int, meanflow: bool, cache=None) -> dict[str, bytes]:
+def add_model_warmup(config: mc.ModelConfig, n_feats: int, meanflow: bool, cache=None,
+                     plain: bool = False) -> dict[str, bytes]:
     """Add the warm-up sample of ``config``'s model (``flow_encoder``, ``estimator`` or ``cfm_solver``) to it;
     return the data files the sample reads ({path in the model folder: bytes}). ``cache``: the estimator's
-    ``CacheShape`` where it serves the cached graph."""
+    ``CacheShape`` where it serves the cached graph; ``plain``: it serves the plain graph beside it, to calls with an
+    empty ``past`` (a second sample, one such call)."""
     if config.model_warmup:
         raise ValueError(f"{config.name}'s config has a model_warmup already")
     if config.name == "flow_encoder":
         sample, files = encoder_warmup()
     elif config.name == "estimator":
         sample, files = estimator_warmup(n_feats, meanflow, cache=cache)
+        if cache is not None and plain:
+            uncached, more = estimator_warmup(n_feats, meanflow, plain=True)
+            config.model_warmup.append(uncached)
+            files = {**files, **more}
     elif config.name == "cfm_solver":
         sample, files = solver_set_up()
     else:

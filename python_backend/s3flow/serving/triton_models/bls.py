@@ -91,15 +91,19 @@ class BlsEstimator(BlsModel):
     keep 0: none), and returns the kept cache where the inputs asked for one."""
 
     def __init__(self, model_name: str, inputs: tuple[str, ...], outputs: tuple[str, ...],
-                 device_id: int | None = None, cache: Optional[CacheShape] = None):
+                 device_id: int | None = None, cache: Optional[CacheShape] = None, plain: bool = False):
+        """``plain``: the estimator serves the plain graph beside the cached one, to a call with an empty
+        ``past`` (one whose rows read no cache and keep nothing: one request)."""
         super().__init__(model_name, inputs, outputs, device_id)
-        self.cache = cache
+        self.cache, self.plain = cache, plain
         self.carries_prefix = cache is not None
 
     def __call__(self, inputs):
         if self.cache is None:
             return self.call(inputs.named())[0]
         x = inputs.x
+        if self.plain and inputs.past is None and inputs.keep is None:
+            return self.call({**inputs.named(), "past": x.new_zeros(0)})[0]
         past = inputs.past if inputs.past is not None else PrefixCache.empty(self.cache, x.shape[0], x)
         keep = inputs.keep if inputs.keep is not None else torch.zeros(x.shape[0], dtype=torch.int64)
         v, kept = self.call({**inputs.named(), "past": self.cache.pack_past(past, keep.to(x.device))})

@@ -53,7 +53,8 @@ class TritonPythonModel(TritonModel):
         cache = CacheShape.parse(p.str("estimator_cache")) if p.int("keep_solved", 0) else None   # (issue 50)
         self.estimator = BlsEstimator(p.str("estimator_model", ESTIMATOR_MODEL),
                                       names(estimator_inputs(meanflow, cached=cache is not None)),
-                                      names(estimator_outputs(cached=cache is not None)), device_id, cache)
+                                      names(estimator_outputs(cached=cache is not None)), device_id, cache,
+                                      plain=p.bool("estimator_plain", False))
         instance = args.get("model_instance_name", self.name)
         self.metrics = TritonMetrics(SOLVER_FAMILIES, self.name, instance, background=HISTOGRAMS)   # (off the loop)
         tokens = by_name(REQUEST)["speech_tokens"]
