@@ -324,10 +324,11 @@ def test_the_stateless_shims_serve_the_estimator_by_contract_names(shim, meanflo
     assert bad.error.code == "INVALID_ARG" and "cond" in bad.error.message(), bad.error.message()
 
 
-def test_the_cached_estimator_runs_its_plain_graph_for_a_call_with_an_empty_past(small_flows, tmp_path):
+def test_the_cached_estimator_runs_the_smallest_graph_a_call_needs(small_flows, tmp_path):
     """The cached graph's extra nodes made a 30 s one request 1.18-1.23x slower (results/stream_work_default.md):
-    a call whose rows read no cache and keep nothing (an empty ``past``) runs the plain graph beside it and gets an
-    empty ``kept``; a call with a cache runs the cached graph."""
+    a call whose rows read no cache and keep nothing (an empty ``past``) runs the plain graph, one that keeps
+    nothing (every row's keep 0) the read-only cached graph, each answering an empty ``kept``, and one that keeps
+    the cached graph; the velocity is the same."""
     from s3flow.model.prefix_cache import CacheShape, PrefixCache
     from s3flow.runtime.onnx_export import export_estimator, make_estimator_inputs
 
@@ -335,31 +336,31 @@ def test_the_cached_estimator_runs_its_plain_graph_for_a_call_with_an_empty_past
     (tmp_path / "1").mkdir()
     export_estimator(flow.estimator, tmp_path / "1" / "model.onnx", cached=True)
     export_estimator(flow.estimator, tmp_path / "1" / "plain.onnx")
+    export_estimator(flow.estimator, tmp_path / "1" / "read.onnx", cached=True, keeps=False)
     config = mc.ModelConfig(name="estimator", backend="python", max_batch_size=0)
     mc.add_tensors(config, *contract.stateless_tensors("estimator", False, cached=True), n_feats=80)
-    mc.set_parameters(config, {"plain_graph": "plain.onnx"})
+    mc.set_parameters(config, {"plain_graph": "plain.onnx", "read_graph": "read.onnx"})
     model = onnx_model.TritonPythonModel()
     model.initialize(args_of(config, tmp_path))
     inputs = make_estimator_inputs(flow.estimator, 2, 24, seed=1)
     with torch.inference_mode():
         want = flow.estimator(**inputs).numpy()
     ran = []
-    for name in ("session", "plain"):
+    for name in ("session", "plain", "read"):
         real = getattr(model, name)
         setattr(model, name, types.SimpleNamespace(run=lambda *a, real=real, name=name, **kw: ran.append(name) or
                                                    real.run(*a, **kw)))
-    empty = Request({**{k: v.numpy() for k, v in inputs.items()}, "past": np.zeros(0, np.float32)})
-    empty.outputs = ("velocity", "kept")
-    [got] = model.execute([empty])
-    assert ran == ["plain"] and got.outputs["kept"].size == 0
-    np.testing.assert_allclose(got.outputs["velocity"], want, atol=1e-4, rtol=0)
     shape = CacheShape.of(flow.estimator.config)
-    past = shape.pack_past(PrefixCache.empty(shape, 2, torch.zeros(1)), torch.zeros(2, dtype=torch.int64))
-    cached = Request({**{k: v.numpy() for k, v in inputs.items()}, "past": past.numpy()})
-    cached.outputs = ("velocity", "kept")
-    [got] = model.execute([cached])
-    assert ran == ["plain", "session"] and got.outputs["kept"].size > 0
-    np.testing.assert_allclose(got.outputs["velocity"], want, atol=1e-4, rtol=0)
+    empty_cache = PrefixCache.empty(shape, 2, torch.zeros(1))
+    for past, graph in ((np.zeros(0, np.float32), "plain"),
+                        (shape.pack_past(empty_cache, torch.zeros(2, dtype=torch.int64)).numpy(), "read"),
+                        (shape.pack_past(empty_cache, torch.tensor([3, 2])).numpy(), "session")):
+        request = Request({**{k: v.numpy() for k, v in inputs.items()}, "past": past})
+        request.outputs = ("velocity", "kept")
+        [got] = model.execute([request])
+        assert ran[-1] == graph and (got.outputs["kept"].size > 0) == (graph == "session"), (graph, ran)
+        np.testing.assert_allclose(got.outputs["velocity"], want, atol=1e-4, rtol=0)
+    assert ran == ["plain", "read", "session"]
 
 
 # ------------------------------------------------------------------------------------------ metrics

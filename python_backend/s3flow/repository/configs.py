@@ -56,7 +56,7 @@ def solver_config(n_feats: int, meanflow: bool, s: RepositorySettings, cache_sha
     if s.keeps_solved:
         if cache_shape is None:
             raise ValueError("keep_solved needs the estimator's cache shape (s3flow.model.prefix_cache.CacheShape)")
-        set_parameters(config, {"estimator_cache": cache_shape.parameter(), "estimator_plain": s.plain_beside_cached})
+        set_parameters(config, {"estimator_cache": cache_shape.parameter(), "estimator_plain": s.graphs_by_call})
     return config
 
 
@@ -110,9 +110,9 @@ def wav_ensemble_config(n_feats: int, s: RepositorySettings) -> ModelConfig:
     return config
 
 
-#: the estimator's plain graph beside its cached one (``RepositorySettings.plain_beside_cached``), in its version
-#: folder
-PLAIN_GRAPH = "plain.onnx"
+#: the estimator's plain and read-only graphs beside its cached one (``RepositorySettings.graphs_by_call``),
+#: in its version folder
+PLAIN_GRAPH, READ_GRAPH = "plain.onnx", "read.onnx"
 
 
 def stateless_config(name: str, n_feats: int, meanflow: bool, settings: RepositorySettings,
@@ -133,8 +133,8 @@ def stateless_config(name: str, n_feats: int, meanflow: bool, settings: Reposito
         config, params = _python(name, 0), {"intra_op_threads": s.ort_threads}
     add_tensors(config, inputs, outputs, n_feats=n_feats)
     add_instances(config, instances, gpu=s.target == "gpu")
-    if name == ESTIMATOR_MODEL and s.plain_beside_cached:
-        params["plain_graph"] = PLAIN_GRAPH
+    if name == ESTIMATOR_MODEL and s.graphs_by_call:
+        params.update(plain_graph=PLAIN_GRAPH, read_graph=READ_GRAPH)
     set_parameters(config, params)
     return config
 

@@ -40,7 +40,7 @@ from typing import Optional, Union
 
 from s3flow_contract.tensors import ENCODER_MODEL, ESTIMATOR_MODEL, STATELESS_MODELS
 from s3flow.repository.model_config import ModelConfig, write_model_folder
-from s3flow.repository.configs import (PLAIN_GRAPH, admission_config, ensemble_config,
+from s3flow.repository.configs import (PLAIN_GRAPH, READ_GRAPH, admission_config, ensemble_config,
                                                solver_config, stateless_config, vocoder_config,
                                                voice_encoder_config, wav_ensemble_config)
 from s3flow.repository.settings import RepositorySettings
@@ -101,7 +101,7 @@ def flow_models(n_feats: int, meanflow: bool, s: RepositorySettings,
             files["1/model.py"] = MODEL_PY["onnx" if s.target == "cpu" else "torch"]
         if s.warmup:   # Triton's model_warmup samples: no first-run cost on a real request
             files.update(add_model_warmup(config, n_feats, meanflow,
-                                          cache_shape if name == ESTIMATOR_MODEL else None, s.plain_beside_cached))
+                                          cache_shape if name == ESTIMATOR_MODEL else None, s.graphs_by_call))
         out.append((config, files))
     return out
 
@@ -198,9 +198,10 @@ def write_repository(out: str | Path, flow, settings: Optional[RepositorySetting
     export_estimator(flow.estimator, out / ESTIMATOR_MODEL / onnx_dir / "model.onnx", opset=opset,
                      cached=s.keeps_solved)
     summary.files += [out / name / onnx_dir / "model.onnx" for name in STATELESS_MODELS]
-    if s.plain_beside_cached:   # for the calls that read no cache and keep nothing
-        summary.files.append(export_estimator(flow.estimator, out / ESTIMATOR_MODEL / onnx_dir / PLAIN_GRAPH,
-                                              opset=opset))
+    if s.graphs_by_call:   # for the calls that read no cache and keep nothing, and those that keep nothing
+        summary.files += [export_estimator(flow.estimator, out / ESTIMATOR_MODEL / onnx_dir / PLAIN_GRAPH, opset=opset),
+                          export_estimator(flow.estimator, out / ESTIMATOR_MODEL / onnx_dir / READ_GRAPH, opset=opset,
+                                           cached=True, keeps=False)]
     if s.target == "gpu" and s.gpu_backend == "torch":
         from s3flow.runtime.torch_runner import WEIGHTS_FILE, save_module
         for name in STATELESS_MODELS:

@@ -165,8 +165,10 @@ class RepositorySettings:
         return self.solver.solving.keep_solved > 0
 
     @property
-    def plain_beside_cached(self) -> bool:
-        """The estimator also serves the plain graph, to the calls whose rows read no cache and keep nothing (one
-        request): the cached graph's extra nodes made a 30 s one request 1.18-1.23x slower
-        (results/stream_work_default.md). On the cpu target, where the estimator's Triton model is ours."""
+    def graphs_by_call(self) -> bool:
+        """The cached estimator serves each call the smallest graph it needs: the plain graph to a call whose rows
+        read no cache and keep nothing (one request: the cached graph's extra nodes made a 30 s one request
+        1.18-1.23x slower, results/stream_work_default.md), a read-only cached graph to one that keeps nothing (a
+        stream's chunks after its first), the cached graph to one that keeps. On the cpu target, where the
+        estimator's Triton model is ours."""
         return self.keeps_solved and self.target == "cpu"

@@ -62,18 +62,19 @@ def encoder_warmup(tokens: int = WARMUP_TOKENS, iterations: int = WARMUP_ITERATI
 
 def estimator_warmup(n_feats: int, meanflow: bool, frames: int = 2 * WARMUP_TOKENS,
                      iterations: int = WARMUP_ITERATIONS, cache=None,
-                     plain: bool = False) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
+                     graph: str = "cached") -> tuple[mc.ModelWarmup, dict[str, bytes]]:
     """The ``model_warmup`` sample of ``estimator``: one Euler step's call for one sequence, ``frames`` long
     (2 rows, as classifier-free guidance calls it; 1 for meanflow); the mask (``warmup/mask``) is all ones,
     so every frame is computed. With ``cache`` (a ``CacheShape``: the estimator serves the cached graph,
     ``keep_solved``) the call is a stream's first chunk's: it reads a cache of one masked frame, as a call
     whose rows read none does, and keeps its first half (``warmup/past``); without it the first real stream on a
     new server paid the cached graph's first run (its first audio 474-536 ms against 227 without keeping).
-    ``plain``: the call of a served cached graph whose rows read no cache and keep nothing (an empty ``past``: the
-    plain graph beside it serves it), its data file ``warmup/past_empty``."""
+    ``graph``, beside a served cached graph (``RepositorySettings.graphs_by_call``): ``plain``, a call whose rows
+    read no cache and keep nothing (an empty ``past``, ``warmup/past_empty``), ``read``, one that keeps nothing
+    (``warmup/past_read``), each served by its own graph."""
     rows = 1 if meanflow else 2
     data = {_MASK: np.ones(1)}
-    if plain:
+    if graph == "plain":
         data[CACHE_INPUTS[0].name] = np.zeros(0, np.float32)
         return _sample(f"rows_{rows}_frames_{frames}_plain", estimator_inputs(meanflow, cached=True), n_feats, rows,
                        frames, iterations, data, files={CACHE_INPUTS[0].name: "past_empty"})
@@ -85,9 +86,11 @@ def estimator_warmup(n_feats: int, meanflow: bool, frames: int = 2 * WARMUP_TOKE
         empty = PrefixCache(torch.zeros(cache.layers, rows, cache.heads, 1, cache.head_dim),
                             torch.zeros(cache.layers, rows, cache.heads, 1, cache.head_dim),
                             torch.zeros(cache.convs, rows, cache.width, cache.tail), torch.zeros(rows, 1, 1))
-        data[CACHE_INPUTS[0].name] = cache.pack_past(empty, torch.full((rows,), frames // 2)).numpy()
-    return _sample(f"rows_{rows}_frames_{frames}", estimator_inputs(meanflow, cached=cache is not None), n_feats,
-                   rows, frames, iterations, data)
+        keep = 0 if graph == "read" else frames // 2
+        data[CACHE_INPUTS[0].name] = cache.pack_past(empty, torch.full((rows,), keep)).numpy()
+    suffix = "_read" if graph == "read" else ""
+    return _sample(f"rows_{rows}_frames_{frames}{suffix}", estimator_inputs(meanflow, cached=cache is not None),
+                   n_feats, rows, frames, iterations, data, files={CACHE_INPUTS[0].name: "past_read"} if suffix else None)
 
 
 def solver_set_up() -> tuple[mc.ModelWarmup, dict[str, bytes]]:
@@ -100,20 +103,20 @@ def solver_set_up() -> tuple[mc.ModelWarmup, dict[str, bytes]]:
 
 
 def add_model_warmup(config: mc.ModelConfig, n_feats: int, meanflow: bool, cache=None,
-                     plain: bool = False) -> dict[str, bytes]:
+                     graphs: bool = False) -> dict[str, bytes]:
     """Add the warm-up sample of ``config``'s model (``flow_encoder``, ``estimator`` or ``cfm_solver``) to it;
     return the data files the sample reads ({path in the model folder: bytes}). ``cache``: the estimator's
-    ``CacheShape`` where it serves the cached graph; ``plain``: it serves the plain graph beside it, to calls with an
-    empty ``past`` (a second sample, one such call)."""
+    ``CacheShape`` where it serves the cached graph; ``graphs``: it serves the plain and read-only graphs beside it
+    (``RepositorySettings.graphs_by_call``: a sample each)."""
     if config.model_warmup:
         raise ValueError(f"{config.name}'s config has a model_warmup already")
     if config.name == "flow_encoder":
         sample, files = encoder_warmup()
     elif config.name == "estimator":
         sample, files = estimator_warmup(n_feats, meanflow, cache=cache)
-        if cache is not None and plain:
-            uncached, more = estimator_warmup(n_feats, meanflow, plain=True)
-            config.model_warmup.append(uncached)
+        for graph in ("plain", "read") if cache is not None and graphs else ():
+            other, more = estimator_warmup(n_feats, meanflow, cache=cache, graph=graph)
+            config.model_warmup.append(other)
             files = {**files, **more}
     elif config.name == "cfm_solver":
         sample, files = solver_set_up()

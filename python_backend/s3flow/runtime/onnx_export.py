@@ -83,16 +83,19 @@ CACHE_AXES = {"past": {0: "past"}, "kept": {0: "kept"}}
 
 
 class CachedGraph(torch.nn.Module):
-    """The estimator with the prefix cache packed flat in and out (``past``, ``kept``): the cached graph."""
+    """The estimator with the prefix cache packed flat in and out (``past``, ``kept``): the cached graph; with
+    ``keeps`` False the read-only one (``past`` in, its keeps ignored, no ``kept``: none of the keeping's nodes)."""
 
-    def __init__(self, model: ConditionalDecoder):
+    def __init__(self, model: ConditionalDecoder, keeps: bool = True):
         super().__init__()
-        self.model = model
+        self.model, self.keeps = model, keeps
         self.shape = CacheShape.of(model.config)
 
     def forward(self, x, mask, mu, t, spks, cond, *rest):
         r = rest[0] if self.model.meanflow else None
         cache, keep = self.shape.unpack_past(rest[-1], torch._shape_as_tensor(x)[0])
+        if not self.keeps:
+            return self.model(x, mask, mu, t, spks, cond, r, past=cache, keep=None)
         v, kept = self.model(x, mask, mu, t, spks, cond, r, past=cache, keep=keep)
         return v, self.shape.pack_kept(kept)
 
@@ -156,9 +159,10 @@ def make_estimator_inputs(
     return {k: v.to(device=p.device, dtype=p.dtype) for k, v in inputs.items()}
 
 
-def export_estimator(model: ConditionalDecoder, path: PathLike, opset: int = 17, cached: bool = False) -> Path:
+def export_estimator(model: ConditionalDecoder, path: PathLike, opset: int = 17, cached: bool = False,
+                     keeps: bool = True) -> Path:
     """Exports the estimator to a single ONNX file with dynamic batch/time axes (``cached``: the cached graph, the
-    module docstring).
+    module docstring; ``keeps`` False: its read-only variant, ``velocity`` out only).
 
     The graph is traced at B=2, T=48 (small, fast); the axes named ``batch``
     and ``time`` are dynamic. See the module docstring for tensor names.
@@ -177,11 +181,12 @@ def export_estimator(model: ConditionalDecoder, path: PathLike, opset: int = 17,
     dummy = make_estimator_inputs(model, batch=2, frames=48, seed=0)
     axes = dynamic_axes(contract.estimator_inputs(model.meanflow) + contract.ESTIMATOR_OUTPUTS, "time")
     if cached:
-        dummy.update(make_cache_inputs(model, batch=2, past_frames=5, keep=[7, 3]))
+        dummy.update(make_cache_inputs(model, batch=2, past_frames=5, keep=[7, 3] if keeps else [0, 0]))
         axes.update(CACHE_AXES)
-        model = CachedGraph(model)
+        model = CachedGraph(model, keeps)
     args: Tuple[torch.Tensor, ...] = tuple(dummy[n] for n in names)
-    return _export(model, args, path, opset, names, list(contract.names(contract.estimator_outputs(cached))), axes)
+    outputs = contract.names(contract.estimator_outputs(cached and keeps))
+    return _export(model, args, path, opset, names, list(outputs), axes)
 
 
 def _export(model: torch.nn.Module, args: tuple, path: Path, opset: int, input_names, output_names,
