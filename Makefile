@@ -30,7 +30,7 @@ demo: setup $(if $(TEXT),espeak)
 	  $(if $(TEXT),--text "$(TEXT)" --speaker $(or $(SPEAKER),0))
 
 test: setup espeak perf-analyzer model-analyzer prometheus
-	$(PYTHON) -m pytest -q -rs
+	$(PYTHON) -m pytest -q -rs --durations=20
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not server and not fullsize"
