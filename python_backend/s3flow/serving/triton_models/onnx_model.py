@@ -54,8 +54,8 @@ class TritonPythonModel(TritonModel):
         onnx_in = {i.name for i in self.session.get_inputs()}
         onnx_out = {o.name for o in self.session.get_outputs()}
         kind = "estimator" if set(names(ESTIMATOR_OUTPUTS)) <= onnx_out else "flow_encoder"
-        self.inputs, self.outputs = stateless_tensors(kind, meanflow=MEANFLOW_INPUT.name in onnx_in,
-                                                      cached=set(names(CACHE_OUTPUTS)) <= onnx_out)
+        cached = set(names(CACHE_OUTPUTS)) <= onnx_out
+        self.inputs, self.outputs = stateless_tensors(kind, meanflow=MEANFLOW_INPUT.name in onnx_in, cached=cached)
         self.check_contract(self.inputs, self.outputs)
         if set(names(self.inputs)) - onnx_in or set(names(self.outputs)) - onnx_out:
             raise self.load_error(
@@ -65,7 +65,6 @@ class TritonPythonModel(TritonModel):
         self.required = [t.name for t in self.inputs if not t.optional]
         # beside the cached graph: the plain one (a call whose past is empty) and the read-only one (a call that
         # keeps nothing), each answering the velocity alone
-        cached = set(names(CACHE_OUTPUTS)) <= onnx_out
         self.plain, self.read = (self._graph(p.str(name, ""), name, settings) if cached else None
                                  for name in ("plain_graph", "read_graph"))
         self.velocity = [n for n in self.out_names if n not in names(CACHE_OUTPUTS)]
