@@ -25,12 +25,12 @@ _MASK = by_name(estimator_inputs(False))["mask"].name
 
 
 def _sample(name: str, tensors: tuple, n_feats: int, batch: int, length: int, iterations: int,
-            data: dict, files: Optional[dict] = None) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
+            data: dict, file_names: Optional[dict] = None) -> tuple[mc.ModelWarmup, dict[str, bytes]]:
     """One ``model_warmup`` sample over the contract's ``tensors``: dims with the first ``-1`` as ``batch``,
     the others as ``length``; ``data``: {tensor: "zero" | a numpy array}, random data for the rest (a flat
-    tensor given an array takes the array's length); ``files``: a data file's name other than its tensor's. Returns
+    tensor given an array takes the array's length); ``file_names``: a data file's name other than its tensor's. Returns
     the sample and its data files ({path in the model folder: bytes})."""
-    names = files or {}
+    names = file_names or {}
     sample = mc.ModelWarmup(name=name, batch_size=1, count=iterations)
     files = {}
     for t in tensors:
@@ -77,20 +77,19 @@ def estimator_warmup(n_feats: int, meanflow: bool, frames: int = 2 * WARMUP_TOKE
     if graph == "plain":
         data[CACHE_INPUTS[0].name] = np.zeros(0, np.float32)
         return _sample(f"rows_{rows}_frames_{frames}_plain", estimator_inputs(meanflow, cached=True), n_feats, rows,
-                       frames, iterations, data, files={CACHE_INPUTS[0].name: "past_empty"})
+                       frames, iterations, data, file_names={CACHE_INPUTS[0].name: "past_empty"})
     if cache is not None:
         import torch
 
         from s3flow.model.prefix_cache import PrefixCache
 
-        empty = PrefixCache(torch.zeros(cache.layers, rows, cache.heads, 1, cache.head_dim),
-                            torch.zeros(cache.layers, rows, cache.heads, 1, cache.head_dim),
-                            torch.zeros(cache.convs, rows, cache.width, cache.tail), torch.zeros(rows, 1, 1))
+        empty = PrefixCache.empty(cache, rows, torch.zeros(1))
         keep = 0 if graph == "read" else frames // 2
         data[CACHE_INPUTS[0].name] = cache.pack_past(empty, torch.full((rows,), keep)).numpy()
     suffix = "_read" if graph == "read" else ""
     return _sample(f"rows_{rows}_frames_{frames}{suffix}", estimator_inputs(meanflow, cached=cache is not None),
-                   n_feats, rows, frames, iterations, data, files={CACHE_INPUTS[0].name: "past_read"} if suffix else None)
+                   n_feats, rows, frames, iterations, data,
+                   file_names={CACHE_INPUTS[0].name: "past_read"} if suffix else None)
 
 
 def solver_set_up() -> tuple[mc.ModelWarmup, dict[str, bytes]]:
