@@ -1,5 +1,5 @@
 """How many streams may start at once with none running dry: the start-up ramp's bound, by chunk setting and chunk
-schedule, on the simulator priced by this host's server (issues 48 and 50).
+schedule, on the simulator priced by this host's server and on the server itself (issues 48 and 50).
 
 A stream's chunks grow (the client's default schedule: 10 tokens, then twice as many each time up to 100) and each
 is sent when the previous one is answered. Its player starts ``BUFFER_S`` after the first answer, so chunk k + 1
@@ -22,6 +22,10 @@ The simulator holds neither the per-chunk Python nor the hops (issue 49's fixed 
 server's (results/keep_prompt_c25.md: the server's own ratio of the two first settings); results/qos.md compares it
 with the server at these loads.
 
+3. The same server measures the bound itself for the shipped setting and schedule (admission off): its C with
+   ``C_STREAMS`` held-out sentences at once, then n = 1, 2, ... at once (the same ``RUNS`` sets of sentences the
+   simulator ran) up to past floor(0.8 C) and past the first count with a stream dry; every count is reported.
+
 Example::
 
     .venv/bin/python -m s3flow_tools.measure.at_once           # -> results/at_once.md (~2 min)
@@ -40,7 +44,7 @@ from s3flow.repository import cli as build_repository
 from s3flow.server.triton_server import TritonServer
 from s3flow_client.chunking import chunk_schedule
 from s3flow_tools.bench.report import machine
-from s3flow_tools.measure.admission import build, burst, calibrated
+from s3flow_tools.measure.admission import build, burst, calibrated, throughput
 from s3flow_tools.measure.command import command
 from s3flow_tools.measure.corpus import utterances
 from s3flow_tools.sim.price import served_costs
@@ -86,6 +90,23 @@ def bound(settings, costs, schedule) -> dict:
     return {"c": c, "best": best, "first": first, "dry_at": dry_at}
 
 
+def served_bound(server: TritonServer, c: float) -> list:
+    """(n, streams dry per set, first answer p95 s) for n = 1, 2, ... at once on ``server`` until n is past
+    floor(0.8 ``c``) and past the first count with a stream dry."""
+    rows, dry_seen = [], False
+    for n in range(1, 2 * C_STREAMS + 1):
+        sets = [[r for r, e in burst([server.grpc_url], "token2mel", n, offset=7 * k)[0]] for k in range(RUNS)]
+        dry = [sum(r.playback_stalls(BUFFER_S)[0] > 0 for r in rs) for rs in sets]
+        first = float(np.percentile([r.first_chunk_s for rs in sets for r in rs], 95))
+        rows.append((n, dry, first))
+        print(f"served, {n} at once ({n / c:.2f} C): dry per set {dry}, first answer p95 {1000 * first:.0f} ms",
+              flush=True)
+        dry_seen = dry_seen or any(dry)
+        if dry_seen and n > int(0.8 * c) and any(dry):
+            break
+    return rows
+
+
 def main(argv=None) -> int:
     p = command(__file__, __doc__)
     p.add_argument("--warm", type=int, default=8, help="held-out sentences at once before the price is saved "
@@ -99,6 +120,10 @@ def main(argv=None) -> int:
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
             calibrated(server)
             burst([server.grpc_url], "token2mel", args.warm)
+            served_c, lost = throughput([server.grpc_url], "token2mel", C_STREAMS)
+            if lost:
+                raise SystemExit(f"{len(lost)} of the {C_STREAMS} streams that measure C failed: {lost[0]}")
+            served = served_bound(server, served_c)
         costs = served_costs(repo)   # saved by the solver instances at their close
     print(f"the server's price: estimator {costs.est_fixed * 1e3:.2f} ms + {costs.est_per_unit * 1e6:.3f} us per "
           f"row-frame, encoder {costs.enc_fixed * 1e3:.2f} ms + {costs.enc_per_unit * 1e6:.3f} us per token", flush=True)
@@ -130,6 +155,16 @@ def main(argv=None) -> int:
         dry = f"{r['dry_at'][0]}: {' / '.join(map(str, r['dry_at'][1]))}" if r["dry_at"] else "none up to 32"
         lines.append(f"| {label} | {name} | {r['c']:.2f} | {r['c'] / before:.2f} | {r['best']} | "
                      f"{r['best'] / r['c']:.2f} | {1000 * r['first']:.0f} | {dry} |")
+    safe = max((n for n, dry, _ in served if not any(dry) and all(not any(d) for m, d, _ in served if m < n)),
+               default=0)
+    lines += ["", f"The server itself, the shipped setting (prompt kept, context 25) and the client's default schedule, "
+              f"admission off, the same {RUNS} sets of sentences per count: C {served_c:.2f} s of audio per second "
+              f"({C_STREAMS} at once); **{safe} at once with none dry ({safe / served_c:.2f} C)**, where issue 48 "
+              f"asks for floor(0.8 C) = {int(0.8 * served_c)}.", "",
+              "| streams at once | as a share of C | streams dry per set (0.3 s buffer) | first answer p95 (ms) |",
+              "| ---: | ---: | --- | ---: |"]
+    lines += [f"| {n} | {n / served_c:.2f} | {' / '.join(map(str, dry))} | {1000 * first:.0f} |"
+              for n, dry, first in served]
     lines += [""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
