@@ -82,3 +82,29 @@ def test_the_watch_of_a_killed_process_ends_by_itself():
     child.kill()   # no atexit
     child.wait(10)
     assert _wait_gone(watch_pid, 5), "the watch outlived the process it watched"
+
+
+def test_the_server_watched_is_the_one_a_stub_was_started_for_from_its_command_line():
+    from s3flow.serving.parent_watch import server_pid
+
+    stub = ["/opt/tritonserver/backends/python/triton_python_backend_stub", "/repo/cfm_solver/1/model.py",
+            "s3flow_12_ab", "1048576", "1048576", "4156", "/opt/tritonserver/backends/python", "336",
+            "cfm_solver_0_0", "DEFAULT"]
+    assert server_pid(stub) == 4156
+    assert server_pid([sys.executable, "-c", "pass"]) == os.getppid()   # not a stub: its parent
+
+
+def test_a_process_whose_server_left_before_its_watch_started_is_killed_at_the_first_look():
+    """A server stopped while a stub still loads leaves before the stub's watch starts: the stub's parent is
+    then init, not the server it was started for, and the watch must act at once, not watch init."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD.replace("watch_parent(period_s=0.1)",
+                                                                  "watch_parent(period_s=0.1, parent=1)")
+                              .format(hold_gil=False)], stdout=subprocess.PIPE, text=True)
+    try:
+        child.stdout.readline()
+        child.wait(10)
+        assert child.returncode == -signal.SIGKILL, f"the watch let it live (exit {child.returncode})"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 
@@ -238,3 +239,38 @@ def test_a_server_killed_alone_takes_its_stubs_with_it_and_the_next_start_sweeps
     with TritonServer(repo, log_file=tmp_path / "next.log"):
         assert not any(name.endswith(f"-{server.pid}") for name in ours())
     server.stop()
+
+
+def test_a_server_stopped_while_its_stubs_still_load_takes_them_with_it(repo, tmp_path):
+    """SIGTERM while the solver's stub still runs its initialize (its imports take seconds), the server then left
+    unreaped a while: the stub's watch started after the server had gone, and used to watch the stub's new parent
+    (init) instead of its server: both solver stubs stayed alive (here: 2 of 2, 8 s on; seen: 18 minutes), stuck
+    in a metric call to the gone server. The watch now takes the server's PID from the stub's command line."""
+    server = TritonServer(repo, log_file=tmp_path / "early.log").start()
+    t0 = time.monotonic()
+    solver = []
+    while not solver and time.monotonic() - t0 < 60:   # the solver's stub, importing its model.py (torch)
+        solver = [p for p in tree_pids(server.pid) if "cfm_solver/1/model.py" in " ".join(read_cmdline(p) or [])
+                  and any("libtorch" in m.path for m in _maps(p))]
+        time.sleep(0.02)
+    assert solver, "the solver's stub never started: " + server.log_tail()
+    assert "successfully loaded 'cfm_solver'" not in (tmp_path / "early.log").read_text()
+    below = tree_pids(server.pid)[1:]
+    os.kill(server.pid, signal.SIGTERM)
+    time.sleep(4.0)   # the parent busy: the server a zombie meanwhile, its stubs' parent init
+    server.process.wait(30)
+    t0 = time.monotonic()
+    while any(is_running(p) for p in below) and time.monotonic() - t0 < STUBS_EXIT_WITHIN_S:
+        time.sleep(0.1)
+    left_alive = [(p, " ".join(read_cmdline(p) or [])[:80]) for p in below if is_running(p)]
+    for p, _ in left_alive:
+        os.kill(p, signal.SIGKILL)
+    server.stop()
+    assert not left_alive, f"alive {STUBS_EXIT_WITHIN_S} s after their server left: {left_alive}"
+
+
+def _maps(pid: int) -> list:
+    try:
+        return psutil.Process(pid).memory_maps(grouped=False)
+    except psutil.Error:
+        return []

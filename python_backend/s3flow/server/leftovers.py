@@ -12,11 +12,12 @@ server that exits cleanly removes its regions but not our folders, and one that 
 """
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import time
 from pathlib import Path
+
+import psutil
 
 from s3flow.serving.records import SERVER_FOLDERS, server_folder
 
@@ -45,28 +46,16 @@ def remove_server_files(server_pid: int) -> int:
     return gone
 
 
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _mapped_regions() -> set[str]:
-    """The names of the ``/dev/shm`` files that some process maps (every process's ``maps``)."""
+    """The names of the ``/dev/shm`` files that some process maps (every process's memory maps)."""
     names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+    prefix = str(SHM) + "/"
+    for proc in psutil.process_iter():
         try:
-            text = maps.read_text()
-        except OSError:
+            maps = proc.memory_maps(grouped=False)
+        except psutil.Error:
             continue
-        for line in text.splitlines():
-            i = line.find(str(SHM) + "/")
-            if i >= 0:
-                names.add(line[i + len(str(SHM)) + 1:].split()[0])
+        names.update(m.path[len(prefix):] for m in maps if m.path.startswith(prefix))
     return names
 
 
@@ -85,7 +74,7 @@ def remove_stale(shm: Path = SHM) -> list[str]:
     removed, mapped = [], None
     for entry in shm.iterdir():
         m = _FOLDER.match(entry.name)
-        if m and entry.is_dir() and not _running(int(m.group(1))):
+        if m and entry.is_dir() and not psutil.pid_exists(int(m.group(1))):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry.name)
         elif entry.name.startswith(REGION_PREFIX) and entry.is_file() and _age_s(entry) > REGION_MIN_AGE_S:

@@ -1,5 +1,6 @@
-"""Processes and ports by number, never by name: free ports, a process's argv and liveness from ``/proc``,
-stopping one PID (SIGTERM, then SIGKILL of its group), the resident memory of a process tree, a log's tail.
+"""Processes and ports by number, never by name: free ports, a process's argv, environment and liveness
+(psutil), stopping one PID (SIGTERM, then SIGKILL of its group), the resident memory of a process tree, a log's
+tail.
 """
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pathlib
 import signal
 import socket
 import time
+
+import psutil
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,25 +31,19 @@ def log_tail(path: pathlib.Path | None, lines: int = 40) -> str:
 
 
 def read_environ(pid: int) -> dict[str, str]:
-    """The environment a running process started with (Linux ``/proc``; empty if unreadable)."""
+    """The environment a running process started with (empty if unreadable)."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            pairs = [a.decode(errors="replace").split("=", 1) for a in f.read().split(b"\0") if b"=" in a]
-    except OSError:
+        return psutil.Process(pid).environ()
+    except psutil.Error:
         return {}
-    return dict(pairs)
 
 
 def read_cmdline(pid: int) -> list[str] | None:
-    """argv of a running process (Linux ``/proc``), or None if it is gone or a zombie."""
+    """argv of a running process, or None if it is gone or a zombie."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        if state in (b"Z", b"X"):
-            return None
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except (OSError, IndexError):
+        p = psutil.Process(pid)
+        return None if p.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD) else p.cmdline()
+    except psutil.Error:
         return None
 
 
@@ -94,31 +91,20 @@ def kill(pid: int, kill_group: bool) -> None:
 
 
 def tree_pids(pid: int) -> list[int]:
-    """``pid`` and all its descendants, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in pathlib.Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
+    """``pid`` and all its descendants (just ``pid`` if it is gone)."""
+    try:
+        return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return [pid]
 
 
 def tree_rss_bytes(pid: int) -> int:
-    """Resident memory of ``pid`` and all its descendants, from /proc (0 for processes already gone)."""
+    """Resident memory of ``pid`` and all its descendants (0 for processes already gone)."""
     total = 0
     for p in tree_pids(pid):
         try:
-            with open(f"/proc/{p}/status") as f:
-                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
-        except OSError:
+            total += psutil.Process(p).memory_info().rss
+        except psutil.Error:
             pass
     return total
 

@@ -17,6 +17,11 @@ reparented) it ends too, and a stub that exits normally kills it and its ``sleep
 What the server left in ``/dev/shm`` (its regions, the models' per-run folders) the next start sweeps
 (``s3flow.server.leftovers.remove_stale``): nothing maps it any more.
 
+The server watched is the one the python backend started the stub for, read from the stub's command line
+(:func:`server_pid`), not the stub's parent when the watch starts: a server stopped while its stubs still load
+(the solver's imports take seconds) has left by then, and a watch of the stub's new parent (PID 1) never acted
+(seen: two solver stubs alive 18 minutes on, each in its initialize waiting on a metric call to the gone server).
+
 Example::
 
     watch_parent()     # in a model's initialize: one line on stderr (the server's log file) when it acts
@@ -29,6 +34,8 @@ import signal
 import subprocess
 import threading
 from typing import Optional
+
+import psutil
 
 #: how often the watch looks (seconds; a stub outlives its server by at most about this)
 PERIOD_S = 1.0
@@ -56,13 +63,24 @@ _watch: Optional[subprocess.Popen] = None   # the process's one watch
 _lock = threading.Lock()
 
 
+def server_pid(argv: Optional[list] = None) -> int:
+    """The tritonserver this process serves: in a python backend stub (``argv``: default this process's), the
+    parent PID the backend gave it (``triton_python_backend_stub <model.py> <shm region> <shm size> <shm growth>
+    <server pid> ...``); elsewhere this process's parent."""
+    argv = psutil.Process().cmdline() if argv is None else argv
+    if len(argv) > 5 and argv[0].endswith("triton_python_backend_stub") and argv[5].isdigit():
+        return int(argv[5])
+    return os.getppid()
+
+
 def watch_parent(period_s: float = PERIOD_S, parent: Optional[int] = None) -> subprocess.Popen:
-    """Start the watch of this process's parent (``parent``: its PID, default ``os.getppid()``), once per process
-    (a stub is one process; a later call returns the first call's watch)."""
+    """Start the watch of this process's server (``parent``: its PID, default :func:`server_pid`), once per
+    process (a stub is one process; a later call returns the first call's watch). A process whose parent is not
+    that server when the watch starts is killed at its first look."""
     global _watch
     with _lock:
         if _watch is None or _watch.poll() is not None:
-            server = os.getppid() if parent is None else parent
+            server = server_pid() if parent is None else parent
             # a group of its own, so that a normal exit takes its sleep too (killpg)
             _watch = subprocess.Popen(["/bin/sh", "-c", WATCH, "s3flow-parent-watch", str(os.getpid()), str(server),
                                        f"{period_s:g}"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

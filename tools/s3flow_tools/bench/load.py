@@ -18,13 +18,13 @@ Example::
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
+import psutil
 
 from s3flow.server.metrics_reader import histogram, metric_sum, read_metrics
 from s3flow.serving.metrics import HISTOGRAMS
@@ -40,30 +40,23 @@ OUTPUT_ATOL = 5e-4       # batched under load vs alone (padding changes float su
 # ------------------------------------------------------------------------------ the server's processes
 def solver_stub_pid(server_pid: int, model: str = "cfm_solver") -> Optional[int]:
     """PID of the python-backend stub serving ``model`` (a child of the server; its argv names model.py)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    try:
+        children = psutil.Process(server_pid).children()
+    except psutil.Error:
+        return None
+    for child in children:
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            if ppid != server_pid:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
+            argv = child.cmdline()
+        except psutil.Error:
             continue
-        if len(argv) > 1 and argv[1].decode(errors="replace").endswith(f"/{model}/1/model.py"):
-            return int(entry)
+        if len(argv) > 1 and argv[1].endswith(f"/{model}/1/model.py"):
+            return child.pid
     return None
 
 
 def rss_mb(pid: int) -> float:
-    """Resident set size of ``pid`` in MiB (VmRSS)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    """Resident set size of ``pid`` in MiB."""
+    return psutil.Process(pid).memory_info().rss / 2**20
 
 
 
