@@ -97,14 +97,16 @@ def test_the_server_watched_is_the_one_a_stub_was_started_for_from_its_command_l
 def test_a_process_whose_server_left_before_its_watch_started_is_killed_at_the_first_look():
     """A server stopped while a stub still loads leaves before the stub's watch starts: the stub's parent is
     then init, not the server it was started for, and the watch must act at once, not watch init."""
-    child = subprocess.Popen([sys.executable, "-c", CHILD.replace("watch_parent(period_s=0.1)",
-                                                                  "watch_parent(period_s=0.1, parent=1)")
-                              .format(hold_gil=False)], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(["sleep", "60"])   # alive, and not the child's parent (this process is)
+    child = subprocess.Popen([sys.executable, "-c", CHILD.replace(
+        "watch_parent(period_s=0.1)", f"watch_parent(period_s=0.1, parent={server.pid})").format(hold_gil=False)],
+        stdout=subprocess.PIPE, text=True)
     try:
         child.stdout.readline()
         child.wait(10)
         assert child.returncode == -signal.SIGKILL, f"the watch let it live (exit {child.returncode})"
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(10)
+        for p in (child, server):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
