@@ -37,9 +37,6 @@ TRIM_AFTER_BYTES = 1 << 20
 class TritonPythonModel(TritonModel):
     def setup(self, args):
         p = self.params
-        path = os.path.join(self.version_dir, "model.onnx")
-        if not os.path.isfile(path):
-            raise self.load_error(f"ONNX file not found at {path}")
         # session settings live in s3flow.runtime.ort, shared with the in-process path
         instances = sum(int(g.get("count", 1)) for g in self.config.get("instance_group", [])) or 1
         fuse = p.str("fuse_attention", "auto")
@@ -48,9 +45,7 @@ class TritonPythonModel(TritonModel):
                                optimization=p.str("graph_optimization", "all"),
                                rewrite=p.bool("graph_rewrite", True),
                                fuse_attention=None if fuse.lower() == "auto" else p.bool("fuse_attention"))
-        # plain run(), no IO binding: on CPU, binding per call measured no faster (tests/test_flops.py
-        # covers both ways of OrtModel.run)
-        self.session = OrtModel(path, settings, io_binding=False).session
+        self.session = self._graph("model.onnx", "the model", settings)
         onnx_in = {i.name for i in self.session.get_inputs()}
         onnx_out = {o.name for o in self.session.get_outputs()}
         kind = "estimator" if set(names(ESTIMATOR_OUTPUTS)) <= onnx_out else "flow_encoder"
@@ -65,8 +60,8 @@ class TritonPythonModel(TritonModel):
         self.required = [t.name for t in self.inputs if not t.optional]
         # beside the cached graph: the plain one (a call whose past is empty) and the read-only one (a call that
         # keeps nothing), each answering the velocity alone
-        self.plain, self.read = (self._graph(p.str(name, ""), name, settings) if cached else None
-                                 for name in ("plain_graph", "read_graph"))
+        self.plain, self.read = (self._graph(p.str(name, ""), f"the graph named by {name}", settings) if cached
+                                 else None for name in ("plain_graph", "read_graph"))
         self.velocity = [n for n in self.out_names if n not in names(CACHE_OUTPUTS)]
         self.run_options = ort.RunOptions()
         if p.bool("arena_shrinkage", True):
@@ -96,13 +91,14 @@ class TritonPythonModel(TritonModel):
         self._bytes += sum(v.nbytes for v in feeds.values()) + sum(v.nbytes for v in values)
         return ok_response(dict(zip(self.out_names, values)))
 
-    def _graph(self, file: str, parameter: str, settings: OrtSettings):
-        """The session of a graph beside the cached one (None: the parameter names none)."""
+    def _graph(self, file: str, what: str, settings: OrtSettings):
+        """The session of ``file`` in the version folder (None: no file named). Plain run(), no IO binding: on CPU,
+        binding per call measured no faster (tests/test_flops.py covers both ways of OrtModel.run)."""
         if not file:
             return None
         path = os.path.join(self.version_dir, file)
         if not os.path.isfile(path):
-            raise self.load_error(f"the graph named by {parameter} is not at {path}")
+            raise self.load_error(f"{what}'s ONNX file is not at {path}")
         return OrtModel(path, settings, io_binding=False).session
 
     def _graph_for(self, past, rows: int):
