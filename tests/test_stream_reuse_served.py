@@ -2,7 +2,8 @@
 
 The solver sends each step's prefix cache to ``estimator`` over BLS and keeps what it returns (``s3flow.engine.
 reuse``); the streams must equal the in-process engine's with the same setting, chunk for chunk, alone and
-batched with others at different points of their streams.
+batched with others at different points of their streams. A registered voice holds its prompt's cache
+(``voice_cache_mb``, ``s3flow.engine.voice_prompts``): its second stream calls the estimator for no prompt pass.
 """
 from __future__ import annotations
 
@@ -17,21 +18,26 @@ from s3flow.model.prefix_cache import CacheShape
 from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.repository.generator import write_repository
 from s3flow.repository.model_config import read_config
-from s3flow.repository.settings import Batching, RepositorySettings
+from s3flow.repository.settings import Batching, RepositorySettings, VoiceSettings
 from s3flow.server.triton_server import TritonServer
+from s3flow.serving.local_stream import stream_in_process as stream_session
+from s3flow.serving.session import SolverSession
 from s3flow_client import StreamingClient, chunk_schedule
 from s3flow_client.demo import demo_utterance
+from s3flow_client.voices import register_prompt
 
 pytestmark = pytest.mark.server
-SOLVER = SolverSettings.of(keep_solved=2, context_frames=30, max_live_sequences=16)
+SOLVER = SolverSettings.of(keep_solved=2, context_frames=30, max_live_sequences=16, voice_cache_mb=16)
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("reuse")
-    flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=9))
-    settings = RepositorySettings(solver=SOLVER, batching=Batching(max_queue_delay_us=20_000), ort_threads=1)
-    write_repository(root / "repo", flow, settings)
+    ckpt = write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=9)
+    flow = load_flow(ckpt)
+    settings = RepositorySettings(solver=SOLVER, batching=Batching(max_queue_delay_us=20_000), ort_threads=1,
+                                  voices=VoiceSettings(max_voices=8))
+    write_repository(root / "repo", flow, settings, voice_checkpoint=ckpt)
     with TritonServer(root / "repo", log_file=root / "server.log", background_stop=True) as server:
         yield server, flow, root / "repo"
 
@@ -73,3 +79,37 @@ def test_streams_at_once_each_at_its_own_point_equal_each_alone(served):
         [alone] = client.synthesize([u])
         assert got.mel.shape[1] == 2 * len(u.speech_tokens)
         np.testing.assert_allclose(got.mel, alone.mel, atol=5e-4, rtol=0)
+
+
+def _estimator_calls(server) -> int:
+    return int(server.client().get_inference_statistics("estimator").model_stats[0].execution_count)
+
+
+def test_a_voices_second_stream_makes_no_prompt_pass_and_streams_as_in_process(served):
+    """Started by voice id: the voice's first stream calls the estimator for its prompt pass (the steps of the
+    prompt alone) and its chunks, the second (another seed) for its chunks only; each equals the in-process engine
+    over the same voice, and differs from the stream that sends its prompt itself (whose first chunk solves it)."""
+    server, flow, _ = served
+    u = demo_utterance(2.0, seed=13, noise_seed=1, prompt_seconds=1.2)
+    voice = register_prompt(server.grpc_url, u.prompt_tokens, u.prompt_mel, u.speaker_embedding)
+    steps, sizes = 4, chunk_schedule(len(u.speech_tokens), 8, 2.0, 30)
+    client = StreamingClient(server.grpc_url)
+    calls, got = [], []
+    for seed in (1, 2):
+        v = voice.utterance(u.speech_tokens, seed=seed, n_timesteps=steps)
+        v.chunks = sizes
+        before = _estimator_calls(server)
+        [r] = client.synthesize([v])
+        calls.append(_estimator_calls(server) - before)
+        assert not r.retries and r.mel.shape == (80, 2 * len(u.speech_tokens))
+        got.append(r.mel)
+    assert calls == [steps * (len(sizes) + 1), steps * len(sizes)]
+    held = {"prompt_tokens": u.prompt_tokens[None], "prompt_mel": u.prompt_mel[None],
+            "speaker_embedding": u.speaker_embedding[None]}
+    session = SolverSession(make_engine(flow, SOLVER), SOLVER.rules, voices=lambda voice_id, tenant: held)
+    local = stream_session(session, u.speech_tokens, sizes, voice_id=voice.voice_id, seed=2, n_timesteps=steps)
+    np.testing.assert_allclose(got[1], local.mel, atol=5e-4, rtol=0)
+    by_prompt = voice.utterance(u.speech_tokens, seed=2, n_timesteps=steps)
+    by_prompt.voice_id, by_prompt.chunks = None, sizes
+    [plain] = client.synthesize([by_prompt])
+    assert np.abs(plain.mel - got[1]).mean() > 1e-3

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from s3flow_contract.tensors import request_arrays
 from s3flow.model.flow import S3Flow, TorchEstimator, synthesize
 from s3flow.engine.settings import SolverSettings
 from s3flow.model.solver import CountingEstimator
@@ -161,9 +162,12 @@ class Streamed:
 
 
 def stream_utterance(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], seed: int = 0,
-                     n_steps: Optional[int] = None, settings: Optional[SolverSettings] = None) -> Streamed:
+                     n_steps: Optional[int] = None, settings: Optional[SolverSettings] = None,
+                     by_voice: bool = False) -> Streamed:
     """Stream one utterance through the served chunk logic in process (``SolverSession`` over a
-    ``StreamingEngine`` with ``settings``, default the served defaults; torch modules as the networks)."""
+    ``StreamingEngine`` with ``settings``, default the served defaults; torch modules as the networks).
+    ``by_voice``: the START names a registered voice holding ``u``'s prompt (``settings`` with ``voice_cache_mb``:
+    its prompt pass, ``s3flow.engine.voice_prompts``, is left out of ``solved_frames``: a voice pays it once)."""
     def encode(tokens, token_len, embedding):
         with torch.inference_mode():
             return flow.encoder(tokens, token_len, embedding)
@@ -171,10 +175,17 @@ def stream_utterance(flow: S3Flow, u: HeldoutUtterance, chunks: Sequence[int], s
     settings = settings or SolverSettings()
     engine = StreamingEngine(encode, TorchEstimator(flow.estimator), n_feats=flow.config.n_feats,
                              meanflow=flow.config.meanflow, solving=settings.solving, limits=settings.sequences)
-    got = stream_in_process(SolverSession(engine, settings.rules), u.speech_tokens, chunks,
-                            prompt_tokens=u.prompt_tokens, prompt_mel=np.ascontiguousarray(u.prompt_mel.T),
-                            speaker_embedding=u.xvector, seed=seed, n_timesteps=n_steps)
-    return Streamed(got.mel, got.seams, got.latencies_s, engine.solved_frames)
+    prompt = dict(prompt_tokens=u.prompt_tokens, prompt_mel=np.ascontiguousarray(u.prompt_mel.T),
+                  speaker_embedding=u.xvector)
+    voices = None
+    if by_voice:
+        arrays = request_arrays(np.zeros(0, np.int64), start=True, **prompt)
+        held = {k: arrays[k] for k in prompt}
+        voices = lambda voice_id, tenant: held   # noqa: E731
+        prompt = dict(voice_id="v-eval")
+    got = stream_in_process(SolverSession(engine, settings.rules, voices=voices), u.speech_tokens, chunks,
+                            seed=seed, n_timesteps=n_steps, **prompt)
+    return Streamed(got.mel, got.seams, got.latencies_s, engine.solved_frames - engine.prompt_pass_frames)
 
 
 def stream_vs_offline(flow: S3Flow, utts: Sequence[HeldoutUtterance], name: str,

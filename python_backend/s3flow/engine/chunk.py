@@ -49,6 +49,9 @@ class SequenceState:
     #: the last emitted frames, (n_feats, F) covering [emitted - F, emitted): bounded-context conditioning
     mel_tail: Optional[np.ndarray] = None
     tenant: str = field(default="", metadata=START)   # whose stream (a snapshot is sealed for it)
+    #: its prompt's cache comes from a prompt pass (started by a registered voice, or resumed from a stream that
+    #: was): the same for every stream of the voice at its steps and guidance (``s3flow.engine.voice_prompts``)
+    prompt_pass: bool = field(default=False, metadata=START)
     cache: Optional[StreamCache] = None   # keep_solved: the solved frames kept (``s3flow.engine.reuse``)
     #: keep_solved 1: the tokens of the stream's first chunk when that chunk made the kept prompt cache (None
     #: otherwise): a snapshot carries them, and a resumed stream solves that chunk again to make the same cache
@@ -113,7 +116,8 @@ class Chunk:
     skipped: int = 0
     keep: int = 0
     #: keep_solved 1, the first chunk of a resumed stream: its stream's first chunk again, on a fresh state (the
-    #: same solve), whose prompt cache this chunk reads once it is made (``StepLoop._replay``)
+    #: same solve), whose prompt cache this chunk reads once it is made (``StepLoop._replay``); or, for a stream
+    #: whose prompt's cache comes from a prompt pass not held yet, that pass (the prompt alone)
     replay: Optional["Chunk"] = None
 
     @property

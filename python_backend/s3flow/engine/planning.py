@@ -28,13 +28,15 @@ from s3flow.protocol import RequestRules, parse_request
 
 def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
                   meanflow: bool = False, prompt_frames: int = -1, slide_prompt: int = 0,
-                  keep_solved: int = 0) -> list[tuple[int, int]]:
+                  keep_solved: int = 0, by_voice: bool = False) -> list[tuple[int, int]]:
     """The (batch rows, frames) of every estimator call of one utterance streamed in ``chunks`` (guided unless
     ``meanflow``), planned by the real ``StreamingEngine`` over stand-in models (zeros): the cost of any model
     size without running it. ``prompt_frames``, ``slide_prompt`` and ``keep_solved`` are the ``ChunkSolving``
-    fields (``s3flow.engine.reuse``: the frames a call reads from a cache are not among its frames)."""
+    fields (``s3flow.engine.reuse``: the frames a call reads from a cache are not among its frames); ``by_voice``:
+    started by a registered voice whose prompt's cache is held (``s3flow.engine.voice_prompts``; its prompt pass
+    made before, not counted)."""
     return _planned(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow, prompt_frames, slide_prompt,
-                    keep_solved)[0]
+                    keep_solved, by_voice)[0]
 
 
 class ZeroEstimator:
@@ -58,7 +60,7 @@ class ZeroEstimator:
 
 def _planned(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
              meanflow: bool, prompt_frames: int, slide_prompt: int,
-             keep_solved: int = 0) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+             keep_solved: int = 0, by_voice: bool = False) -> tuple[list[tuple[int, int]], list[int], list[int]]:
     """:func:`planned_calls`, the mel frames each chunk's answer made final (the last chunk: as if the stream
     went on, so the frames its lookahead held back are not counted twice), and each chunk's encoder tokens."""
     calls: list[tuple[int, int]] = []
@@ -72,17 +74,25 @@ def _planned(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_fr
 
     rules = RequestRules(max_chunk_tokens=max(chunks))
     solving = ChunkSolving(context_frames=context_frames, prompt_frames=prompt_frames, slide_prompt=slide_prompt,
-                           keep_solved=keep_solved, max_utterance_frames=max(3000, 2 * sum(chunks)))
+                           keep_solved=keep_solved, voice_cache_mb=1 if by_voice else 0,
+                           max_utterance_frames=max(3000, 2 * sum(chunks)))
     engine = StreamingEngine(encode, ZeroEstimator(calls), n_feats=n_feats, meanflow=meanflow, solving=solving)
     rng = np.random.default_rng(0)
+    prompt = dict(prompt_tokens=rng.integers(0, 6561, (1, prompt_tokens), dtype=np.int64),
+                  prompt_mel=np.zeros((1, 2 * prompt_tokens, n_feats), np.float32),
+                  speaker_embedding=np.ones((1, 192), np.float32), n_timesteps=np.array([[steps]], np.int32),
+                  guidance_rate=np.array([[0.7]], np.float32))
+    if by_voice:   # another stream of the voice made its prompt pass before
+        req = parse_request({"speech_tokens": np.zeros((1, 1), np.int64), **prompt}, start=True, end=True,
+                            rules=rules, n_feats=n_feats)
+        req.voice = "v"
+        engine.run([engine.admit(0, req)])
+        calls.clear()
+        encoded.clear()
     for k, size in enumerate(chunks):
-        inputs = {"speech_tokens": rng.integers(0, 6561, (1, size), dtype=np.int64)}
-        if k == 0:
-            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, prompt_tokens), dtype=np.int64),
-                          prompt_mel=np.zeros((1, 2 * prompt_tokens, n_feats), np.float32),
-                          speaker_embedding=np.ones((1, 192), np.float32), n_timesteps=np.array([[steps]], np.int32),
-                          guidance_rate=np.array([[0.7]], np.float32))
+        inputs = {"speech_tokens": rng.integers(0, 6561, (1, size), dtype=np.int64), **(prompt if k == 0 else {})}
         req = parse_request(inputs, start=k == 0, end=k == len(chunks) - 1, rules=rules, n_feats=n_feats)
+        req.voice = "v" if by_voice and k == 0 else None
         [answer] = engine.run([engine.admit(1, req)])
         final.append(int(answer.mel.shape[1]))
     if len(final) > 1:   # an END makes the held-back frames final too: a stream that goes on does not

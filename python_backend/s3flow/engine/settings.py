@@ -13,7 +13,7 @@ part                       fields                                     read by
 (``engine.capacity``)                                                 look-ahead and the planned START
 ``ChunkSolving``           context_frames, prompt_frames,             ``s3flow.engine.streaming.StreamingEngine``
                            slide_prompt, keep_solved,
-                           holdback_frames, default_steps,
+                           voice_cache_mb, holdback_frames, default_steps,
                            default_guidance_rate,
                            max_utterance_frames
 ``DeadlineSettings``       start_buffer_s, first_audio_s,             the table's playback clocks (both
@@ -66,6 +66,11 @@ class ChunkSolving(NumericSettings):
     #: frame solved once). Needs bounded context, the prompt not sliding, and an estimator that takes a cache.
     #: Quality and work: results/stream_reuse.md.
     keep_solved: int = 0
+    #: With ``keep_solved`` 1 or 2: MB of prompt caches a solver instance holds for registered voices
+    #: (``s3flow.engine.voice_prompts``): a stream started by a voice id reads its prompt's cache from its first
+    #: chunk on, made once per voice, steps and guidance rate by a prompt pass; 0: such a stream solves its prompt
+    #: in its first chunk as any stream. Ignored with ``keep_solved`` 0.
+    voice_cache_mb: int = 0
     holdback_frames: int = 0              # generated frames withheld until the next chunk (or END)
     default_steps: int = 0                # 0: the checkpoint's default (10, or 2 for meanflow)
     default_guidance_rate: float = 0.7
@@ -74,7 +79,8 @@ class ChunkSolving(NumericSettings):
     def check(self) -> None:
         check_numbers(self, "chunk setting", lowest={"holdback_frames": 0, "default_steps": 0,
                                                      "default_guidance_rate": 0, "context_frames": -1,
-                                                     "prompt_frames": -1, "slide_prompt": 0, "keep_solved": 0})
+                                                     "prompt_frames": -1, "slide_prompt": 0, "keep_solved": 0,
+                                                     "voice_cache_mb": 0})
         if self.slide_prompt not in (0, 1):
             raise ValueError(f"chunk setting slide_prompt must be 0 or 1, got {self.slide_prompt}")
         if self.slide_prompt and self.context_frames < 0:

@@ -7,7 +7,9 @@ is pinned. The pinned noise itself is not carried: every value of ``noised_mels`
 frame (a chunk's starting point is carried noise or fresh noise, by induction from the first chunk), so its
 range is enough. A digest of the kept prompt (its tokens and mel, and the speaker embedding) ties the section
 to the START that must come with it. A stream that keeps its prompt's cache (``keep_solved`` 1) also carries the
-tokens of the first chunk that made it, which the resumed stream solves again (``s3flow.engine.reuse``).
+tokens of the first chunk that made it, which the resumed stream solves again (``s3flow.engine.reuse``); a stream
+whose prompt's cache came from a prompt pass (``s3flow.engine.voice_prompts``) says so, and the resumed stream
+reads the same pass's cache, whether its START names the voice or carries the prompt.
 
 Prefix mode has no snapshot (a chunk depends on every frame so far): its streams resume by replay.
 
@@ -64,6 +66,8 @@ class SolverSnapshots:
                   "emitted": int(state.emitted),
                   "noised_start": -1 if noised is None else int(noised.start),
                   "noised_stop": -1 if noised is None else int(noised.stop)}
+        if state.prompt_pass:   # its prompt's cache is the prompt pass's: a resume makes the same
+            fields["prompt_pass"] = 1
         arrays = {"tokens": np.asarray(state.tokens, np.int16)}   # ids < 6561
         if state.mel_tail is not None:
             arrays["mel_tail"] = np.asarray(state.mel_tail, np.float32)
@@ -114,4 +118,5 @@ class SolverSnapshots:
                 raise SnapshotError(f"snapshot cache_tokens must be 1 to {received} tokens in [0, {VOCAB_SIZE})")
         state.received_tokens, state.token_offset, state.tokens = received, offset, tokens
         state.cache_tokens = cache_tokens
+        state.prompt_pass = bool(int_field(fields, "prompt_pass", 0, 1)) if "prompt_pass" in fields else False
         state.emitted, state.mel_tail, state.noised_mels = emitted, None if tail is None else tail.copy(), noised

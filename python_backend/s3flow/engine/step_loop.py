@@ -212,9 +212,10 @@ class StepLoop:
         self.engine.solved_frames += batch.frames * chunks
 
     def _replay(self, chunk: Chunk) -> None:
-        """A resumed stream's first chunk again (``Chunk.replay``: keep_solved 1), solved alone before ``chunk``,
-        its steps counted as any: the engine takes the prompt cache it made (``replayed``). Should it fail,
-        ``chunk`` solves its prompt inline and keeps a cache anew (its own solve reports a failing estimator)."""
+        """A resumed stream's first chunk again (``Chunk.replay``: keep_solved 1) or a voice's prompt pass, solved
+        alone before ``chunk``, its steps counted as any: the engine takes the prompt cache it made (``replayed``).
+        Should it fail, ``chunk`` solves its prompt inline and keeps a cache anew (its own solve reports a failing
+        estimator)."""
         first, chunk.replay = chunk.replay, None
         try:
             [solve] = self.engine.prepare([first])

@@ -65,10 +65,11 @@ from s3flow.engine.observer import NO_OBSERVER, Observer
 from s3flow.engine.sequences import SequenceLimits, SequenceTable
 from s3flow.engine.settings import ChunkSolving
 from s3flow.engine.scheduler import check_bucket_ratio
-from s3flow.engine.solver_snapshot import SolverSnapshots
+from s3flow.engine.solver_snapshot import SolverSnapshots, prompt_digest
 from s3flow.engine.step_loop import Done, StepLoop, never_cancelled
 from s3flow.engine.reuse import REUSE_MODES, StreamCache
 from s3flow.engine.stepping import RowSolve, StepCaches
+from s3flow.engine.voice_prompts import PROMPT_PASS_SEED, VoicePrompts
 from s3flow.model.chunks import NoisedMels, condition, solve_frames, starting_point
 from s3flow.model.solver import FrameNoise, cfm_grid, default_steps
 from s3flow.protocol import ChunkRequest, RequestError
@@ -98,8 +99,12 @@ class StreamingEngine:
         if self.reuse != "none" and not getattr(estimator, "carries_prefix", False):
             raise ValueError(f"keep_solved {solving.keep_solved} needs an estimator that takes a prefix cache "
                              f"(carries_prefix)")
+        #: the prompt caches registered voices hold (``s3flow.engine.voice_prompts``; None: voice_cache_mb 0)
+        self.voice_prompts = (VoicePrompts(solving.voice_cache_mb << 20)
+                              if self.reuse != "none" and solving.voice_cache_mb else None)
         self.estimator_calls = 0
         self.solved_frames = 0           # sum over solves of rows' frames x Euler steps (cost figures)
+        self.prompt_pass_frames = 0      # ... of them, the voices' prompt passes'
         self.snapshots = snapshots or SolverSnapshots(None, solving, n_feats, meanflow)
         #: the loop a batch of chunks is solved whole in (``run``; the ``fifo`` scheduling's)
         self.whole = StepLoop(self, policy="whole", bucket_ratio=self.bucket_ratio)
@@ -145,7 +150,8 @@ class StreamingEngine:
                               prompt_mel=req.prompt_mel[:, cut:],
                               speaker_embedding=req.speaker_embedding, n_steps=int(steps),
                               guidance_rate=0.0 if self.meanflow else float(rate), noise=noise,
-                              prompt_noise=noise.prompt(tp)[:, cut:], tenant=tenant)
+                              prompt_noise=noise.prompt(tp)[:, cut:], tenant=tenant,
+                              prompt_pass=req.voice is not None and self.voice_prompts is not None)
         if req.resume is not None:
             self.snapshots.restore(state, req.resume)
             if req.token_offset is not None and req.token_offset != state.received_tokens:
@@ -202,13 +208,34 @@ class StreamingEngine:
                       first_frame=first, valid_frames=valid, final_frames=final,
                       steps=req.chunk_steps or s.n_steps, pinned=req.chunk_steps is not None)
         if self.reuse != "none":
+            if (s.cache is None and s.prompt_pass and chunk.steps == s.n_steps and used > 0
+                    and (self.reuse == "prompt" or e == 0)):   # (context kept: the voice's cache holds no context)
+                s.cache = self._held_prompt(s)
+                if s.cache is None:   # the voice's prompt pass, solved before this chunk
+                    chunk.replay = self._prompt_pass(corr_id, s)
             self._reuse(chunk)
-            if s.cache is None and s.cache_tokens is not None and chunk.steps == s.n_steps:
+            if s.cache is None and chunk.replay is None and s.cache_tokens is not None and chunk.steps == s.n_steps:
                 # a resumed stream whose first chunk made its prompt cache: that chunk again, first
                 chunk.replay = self._plan(corr_id, s.started(), dataclasses.replace(
                     req, speech_tokens=s.cache_tokens, start=True, end=False, token_offset=None, chunk_steps=None,
                     resume=None), None)
         return chunk
+
+    def _prompt_key(self, s: SequenceState) -> tuple:
+        return s.tenant, prompt_digest(s), s.n_steps, s.guidance_rate
+
+    def _held_prompt(self, s: SequenceState) -> Optional[StreamCache]:
+        return None if self.voice_prompts is None else self.voice_prompts.get(self._prompt_key(s))
+
+    def _prompt_pass(self, corr_id, s: SequenceState) -> Chunk:
+        """The solve that makes ``s``'s prompt cache from its prompt alone (``s3flow.engine.voice_prompts``): the
+        capped prompt's tokens encoded alone, its frames from ``FrameNoise(PROMPT_PASS_SEED)``, at the stream's
+        steps and guidance, every frame kept; nothing answered, nothing committed (``StepLoop._replay``)."""
+        tp = s.prompt_frames
+        return Chunk(corr_id, s, np.zeros(0, np.int64), finalize=False, started=False, replaced=None,
+                     encoder_tokens=s.prompt_tokens, prefix_mel=s.prompt_mel, prompt_frames=tp,
+                     start=FrameNoise(PROMPT_PASS_SEED, self.n_feats).prompt(tp), first_frame=0, valid_frames=0,
+                     final_frames=0, steps=s.n_steps, keep=tp)
 
     def _reuse(self, c: Chunk) -> None:
         """Which of ``c``'s leading frames it reads from its stream's cache, and which it keeps."""
@@ -269,10 +296,15 @@ class StreamingEngine:
         return solves
 
     def replayed(self, c: Chunk, recorded: list[StepCaches]) -> None:
-        """``c.replay`` (its stream's first chunk on a fresh state: the solve that made the prompt cache the stream
-        kept) was solved by the loop, keeping ``recorded``: ``c`` reads that cache, and the resumed stream goes on as
-        the undisturbed one (tests/test_snapshot.py)."""
-        c.state.cache = StreamCache.made(recorded, c.steps, c.prompt_frames, 0)
+        """``c.replay`` was solved by the loop, keeping ``recorded``: the prompt cache ``c`` reads. Either a resumed
+        stream's first chunk again on a fresh state (the solve that made the prompt cache the stream kept: it goes on
+        as the undisturbed one, tests/test_snapshot.py), or a voice's prompt pass (held for its next streams)."""
+        s = c.state
+        s.cache = StreamCache.made(recorded, c.steps, c.prompt_frames, 0)
+        if s.prompt_pass:
+            self.prompt_pass_frames += c.prompt_frames * c.steps
+            if self.voice_prompts is not None:   # the voice's: its next streams read it
+                self.voice_prompts.put(self._prompt_key(s), s.cache)
         self._reuse(c)
 
     def fewer_steps(self, c: Chunk, solve: RowSolve, steps: int) -> None:

@@ -39,9 +39,12 @@ DEFAULT_INSTANCES = {"cpu": {"solver_instances": 2, "estimator_instances": 2},
 #: ``context_frames`` 25): 1.30x the saturation throughput of keeping nothing with 100 frames
 #: (results/keep_prompt_c25.md), more streams at once before one runs dry (results/at_once.md), its paired quality
 #: within the seed spread (results/stream_reuse.md), a resume still exact (the first chunk solved again,
-#: docs/streaming.md); a first answer about 20 ms later. GPU: nothing kept, 100 frames, until the TensorRT plans
-#: take a cache (the repository refuses ``keep_solved`` with them).
-DEFAULT_SOLVING = {"cpu": {"keep_solved": 1, "context_frames": 25}, "gpu": {}}
+#: docs/streaming.md); a first answer about 20 ms later. Registered voices hold their prompt's cache (256 MB a solver
+#: instance, ``voice_cache_mb``: 6.5 MB a voice of the trained small teacher, 221 MB at full size, guided 10
+#: steps), so a stream started by voice id solves no prompt frames (1.05x one request's frames at 5 s; paired
+#: quality within the seed spread, results/stream_reuse_voice.md). GPU: nothing kept, 100 frames, until the
+#: TensorRT plans take a cache (the repository refuses ``keep_solved`` with them).
+DEFAULT_SOLVING = {"cpu": {"keep_solved": 1, "context_frames": 25, "voice_cache_mb": 256}, "gpu": {}}
 GPU_BACKENDS = ("tensorrt", "torch")
 SCHEDULING = ("fifo", "deadline")
 

@@ -101,11 +101,13 @@ def refused(corr_id, message: str, exc: RequestError, reason: Optional[str] = No
 
 
 def with_voice(inputs: Mapping[str, np.ndarray], start: bool,
-               voices: Optional[Callable[[str, str], dict]], tenant: str = "") -> Mapping[str, np.ndarray]:
+               voices: Optional[Callable[[str, str], dict]], tenant: str = "") -> tuple[Mapping[str, np.ndarray],
+                                                                                        Optional[str]]:
     """The request's tensors with a ``voice_id`` replaced by that voice's prompt tensors (``voices(voice_id)``
-    gives them, or raises ``UnknownVoice``); unchanged without one. RequestError for a misplaced id."""
+    gives them, or raises ``UnknownVoice``), and that id; unchanged and None without one. RequestError for a
+    misplaced id."""
     if VOICE_ID not in inputs:
-        return inputs
+        return inputs, None
     raw = np.asarray(inputs[VOICE_ID])
     if not start:
         raise RequestError(f"{VOICE_ID} may only be sent with the sequence's START request")
@@ -118,12 +120,14 @@ def with_voice(inputs: Mapping[str, np.ndarray], start: bool,
         raise RequestError(f"{VOICE_ID} given, but this server has no voice registry (no voice_encoder model)")
     value = raw.reshape(-1)[0]
     voice_id = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-    return {**{k: v for k, v in inputs.items() if k != VOICE_ID}, **voices(voice_id, tenant)}
+    return {**{k: v for k, v in inputs.items() if k != VOICE_ID}, **voices(voice_id, tenant)}, voice_id
 
 
 def parse_incoming(req: Incoming, rules: RequestRules, n_feats: int,
                    voices: Optional[Callable[[str, str], dict]] = None) -> ChunkRequest:
     """Validate one request, a voice id replaced by its prompt first (:func:`with_voice`): the solver's and
     admission's one reading of a request. RequestError (``UnknownVoice`` among them) naming the bad value."""
-    return parse_request(with_voice(req.inputs, req.start, voices, req.tenant), start=req.start, end=req.end,
-                         rules=rules, n_feats=n_feats)
+    inputs, voice_id = with_voice(req.inputs, req.start, voices, req.tenant)
+    parsed = parse_request(inputs, start=req.start, end=req.end, rules=rules, n_feats=n_feats)
+    parsed.voice = voice_id
+    return parsed

@@ -12,7 +12,9 @@ frames, the client's chunk schedule 10, 20, 40, 80, 100 tokens, nothing kept) on
 
 * the cheap levers: context 50 and 25 frames; the chunk schedule 10, 25, 50, 100 (grows faster);
 * reuse (``keep_solved``, ``s3flow.engine.reuse``): the prompt's estimator cache kept from the first chunk (1),
-  and the prompt's and the last C emitted frames' (2: every frame solved once);
+  and the prompt's and the last C emitted frames' (2: every frame solved once); and the prompt's cache held by a
+  registered voice (``s3flow.engine.voice_prompts``: a prompt pass of its own, read from the first chunk on; its
+  frames are left out of the work, as a voice pays them once);
 * today's default from another seed: the seed-to-seed spread each difference is read against;
 * the same utterance in one request (one chunk: every frame once, the capped prompt): what streaming is judged
   against (its work and wall are the unit).
@@ -80,6 +82,7 @@ class Candidate:
     settings: dict = field(default_factory=dict)
     chunks: Callable[[int], list[int]] = chunk_schedule
     seed_offset: int = 0
+    by_voice: bool = False     # started by a registered voice holding its prompt's cache
 
 
 TODAY = "today: C 100, prompt 50 frames"
@@ -93,6 +96,8 @@ CANDIDATES = {
     "chunks 10, 25, 50, 100": Candidate(chunks=faster_growth),
     "prompt kept": Candidate({"keep_solved": 1}),
     "prompt kept, C 25": Candidate({"keep_solved": 1, "context_frames": 25}),
+    "prompt kept, C 25, by voice": Candidate({"keep_solved": 1, "context_frames": 25, "voice_cache_mb": 64},
+                                             by_voice=True),
     "every frame once (prompt and context kept)": Candidate({"keep_solved": 2}),
     "every frame once, chunks 10, 25, 50, 100": Candidate({"keep_solved": 2}, chunks=faster_growth),
 }
@@ -139,7 +144,7 @@ def measure(teacher, hift, utts: Sequence[HeldoutUtterance], names: Sequence[str
             c = CANDIDATES[n]
             t0 = time.perf_counter()
             got = stream_utterance(teacher, u, c.chunks(n_tokens), seed=k + c.seed_offset, n_steps=STEPS,
-                                   settings=settings_of[n])
+                                   settings=settings_of[n], by_voice=c.by_voice)
             wall = time.perf_counter() - t0
             rows[n].append(judge(got, u, hift, mels, got.solved_frames / one.solved_frames, wall / one_s))
             mels[n] = got.mel
@@ -192,7 +197,7 @@ def full_size_table(names: Sequence[str]) -> str:
             c = CANDIDATES[name]
             s = SolverSettings.of(**c.settings).solving
             calls = planned_calls(80, LONG_PROMPT_TOKENS, c.chunks(n), s.context_frames, STEPS,
-                                  prompt_frames=s.prompt_frames, keep_solved=s.keep_solved)
+                                  prompt_frames=s.prompt_frames, keep_solved=s.keep_solved, by_voice=c.by_voice)
             row.append(f"{sum(f for _, f in calls) / STEPS / one:.2f}x")
         body.append(row)
     return markdown(header, body)
@@ -204,6 +209,8 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=0, help="only the first N held-out sentences (and the 10 s-prompt "
                    "ones); 0: all (default)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "stream_reuse.md", help="(default: %(default)s)")
+    p.add_argument("--candidate", action="append", default=[], help="a candidate's name, as many times as wanted "
+                   "(today's and its seed spread always run); default: all")
     args = p.parse_args(argv)
     torch.set_num_threads(2)
     t0 = time.perf_counter()
@@ -214,6 +221,12 @@ def main(argv=None) -> int:
     teacher = load_flow(args.trained / "teacher.safetensors")
     hift = load_vocoder(args.trained / "vocoder.safetensors")
     names = list(CANDIDATES)
+    if args.candidate:
+        wanted = args.candidate
+        unknown = [n for n in wanted if n not in CANDIDATES]
+        if unknown:
+            p.error(f"unknown candidates {unknown}; known: {list(CANDIDATES)}")
+        names = [TODAY, SPREAD] + [n for n in wanted if n not in (TODAY, SPREAD)]
     rows = measure(teacher, hift, utts, names)
     n_long = len(utts) - (args.limit or len(heldout))
     long_only = {n: js[-n_long:] for n, js in rows.items()}

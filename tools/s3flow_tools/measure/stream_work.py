@@ -17,7 +17,10 @@ Examples::
 2. **Served wall time** (``--served``): the trained small teacher (``checkpoints/trained``) behind ``token2mel``
    as ``make demo`` builds it, admission off, one stream at a time through ``StreamingClient``: each utterance
    streamed on the default schedule and sent as one request, median of ``--runs`` each, interleaved; one server
-   per ``--solving`` setting (keep_solved:context_frames; docs/streaming.md), side by side.
+   per ``--solving`` setting (keep_solved:context_frames; docs/streaming.md), side by side. A setting ending in
+   ``:voice`` (``1:25:voice``) serves registered voices holding their prompt's cache (``voice_cache_mb``,
+   ``s3flow.engine.voice_prompts``): each utterance's prompt is registered and one short stream by its id makes
+   the voice's prompt pass before the timed ones, which start by voice id (streamed and one request alike).
 """
 from __future__ import annotations
 
@@ -131,16 +134,17 @@ def count_section(solving: ChunkSolving) -> list[str]:
     return lines
 
 
-def served_section(runs: int, solvings: list[tuple[int, int]]) -> list[str]:
-    """The served wall time, streamed over one request, on one server per (``keep_solved``, ``context_frames``)."""
+def served_section(runs: int, solvings: list[tuple]) -> list[str]:
+    """The served wall time, streamed over one request, on one server per (``keep_solved``, ``context_frames``,
+    by voice)."""
     walls = {k: served_walls(runs, *k) for k in solvings}
     lines = ["## Served wall time (trained small teacher, `token2mel`, one stream at a time)", "",
              f"Median of {runs} interleaved runs each: the utterance streamed on the client's default schedule "
              f"(first answer to last) against the same utterance in one request; admission off; one server per "
              f"`keep_solved` and context (docs/streaming.md: 0 solves prompt and context again in every chunk, 1 "
              f"keeps the prompt, 2 every frame once).", "",
-             "| prompt | utterance | " + " | ".join(f"keep_solved {k}, context {c}: streamed / one request (s)"
-                                                   for k, c in walls) + " |", "| --- | --- |" + " ---: |" * len(walls)]
+             "| prompt | utterance | " + " | ".join(f"keep_solved {k[0]}, context {k[1]}{', by voice' if k[2:] else ''}: "
+                                                   f"streamed / one request (s)" for k in walls) + " |", "| --- | --- |" + " ---: |" * len(walls)]
     first = walls[solvings[0]]
     for cell in first:
         lines.append(f"| {cell[0]} s | {cell[1]} s | " + " | ".join(
@@ -148,17 +152,25 @@ def served_section(runs: int, solvings: list[tuple[int, int]]) -> list[str]:
     return lines + [""]
 
 
-def served_walls(runs: int, keep_solved: int, context_frames: int) -> dict:
+def served_walls(runs: int, keep_solved: int, context_frames: int, by_voice: bool = False) -> dict:
     """{(prompt s, utterance s): (streamed s, one request s)}, medians of ``runs`` interleaved runs."""
+    from s3flow.model.flow import FlowConfig
+    from s3flow.model.random_checkpoint import write_random_checkpoint
     from s3flow.repository import cli as build_repository
     from s3flow.server.triton_server import TritonServer
     from s3flow.server.metrics_reader import wait_priced
+    from s3flow_client.voices import register_prompt
 
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
+        voices = ["--no-voice"]
+        if by_voice:   # register_prompt stores a prompt as given: any voice encoder's weights serve
+            voices = ["--voice-checkpoint", str(write_random_checkpoint(Path(tmp) / "voice.safetensors",
+                                                                        FlowConfig.small(), seed=0)),
+                      "--voice-cache-mb", "64"]
         if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--output", str(repo),
-                                  "--no-voice", "--utilization-target", "0", "--keep-solved", str(keep_solved),
+                                  *voices, "--utilization-target", "0", "--keep-solved", str(keep_solved),
                                   "--context-frames", str(context_frames)]) != 0:
             raise SystemExit("building the repository failed")
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
@@ -169,8 +181,13 @@ def served_walls(runs: int, keep_solved: int, context_frames: int) -> dict:
                 for u in UTTERANCES_S:
                     walls = {"streamed": [], "one request": []}
                     for r in range(runs):
+                        utt = demo_utterance(u, seed=100 + r, prompt_seconds=p)
+                        if by_voice:   # registered, its prompt pass made by a short stream first
+                            voice = register_prompt(server.grpc_url, utt.prompt_tokens, utt.prompt_mel,
+                                                    utt.speaker_embedding)
+                            client.synthesize([voice.utterance(utt.speech_tokens[:10])])
+                            utt = voice.utterance(utt.speech_tokens, seed=utt.seed)
                         for mode in walls:   # interleaved
-                            utt = demo_utterance(u, seed=100 + r, prompt_seconds=p)
                             utt.chunks = None if mode == "streamed" else [len(utt.speech_tokens)]
                             t0 = time.monotonic()
                             [res] = client.synthesize([utt])
@@ -179,7 +196,7 @@ def served_walls(runs: int, keep_solved: int, context_frames: int) -> dict:
                             walls[mode].append(time.monotonic() - t0)
                     s, o = statistics.median(walls["streamed"]), statistics.median(walls["one request"])
                     rows[(p, u)] = (s, o)
-                    print(f"  served, keep_solved {keep_solved}, context {context_frames}: prompt {p} s, {u} s: streamed {s:.2f} s, one request "
+                    print(f"  served, keep_solved {keep_solved}, context {context_frames}, by voice {by_voice}: prompt {p} s, {u} s: streamed {s:.2f} s, one request "
                           f"{o:.2f} s ({s / o:.2f}x)", flush=True)
     return rows
 
@@ -191,7 +208,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=3, help="served runs of each (%(default)s)")
     p.add_argument("--solving", nargs="+", default=["0:100", "1:100", "2:100"],
                    help="the served settings compared, one server each, as keep_solved:context_frames (%(default)s: "
-                        "the count's context; the cpu target's default is 1:25)")
+                        "the count's context; the cpu target's default is 1:25); 1:25:voice: streams started by "
+                        "registered voices that hold their prompt's cache")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "stream_work.md", help="(default: %(default)s)")
     args = p.parse_args(argv)
     solving = ChunkSolving()
@@ -200,7 +218,7 @@ def main(argv=None) -> int:
              f"{', '.join(f'{k} {v}' for k, v in machine().items())}.", ""]
     lines += count_section(solving)
     if args.served:
-        solvings = [tuple(int(v) for v in s.split(":")) for s in args.solving]
+        solvings = [tuple(int(v) if v != "voice" else True for v in s.split(":")) for s in args.solving]
         lines += served_section(args.runs, solvings)
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
