@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -77,9 +78,14 @@ def build(repo: Path, target: float, flags: tuple = ()) -> None:
         raise SystemExit("building the repository failed")
 
 
-def burst(urls: list[str], model: str, n: int, retries: int = 0, offset: int = 0) -> tuple[list, float]:
-    """n clients at once, one utterance each; per client (result or None, error message or None)."""
+def burst(urls: list[str], model: str, n: int, retries: int = 0, offset: int = 0,
+          voices: Optional[dict] = None) -> tuple[list, float]:
+    """n clients at once, one utterance each; per client (result or None, error message or None). ``voices``
+    ({sentence's prompt bytes: its registered ``Voice``}, ``s3flow_tools.measure.at_once.register``): each
+    starts by its voice id."""
     utts = utterances(n, offset)
+    if voices is not None:
+        utts = [voices[u.prompt_tokens.tobytes()].utterance(u.speech_tokens, seed=u.seed) for u in utts]
     out: list = [None] * n
     t0 = time.monotonic()
 
@@ -99,10 +105,10 @@ def burst(urls: list[str], model: str, n: int, retries: int = 0, offset: int = 0
     return out, time.monotonic() - t0
 
 
-def throughput(urls: list[str], model: str, n: int) -> tuple[float, list]:
+def throughput(urls: list[str], model: str, n: int, voices: Optional[dict] = None) -> tuple[float, list]:
     """C: audio seconds per wall second of n streams at once; and the errors of those that failed (reported:
     without the check, an overloaded server may lose some)."""
-    out, wall = burst(urls, model, n)
+    out, wall = burst(urls, model, n, voices=voices)
     return sum(r.mel.shape[1] for r, e in out if e is None) / FRAMES_PER_SECOND / wall, [e for _, e in out if e]
 
 

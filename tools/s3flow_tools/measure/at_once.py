@@ -25,6 +25,9 @@ with the server at these loads.
 3. The same server measures the bound itself for the shipped setting and schedule (admission off): its C with
    ``C_STREAMS`` held-out sentences at once, then n = 1, 2, ... at once (the same ``RUNS`` sets of sentences the
    simulator ran) up to past floor(0.8 C) and past the first count with a stream dry; every count is reported.
+4. ``--by-voice``: the same again with every sentence's prompt registered as a voice (``voice_cache_mb``,
+   ``s3flow.engine.voice_prompts``) and each stream started by its voice id: the voice's prompt pass made before
+   (two short streams, one on each solver instance), so no chunk solves a prompt frame.
 
 Example::
 
@@ -36,13 +39,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.repository import cli as build_repository
 from s3flow.server.triton_server import TritonServer
+from s3flow.model.flow import FlowConfig
+from s3flow.model.random_checkpoint import write_random_checkpoint
+from s3flow_client import StreamingClient
 from s3flow_client.chunking import chunk_schedule
+from s3flow_client.voices import register_prompt
 from s3flow_tools.bench.report import machine
 from s3flow_tools.measure.admission import build, burst, calibrated, throughput
 from s3flow_tools.measure.command import command
@@ -90,16 +98,30 @@ def bound(settings, costs, schedule) -> dict:
     return {"c": c, "best": best, "first": first, "dry_at": dry_at}
 
 
-def served_bound(server: TritonServer, c: float) -> list:
+def register(server: TritonServer, n: int) -> dict:
+    """The prompts of the sentences ``served_bound`` and ``throughput`` stream (up to ``n`` from each set's offset),
+    registered as voices, each voice's prompt pass made on both solver instances: {prompt bytes: Voice}."""
+    voices = {}
+    for u in [u for k in range(RUNS) for u in utterances(n, 7 * k)] + utterances(C_STREAMS):
+        key = u.prompt_tokens.tobytes()
+        if key not in voices:
+            voices[key] = register_prompt(server.grpc_url, u.prompt_tokens, u.prompt_mel, u.speaker_embedding)
+            for _ in range(2):   # Triton gives sequential streams to the instances in turn; each holds its own
+                StreamingClient(server.grpc_url, "token2mel").synthesize([voices[key].utterance(u.speech_tokens[:10])])
+    return voices
+
+
+def served_bound(server: TritonServer, c: float, voices: Optional[dict] = None) -> list:
     """(n, streams dry per set, first answer p95 s) for n = 1, 2, ... at once on ``server`` until n is past
-    floor(0.8 ``c``) and past the first count with a stream dry."""
+    floor(0.8 ``c``) and past the first count with a stream dry (``voices``: started by voice id)."""
     rows, dry_seen = [], False
     for n in range(1, 2 * C_STREAMS + 1):
-        sets = [[r for r, e in burst([server.grpc_url], "token2mel", n, offset=7 * k)[0]] for k in range(RUNS)]
+        sets = [[r for r, e in burst([server.grpc_url], "token2mel", n, offset=7 * k, voices=voices)[0]]
+                for k in range(RUNS)]
         dry = [sum(r.playback_stalls(BUFFER_S)[0] > 0 for r in rs) for rs in sets]
         first = float(np.percentile([r.first_chunk_s for rs in sets for r in rs], 95))
         rows.append((n, dry, first))
-        print(f"served, {n} at once ({n / c:.2f} C): dry per set {dry}, first answer p95 {1000 * first:.0f} ms",
+        print(f"served{', by voice' if voices else ''}, {n} at once ({n / c:.2f} C): dry per set {dry}, first answer p95 {1000 * first:.0f} ms",
               flush=True)
         dry_seen = dry_seen or any(dry)
         if dry_seen and n > int(0.8 * c) and any(dry):
@@ -107,16 +129,33 @@ def served_bound(server: TritonServer, c: float) -> list:
     return rows
 
 
+def safe_count(rows: list) -> int:
+    """The most streams at once with none dry at that count and every count below it."""
+    return max((n for n, dry, _ in rows if not any(dry) and all(not any(d) for m, d, _ in rows if m < n)), default=0)
+
+
+def served_table(rows: list, c: float) -> list[str]:
+    return (["| streams at once | as a share of C | streams dry per set (0.3 s buffer) | first answer p95 (ms) |",
+             "| ---: | ---: | --- | ---: |"] +
+            [f"| {n} | {n / c:.2f} | {' / '.join(map(str, dry))} | {1000 * first:.0f} |" for n, dry, first in rows])
+
+
 def main(argv=None) -> int:
     p = command(__file__, __doc__)
     p.add_argument("--warm", type=int, default=8, help="held-out sentences at once before the price is saved "
                                                        "(%(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "at_once.md", help="(default: %(default)s)")
+    p.add_argument("--by-voice", action="store_true", help="the server's bound also with every stream started by "
+                   "a registered voice holding its prompt's cache")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="at_once-") as tmp:
         repo = Path(tmp) / "repo"
-        build(repo, 0.0)   # (the capacity check off: every START of the burst is taken)
+        voice_flags = ()
+        if args.by_voice:   # register_prompt stores a prompt as given: any voice encoder's weights serve
+            voice_flags = ("--voice", "--voice-checkpoint", str(write_random_checkpoint(
+                Path(tmp) / "voice.safetensors", FlowConfig.small(), seed=0)))
+        build(repo, 0.0, voice_flags)   # (the capacity check off: every START of the burst is taken)
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
             calibrated(server)
             burst([server.grpc_url], "token2mel", args.warm)
@@ -124,6 +163,13 @@ def main(argv=None) -> int:
             if lost:
                 raise SystemExit(f"{len(lost)} of the {C_STREAMS} streams that measure C failed: {lost[0]}")
             served = served_bound(server, served_c)
+            by_voice = None
+            if args.by_voice:
+                voices = register(server, 16)
+                voice_c, lost = throughput([server.grpc_url], "token2mel", C_STREAMS, voices=voices)
+                if lost:
+                    raise SystemExit(f"{len(lost)} of the {C_STREAMS} streams by voice that measure C failed: {lost[0]}")
+                by_voice = (voice_c, served_bound(server, voice_c, voices))
         costs = served_costs(repo)   # saved by the solver instances at their close
     print(f"the server's price: estimator {costs.est_fixed * 1e3:.2f} ms + {costs.est_per_unit * 1e6:.3f} us per "
           f"row-frame, encoder {costs.enc_fixed * 1e3:.2f} ms + {costs.enc_per_unit * 1e6:.3f} us per token", flush=True)
@@ -155,16 +201,19 @@ def main(argv=None) -> int:
         dry = f"{r['dry_at'][0]}: {' / '.join(map(str, r['dry_at'][1]))}" if r["dry_at"] else "none up to 32"
         lines.append(f"| {label} | {name} | {r['c']:.2f} | {r['c'] / before:.2f} | {r['best']} | "
                      f"{r['best'] / r['c']:.2f} | {1000 * r['first']:.0f} | {dry} |")
-    safe = max((n for n, dry, _ in served if not any(dry) and all(not any(d) for m, d, _ in served if m < n)),
-               default=0)
+    safe = safe_count(served)
     lines += ["", f"The server itself, the shipped setting (prompt kept, context 25) and the client's default schedule, "
               f"admission off, the same {RUNS} sets of sentences per count: C {served_c:.2f} s of audio per second "
               f"({C_STREAMS} at once); **{safe} at once with none dry ({safe / served_c:.2f} C)**, where issue 48 "
-              f"asks for floor(0.8 C) = {int(0.8 * served_c)}.", "",
-              "| streams at once | as a share of C | streams dry per set (0.3 s buffer) | first answer p95 (ms) |",
-              "| ---: | ---: | --- | ---: |"]
-    lines += [f"| {n} | {n / served_c:.2f} | {' / '.join(map(str, dry))} | {1000 * first:.0f} |"
-              for n, dry, first in served]
+              f"asks for floor(0.8 C) = {int(0.8 * served_c)}.", ""]
+    lines += served_table(served, served_c)
+    if by_voice is not None:
+        voice_c, rows_v = by_voice
+        lines += ["", f"The same server, every stream started by a registered voice whose prompt's cache its solver "
+                  f"instance holds (`--by-voice`: no chunk solves a prompt frame): C {voice_c:.2f} "
+                  f"({voice_c / served_c:.2f}x by prompt); **{safe_count(rows_v)} at once with none dry "
+                  f"({safe_count(rows_v) / voice_c:.2f} C)**, floor(0.8 C) = {int(0.8 * voice_c)}.", ""]
+        lines += served_table(rows_v, voice_c)
     lines += [""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")

@@ -19,8 +19,9 @@ Examples::
    streamed on the default schedule and sent as one request, median of ``--runs`` each, interleaved; one server
    per ``--solving`` setting (keep_solved:context_frames; docs/streaming.md), side by side. A setting ending in
    ``:voice`` (``1:25:voice``) serves registered voices holding their prompt's cache (``voice_cache_mb``,
-   ``s3flow.engine.voice_prompts``): each utterance's prompt is registered and one short stream by its id makes
-   the voice's prompt pass before the timed ones, which start by voice id (streamed and one request alike).
+   ``s3flow.engine.voice_prompts``): each utterance's prompt is registered and two short streams by its id make
+   the voice's prompt pass on both solver instances before the timed ones, which start by voice id (streamed and
+   one request alike).
 """
 from __future__ import annotations
 
@@ -136,24 +137,37 @@ def count_section(solving: ChunkSolving) -> list[str]:
 
 def served_section(runs: int, solvings: list[tuple]) -> list[str]:
     """The served wall time, streamed over one request, on one server per (``keep_solved``, ``context_frames``,
-    by voice)."""
+    by voice); a by-voice server also times the same utterances sent with their prompts, interleaved."""
     walls = {k: served_walls(runs, *k) for k in solvings}
+    columns = []   # (heading, setting, the streamed mode, the one-request mode)
+    for k in walls:
+        name = f"keep_solved {k[0]}, context {k[1]}"
+        if k[2:]:
+            columns += [(f"{name}, by voice", k, "streamed", "one request"),
+                        (f"{name}, by prompt (the same server)", k, "streamed, by prompt", "one request, by prompt")]
+        else:
+            columns.append((name, k, "streamed", "one request"))
     lines = ["## Served wall time (trained small teacher, `token2mel`, one stream at a time)", "",
              f"Median of {runs} interleaved runs each: the utterance streamed on the client's default schedule "
-             f"(first answer to last) against the same utterance in one request; admission off; one server per "
-             f"`keep_solved` and context (docs/streaming.md: 0 solves prompt and context again in every chunk, 1 "
-             f"keeps the prompt, 2 every frame once).", "",
-             "| prompt | utterance | " + " | ".join(f"keep_solved {k[0]}, context {k[1]}{', by voice' if k[2:] else ''}: "
-                                                   f"streamed / one request (s)" for k in walls) + " |", "| --- | --- |" + " ---: |" * len(walls)]
-    first = walls[solvings[0]]
-    for cell in first:
-        lines.append(f"| {cell[0]} s | {cell[1]} s | " + " | ".join(
-            f"{w[cell][0] / w[cell][1]:.2f}x ({w[cell][0]:.2f} / {w[cell][1]:.2f})" for w in walls.values()) + " |")
+             f"(first answer to last; the stream's first answer beside it) against the same utterance in one "
+             f"request; admission off; one server per `keep_solved` and context (docs/streaming.md: 0 solves prompt "
+             f"and context again in every chunk, 1 keeps the prompt, 2 every frame once); a server serving voices "
+             f"times the streams by voice id and by prompt interleaved.", "",
+             "| prompt | utterance | " + " | ".join(f"{h}: streamed / one request (s), first answer"
+                                                   for h, *_ in columns) + " |",
+             "| --- | --- |" + " ---: |" * len(columns)]
+    for cell in walls[solvings[0]]:
+        parts = []
+        for _, k, streamed, one in columns:
+            (s, first), (o, _) = walls[k][cell][streamed], walls[k][cell][one]
+            parts.append(f"{s / o:.2f}x ({s:.2f} / {o:.2f}), {1000 * first:.0f} ms")
+        lines.append(f"| {cell[0]} s | {cell[1]} s | " + " | ".join(parts) + " |")
     return lines + [""]
 
 
 def served_walls(runs: int, keep_solved: int, context_frames: int, by_voice: bool = False) -> dict:
-    """{(prompt s, utterance s): (streamed s, one request s)}, medians of ``runs`` interleaved runs."""
+    """{(prompt s, utterance s): {mode: (wall s, first answer s)}}, medians of ``runs`` interleaved runs; modes
+    "streamed" and "one request" (and, ``by_voice``, the same "by prompt")."""
     from s3flow.model.flow import FlowConfig
     from s3flow.model.random_checkpoint import write_random_checkpoint
     from s3flow.repository import cli as build_repository
@@ -177,27 +191,33 @@ def served_walls(runs: int, keep_solved: int, context_frames: int, by_voice: boo
             wait_priced(f"127.0.0.1:{server.metrics_port}")   # its calibration must not share the cores with a stream
             client = StreamingClient(server.grpc_url, "token2mel", timeout_s=300, max_retries=0, max_resumes=0)
             client.synthesize([demo_utterance(3.0, seed=1)])   # warm
+            modes = ["streamed", "one request"] + (["streamed, by prompt", "one request, by prompt"] if by_voice else [])
             for p in PROMPTS_S:
                 for u in UTTERANCES_S:
-                    walls = {"streamed": [], "one request": []}
+                    got: dict[str, list] = {m: [] for m in modes}
                     for r in range(runs):
                         utt = demo_utterance(u, seed=100 + r, prompt_seconds=p)
-                        if by_voice:   # registered, its prompt pass made by a short stream first
+                        voice = None
+                        if by_voice:   # registered, its prompt pass made by short streams first: one on each
+                            # solver instance (each holds its own; Triton gives sequential streams to them in turn)
                             voice = register_prompt(server.grpc_url, utt.prompt_tokens, utt.prompt_mel,
                                                     utt.speaker_embedding)
-                            client.synthesize([voice.utterance(utt.speech_tokens[:10])])
+                            for _ in range(2):
+                                client.synthesize([voice.utterance(utt.speech_tokens[:10])])
                             utt = voice.utterance(utt.speech_tokens, seed=utt.seed)
-                        for mode in walls:   # interleaved
-                            utt.chunks = None if mode == "streamed" else [len(utt.speech_tokens)]
+                        for mode in modes:   # interleaved
+                            utt.chunks = None if mode.startswith("streamed") else [len(utt.speech_tokens)]
+                            utt.voice_id = None if voice is None or mode.endswith("by prompt") else voice.voice_id
                             t0 = time.monotonic()
                             [res] = client.synthesize([utt])
                             if res.error is not None:
                                 raise SystemExit(f"{mode} {p} s / {u} s: {res.error}")
-                            walls[mode].append(time.monotonic() - t0)
-                    s, o = statistics.median(walls["streamed"]), statistics.median(walls["one request"])
-                    rows[(p, u)] = (s, o)
-                    print(f"  served, keep_solved {keep_solved}, context {context_frames}, by voice {by_voice}: prompt {p} s, {u} s: streamed {s:.2f} s, one request "
-                          f"{o:.2f} s ({s / o:.2f}x)", flush=True)
+                            got[mode].append((time.monotonic() - t0, res.first_chunk_s))
+                    rows[(p, u)] = {m: (statistics.median(w for w, _ in v), statistics.median(f for _, f in v))
+                                    for m, v in got.items()}
+                    print(f"  served, keep_solved {keep_solved}, context {context_frames}, by voice {by_voice}: prompt "
+                          f"{p} s, {u} s: " + ", ".join(f"{m} {w:.2f} s (first {1000 * f:.0f} ms)"
+                                                       for m, (w, f) in rows[(p, u)].items()), flush=True)
     return rows
 
 
