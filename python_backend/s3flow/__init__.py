@@ -67,6 +67,8 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
   - ``solver_snapshot``: the solver's section of a snapshot
   - ``vocoder_snapshot``: the vocoder's section of a snapshot
   - ``vocoder_stream``: the vocoder's per-utterance state between mel chunks (numpy)
+  - ``reuse``: what a stream keeps of the frames it solved (``keep_solved``)
+  - ``voice_prompts``: the prompt caches registered voices hold (``voice_cache_mb``)
 
 - ``serving/``: inside Triton
 
