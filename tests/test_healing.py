@@ -120,7 +120,8 @@ def test_an_utterance_in_flight_when_a_stub_dies_completes_with_every_frame(tmp_
                                                                    background_stop=True)).grpc_url)
         for k, model in enumerate(models):
             ensemble = "token2wav" if model == "vocoder" else "token2mel"
-            u = demo_utterance(6.0, seed=9 + k)
+            u = demo_utterance(4.0, seed=9 + k)
+            u.n_timesteps = 4
             n = len(u.speech_tokens)
             u.chunks = [10] * (n // 10) + ([n % 10] if n % 10 else [])
             answered, killed = [], threading.Event()

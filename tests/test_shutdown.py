@@ -74,7 +74,8 @@ def abandon(url: str, model: str, seq_id: int, u, outputs=None, chunks: int = 2)
         client.async_stream_infer(model, infer_inputs(u.request(lo, lo + u.chunks[k], k == 0)), sequence_id=seq_id,
                                   sequence_start=k == 0, outputs=named)
         lo += u.chunks[k]
-        assert events.get(timeout=60) is None
+        error = events.get(timeout=60)
+        assert error is None, f"{model} sequence {seq_id} chunk {k}: {error}"
     client.stop_stream()
     client.close()
 
