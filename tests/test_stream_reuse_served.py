@@ -7,6 +7,8 @@ batched with others at different points of their streams. A registered voice hol
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.repository.generator import write_repository
 from s3flow.repository.model_config import read_config
 from s3flow.repository.settings import Batching, RepositorySettings, VoiceSettings
+from s3flow.server.metrics_reader import metric_sum, read_metrics
 from s3flow.server.triton_server import TritonServer
 from s3flow.serving.local_stream import stream_in_process as stream_session
 from s3flow.serving.session import SolverSession
@@ -104,6 +107,15 @@ def test_a_voices_second_stream_makes_no_prompt_pass_and_streams_as_in_process(s
         assert not r.retries and r.mel.shape == (80, 2 * len(u.speech_tokens))
         got.append(r.mel)
     assert calls == [steps * (len(sizes) + 1), steps * len(sizes)]
+    # the instance says what it holds: the voice's 50 capped prompt frames' keys, values and convolution tails, both
+    # guidance rows, at each step
+    shape = CacheShape.of(flow.estimator.config)
+    one_row = 4 * (2 * shape.layers * shape.heads * shape.head_dim * 50 + shape.convs * shape.width * shape.tail)
+    t0, held = time.monotonic(), 0.0
+    while held != steps * 2 * one_row and time.monotonic() - t0 < 5:   # (published at most every second)
+        time.sleep(0.2)
+        held = metric_sum(read_metrics(f"127.0.0.1:{server.metrics_port}"), "s3flow_voice_prompt_cache_bytes")
+    assert held == steps * 2 * one_row
     held = {"prompt_tokens": u.prompt_tokens[None], "prompt_mel": u.prompt_mel[None],
             "speaker_embedding": u.speaker_embedding[None]}
     session = SolverSession(make_engine(flow, SOLVER), SOLVER.rules, voices=lambda voice_id, tenant: held)

@@ -31,6 +31,9 @@ metric (labels ``model``, ``instance``)       kind       what
                                                          at the ensemble (admission) to its first samples
                                                          beyond the silent 40 ms start (what a listener
                                                          waits for; ``s3flow.serving.arrivals``)
+``s3flow_voice_prompt_cache_bytes``           gauge      bytes of the prompt caches the solver instance
+                                                         holds for registered voices (``voice_cache_mb``,
+                                                         ``s3flow.engine.voice_prompts``)
 ``s3flow_vocoder_live_sequences``             gauge      streams whose state the vocoder instance holds
 ``s3flow_utilization``                        gauge      the share of the device's time the instance's
                                                          live streams need (solver and vocoder; each
@@ -114,6 +117,9 @@ FIRST_AUDIO_SECONDS = Family("s3flow_first_audio_seconds", "histogram",
                              "seconds from a START's arrival at the token2wav ensemble to the vocoder's first samples "
                              "beyond the silent 40 ms start", SECONDS_BUCKETS)
 
+VOICE_PROMPTS = Family("s3flow_voice_prompt_cache_bytes", "gauge",
+                       "bytes of the prompt caches the solver instance holds for registered voices (voice_cache_mb)")
+
 VOCODER_LIVE = Family("s3flow_vocoder_live_sequences", "gauge", "streams whose state the vocoder instance holds")
 
 UTILIZATION = Family("s3flow_utilization", "gauge",
@@ -136,7 +142,7 @@ DEMAND = Family("s3flow_demand", "gauge",
 ADMISSION_FAMILIES = (ADMISSION_REFUSALS, ADMISSION_RETRY_AFTER, DEMAND)
 
 SOLVER_FAMILIES = (LIVE, DROPPED, CHUNK_SECONDS, FIRST_CHUNK_SECONDS, CHUNK_NFE, CHUNK_FRAMES, STEP_BATCH,
-                   STREAM_LEAD, UNDERRUNS, FEWER_STEPS, UTILIZATION, CAPACITY)
+                   STREAM_LEAD, UNDERRUNS, FEWER_STEPS, UTILIZATION, CAPACITY, VOICE_PROMPTS)
 VOCODER_FAMILIES = (FIRST_AUDIO_SECONDS, VOCODER_LIVE, UTILIZATION, CAPACITY)
 FAMILIES = SOLVER_FAMILIES + tuple(f for f in VOCODER_FAMILIES if f not in SOLVER_FAMILIES) + ADMISSION_FAMILIES
 #: the solver's histograms (every token2mel and token2wav load shows them; the load test checks their counts)

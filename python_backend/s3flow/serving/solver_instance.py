@@ -45,7 +45,7 @@ from s3flow.serving.draining import closing_probe, draining_probe
 from s3flow.serving.heap import trim_heap
 from s3flow.serving.keys import snapshot_key
 from s3flow.serving.load import InstanceLoad, LoadBoard
-from s3flow.serving.metrics import CAPACITY, LIVE, UTILIZATION, Publish, SolverBook
+from s3flow.serving.metrics import CAPACITY, LIVE, UTILIZATION, VOICE_PROMPTS, Publish, SolverBook
 from s3flow.serving.reaper import IdleReaper
 from s3flow.serving.incoming import Incoming, Outcome
 from s3flow.serving.session import SolverSession
@@ -244,6 +244,8 @@ class SolverInstance:
             # admission's ServerLoad reads the reports); its capacity gauge sums over instances the same way
             self.publish_metric(UTILIZATION, load.utilization / self.instances, {})
             self.publish_metric(CAPACITY, load.capacity, {"ensemble": "token2mel"})
+            voices = self.session.engine.voice_prompts
+            self.publish_metric(VOICE_PROMPTS, voices.nbytes if voices is not None else 0, {})
 
     def _dropped(self, corr_id, reason: str) -> None:
         """A sequence's state went before its END (counted by the metrics as ``s3flow_sequences_dropped_total``):
