@@ -43,12 +43,13 @@ def _engine(flow, settings=BY_VOICE) -> StreamingEngine:
     return e
 
 
-def _stream(e, u, corr_id=1, voice="v-1", chunks=range(len(SIZES)), resume=None, steps=None):
+def _stream(e, u, corr_id=1, voice="v-1", chunks=range(len(SIZES)), resume=None, steps=None, chunk_steps=None):
     out = []
     for k in chunks:
         lo = sum(SIZES[:k])
-        start = k == chunks[0]
-        req = parse_request(u.request(lo, lo + SIZES[k], start=start, resume=resume if start else None),
+        start = k == 0 or (k == chunks[0] and resume is not None)
+        req = parse_request(u.request(lo, lo + SIZES[k], start=start, resume=resume if start else None,
+                                      chunk_steps=(chunk_steps or {}).get(k)),
                             start=start, end=k == len(SIZES) - 1, rules=RequestRules(), n_feats=80)
         if start:
             req.voice = voice
@@ -118,6 +119,29 @@ def test_a_voice_stream_stays_near_the_prompt_kept_stream_far_inside_the_seed_sp
     assert by_voice.shape == base.shape == (80, 2 * sum(SIZES))
     assert 0 < moved < 0.5 * seeds
     np.testing.assert_array_equal(_mel(_stream(_engine(flow, kept), u)), base)
+
+
+def test_after_a_chunk_at_other_steps_the_stream_reads_its_voices_cache_again():
+    """A chunk sent with fewer steps (a replay's ``chunk_steps``) solves its prompt inline on its own grid; the
+    next chunk at the stream's steps reads the voice's cache again: no prompt frame, no second prompt pass, the
+    same calls as the stream without the detour, and its snapshot still resumes bit for bit."""
+    flow = small_flow()
+    u = demo_utterance(3.2, seed=2, prompt_seconds=3.0)
+    plain, detour = _engine(flow), _engine(flow)
+    _stream(plain, u, chunks=range(2))
+    head = _stream(detour, u, chunks=range(2), chunk_steps={1: 4})
+    # (the pass's 10 calls, chunk 0's 10, then chunk 1: 10 calls, or 4 with its prompt inline)
+    assert detour.estimator.frames[20:] == [50 + plain.estimator.frames[20]] * 4
+    for e in (plain, detour):
+        e.estimator.frames.clear()
+    _stream(plain, u, chunks=range(2, 3))
+    _stream(detour, u, chunks=range(2, 3))
+    assert detour.estimator.frames == plain.estimator.frames and detour.prompt_pass_frames == 10 * 50
+    resumed = _stream(_engine(flow), u, corr_id=2, chunks=range(2, 5), resume=head[-1].snapshot)
+    rest = _stream(detour, u, chunks=range(3, 5))
+    mine = _stream(_engine(flow), u, corr_id=3, chunks=range(2, 5), resume=head[-1].snapshot)
+    assert all(np.array_equal(a.mel, b.mel) for a, b in zip(resumed, mine))
+    assert all(np.array_equal(a.mel, b.mel) for a, b in zip(resumed[1:], rest))
 
 
 @pytest.mark.parametrize("by_voice_again", [True, False])

@@ -208,8 +208,11 @@ class StreamingEngine:
                       first_frame=first, valid_frames=valid, final_frames=final,
                       steps=req.chunk_steps or s.n_steps, pinned=req.chunk_steps is not None)
         if self.reuse != "none":
-            if (s.cache is None and s.prompt_pass and chunk.steps == s.n_steps and used > 0
-                    and (self.reuse == "prompt" or e == 0)):   # (context kept: the voice's cache holds no context)
+            # the voice's prompt cache, where the stream has none of this grid (a chunk at other steps solved its
+            # prompt inline); with context kept only at the start (the voice's cache holds no context)
+            stale = s.cache is None or s.cache.steps != chunk.steps
+            if s.prompt_pass and used > 0 and chunk.steps == s.n_steps and (
+                    stale if self.reuse == "prompt" else s.cache is None and e == 0):
                 s.cache = self._held_prompt(s)
                 if s.cache is None:   # the voice's prompt pass, solved before this chunk
                     chunk.replay = self._prompt_pass(corr_id, s)

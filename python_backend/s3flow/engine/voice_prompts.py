@@ -9,7 +9,7 @@ frame. That cache is a function of the prompt, the steps and the guidance rate o
 read it from their first chunk on: the first stream by a voice pays one prompt pass, the rest none.
 
 Its cost in quality (the prompt no longer attends to the first chunk's frames, the first chunk reads it as later
-chunks do) is measured, paired, in results/stream_reuse.md. The table is per solver instance, bounded by bytes,
+chunks do) is measured, paired, in results/stream_reuse_voice.md. The table is per solver instance, bounded by bytes,
 least recently used out; keyed by the tenant, the prompt's digest (``solver_snapshot.prompt_digest``: the voice
 id is a digest of the same tensors), the steps and the guidance rate. A snapshot says the stream's prompt came from
 a prompt pass, so a resume (by voice id or with the prompt itself, on any server) makes the same cache and goes on
