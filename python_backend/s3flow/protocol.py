@@ -152,7 +152,7 @@ class ChunkRequest:
     token_offset: Optional[int] = None              # the chunk's first token in the utterance (None: append)
     chunk_steps: Optional[int] = None               # this chunk's Euler steps (a replay's; None: the server's)
     resume: Optional[bytes] = None                  # START: the snapshot the stream goes on from
-    voice: Optional[str] = None                     # START by a registered voice: its id (the prompt is its)
+    voice: Optional[str] = None                     # START by a registered voice: its id (the prompt its tensors)
 
 
 def _array(inputs: Mapping[str, np.ndarray], name: str, ndim: int) -> Optional[np.ndarray]:
