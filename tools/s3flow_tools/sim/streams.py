@@ -5,7 +5,8 @@ unless the utterance names its own), each sent when the previous one is answered
 start time; a request is the client's own tensors (``Utterance.request``) validated by the server's own parser
 (``s3flow.protocol.parse_request``). A request reaches the server half the host's ``transit_s`` after it is sent
 and its answer the client half of it after it is made. The result is a ``StreamResult`` like the real client's
-(chunk latencies and frames, so ``playback_stalls`` is the same player), with its first answer's time.
+(chunk latencies and frames, so ``playback_stalls`` is the same player), with its first answer's time. An
+utterance that names a ``voice_id`` starts by it (the engine's ``ChunkRequest.voice``: its voice's prompt cache).
 
 Example::
 
@@ -44,7 +45,10 @@ class _Stream:
         k = self.sent
         lo = sum(self.sizes[:k])
         arrays = self.utt.request(lo, lo + self.sizes[k], start=k == 0)
-        return parse_request(arrays, start=k == 0, end=k == len(self.sizes) - 1, rules=rules, n_feats=n_feats)
+        req = parse_request(arrays, start=k == 0, end=k == len(self.sizes) - 1, rules=rules, n_feats=n_feats)
+        if k == 0:   # a START by voice id (the server resolves it to these prompt tensors)
+            req.voice = self.utt.voice_id
+        return req
 
     def result(self) -> StreamResult:
         mel = np.concatenate(self.mels, axis=1) if self.mels else np.zeros((0, 0), np.float32)
