@@ -155,3 +155,27 @@ def test_the_alone_fit_recovers_the_costs_a_stream_alone_was_timed_at():
 def test_the_simulator_refuses_unknown_costs():
     with pytest.raises(ValueError, match="known costs"):
         VirtualServer(settings(), Costs(), n_feats=80)
+
+
+def test_a_stream_by_a_held_voice_is_priced_as_its_plan_without_the_prompt():
+    """An utterance naming a voice starts by it: the voice's first stream pays its prompt pass (10 steps of the
+    capped prompt alone), the next one's first answer is exactly the plan of a stream whose prompt's cache is held
+    (``planned_calls(by_voice=True)``), sooner than the same stream by prompt."""
+    u = dataclasses.replace(utterances(1)[0], voice_id="v-1")
+    sizes = chunk_schedule(len(u.speech_tokens))
+    s = settings(keep_solved=1, context_frames=25, voice_cache_mb=16)
+    held = planned_calls(80, prompt_tokens=len(u.prompt_tokens), chunks=sizes, context_frames=25, steps=10,
+                         prompt_frames=50, keep_solved=1, by_voice=True)
+    first = sum(COSTS.step_seconds(r, f) for r, f in held[:10])
+    encoder = COSTS.encoder_seconds(25 + sizes[0])
+    delay = s.batching.max_queue_delay_us * 1e-6
+    server = VirtualServer(s, COSTS, HostCosts(transit_s=0.01), n_feats=80)
+    [made] = run_streams(server, [u], [0.0], rules=s.solver.rules)
+    [again] = run_streams(server, [u], [made.wall_s + 1.0], rules=s.solver.rules)
+    pass_s = sum(COSTS.step_seconds(2, 50) for _ in range(10)) + COSTS.encoder_seconds(25)
+    assert again.first_chunk_s == pytest.approx(delay + first + encoder + 0.01, rel=1e-9)
+    assert made.first_chunk_s == pytest.approx(again.first_chunk_s + pass_s, rel=1e-9)
+    [by_prompt] = run_streams(VirtualServer(s, COSTS, HostCosts(transit_s=0.01), n_feats=80),
+                              [dataclasses.replace(u, voice_id=None)], [0.0], rules=s.solver.rules)
+    assert again.first_chunk_s < by_prompt.first_chunk_s
+    assert again.mel.shape[1] == again.frames_expected
