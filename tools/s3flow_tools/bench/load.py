@@ -26,6 +26,7 @@ from typing import Optional
 import numpy as np
 import psutil
 
+from s3flow.server.healing import stubs
 from s3flow.server.metrics_reader import histogram, metric_sum, read_metrics
 from s3flow.serving.metrics import HISTOGRAMS
 
@@ -39,19 +40,8 @@ OUTPUT_ATOL = 5e-4       # batched under load vs alone (padding changes float su
 
 # ------------------------------------------------------------------------------ the server's processes
 def solver_stub_pid(server_pid: int, model: str = "cfm_solver") -> Optional[int]:
-    """PID of the python-backend stub serving ``model`` (a child of the server; its argv names model.py)."""
-    try:
-        children = psutil.Process(server_pid).children()
-    except psutil.Error:
-        return None
-    for child in children:
-        try:
-            argv = child.cmdline()
-        except psutil.Error:
-            continue
-        if len(argv) > 1 and argv[1].endswith(f"/{model}/1/model.py"):
-            return child.pid
-    return None
+    """PID of the python-backend stub serving ``model`` (``s3flow.server.healing.stubs``: from its command line)."""
+    return next((pid for pid, m in stubs(server_pid).items() if m == model), None)
 
 
 def rss_mb(pid: int) -> float:

@@ -48,12 +48,9 @@ import numpy as np
 from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.repository import cli as build_repository
 from s3flow.server.triton_server import TritonServer
-from s3flow.model.flow import FlowConfig
-from s3flow.model.random_checkpoint import write_random_checkpoint
-from s3flow_client import StreamingClient
 from s3flow_client.chunking import chunk_schedule
-from s3flow_client.voices import register_prompt
 from s3flow_tools.bench.report import machine
+from s3flow_tools.bench.voices import held_voice, voice_encoder_flags
 from s3flow_tools.measure.admission import build, burst, calibrated, throughput
 from s3flow_tools.measure.command import command
 from s3flow_tools.measure.corpus import utterances
@@ -116,9 +113,7 @@ def register(server: TritonServer, n: int) -> dict:
     for u in [u for k in range(RUNS) for u in utterances(n, 7 * k)] + utterances(C_STREAMS):
         key = u.prompt_tokens.tobytes()
         if key not in voices:
-            voices[key] = register_prompt(server.grpc_url, u.prompt_tokens, u.prompt_mel, u.speaker_embedding)
-            for _ in range(2):   # Triton gives sequential streams to the instances in turn; each holds its own
-                StreamingClient(server.grpc_url, "token2mel").synthesize([voices[key].utterance(u.speech_tokens[:10])])
+            voices[key] = held_voice(server.grpc_url, u)
     return voices
 
 
@@ -162,10 +157,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="at_once-") as tmp:
         repo = Path(tmp) / "repo"
-        voice_flags = ()
-        if args.by_voice:   # register_prompt stores a prompt as given: any voice encoder's weights serve
-            voice_flags = ("--voice", "--voice-checkpoint", str(write_random_checkpoint(
-                Path(tmp) / "voice.safetensors", FlowConfig.small(), seed=0)))
+        voice_flags = voice_encoder_flags(Path(tmp), cache_mb=256) if args.by_voice else ()
         build(repo, 0.0, voice_flags)   # (the capacity check off: every START of the burst is taken)
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
             calibrated(server)

@@ -168,21 +168,15 @@ def served_section(runs: int, solvings: list[tuple]) -> list[str]:
 def served_walls(runs: int, keep_solved: int, context_frames: int, by_voice: bool = False) -> dict:
     """{(prompt s, utterance s): {mode: (wall s, first answer s)}}, medians of ``runs`` interleaved runs; modes
     "streamed" and "one request" (and, ``by_voice``, the same "by prompt")."""
-    from s3flow.model.flow import FlowConfig
-    from s3flow.model.random_checkpoint import write_random_checkpoint
     from s3flow.repository import cli as build_repository
     from s3flow.server.triton_server import TritonServer
     from s3flow.server.metrics_reader import wait_priced
-    from s3flow_client.voices import register_prompt
+    from s3flow_tools.bench.voices import held_voice, voice_encoder_flags
 
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
-        voices = ["--no-voice"]
-        if by_voice:   # register_prompt stores a prompt as given: any voice encoder's weights serve
-            voices = ["--voice-checkpoint", str(write_random_checkpoint(Path(tmp) / "voice.safetensors",
-                                                                        FlowConfig.small(), seed=0)),
-                      "--voice-cache-mb", "64"]
+        voices = voice_encoder_flags(Path(tmp)) if by_voice else ["--no-voice"]
         if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--output", str(repo),
                                   *voices, "--utilization-target", "0", "--keep-solved", str(keep_solved),
                                   "--context-frames", str(context_frames)]) != 0:
@@ -198,12 +192,8 @@ def served_walls(runs: int, keep_solved: int, context_frames: int, by_voice: boo
                     for r in range(runs):
                         utt = demo_utterance(u, seed=100 + r, prompt_seconds=p)
                         voice = None
-                        if by_voice:   # registered, its prompt pass made by short streams first: one on each
-                            # solver instance (each holds its own; Triton gives sequential streams to them in turn)
-                            voice = register_prompt(server.grpc_url, utt.prompt_tokens, utt.prompt_mel,
-                                                    utt.speaker_embedding)
-                            for _ in range(2):
-                                client.synthesize([voice.utterance(utt.speech_tokens[:10])])
+                        if by_voice:   # registered, its prompt pass made (bench.voices)
+                            voice = held_voice(server.grpc_url, utt)
                             utt = voice.utterance(utt.speech_tokens, seed=utt.seed)
                         for mode in modes:   # interleaved
                             utt.chunks = None if mode.startswith("streamed") else [len(utt.speech_tokens)]
