@@ -201,7 +201,8 @@ def test_a_start_by_voice_id_equals_a_start_with_the_prompt(tmp_path):
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("voices")
     ckpt = write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=5)
-    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20),
+    # (admission by capacity off: these tests count a stream's retries, which must be a voice's, never a busy one's)
+    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, utilization_target=0.0),
                                   batching=Batching(max_queue_delay_us=2000), ort_threads=1,
                                   voices=VoiceSettings(max_voices=8))
     write_repository(root / "repo", load_flow(ckpt), settings, voice_checkpoint=ckpt)
@@ -256,7 +257,7 @@ def test_an_unknown_voice_falls_back_to_the_prompt_and_bad_references_are_refuse
 def tenant_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("tenants")
     ckpt = write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=5)
-    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20), ort_threads=1,
+    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, utilization_target=0.0), ort_threads=1,
                                   voices=VoiceSettings(max_voices=8))
     write_repository(root / "repo", load_flow(ckpt), settings, voice_checkpoint=ckpt)
     (root / "voice-key").write_text("fleet-voice-key-0123456789\n")
