@@ -50,6 +50,76 @@ def test_the_fit_recovers_a_fixed_and_a_per_unit_cost_and_follows_a_change():
     assert flat.per_unit == 0 and flat.fixed > 0
 
 
+def test_the_fit_prices_a_cached_key_apart_from_a_frame_solved_where_the_calls_separate_them():
+    """Issue 50 step 5: calls reading caches of several lengths give the three parts back; calls that never read
+    one, or always read one in the same proportion, price a key at the prior share of a frame (and still price
+    those calls right); a key dearer than a frame solved (noise) is not believed."""
+    rng = np.random.default_rng(3)
+    apart = CostFit()
+    for _ in range(300):
+        units, keys = rng.integers(100, 5000), rng.choice([0, 100, 200, 400])
+        apart.observe(units, 0.004 + 2e-6 * units + 3e-7 * keys, keys=keys)
+    assert (apart.fixed, apart.per_unit, apart.per_key) == pytest.approx((0.004, 2e-6, 3e-7), rel=1e-6)
+    assert apart.seconds(1000, keys=200) == pytest.approx(0.004 + 2e-3 + 6e-5)
+    never = CostFit(key_prior=0.1)
+    together = CostFit(key_prior=0.1)
+    for _ in range(300):
+        units = rng.integers(100, 5000)
+        never.observe(units, 0.004 + 2e-6 * units)
+        together.observe(units, 0.004 + 2e-6 * units + 3e-7 * units / 2, keys=units / 2)
+    assert (never.fixed, never.per_unit, never.per_key) == pytest.approx((0.004, 2e-6, 2e-7), rel=1e-6)
+    assert together.per_key == pytest.approx(0.1 * together.per_unit)
+    assert together.seconds(1000, keys=500) == pytest.approx(0.004 + 2e-3 + 1.5e-4, rel=1e-6)
+    dear = CostFit(key_prior=0.1)
+    for _ in range(300):
+        units, keys = rng.integers(100, 5000), rng.choice([0, 100, 200, 400])
+        dear.observe(units, 0.004 + 2e-6 * units + 5e-6 * keys, keys=keys)
+    assert dear.per_key == pytest.approx(0.1 * dear.per_unit)
+
+
+def test_a_stream_reading_its_kept_prompt_reports_the_keys_its_plan_counts():
+    """A stream that keeps its prompt's cache (keep_solved 1) reads it in every chunk after its first: its work
+    counts those cached keys (rows x prompt frames x steps) as its plan does, and every estimator call reports the
+    cache's frames to the capacity model, whose fit prices them (issue 50 step 5)."""
+    from s3flow.engine.observer import Observer
+    from s3flow.engine.planning import ZeroEstimator
+
+    settings = SolverSettings().replace(keep_solved=1)
+    plan, _, _ = planned_start(settings, n_feats=80, meanflow=False)
+    assert plan.chunks[0].key_row_frames == 0 and all(w.key_row_frames > 0 for w in plan.chunks[1:])
+
+    class Timed(Observer):
+        def __init__(self):
+            self.pasts = []
+
+        def estimator_timed(self, rows, frames, seconds, past=0):
+            self.pasts.append(past)
+
+    def encode(tokens, token_len, embedding):
+        return torch.zeros(tokens.shape[0], 80, 2 * tokens.shape[1]), None, torch.zeros(tokens.shape[0], 80)
+
+    timed = Timed()
+    engine = StreamingEngine(encode, ZeroEstimator(), n_feats=80, meanflow=False, solving=settings.solving,
+                             observer=timed)
+    rng = np.random.default_rng(2)
+    for k, n in enumerate(plan_sizes()[:4]):
+        inputs = {"speech_tokens": rng.integers(0, 6561, (1, n), dtype=np.int64)}
+        if k == 0:
+            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, 150), dtype=np.int64),
+                          prompt_mel=np.zeros((1, 300, 80), np.float32), speaker_embedding=np.ones((1, 192), np.float32))
+        engine.run([engine.admit(1, parse_request(inputs, start=k == 0, end=False,
+                                                  rules=RequestRules(max_chunk_tokens=200), n_feats=80))])
+        work = engine.sequences.works()[1]
+        assert work.key_row_frames == pytest.approx(plan.prefix(work.frames).key_row_frames), f"after chunk {k + 1}"
+    prompt = settings.solving.prompt_frames
+    assert timed.pasts == [0] * STEPS + [prompt] * 3 * STEPS
+    model = CapacityModel()
+    for past in (0, prompt):
+        for frames in (50, 100, 200):
+            model.estimator_timed(2, frames, 0.004 + 2e-6 * 2 * frames + 3e-7 * 2 * past, past)
+    assert model.costs().step_seconds(2, 100, prompt) == pytest.approx(0.004 + 4e-4 + 6e-7 * prompt)
+
+
 def test_the_default_plan_is_the_clients_schedule_and_the_plan_ends_on_whole_chunks():
     from s3flow_client.chunking import chunk_schedule
     assert default_plan(8.0) == chunk_schedule(200)

@@ -8,12 +8,21 @@ from s3flow.engine.playback import Playback, PlaybackSettings
 from s3flow.engine.scheduler import Candidate, StepBudget, pick, slack, steps_in_time
 
 
-def cost(rows: int, frames: int) -> float:
-    return 0.01 + 1e-5 * rows * frames
+def cost(rows: int, frames: int, past: int = 0) -> float:
+    return 0.01 + 1e-5 * rows * (frames + 0.1 * past)
 
 
-def cand(key, arrival, deadline, steps=10, rows=2, frames=100) -> Candidate:
-    return Candidate(key, arrival, deadline, steps, rows, frames)
+def cand(key, arrival, deadline, steps=10, rows=2, frames=100, past=0) -> Candidate:
+    return Candidate(key, arrival, deadline, steps, rows, frames, past)
+
+
+def test_a_chunk_reading_cached_keys_has_their_price_in_its_slack():
+    """Issue 50 step 5: a chunk whose rows read a kept prompt is priced with those keys; of two chunks due at once
+    with the same frames, the one reading 500 cached frames has less slack and goes first."""
+    now = 100.0
+    plain, cached = cand("plain", 1.0, 101.0), cand("cached", 2.0, 101.0, past=500)
+    assert slack(plain, now, cost) - slack(cached, now, cost) == pytest.approx(10 * 2 * 1e-5 * 0.1 * 500)
+    assert [c.key for c in pick([plain, cached], now, StepBudget(max_rows=2), cost)] == ["cached"]
 
 
 def test_least_slack_goes_first_whatever_the_arrival_order():

@@ -142,14 +142,18 @@ def test_an_instance_working_beside_another_is_priced_at_load():
 
 
 def test_the_alone_fit_recovers_the_costs_a_stream_alone_was_timed_at():
-    """``fit_alone`` from a stream alone's chunk latencies: latencies made by known costs give those costs back."""
-    u, s = utterances(1)[0], settings()
-    true = Costs(est_fixed=3e-3, est_per_unit=5e-5, enc_fixed=COSTS.enc_fixed, enc_per_unit=COSTS.enc_per_unit)
+    """``fit_alone`` from a stream alone's chunk latencies: latencies made by known costs give those costs back
+    (a cached key row-frame at the saved price's ratio to a row-frame: a tenth here)."""
+    u, s = utterances(1)[0], settings(keep_solved=1)
+    true = Costs(est_fixed=3e-3, est_per_unit=5e-5, enc_fixed=COSTS.enc_fixed, enc_per_unit=COSTS.enc_per_unit,
+                 est_per_key=5e-6)
     [r] = run_streams(VirtualServer(s, true, HostCosts(transit_s=0.002), n_feats=80), [u], [0.0])
     points = list(zip(chunk_work(s, u), r.chunk_latencies_s))
-    assert [calls for (_, calls, _), _ in points] == [10] * len(points), "each chunk's 10 Euler steps, counted once"
-    fit = fit_alone(points, COSTS, s.batching.max_queue_delay_us * 1e-6, 0.002)
-    assert (fit.est_fixed, fit.est_per_unit) == pytest.approx((3e-3, 5e-5), rel=1e-6)
+    assert [calls for (_, calls, _, _), _ in points] == [10] * len(points), "each chunk's 10 Euler steps, counted once"
+    assert all(keys > 0 for (_, _, _, keys), _ in points[1:]), "the chunks after the first read the kept prompt"
+    saved = dataclasses.replace(COSTS, est_per_key=0.1 * COSTS.est_per_unit)
+    fit = fit_alone(points, saved, s.batching.max_queue_delay_us * 1e-6, 0.002)
+    assert (fit.est_fixed, fit.est_per_unit, fit.est_per_key) == pytest.approx((3e-3, 5e-5, 5e-6), rel=1e-6)
 
 
 def test_the_simulator_refuses_unknown_costs():

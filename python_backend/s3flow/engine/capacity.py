@@ -8,7 +8,8 @@ the default steps and guidance, a prompt of the planned length; ``s3flow.engine.
 
 Costs. Every estimator call and every encoder call is timed (the engine reports it to its ``Observer``) and fitted
 online as ``seconds = fixed + per_unit * units`` (:class:`CostFit`: weighted least squares forgetting old calls;
-units: estimator rows x padded frames, encoder tokens). A call's fixed part is shared by the streams batched in it,
+units: estimator rows x padded frames, encoder tokens; an estimator call's cached keys, rows x the frames of the
+prefix cache it reads, are priced apart: ``per_key``, about a tenth of a frame solved on the 2-core host). A call's fixed part is shared by the streams batched in it,
 at most ``max_batch`` of them (Triton's batch, or a step's rows): with ``n`` streams live, each pays
 ``fixed / min(n, max_batch)`` per call. The fits price one piece of work against another (a young stream's chunks
 against an old one's, more steps, a longer prompt); they do not say what the instance makes: the python between
@@ -31,8 +32,8 @@ capacity for the plan is the prior. The gauge, admission's price of a stream (``
 scaled so that N default streams need N / capacity), its ``retry_after`` and the step loop's slack and fewer steps
 (``s3flow.engine.step_loop``) read these same numbers.
 
-Work. A stream's chunks report what they cost (:class:`Work`: estimator row-frames over all steps, steps,
-chunks, encoder tokens, frames made final); the sequence table adds them up per stream. The server knows neither an utterance's length nor a live client's
+Work. A stream's chunks report what they cost (:class:`Work`: estimator row-frames over all steps, the
+cached key row-frames they read, steps, chunks, encoder tokens, frames made final); the sequence table adds them up per stream. The server knows neither an utterance's length nor a live client's
 next chunks: a stream's demand is the default plan's (:class:`Plan`) over the next ``HORIZON_S`` of its audio,
 scaled by how much heavier than the plan its chunks so far have been; a START's is what the plan's ramp needs
 (each chunk after the first made within the start-up buffer plus the audio before it: :meth:`Plan.start_need`, at
@@ -74,6 +75,11 @@ FILL_SMOOTHING = 0.05
 #: how far ahead a stream's demand looks: the next seconds of its audio by the plan
 HORIZON_S = 2.0
 HORIZON_FRAMES = FRAMES_PER_SECOND * HORIZON_S
+#: a cached key's price in a query's before the calls separate the two (``CostFit``): measured on the 2-core host
+#: with the trained small teacher, 2 rows, one thread, the served read-only cached graph: 2-5 us a cached key
+#: row-frame against 113 us a query row-frame in process, and its 6 KB of keys and values crossing into the
+#: estimator over BLS at 1.1 ms a MB (results/bls_cost.md): 9-12 us, about a tenth of a query
+KEY_PRIOR = 0.1
 
 
 @dataclass
@@ -91,54 +97,100 @@ class AdmissionTarget(NumericSettings):
 
 
 class CostFit:
-    """``seconds = fixed + per_unit * units`` fitted online over the calls seen, each weighted down by half
-    every ``halflife`` calls, so the fit follows the host as its load changes. Both parts stay >= 0 (a fit that
-    would make one negative falls back to the other alone)."""
+    """``seconds = fixed + per_unit * units + per_key * keys`` fitted online over the calls seen, each weighted
+    down by half every ``halflife`` calls, so the fit follows the host as its load changes. Every part stays >= 0
+    (a fit that would make one negative falls back to the others alone).
 
-    def __init__(self, halflife: float = 200.0):
-        self.decay = 0.5 ** (1.0 / halflife)
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-        self.fixed = self.per_unit = 0.0
+    ``keys`` is a second size, priced apart where the calls separate it: the estimator's cached keys (rows x the
+    frames of the prefix cache a call reads, ``s3flow.model.prefix_cache``: attended to and carried in, never
+    projected or convolved, issue 50), whose price is between 0 and a query's (``per_unit``: a query frame does
+    all a key frame does and more). Where the calls do not separate the two (no call read a cache, or every call
+    read one in the same proportion), a key costs ``key_prior`` of a query."""
+
+    def __init__(self, halflife: float = 200.0, key_prior: float = 0.0):
+        self.decay, self.key_prior = 0.5 ** (1.0 / halflife), key_prior
+        #: decayed sums of 1, units, keys, seconds and their products
+        self._w = self._x = self._k = self._y = self._xx = self._xk = self._kk = self._xy = self._ky = 0.0
+        self.fixed = self.per_unit = self.per_key = 0.0
         self.calls = 0
 
-    def observe(self, units: float, seconds: float) -> None:
-        if units <= 0 or not seconds >= 0 or not math.isfinite(seconds):
+    def observe(self, units: float, seconds: float, keys: float = 0.0) -> None:
+        if units <= 0 or keys < 0 or not seconds >= 0 or not math.isfinite(seconds):
             return
         d = self.decay
-        self._w, self._x, self._y = d * self._w + 1, d * self._x + units, d * self._y + seconds
-        self._xx, self._xy = d * self._xx + units * units, d * self._xy + units * seconds
+        self._w, self._x, self._k, self._y = d * self._w + 1, d * self._x + units, d * self._k + keys, \
+            d * self._y + seconds
+        self._xx, self._xk, self._kk = d * self._xx + units * units, d * self._xk + units * keys, \
+            d * self._kk + keys * keys
+        self._xy, self._ky = d * self._xy + units * seconds, d * self._ky + keys * seconds
         self.calls += 1
         self._solve()
 
     def _solve(self) -> None:
-        w, x, y, xx, xy = self._w, self._x, self._y, self._xx, self._xy
-        var = xx * w - x * x
-        if var > 1e-9 * max(xx * w, 1e-30):   # units vary enough to separate the two parts
-            b = (xy * w - x * y) / var
-            a = (y - b * x) / w
-            if a >= 0 and b >= 0:
-                self.fixed, self.per_unit = a, b
-                return
-            if b < 0:    # time does not grow with size (noise): a fixed cost alone
-                self.fixed, self.per_unit = y / w, 0.0
-                return
-        self.fixed, self.per_unit = 0.0, (xy / xx if xx > 0 else 0.0)   # through the origin
+        if self._kk > 0 and self._solve_apart():
+            return
+        # one size: units + key_prior x keys
+        q = self.key_prior
+        u, uu = self._x + q * self._k, self._xx + 2 * q * self._xk + q * q * self._kk
+        uy = self._xy + q * self._ky
+        self.fixed, self.per_unit = _line(self._w, u, self._y, uu, uy)
+        self.per_key = q * self.per_unit
+
+    def _solve_apart(self) -> bool:
+        """The three parts by least squares, where the calls separate them and the key's price is within
+        [0, a query's]; False otherwise."""
+        a = [[self._w, self._x, self._k], [self._x, self._xx, self._xk], [self._k, self._xk, self._kk]]
+        b = [self._y, self._xy, self._ky]
+        det = _det3(a)
+        scale = self._w * self._xx * self._kk
+        if scale <= 0 or abs(det) <= 1e-6 * scale:   # keys and units move together: not separable
+            return False
+        parts = []
+        for i in range(3):
+            m = [row[:] for row in a]
+            for r in range(3):
+                m[r][i] = b[r]
+            parts.append(_det3(m) / det)
+        fixed, per_unit, per_key = parts
+        if fixed < 0 or per_unit <= 0 or not 0 <= per_key <= per_unit:
+            return False
+        self.fixed, self.per_unit, self.per_key = fixed, per_unit, per_key
+        return True
 
     @property
     def known(self) -> bool:
         return self.calls > 0
 
-    def seconds(self, units: float, share: float = 1.0) -> float:
+    def seconds(self, units: float, share: float = 1.0, keys: float = 0.0) -> float:
         """A call's seconds with its fixed part shared by ``share`` streams."""
-        return self.fixed / max(share, 1.0) + self.per_unit * units
+        return self.fixed / max(share, 1.0) + self.per_unit * units + self.per_key * keys
+
+
+def _line(w: float, x: float, y: float, xx: float, xy: float) -> tuple[float, float]:
+    """(fixed, per_unit) of ``y = fixed + per_unit x`` from the weighted sums, both >= 0."""
+    var = xx * w - x * x
+    if var > 1e-9 * max(xx * w, 1e-30):   # units vary enough to separate the two parts
+        b = (xy * w - x * y) / var
+        a = (y - b * x) / w
+        if a >= 0 and b >= 0:
+            return a, b
+        if b < 0:    # time does not grow with size (noise): a fixed cost alone
+            return y / w, 0.0
+    return 0.0, (xy / xx if xx > 0 else 0.0)   # through the origin
+
+
+def _det3(m: list) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
 
 
 @dataclass
 class Work:
     """What chunks cost, in the units the fits price: estimator rows x padded frames summed over every step,
-    estimator steps, encoder calls (one per chunk) and tokens, and the mel frames made final (the audio); and the
+    estimator steps, encoder calls (one per chunk) and tokens, and the mel frames made final (the audio); the
     estimator work that chunks given fewer Euler steps than their stream's did not do (``skipped_*``: capacity
-    is defined at full steps, :meth:`full`)."""
+    is defined at full steps, :meth:`full`); and the cached keys their rows read beside their own frames (rows x
+    the frames of the prefix cache read, over every step: a stream's kept prompt and context, issue 50)."""
     row_frames: float = 0.0
     steps: int = 0
     chunks: int = 0
@@ -146,6 +198,8 @@ class Work:
     frames: int = 0
     skipped_row_frames: float = 0.0
     skipped_steps: int = 0
+    key_row_frames: float = 0.0
+    skipped_key_row_frames: float = 0.0
 
     def add(self, other: "Work") -> None:
         self.row_frames += other.row_frames
@@ -155,11 +209,14 @@ class Work:
         self.frames += other.frames
         self.skipped_row_frames += other.skipped_row_frames
         self.skipped_steps += other.skipped_steps
+        self.key_row_frames += other.key_row_frames
+        self.skipped_key_row_frames += other.skipped_key_row_frames
 
     def full(self) -> "Work":
         """The same chunks at their streams' full step counts."""
         return Work(self.row_frames + self.skipped_row_frames, self.steps + self.skipped_steps, self.chunks,
-                    self.encoder_tokens, self.frames)
+                    self.encoder_tokens, self.frames,
+                    key_row_frames=self.key_row_frames + self.skipped_key_row_frames)
 
     @property
     def audio_s(self) -> float:
@@ -168,27 +225,40 @@ class Work:
     def scaled(self, nfe_ratio: float, step_ratio: float) -> "Work":
         """The same plan at other steps or guidance: estimator work x ``nfe_ratio``, steps x ``step_ratio``."""
         return Work(self.row_frames * nfe_ratio, round(self.steps * step_ratio), self.chunks, self.encoder_tokens,
-                    self.frames)
+                    self.frames, key_row_frames=self.key_row_frames * nfe_ratio)
+
+    def minus(self, other: "Work") -> "Work":
+        """This work less ``other`` (at full steps both)."""
+        return Work(self.row_frames - other.row_frames, self.steps - other.steps, self.chunks - other.chunks,
+                    self.encoder_tokens - other.encoder_tokens, self.frames - other.frames,
+                    key_row_frames=self.key_row_frames - other.key_row_frames)
+
+    def part(self, f: float) -> "Work":
+        """``f`` of this work (whole calls and chunks rounded)."""
+        return Work(self.row_frames * f, round(self.steps * f), round(self.chunks * f),
+                    round(self.encoder_tokens * f), round(self.frames * f), key_row_frames=self.key_row_frames * f)
 
 
 @dataclass(frozen=True)
 class Costs:
-    """A snapshot of the fits: seconds per estimator call (``est_fixed`` + ``est_per_unit`` per row-frame) and per
-    encoder call (``enc_fixed`` + ``enc_per_unit`` per token); a call's fixed part is shared by the streams
-    batched in it, at most ``max_batch``."""
+    """A snapshot of the fits: seconds per estimator call (``est_fixed`` + ``est_per_unit`` per row-frame solved +
+    ``est_per_key`` per cached key row-frame read) and per encoder call (``enc_fixed`` + ``enc_per_unit`` per
+    token); a call's fixed part is shared by the streams batched in it, at most ``max_batch``."""
     est_fixed: float = 0.0
     est_per_unit: float = 0.0
     enc_fixed: float = 0.0
     enc_per_unit: float = 0.0
     max_batch: int = 1
+    est_per_key: float = 0.0
 
     @property
     def known(self) -> bool:
         return self.est_fixed > 0 or self.est_per_unit > 0
 
-    def step_seconds(self, rows: int, frames: int) -> float:
-        """One estimator call of ``rows`` rows over ``frames`` padded frames (the step loop's step cost)."""
-        return self.est_fixed + self.est_per_unit * rows * frames
+    def step_seconds(self, rows: int, frames: int, past: int = 0) -> float:
+        """One estimator call of ``rows`` rows over ``frames`` padded frames, each reading ``past`` cached frames
+        (padded; the step loop's step cost)."""
+        return self.est_fixed + rows * (self.est_per_unit * frames + self.est_per_key * past)
 
     def encoder_seconds(self, tokens: int) -> float:
         """One encoder call over ``tokens`` tokens."""
@@ -197,7 +267,7 @@ class Costs:
     def scaled(self, k: float) -> "Costs":
         """Every part ``k`` times (a host ``k`` times slower)."""
         return Costs(k * self.est_fixed, k * self.est_per_unit, k * self.enc_fixed, k * self.enc_per_unit,
-                     self.max_batch)
+                     self.max_batch, k * self.est_per_key)
 
     def share(self, streams: int) -> float:
         return float(min(max(streams, 1), self.max_batch))
@@ -205,8 +275,8 @@ class Costs:
     def seconds(self, work: Work, share: float) -> float:
         """Device seconds ``work`` takes, each call's fixed part shared by ``share`` streams."""
         share = max(share, 1.0)
-        return (work.row_frames * self.est_per_unit + work.steps * self.est_fixed / share
-                + work.encoder_tokens * self.enc_per_unit + work.chunks * self.enc_fixed / share)
+        return (work.row_frames * self.est_per_unit + work.key_row_frames * self.est_per_key
+                + work.steps * self.est_fixed / share + work.encoder_tokens * self.enc_per_unit + work.chunks * self.enc_fixed / share)
 
     def demand(self, work: Work, share: float) -> float:
         """Device seconds per second of audio (0 for work that made no audio yet)."""
@@ -218,7 +288,8 @@ class Costs:
         if not planned.frames or not self.known:
             return 0.0
         per_s = 1.0 / planned.audio_s
-        variable = self.seconds(Work(planned.row_frames, 0, 0, planned.encoder_tokens, planned.frames), 1) * per_s
+        variable = self.seconds(Work(planned.row_frames, 0, 0, planned.encoder_tokens, planned.frames,
+                                     key_row_frames=planned.key_row_frames), 1) * per_s
         fixed = self.seconds(Work(0.0, planned.steps, planned.chunks, 0, planned.frames), 1) * per_s
         full = variable + fixed / self.max_batch
         if full <= 0:
@@ -239,7 +310,7 @@ class CapacityModel(Observer):
         """``duty_prior`` None: the instance's idle share at capacity is not its own (the vocoder waits for the
         solver, the bottleneck): its capacity is its throughput alone."""
         self.max_batch = max(1, int(max_batch))
-        self.estimator, self.encoder = CostFit(halflife), CostFit(halflife)
+        self.estimator, self.encoder = CostFit(halflife, key_prior=KEY_PRIOR), CostFit(halflife)
         #: busy time over what the fits price the work made in it at, over the last ``window_s`` of busy time;
         #: ``prior_correction`` until there is such work
         self.prior_correction, self.window_s = prior_correction, window_s
@@ -259,9 +330,9 @@ class CapacityModel(Observer):
         with self._lock:
             self._fill += FILL_SMOOTHING * (max(sequences, 1) - self._fill)
 
-    def estimator_timed(self, rows: int, frames: int, seconds: float) -> None:
+    def estimator_timed(self, rows: int, frames: int, seconds: float, past: int = 0) -> None:
         with self._lock:
-            self.estimator.observe(rows * frames, seconds)
+            self.estimator.observe(rows * frames, seconds, keys=rows * past)
 
     def encoder_timed(self, tokens: int, seconds: float) -> None:
         with self._lock:
@@ -318,7 +389,7 @@ class CapacityModel(Observer):
         with self._lock:
             measured = self._capacity()
             served = measured is not None
-            return {"estimator": [self.estimator.fixed, self.estimator.per_unit],
+            return {"estimator": [self.estimator.fixed, self.estimator.per_unit, self.estimator.per_key],
                     "encoder": [self.encoder.fixed, self.encoder.per_unit],
                     "correction": self._correction() if served else self.prior_correction,
                     "duty": self._duty(), "served": served or self._served_prior,
@@ -328,9 +399,11 @@ class CapacityModel(Observer):
         """Start from a ``state`` an earlier instance measured: its fits (until calls are timed here), correction,
         busy share at capacity and capacity are the priors (each replaced as this instance measures its own)."""
         with self._lock:
-            for fit, (fixed, per_unit) in ((self.estimator, state["estimator"]), (self.encoder, state["encoder"])):
+            for fit, parts in ((self.estimator, state["estimator"]), (self.encoder, state["encoder"])):
+                fixed, per_unit, *key = parts   # (a price saved before keys were priced has two parts)
                 if fit.calls == 0 and (fixed > 0 or per_unit > 0):
                     fit.fixed, fit.per_unit, fit.calls = float(fixed), float(per_unit), 1
+                    fit.per_key = float(key[0]) if key else fit.key_prior * fit.per_unit
             self.prior_correction = float(state["correction"])
             if self.duty_prior is not None:
                 self.duty_prior = float(state["duty"])
@@ -395,7 +468,7 @@ class CapacityModel(Observer):
 
     def _costs(self, k: float) -> Costs:
         e, n = self.estimator, self.encoder
-        return Costs(k * e.fixed, k * e.per_unit, k * n.fixed, k * n.per_unit, self.max_batch)
+        return Costs(k * e.fixed, k * e.per_unit, k * n.fixed, k * n.per_unit, self.max_batch, k * e.per_key)
 
 
 @dataclass
@@ -419,14 +492,14 @@ class Plan:
                 out.add(w)
                 made += w.frames
                 continue
-            out.add(_part(w, (frames - made) / w.frames))
+            out.add(w.part((frames - made) / w.frames))
             return out
         last = self.chunks[-1]
         while frames - made >= last.frames:   # past the plan: its last chunk size again and again
             out.add(last)
             made += last.frames
         if frames > made:
-            out.add(_part(last, (frames - made) / last.frames))
+            out.add(last.part((frames - made) / last.frames))
         return out
 
     def expected(self) -> Work:
@@ -434,9 +507,7 @@ class Plan:
 
     def window(self, start: float, frames: float = HORIZON_FRAMES) -> Work:
         """The plan's work for its generated frames [start, start + frames)."""
-        w, before = self.prefix(start + frames), self.prefix(start)
-        return Work(w.row_frames - before.row_frames, w.steps - before.steps, w.chunks - before.chunks,
-                    w.encoder_tokens - before.encoder_tokens, w.frames - before.frames)
+        return self.prefix(start + frames).minus(self.prefix(start))
 
     def start_need(self, costs: "Costs", share: float, nfe_ratio: float = 1.0, step_ratio: float = 1.0) -> float:
         """A START's demand (device s per s of wall time): the first chunk is its first audio's wait; then each
@@ -467,11 +538,6 @@ class Plan:
         planned = costs.demand(self.window(work.frames), share)
         base = costs.seconds(self.prefix(work.frames), share)
         return planned * costs.seconds(work, share) / base if base > 0 else planned
-
-
-def _part(w: Work, f: float) -> Work:
-    return Work(w.row_frames * f, round(w.steps * f), round(w.chunks * f), round(w.encoder_tokens * f),
-                round(w.frames * f))
 
 
 def default_plan(expected_s: float) -> list[int]:

@@ -145,6 +145,11 @@ class Chunk:
         """The same at its stream's full step count (what capacity is defined at)."""
         return self.state.n_steps * self.rows
 
+    @property
+    def past_frames(self) -> int:
+        """Frames of the prefix cache its rows read (its stream's kept prompt and context; 0: none)."""
+        return self.past[0][0].frames if self.past else 0
+
 
 @dataclass
 class ChunkResult:

@@ -6,8 +6,9 @@ method has a default that does nothing, so an observer implements only what it n
 * ``estimator_step(sequences, rows, frames)``: one estimator call ran: ``sequences`` utterances solved
   together, ``rows`` batch rows (twice the sequences with classifier-free guidance), ``frames`` the padded
   length;
-* ``estimator_timed(rows, frames, seconds)``, ``encoder_timed(tokens, seconds)``: after each estimator (encoder)
-  call, how long it took for its size (``s3flow.engine.capacity`` fits the costs from them);
+* ``estimator_timed(rows, frames, seconds, past)``, ``encoder_timed(tokens, seconds)``: after each estimator
+  (encoder) call, how long it took for its size (``past``: the padded frames of the prefix cache each row read, 0
+  for none; ``s3flow.engine.capacity`` fits the costs from them);
 * ``chunk_work(corr_id, work)``: what an answered chunk cost (``s3flow.engine.capacity.Work``);
 * ``worked(seconds, streams)``: the instance was busy this long (a step-loop iteration; the FIFO solver reports
   each execute itself) holding ``streams`` streams, and made the chunks answered since the last report;
@@ -44,7 +45,7 @@ class Observer:
     def estimator_step(self, sequences: int, rows: int, frames: int) -> None:
         pass
 
-    def estimator_timed(self, rows: int, frames: int, seconds: float) -> None:
+    def estimator_timed(self, rows: int, frames: int, seconds: float, past: int = 0) -> None:
         pass
 
     def encoder_timed(self, tokens: int, seconds: float) -> None:
@@ -80,9 +81,9 @@ class Observers(Observer):
         for o in self.observers:
             o.estimator_step(sequences, rows, frames)
 
-    def estimator_timed(self, rows: int, frames: int, seconds: float) -> None:
+    def estimator_timed(self, rows: int, frames: int, seconds: float, past: int = 0) -> None:
         for o in self.observers:
-            o.estimator_timed(rows, frames, seconds)
+            o.estimator_timed(rows, frames, seconds, past)
 
     def encoder_timed(self, tokens: int, seconds: float) -> None:
         for o in self.observers:

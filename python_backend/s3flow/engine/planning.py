@@ -40,15 +40,18 @@ def planned_calls(n_feats: int, prompt_tokens: int, chunks: Sequence[int], conte
 
 
 class ZeroEstimator:
-    """The estimator as zeros, recording each call's (rows, frames) in ``calls``; it takes a prefix cache (and
-    keeps empty ones): what plans and warm-ups run the engine over."""
+    """The estimator as zeros, recording each call's (rows, frames) in ``calls`` and the frames of the prefix cache
+    its rows read in ``pasts``; it takes a prefix cache (and keeps empty ones): what plans and warm-ups run the
+    engine over."""
     carries_prefix = True
 
     def __init__(self, calls: list[tuple[int, int]] | None = None):
         self.calls = [] if calls is None else calls
+        self.pasts: list[int] = []
 
     def __call__(self, inputs):
         self.calls.append((inputs.x.shape[0], inputs.x.shape[2]))
+        self.pasts.append(0 if inputs.past is None else int(inputs.past.mask.shape[-1]))
         v = torch.zeros_like(inputs.x)
         if inputs.keep is None:
             return v
@@ -60,9 +63,11 @@ class ZeroEstimator:
 
 def _planned(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_frames: int, steps: int,
              meanflow: bool, prompt_frames: int, slide_prompt: int,
-             keep_solved: int = 0, by_voice: bool = False) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+             keep_solved: int = 0, by_voice: bool = False
+             ) -> tuple[list[tuple[int, int]], list[int], list[int], list[int]]:
     """:func:`planned_calls`, the mel frames each chunk's answer made final (the last chunk: as if the stream
-    went on, so the frames its lookahead held back are not counted twice), and each chunk's encoder tokens."""
+    went on, so the frames its lookahead held back are not counted twice), each chunk's encoder tokens and each
+    call's cached frames read (``ZeroEstimator.pasts``)."""
     calls: list[tuple[int, int]] = []
     final: list[int] = []
     encoded: list[int] = []
@@ -76,7 +81,8 @@ def _planned(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_fr
     solving = ChunkSolving(context_frames=context_frames, prompt_frames=prompt_frames, slide_prompt=slide_prompt,
                            keep_solved=keep_solved, voice_cache_mb=1 if by_voice else 0,
                            max_utterance_frames=max(3000, 2 * sum(chunks)))
-    engine = StreamingEngine(encode, ZeroEstimator(calls), n_feats=n_feats, meanflow=meanflow, solving=solving)
+    estimator = ZeroEstimator(calls)
+    engine = StreamingEngine(encode, estimator, n_feats=n_feats, meanflow=meanflow, solving=solving)
     rng = np.random.default_rng(0)
     prompt = dict(prompt_tokens=rng.integers(0, 6561, (1, prompt_tokens), dtype=np.int64),
                   prompt_mel=np.zeros((1, 2 * prompt_tokens, n_feats), np.float32),
@@ -89,6 +95,7 @@ def _planned(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_fr
         engine.run([engine.admit(0, req)])
         calls.clear()
         encoded.clear()
+        estimator.pasts.clear()
     for k, size in enumerate(chunks):
         inputs = {"speech_tokens": rng.integers(0, 6561, (1, size), dtype=np.int64), **(prompt if k == 0 else {})}
         req = parse_request(inputs, start=k == 0, end=k == len(chunks) - 1, rules=rules, n_feats=n_feats)
@@ -97,7 +104,7 @@ def _planned(n_feats: int, prompt_tokens: int, chunks: Sequence[int], context_fr
         final.append(int(answer.mel.shape[1]))
     if len(final) > 1:   # an END makes the held-back frames final too: a stream that goes on does not
         final[-1] = 2 * chunks[-1]
-    return calls, final, encoded
+    return calls, final, encoded, estimator.pasts
 
 
 def plan_work(n_feats: int, meanflow: bool, steps: int, guided: bool, chunks: list[int], prompt_tokens: int,
@@ -107,11 +114,12 @@ def plan_work(n_feats: int, meanflow: bool, steps: int, guided: bool, chunks: li
     over stand-in networks (:func:`planned_calls`): what a START is priced at before it sent anything. Each chunk's
     frames are those its answer makes final, as a served stream's are (the first: its tokens' frames less the
     lookahead held back), so a stream like the plan is priced like the plan at every answer."""
-    calls, final, encoded = _planned(n_feats, prompt_tokens, chunks, context_frames, steps, meanflow or not guided,
-                                     prompt_frames, slide_prompt, keep_solved)
+    calls, final, encoded, pasts = _planned(n_feats, prompt_tokens, chunks, context_frames, steps,
+                                            meanflow or not guided, prompt_frames, slide_prompt, keep_solved)
     out = []
     for k, tokens in enumerate(chunks):   # every chunk is ``steps`` estimator calls, one encoder call
-        mine = calls[k * steps:(k + 1) * steps]
+        mine, read = calls[k * steps:(k + 1) * steps], pasts[k * steps:(k + 1) * steps]
         out.append(Work(row_frames=float(sum(r * f for r, f in mine)), steps=len(mine), chunks=1,
-                        encoder_tokens=encoded[k], frames=final[k]))
+                        encoder_tokens=encoded[k], frames=final[k],
+                        key_row_frames=float(sum(r * p for (r, _), p in zip(mine, read)))))
     return out

@@ -29,7 +29,7 @@ waits for the next step (a smaller one behind it in the order may still fit).
 Example::
 
     budget = StepBudget(max_rows=16, max_row_frames=16 * 400)
-    chosen = pick(candidates, now, budget, cost=lambda rows, frames: 1e-3 + 2e-7 * rows * frames)
+    chosen = pick(candidates, now, budget, cost=lambda rows, frames, past: 1e-3 + 2e-7 * rows * (frames + past / 10))
 """
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ from s3flow.protocol import NumericSettings, check_numbers
 MIN_STEPS = 4
 Policy = Literal["whole", "deadline", "arrival"]
 POLICIES = ("whole", "deadline", "arrival")
-#: seconds one step of ``rows`` estimator rows over ``frames`` padded frames takes (a cost model)
-StepCost = Callable[[int, int], float]
+#: seconds one step of ``rows`` estimator rows over ``frames`` padded frames, each reading ``past`` cached frames,
+#: takes (a cost model)
+StepCost = Callable[[int, int, int], float]
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,12 @@ class Candidate:
     steps_left: int
     rows: int              # estimator rows of one of its steps (2 with guidance)
     frames: int            # its solve's frames
+    past: int = 0          # frames of the prefix cache its rows read
 
 
 def slack(c: Candidate, now: float, cost: StepCost) -> float:
     """Seconds to spare: deadline - now - the chunk's remaining work (its steps at its own step cost)."""
-    return c.deadline - now - c.steps_left * cost(c.rows, c.frames)
+    return c.deadline - now - c.steps_left * cost(c.rows, c.frames, c.past)
 
 
 def pick(candidates: Sequence[Candidate], now: float, budget: StepBudget, cost: StepCost,

@@ -159,9 +159,10 @@ class StepLoop:
             self._fail(flights, exc, solving=False)
         return done
 
-    def step_cost(self) -> Callable[[int, int], float]:
-        """Seconds of one step of ``rows`` estimator rows over ``frames`` padded frames, at the costs measured now
-        (the fits times the instance's correction: what a step really takes here)."""
+    def step_cost(self) -> Callable[[int, int, int], float]:
+        """Seconds of one step of ``rows`` estimator rows over ``frames`` padded frames reading ``past`` cached
+        frames, at the costs measured now (the fits times the instance's correction: what a step really takes
+        here)."""
         c = self.costs()
         return (c if c.known else UNMEASURED).step_seconds
 
@@ -181,13 +182,13 @@ class StepLoop:
         now, cost = self.clock(), self.step_cost()
         table = self.engine.sequences
         cands = [Candidate(f, f.arrival, table.deadline(f.chunk.corr_id), f.solve.steps - f.solve.step,
-                           f.solve.rows, f.solve.frames) for f in self._solving]
+                           f.solve.rows, f.solve.frames, f.solve.past_frames) for f in self._solving]
         picked = pick(cands, now, self.budget, cost, self.policy, self.bucket_ratio)
         chosen = [c.key for c in picked]
         batch = self._batch_of([f.solve for f in chosen])
         if self.min_steps:   # a chunk the budget leaves out of some steps waits those too: its share of them
             share = sum(c.rows for c in cands) / max(1, batch.rows)
-            self._fewer_steps(picked, now, cost(batch.rows, batch.frames) * max(1.0, share))
+            self._fewer_steps(picked, now, cost(batch.rows, batch.frames, batch.past_frames) * max(1.0, share))
         try:
             self._step(batch, len(chosen))
         except Exception as exc:
@@ -206,7 +207,7 @@ class StepLoop:
         self.engine.observer.estimator_step(chunks, batch.rows, batch.frames)
         t0 = self.timer()
         batch.step(self.engine.estimator)
-        self.engine.observer.estimator_timed(batch.rows, batch.frames, self.timer() - t0)
+        self.engine.observer.estimator_timed(batch.rows, batch.frames, self.timer() - t0, batch.past_frames)
         self.steps += 1
         self.engine.estimator_calls += 1
         self.engine.solved_frames += batch.frames * chunks

@@ -84,6 +84,11 @@ class RowSolve:
         """Estimator rows of one of its steps (2 with guidance)."""
         return 2 if self.guided else 1
 
+    @property
+    def past_frames(self) -> int:
+        """Frames of the prefix cache its rows read (0: none)."""
+        return self.past[0][0].frames if self.past else 0
+
 
 class StepBatch:
     """One estimator call's buffers for ``solves`` (the module docstring), refilled at every :meth:`step`."""
@@ -129,6 +134,11 @@ class StepBatch:
     @property
     def frames(self) -> int:
         return int(self.inputs.x.shape[2])
+
+    @property
+    def past_frames(self) -> int:
+        """Frames of the prefix cache each row reads, padded to the longest (0: no solve reads one)."""
+        return max(s.past_frames for s in self.solves)
 
     def step(self, estimator: Estimator) -> None:
         """Every solve of the batch one Euler step on (each must have a step left)."""

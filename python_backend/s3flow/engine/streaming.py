@@ -359,7 +359,8 @@ class StreamingEngine:
         work = Work(row_frames=float(c.nfe * c.solved_frames), steps=c.steps, chunks=1,
                     encoder_tokens=int(c.encoder_tokens.size), frames=int(mel.shape[1]),
                     skipped_row_frames=float((c.full_nfe - c.nfe) * c.solved_frames),
-                    skipped_steps=c.state.n_steps - c.steps)
+                    skipped_steps=c.state.n_steps - c.steps, key_row_frames=float(c.nfe * c.past_frames),
+                    skipped_key_row_frames=float((c.full_nfe - c.nfe) * c.past_frames))
         # idle time counts from the answer, not the request; the stream's clock and work move on
         delivered = self.sequences.commit(c.corr_id, end=c.finalize, frames=int(mel.shape[1]), work=work.full())
         self.observer.chunk_work(c.corr_id, work)

@@ -122,8 +122,8 @@ def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), step
             self.encoder: dict = {}
             self.made = Work()
 
-        def estimator_timed(self, rows, frames, seconds):
-            key = (rows, frames)
+        def estimator_timed(self, rows, frames, seconds, past=0):
+            key = (rows, frames, past)
             self.estimator[key] = min(seconds, self.estimator.get(key, seconds))
 
         def encoder_timed(self, tokens, seconds):
@@ -143,8 +143,8 @@ def calibrate_solver(engine, observer, rules=None, streams: tuple = (1, 4), step
             _utterances(session, engine.n_feats, prompt_tokens, chunks, n, steps)
             busy = time.perf_counter() - started   # (the last round's largest batch is kept)
         calls += shadow.estimator_calls
-    for (rows, frames), seconds in fastest.estimator.items():
-        observer.estimator_timed(rows, frames, seconds)
+    for (rows, frames, past), seconds in fastest.estimator.items():
+        observer.estimator_timed(rows, frames, seconds, past)
     for tokens, seconds in fastest.encoder.items():
         observer.encoder_timed(tokens, seconds)
     observer.calibrated(busy, fastest.made, streams[-1])

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
                 by_voice = (voice_c, served_bound(server, voice_c, voices))
         costs = served_costs(repo)   # saved by the solver instances at their close
     print(f"the server's price: estimator {costs.est_fixed * 1e3:.2f} ms + {costs.est_per_unit * 1e6:.3f} us per "
-          f"row-frame, encoder {costs.enc_fixed * 1e3:.2f} ms + {costs.enc_per_unit * 1e6:.3f} us per token", flush=True)
+          f"row-frame + {costs.est_per_key * 1e6:.3f} us per cached key row-frame, encoder {costs.enc_fixed * 1e3:.2f} ms + {costs.enc_per_unit * 1e6:.3f} us per token", flush=True)
     rows = []
     for label, flags in SETTINGS:
         settings = build_repository.settings_of(build_repository.parse_args(["--output", "unused", *flags]))
@@ -198,7 +198,8 @@ def main(argv=None) -> int:
         f"Made by `python -m s3flow_tools.measure.at_once` on {', '.join(f'{k} {v}' for k, v in machine().items())} "
         f"in {(time.monotonic() - t0) / 60:.1f} min: the simulator (`s3flow_tools.sim`, the solver's own code on a "
         f"virtual clock, `fifo` as shipped) priced by the trained small teacher's server on this host (estimator "
-        f"{costs.est_fixed * 1e3:.2f} ms + {costs.est_per_unit * 1e6:.3f} us per row-frame, encoder "
+        f"{costs.est_fixed * 1e3:.2f} ms + {costs.est_per_unit * 1e6:.3f} us per row-frame + "
+        f"{costs.est_per_key * 1e6:.3f} us per cached key row-frame, encoder "
         f"{costs.enc_fixed * 1e3:.2f} ms + {costs.enc_per_unit * 1e6:.3f} us per token); held-out sentences of 3-6 s "
         f"with their own prompts, all started together, {RUNS} sets of sentences per count, a real-time player "
         f"starting {BUFFER_S} s after each stream's first answer. The module docstring says how.",

@@ -135,11 +135,15 @@ def pricing(gpu: Gpu, enc_per_token: float, voc_per_frame: float, vocoder: bool)
 
 
 def linear_costs(price: Pricing) -> Costs:
-    """What the server would measure of those calls: the linear fit the step loop decides by."""
-    grid = [(r, f) for r in (2, 16, 64, 256) for f in (64, 200, 400)]
-    slope, fixed = np.polyfit([r * f for r, f in grid], [price.estimator(r, f, f) for r, f in grid], 1)
+    """What the server would measure of those calls: the linear fit the step loop decides by (a part per call,
+    per row-frame solved and per cached key row-frame read)."""
+    grid = [(r, f, p) for r in (2, 16, 64, 256) for f in (64, 200, 400) for p in (0, 50, 150)]
+    x = np.array([[1.0, r * f, r * p] for r, f, p in grid])
+    y = np.array([price.estimator(r, f, f + p) for r, f, p in grid])
+    (fixed, slope, per_key), *_ = np.linalg.lstsq(x, y, rcond=None)
     return Costs(est_fixed=max(float(fixed), 0.0), est_per_unit=float(slope), enc_fixed=price.encoder(0),
-                 enc_per_unit=price.encoder(1) - price.encoder(0), max_batch=256)
+                 enc_per_unit=price.encoder(1) - price.encoder(0), max_batch=256,
+                 est_per_key=min(max(float(per_key), 0.0), float(slope)))
 
 
 def settings(scheduling: str, min_steps: int, meanflow: bool, args) -> RepositorySettings:
@@ -268,7 +272,7 @@ def report(cells, gpu: Gpu, enc: float, voc: float, costs: Costs, hosts: dict, a
         f"lean served path's aim (issue 49: tensors by DLPack, one hop per answer), `--lean-host-ms` |",
         f"| a chunk's transit | {1e3 * host.transit_s:.1f} ms | this host: client, gRPC, admission, ensemble |",
         f"| the step loop's cost model | {1e3 * costs.est_fixed:.2f} ms + {1e9 * costs.est_per_unit:.2f} ns a "
-        f"row-frame "
+        f"row-frame + {1e9 * costs.est_per_key:.2f} ns a cached key row-frame "
         f"| the linear fit a server would measure of those calls |",
         "",
         "## Streams", "",

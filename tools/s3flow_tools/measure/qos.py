@@ -142,7 +142,8 @@ def _simulator_note(sims: dict) -> str:
         return "No simulator column: it has no vocoder (`token2mel` only)."
 
     def costs(c) -> str:
-        return (f"estimator {1e3 * c.est_fixed:.2f} ms + {1e6 * c.est_per_unit:.1f} us a row-frame, encoder "
+        return (f"estimator {1e3 * c.est_fixed:.2f} ms + {1e6 * c.est_per_unit:.1f} us a row-frame + "
+                f"{1e6 * c.est_per_key:.1f} us a cached key row-frame, encoder "
                 f"{1e3 * c.enc_fixed:.2f} ms + {1e6 * c.enc_per_unit:.1f} us a token")
 
     parts = [f"`{m}`: alone {costs(s['alone'])}; at load {costs(s['loaded'])}; C {s['c']:.2f} (server "

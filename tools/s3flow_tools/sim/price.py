@@ -34,26 +34,27 @@ def served_costs(repository: Path, max_batch: int = 8) -> Costs:
     if not costs:
         raise ValueError(f"no saved price under {repository}/cfm_solver/price: run a server on it first")
     mean = {name: float(np.mean([getattr(c, name) for c in costs]))
-            for name in ("est_fixed", "est_per_unit", "enc_fixed", "enc_per_unit")}
+            for name in ("est_fixed", "est_per_unit", "enc_fixed", "enc_per_unit", "est_per_key")}
     return Costs(**mean, max_batch=max_batch)
 
 
 
-def chunk_work(settings, utterance, n_feats: int = 80) -> list[tuple[int, int, int]]:
+def chunk_work(settings, utterance, n_feats: int = 80) -> list[tuple[int, int, int, int]]:
     """Each chunk of ``utterance`` streamed alone through the simulator: (encoder tokens, estimator calls,
-    row-frames of those calls), as the engine plans them."""
+    row-frames of those calls, cached key row-frames they read), as the engine plans them."""
     from s3flow_tools.sim.streams import run_streams
     from s3flow_tools.sim.virtual_server import Pricing, VirtualServer
 
     chunks: list[list[int]] = []
 
     def encoder(tokens: int) -> float:
-        chunks.append([tokens, 0, 0])
+        chunks.append([tokens, 0, 0, 0])
         return 0.0
 
     def estimator(rows: int, frames: int, key_frames: int) -> float:
         chunks[-1][1] += 1
         chunks[-1][2] += rows * frames
+        chunks[-1][3] += rows * (key_frames - frames)
         return 0.0
 
     server = VirtualServer(settings, Costs(est_per_unit=1e-9), n_feats=n_feats, pricing=Pricing(estimator, encoder))
@@ -61,16 +62,20 @@ def chunk_work(settings, utterance, n_feats: int = 80) -> list[tuple[int, int, i
     return [tuple(c) for c in chunks]
 
 
-def fit_alone(points: list[tuple[tuple[int, int, int], float]], saved: Costs, queue_delay_s: float,
+def fit_alone(points: list[tuple[tuple[int, int, int, int], float]], saved: Costs, queue_delay_s: float,
               transit_s: float) -> Costs:
     """The costs of an instance working alone, fitted to a stream alone's chunk latencies on the served path
     (``points``: (``chunk_work``, latency) pairs). A latency less the queue delay, the chunk's transit and its
-    encoder call (at the ``saved`` encoder costs) is a part per chunk and a part per row-frame (least squares);
-    the part per chunk, over the chunk's estimator calls, is a call's fixed part (on this host mostly the ONNX
-    graph's per-operator dispatch and the solver's Python between calls)."""
-    x = np.array([[1.0, rf] for (_, _, rf), _ in points])
-    y = np.array([lat - queue_delay_s - transit_s - saved.encoder_seconds(tokens) for (tokens, _, _), lat in points])
+    encoder call (at the ``saved`` encoder costs) is a part per chunk and a part per row-frame (least squares; a
+    cached key row-frame priced at the ``saved`` ratio of a key's price to a row-frame's); the part per chunk, over
+    the chunk's estimator calls, is a call's fixed part (on this host mostly the ONNX graph's per-operator dispatch
+    and the solver's Python between calls)."""
+    ratio = saved.est_per_key / saved.est_per_unit if saved.est_per_unit > 0 else 0.0
+    x = np.array([[1.0, rf + ratio * kf] for (_, _, rf, kf), _ in points])
+    y = np.array([lat - queue_delay_s - transit_s - saved.encoder_seconds(tokens)
+                  for (tokens, *_), lat in points])
     (per_chunk, per_unit), *_ = np.linalg.lstsq(x, y, rcond=None)
-    calls = float(np.mean([calls for (_, calls, _), _ in points]))
-    return Costs(max(float(per_chunk), 0.0) / max(calls, 1.0), max(float(per_unit), 1e-9), saved.enc_fixed,
-                 saved.enc_per_unit, saved.max_batch)
+    calls = float(np.mean([calls for (_, calls, *_), _ in points]))
+    per_unit = max(float(per_unit), 1e-9)
+    return Costs(max(float(per_chunk), 0.0) / max(calls, 1.0), per_unit, saved.enc_fixed,
+                 saved.enc_per_unit, saved.max_batch, ratio * per_unit)

@@ -3,7 +3,7 @@ whose calls take the time the server's own cost model says (issue 51).
 
 Each solver instance is the server's ``StreamingEngine`` and ``StepLoop`` (the same planning, conditioning, keep-
 solved caches, policy and fewer-steps code), run over stand-in networks that return zeros and charge a call's
-seconds to the instance (``Pricing``): by default ``Costs.step_seconds(rows, frames)`` per estimator call and
+seconds to the instance (``Pricing``): by default ``Costs.step_seconds(rows, frames, past)`` per estimator call and
 ``Costs.encoder_seconds(tokens)`` per encoder call, the costs the server itself prices admission with
 (``s3flow.engine.capacity``: the fits times its correction, read from the price a served instance saved,
 ``s3flow_tools.sim.price``); a projection prices calls by FLOPs instead, and may add the vocoder's time for the
@@ -95,7 +95,8 @@ class Pricing:
 
     @classmethod
     def of(cls, costs: Costs) -> "Pricing":
-        return cls(lambda rows, frames, key_frames: costs.step_seconds(rows, frames), costs.encoder_seconds)
+        return cls(lambda rows, frames, key_frames: costs.step_seconds(rows, frames, key_frames - frames),
+                   costs.encoder_seconds)
 
 
 class PricedEncoder:
