@@ -634,7 +634,7 @@ def test_served_torch_backend_streams_what_the_onnx_backend_streams(served, tmp_
     import json
     from s3flow.serving.load import LoadBoard
     [price] = (tmp_path / "repo" / "vocoder" / "price").glob("*.json")
-    fixed, per_unit = json.loads(price.read_text())["state"]["estimator"]
+    fixed, per_unit, _ = json.loads(price.read_text())["state"]["estimator"]
     assert fixed > 0 or per_unit > 0, "timed pushes"
     with TritonServer(tmp_path / "repo", log_file=tmp_path / "again.log") as again:
         [report] = [r for r in LoadBoard(LoadBoard.default_folder(again.pid)).read().reports if r.kind == "vocoder"]
