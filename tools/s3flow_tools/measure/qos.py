@@ -59,7 +59,7 @@ TRANSIT_S = 1.3e-3
 #: the modes: their build flags (``fewer``: the deadline scheduler at its default ``min_steps``; ``kept``: FIFO with
 #: every frame solved once, ``keep_solved 2``, docs/streaming.md). Each mode has the target's chunk solving beside
 #: its flags: since 2026-12-06 the cpu target keeps the prompt's cache with 25 frames of context, so a chunk that
-#: reads the cache keeps its full steps under ``fewer`` (results/qos.md's table is from before, nothing kept)
+#: reads the cache keeps its full steps under ``fewer`` (only a chunk that reads none, a START, may be given fewer)
 MODES = {"fifo": ["--scheduling", "fifo"], "deadline": ["--scheduling", "deadline", "--min-steps", "0"],
          "fewer": ["--scheduling", "deadline"], "kept": ["--scheduling", "fifo", "--keep-solved", "2"]}
 
