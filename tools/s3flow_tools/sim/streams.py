@@ -42,13 +42,16 @@ class _Stream:
         self.done_at = None
 
     def request(self, rules: RequestRules, n_feats: int):
+        """The next chunk's request, and the names of the tensors the client sends with it."""
         k = self.sent
         lo = sum(self.sizes[:k])
         arrays = self.utt.request(lo, lo + self.sizes[k], start=k == 0)
         req = parse_request(arrays, start=k == 0, end=k == len(self.sizes) - 1, rules=rules, n_feats=n_feats)
-        if k == 0:   # a START by voice id (the server resolves it to these prompt tensors)
+        names = frozenset(arrays)
+        if k == 0 and self.utt.voice_id:   # a START by voice id (the server resolves it to these prompt tensors)
             req.voice = self.utt.voice_id
-        return req
+            names = frozenset(self.utt.request(lo, lo + self.sizes[k], start=True, by_voice_id=True))
+        return req, names
 
     def result(self) -> StreamResult:
         mel = np.concatenate(self.mels, axis=1) if self.mels else np.zeros((0, 0), np.float32)
@@ -69,9 +72,9 @@ def run_streams(server: VirtualServer, utterances: Sequence[Utterance], starts: 
 
     def send(s: _Stream, at: float) -> None:
         s.sent_at = at
-        req = s.request(rules, n_feats)
+        req, names = s.request(rules, n_feats)
         s.sent += 1
-        server.offer(at + half, s.corr_id, req)
+        server.offer(at + half, s.corr_id, req, names)
 
     for s in streams:
         heapq.heappush(events, (s.start_at, next(order), "send", s, None))

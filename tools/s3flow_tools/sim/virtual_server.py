@@ -18,7 +18,11 @@ What Triton does around the solver is modelled as it is configured (``Repository
   answered (the end of that execute), not when the END is taken;
 * ``fifo``: a free instance takes up to ``max_batch_size`` waiting chunks of its sequences, oldest first, one per
   sequence, after ``max_queue_delay`` unless the batch is full, and solves them whole (``StepLoop.solve``): the
-  answers go out together at the end of the execute;
+  answers go out together at the end of the execute. A batch holds only requests that carry the same inputs as
+  its oldest (the model has optional inputs: Triton's ``RequiredEqualInputs`` lets a request join only with the
+  same input names, and the first that differs closes the batch): a START, with its prompt, is never batched with
+  a later chunk of another stream, which waits for the next execute (seen in the server's traces: a chunk queued
+  behind a START waited a whole execute more, 0.9-1.2 s at 1 C spread over 2 s);
 * ``deadline``: each instance's loop runs one iteration at a time (``StepLoop.run_once``: least slack first
   within the step budget, late chunks given fewer steps); a chunk joins at the iteration after it arrives and is
   answered at the end of the iteration that made its last step.
@@ -134,6 +138,7 @@ class _Waiting:
     order: int
     corr_id: int = field(compare=False)
     request: ChunkRequest = field(compare=False)
+    inputs: Optional[frozenset] = field(compare=False, default=None)   # the names it carries (None: any batch)
 
 
 class _Instance:
@@ -200,7 +205,11 @@ class _Instance:
         """``fifo``: one execute of up to ``max_batch`` oldest waiting chunks, one per sequence, solved whole."""
         batch, seen = [], set()
         for w in sorted(self.waiting):
-            if w.corr_id not in seen and len(batch) < self.max_batch and w.arrived <= self.now:
+            if w.arrived > self.now or len(batch) == self.max_batch:
+                break
+            if batch and w.inputs is not None and w.inputs != batch[0].inputs:
+                break      # other inputs than the batch's oldest: Triton closes the batch there
+            if w.corr_id not in seen:
                 batch.append(w)
                 seen.add(w.corr_id)
         self.waiting = [w for w in self.waiting if w not in batch]
@@ -285,8 +294,9 @@ class VirtualServer:
         others = [i for i in self.instances if i is not instance]
         return sum(i.now > at for i in others) / len(others) if others else 0.0
 
-    def offer(self, at: float, corr_id: int, request: ChunkRequest) -> None:
-        """A request reaches the server at ``at`` (its START picks the instance that holds the fewest)."""
+    def offer(self, at: float, corr_id: int, request: ChunkRequest, inputs: Optional[frozenset] = None) -> None:
+        """A request reaches the server at ``at`` (its START picks the instance that holds the fewest); ``inputs``:
+        the names of the tensors it carries (``fifo`` batches only requests with the same; None: any)."""
         if request.start or corr_id not in self._home:
             for i in self.instances:   # slots freed by now
                 i.held = {c: until for c, until in i.held.items() if until > at}
@@ -294,7 +304,7 @@ class VirtualServer:
             self._home[corr_id] = home
             home.held[corr_id] = float("inf")
         home = self._home[corr_id]
-        home.waiting.append(_Waiting(at, next(self._order), corr_id, request))
+        home.waiting.append(_Waiting(at, next(self._order), corr_id, request, inputs))
 
     def next_time(self) -> Optional[float]:
         """When an instance next acts (None: every one waits for requests)."""
