@@ -9,12 +9,12 @@ the default steps and guidance, a prompt of the planned length; ``s3flow.engine.
 Costs. Every estimator call and every encoder call is timed (the engine reports it to its ``Observer``) and fitted
 online as ``seconds = fixed + per_unit * units`` (:class:`CostFit`: weighted least squares forgetting old calls;
 units: estimator rows x padded frames, encoder tokens; an estimator call's cached keys, rows x the frames of the
-prefix cache it reads, are priced apart: ``per_key``, about a tenth of a frame solved on the 2-core host). A call's fixed part is shared by the streams batched in it,
-at most ``max_batch`` of them (Triton's batch, or a step's rows): with ``n`` streams live, each pays
-``fixed / min(n, max_batch)`` per call. The fits price one piece of work against another (a young stream's chunks
-against an old one's, more steps, a longer prompt); they do not say what the instance makes: the python between
-the calls, padding, the cores shared with other processes are nowhere in them, and on a 2-core host their
-per-unit cost moved 5x between an idle server and 16 streams.
+prefix cache it reads, are priced apart: ``per_key``, about a tenth of a frame solved on the 2-core host). A call's
+fixed part is shared by the streams batched in it, at most ``max_batch`` of them (Triton's batch, or a step's
+rows): with ``n`` streams live, each pays ``fixed / min(n, max_batch)`` per call. The fits price one piece of work
+against another (a young stream's chunks against an old one's, more steps, a longer prompt); they do not say what
+the instance makes: the python between the calls, padding, the cores shared with other processes are nowhere in
+them, and on a 2-core host their per-unit cost moved 5x between an idle server and 16 streams.
 
 Capacity, measured from the work. The instance reports each stretch it is busy (:meth:`CapacityModel.worked`:
 a FIFO execute, a step-loop iteration, a vocoder push) and the chunks it answered in it. Over a window of recent
@@ -32,12 +32,12 @@ capacity for the plan is the prior. The gauge, admission's price of a stream (``
 scaled so that N default streams need N / capacity), its ``retry_after`` and the step loop's slack and fewer steps
 (``s3flow.engine.step_loop``) read these same numbers.
 
-Work. A stream's chunks report what they cost (:class:`Work`: estimator row-frames over all steps, the
-cached key row-frames they read, steps, chunks, encoder tokens, frames made final); the sequence table adds them up per stream. The server knows neither an utterance's length nor a live client's
-next chunks: a stream's demand is the default plan's (:class:`Plan`) over the next ``HORIZON_S`` of its audio,
-scaled by how much heavier than the plan its chunks so far have been; a START's is what the plan's ramp needs
-(each chunk after the first made within the start-up buffer plus the audio before it: :meth:`Plan.start_need`, at
-its own steps and guidance).
+Work. A stream's chunks report what they cost (:class:`Work`: estimator row-frames over all steps, the cached key
+row-frames they read, steps, chunks, encoder tokens, frames made final); the sequence table adds them up per stream.
+The server knows neither an utterance's length nor a live client's next chunks: a stream's demand is the default
+plan's (:class:`Plan`) over the next ``HORIZON_S`` of its audio, scaled by how much heavier than the plan its chunks
+so far have been; a START's is what the plan's ramp needs (each chunk after the first made within the start-up
+buffer plus the audio before it: :meth:`Plan.start_need`, at its own steps and guidance).
 
 Example::
 
@@ -276,7 +276,8 @@ class Costs:
         """Device seconds ``work`` takes, each call's fixed part shared by ``share`` streams."""
         share = max(share, 1.0)
         return (work.row_frames * self.est_per_unit + work.key_row_frames * self.est_per_key
-                + work.steps * self.est_fixed / share + work.encoder_tokens * self.enc_per_unit + work.chunks * self.enc_fixed / share)
+                + work.steps * self.est_fixed / share
+                + work.encoder_tokens * self.enc_per_unit + work.chunks * self.enc_fixed / share)
 
     def demand(self, work: Work, share: float) -> float:
         """Device seconds per second of audio (0 for work that made no audio yet)."""

@@ -175,7 +175,8 @@ def main(argv=None) -> int:
                 by_voice = (voice_c, served_bound(server, voice_c, voices))
         costs = served_costs(repo)   # saved by the solver instances at their close
     print(f"the server's price: estimator {costs.est_fixed * 1e3:.2f} ms + {costs.est_per_unit * 1e6:.3f} us per "
-          f"row-frame + {costs.est_per_key * 1e6:.3f} us per cached key row-frame, encoder {costs.enc_fixed * 1e3:.2f} ms + {costs.enc_per_unit * 1e6:.3f} us per token", flush=True)
+          f"row-frame + {costs.est_per_key * 1e6:.3f} us per cached key row-frame, encoder "
+          f"{costs.enc_fixed * 1e3:.2f} ms + {costs.enc_per_unit * 1e6:.3f} us per token", flush=True)
     rows = []
     for label, flags in SETTINGS:
         settings = build_repository.settings_of(build_repository.parse_args(["--output", "unused", *flags]))
