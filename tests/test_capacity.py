@@ -25,6 +25,20 @@ def plan_sizes() -> list[int]:
     return [(w.frames + (LOOKAHEAD_FRAMES if k == 0 else 0)) // 2 for k, w in enumerate(PLAN.chunks)]
 
 
+def works_after_each_chunk(engine: StreamingEngine, chunks: int):
+    """The plan's first ``chunks`` chunk sizes streamed as one utterance through ``engine`` (a 6 s prompt, never
+    ended): the stream's work after each answer."""
+    rng = np.random.default_rng(2)
+    for k, n in enumerate(plan_sizes()[:chunks]):
+        inputs = {"speech_tokens": rng.integers(0, 6561, (1, n), dtype=np.int64)}
+        if k == 0:
+            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, 150), dtype=np.int64),
+                          prompt_mel=np.zeros((1, 300, 80), np.float32), speaker_embedding=np.ones((1, 192), np.float32))
+        engine.run([engine.admit(1, parse_request(inputs, start=k == 0, end=False,
+                                                  rules=RequestRules(max_chunk_tokens=200), n_feats=80))])
+        yield engine.sequences.works()[1]
+
+
 def stand_in_engine(observer=None) -> StreamingEngine:
     """The served engine over zero networks (what the plan is made with)."""
     def encode(tokens, token_len, embedding):
@@ -101,15 +115,7 @@ def test_a_stream_reading_its_kept_prompt_reports_the_keys_its_plan_counts():
     timed = Timed()
     engine = StreamingEngine(encode, ZeroEstimator(), n_feats=80, meanflow=False, solving=settings.solving,
                              observer=timed)
-    rng = np.random.default_rng(2)
-    for k, n in enumerate(plan_sizes()[:4]):
-        inputs = {"speech_tokens": rng.integers(0, 6561, (1, n), dtype=np.int64)}
-        if k == 0:
-            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, 150), dtype=np.int64),
-                          prompt_mel=np.zeros((1, 300, 80), np.float32), speaker_embedding=np.ones((1, 192), np.float32))
-        engine.run([engine.admit(1, parse_request(inputs, start=k == 0, end=False,
-                                                  rules=RequestRules(max_chunk_tokens=200), n_feats=80))])
-        work = engine.sequences.works()[1]
+    for k, work in enumerate(works_after_each_chunk(engine, 4)):
         assert work.key_row_frames == pytest.approx(plan.prefix(work.frames).key_row_frames), f"after chunk {k + 1}"
     prompt = settings.solving.prompt_frames
     assert timed.pasts == [0] * STEPS + [prompt] * 3 * STEPS
@@ -521,15 +527,7 @@ def test_a_stream_like_the_plan_is_priced_like_the_plan_after_every_answer():
     (a START pending and one just answered are priced alike: a burst of STARTs is judged evenly)."""
     model = CapacityModel()
     engine = stand_in_engine(model)
-    rng = np.random.default_rng(2)
-    for k, n in enumerate(plan_sizes()[:5]):
-        inputs = {"speech_tokens": rng.integers(0, 6561, (1, n), dtype=np.int64)}
-        if k == 0:
-            inputs.update(prompt_tokens=rng.integers(0, 6561, (1, 150), dtype=np.int64),
-                          prompt_mel=np.zeros((1, 300, 80), np.float32), speaker_embedding=np.ones((1, 192), np.float32))
-        engine.run([engine.admit(1, parse_request(inputs, start=k == 0, end=False,
-                                                  rules=RequestRules(max_chunk_tokens=200), n_feats=80))])
-        work = engine.sequences.works()[1]
+    for k, work in enumerate(works_after_each_chunk(engine, 5)):
         planned = PLAN.prefix(work.frames)
         assert (work.row_frames, work.steps, work.chunks) == pytest.approx(
             (planned.row_frames, planned.steps, planned.chunks)), f"after chunk {k + 1}"
