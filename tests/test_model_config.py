@@ -160,8 +160,10 @@ def test_parameters_read_back_with_their_types(repos, case):
         settings.voices.voice_dir, settings.voices.max_voices, settings.voices.max_voice_bytes)
     for name in ("flow_encoder", "estimator"):
         params = Params(found[name])
-        if settings.target == "cpu":
-            assert found[name].backend == "python" and params.raw == {"intra_op_threads": str(settings.ort_threads)}
+        if settings.target == "cpu":   # the encoder, called between estimator calls, never spins (OrtSettings)
+            spinning = {"allow_spinning": "false"} if name == "flow_encoder" else {}
+            assert found[name].backend == "python" and params.raw == {"intra_op_threads": str(settings.ort_threads),
+                                                                      **spinning}
         elif settings.gpu_backend == "torch":
             assert found[name].backend == "python" and params.raw == {
                 "dtype": default_dtype(name, settings.torch_dtype), "FORCE_CPU_ONLY_INPUT_TENSORS": "no"}
@@ -276,6 +278,16 @@ def test_stateless_config_for_the_engine_builder():
     assert torch_cfg.backend == "python" and Params(torch_cfg).str("dtype") == "fp32", "the encoder stays fp32"
     with pytest.raises(ValueError, match="'vocoder'"):
         stateless_config("vocoder", 80, False, gpu, 1)
+
+
+def test_the_cpu_encoders_onnx_runtime_pool_spins_only_when_asked():
+    """``--encoder-spinning`` (RepositorySettings.encoder_spinning) is what the served encoder's session gets: off by
+    default (results/encoder_spinning.md: a spinning pool burned 12x the encoder's CPU for nothing measurable)."""
+    from s3flow.repository import cli
+    assert Params(stateless_config("flow_encoder", 80, False, RepositorySettings(), 1)).bool("allow_spinning") is False
+    on = cli.settings_of(cli.parse_args(["--output", "/tmp/unused", "--encoder-spinning"]))
+    assert on.encoder_spinning and Params(stateless_config("flow_encoder", 80, False, on, 1)).bool("allow_spinning")
+    assert "allow_spinning" not in Params(stateless_config("estimator", 80, False, on, 1)).raw
 
 
 def test_torch_dtype_has_one_default():

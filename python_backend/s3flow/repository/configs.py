@@ -131,6 +131,8 @@ def stateless_config(name: str, n_feats: int, meanflow: bool, settings: Reposito
         config, params = ModelConfig(name=name, platform="tensorrt_plan", max_batch_size=0), {}
     else:
         config, params = _python(name, 0), {"intra_op_threads": s.ort_threads}
+        if name == ENCODER_MODEL:
+            params["allow_spinning"] = "true" if s.encoder_spinning else "false"
     add_tensors(config, inputs, outputs, n_feats=n_feats)
     add_instances(config, instances, gpu=s.target == "gpu")
     if name == ESTIMATOR_MODEL and s.graphs_by_call:

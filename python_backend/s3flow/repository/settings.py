@@ -106,6 +106,10 @@ class RepositorySettings:
     solver: SolverSettings = field(default_factory=SolverSettings)
     batching: Batching = field(default_factory=Batching)
     ort_threads: int = 0                    # ONNX Runtime intra-op threads (0: all cores)
+    #: the cpu target's flow encoder lets its idle ONNX Runtime threads spin for work (``allow_spinning``). Off:
+    #: called once per chunk between estimator calls, a spinning pool burned 1.1 s of CPU over six streams alone
+    #: against 0.08 s of work, C and a stream alone unchanged within noise (results/encoder_spinning.md)
+    encoder_spinning: bool = False
     torch_threads: int = 1                  # the solver's own torch work is small
     gpu_backend: Literal["tensorrt", "torch"] = "tensorrt"  # gpu target: TensorRT plans or torch on CUDA
     #: gpu_backend torch: the estimator's compute dtype (fp32, bf16 or fp16; the encoder stays fp32)

@@ -9,7 +9,8 @@ checkout's own code serving (a server's python models import the package install
 and measures
 
 * its start: seconds from launch until the server answers ready, and each python stub's resident memory then;
-* a stream alone: ``--alone`` held-out sentences one after the other (first mel, wall time per second of audio);
+* a stream alone: ``--alone`` held-out sentences one after the other (first mel, wall time per second of audio,
+  and each model's CPU seconds over them, its stubs summed: what a model burns beyond its work shows here);
 * the fixed cost of a chunk: the first ``FIXED_TOKENS`` tokens of each of those sentences sent as a one-chunk
   utterance at 2 and at 4 Euler steps; what the client waits for its answer is a fixed part (client, gRPC,
   admission, the encoder, the hops, the Python around the steps) plus the steps, so ``2 T(2) - T(4)`` is the fixed
@@ -58,8 +59,17 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list
     from s3flow_tools.measure.corpus import TRAINED, utterances
     from s3flow_tools.measure.qos import MODES, streams
 
+    import psutil
+
     from s3flow.server.healing import stubs
     from s3flow_tools.bench.load import rss_mb
+
+    def cpu_by_model(pids: dict) -> dict:
+        used: dict = {}
+        for pid, model in pids.items():
+            t = psutil.Process(pid).cpu_times()
+            used[model] = used.get(model, 0.0) + t.user + t.system
+        return used
 
     out = {"alone_first_s": [], "alone_wall_per_audio": [], "fixed_s": [], "c": [], "ready_s": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -74,12 +84,16 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list
                 out.setdefault(f"stub_mib:{model}", []).append(rss_mb(pid))
             wait_priced(f"127.0.0.1:{server.metrics_port}")   # its calibration must not share the cores with a stream
             streams(server.grpc_url, "token2mel", utterances(2), 0.0)   # warm the client path
+            pids = stubs(server.pid)
+            cpu_before = cpu_by_model(pids)
             for k in range(alone):
                 [r], wall = streams(server.grpc_url, "token2mel", utterances(1, offset=k), 0.0)
                 if r.error is not None:
                     raise SystemExit(f"a stream failed: {r.error}")
                 out["alone_first_s"].append(r.first_chunk_s)
                 out["alone_wall_per_audio"].append(wall / (r.mel.shape[1] / FRAMES_PER_SECOND))
+            for model, seconds in cpu_by_model(pids).items():
+                out.setdefault(f"cpu_s:{model}", []).append(seconds - cpu_before[model])
             for k in range(alone):   # a chunk's fixed cost: 2 T(2 steps) - T(4 steps) of one chunk (module docstring)
                 [u] = utterances(1, offset=k)
                 u = dataclasses.replace(u, speech_tokens=u.speech_tokens[:FIXED_TOKENS], chunks=[FIXED_TOKENS])
@@ -171,7 +185,10 @@ def main(argv=None) -> int:
              row("start: launch to ready (s)", "ready_s", 1, np.median, ".1f")]
     stubs = sorted(k for k in mine if k.startswith("stub_mib:") and k in theirs)
     lines += [row(f"`{k.split(':', 1)[1]}` stub resident memory at ready (MiB)", k, 1, np.median, ".0f")
-              for k in stubs] + [""]
+              for k in stubs]
+    cpu = sorted(k for k in mine if k.startswith("cpu_s:") and k in theirs)
+    lines += [row(f"`{k.split(':', 1)[1]}` CPU over the {args.alone} streams alone (s, its stubs summed; median)", k,
+                  1, np.median, ".2f") for k in cpu] + [""]
     text = "\n".join(lines)
     print(text)
     if args.out is not None:
