@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     mine, theirs = got[args.label], got[args.other_label]
     def row(name, key, scale=1.0, stat=np.mean, fmt=".2f"):
         a, b = stat(mine[key]) * scale, stat(theirs[key]) * scale
-        return f"| {name} | {a:{fmt}} | {b:{fmt}} | {a / b:.2f} |"
+        return f"| {name} | {a:{fmt}} | {b:{fmt}} | {f'{a / b:.2f}' if b else '-'} |"
 
     lines = [f"# {args.label} against {args.other_label}", "",
              f"Made by `python -m s3flow_tools.measure.ab --other {args.other} --scheduling {args.scheduling} "
