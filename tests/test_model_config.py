@@ -290,6 +290,21 @@ def test_the_cpu_encoders_onnx_runtime_pool_spins_only_when_asked():
     assert "allow_spinning" not in Params(stateless_config("estimator", 80, False, on, 1)).raw
 
 
+def test_the_vocoders_onnx_runtime_sessions_spin_only_when_asked():
+    """``--vocoder-spinning``: off by default (results/vocoder_spinning.md: token2wav's C 1.26x with it off)."""
+    from s3flow.repository import cli
+    from s3flow.repository.configs import vocoder_config
+    from s3flow.runtime.vocoder_runner import VocoderRunnerSettings
+    from s3flow.engine.vocoder_stream import StreamSettings
+    from s3flow.model.vocoder_source import SourceParams
+
+    for flags, spinning in (([], False), (["--vocoder-spinning"], True)):
+        settings = cli.settings_of(cli.parse_args(["--output", "/tmp/unused", *flags]))
+        params = Params(vocoder_config(80, settings, StreamSettings(), SourceParams()))
+        assert params.bool("allow_spinning") is spinning
+        assert VocoderRunnerSettings.from_args(params.raw).spinning is spinning
+
+
 def test_torch_dtype_has_one_default():
     from s3flow.runtime.torch_runner import DEFAULT_ESTIMATOR_DTYPE
 

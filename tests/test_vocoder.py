@@ -328,6 +328,9 @@ def test_vocoder_runner_settings():
     s = VocoderRunnerSettings.from_args({"vocoder_backend": "torch", "intra_op_threads": "2"}, "GPU", "1")
     assert (s.backend, s.device, s.threads) == ("torch", "cuda:1", 2)
     assert VocoderRunnerSettings.from_args({}, "CPU") == VocoderRunnerSettings("onnx", "cpu", 0)
+    assert VocoderRunnerSettings.from_args({"allow_spinning": "false"}, "CPU").spinning is False
+    with pytest.raises(ValueError, match="allow_spinning must be true or false, got 'maybe'"):
+        VocoderRunnerSettings.from_args({"allow_spinning": "maybe"})
     assert VocoderRunnerSettings.from_args({"vocoder_backend": "TORCH"}, "MODEL").device == "cpu"
     with pytest.raises(ValueError, match="vocoder_backend must be one of .* got 'tensorrt'"):
         VocoderRunnerSettings.from_args({"vocoder_backend": "tensorrt"})

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--encoder-spinning", action="store_true",
                    help="cpu target: let the flow encoder's idle ONNX Runtime threads spin for work (off by default: "
                         "results/encoder_spinning.md)")
+    b.add_argument("--vocoder-spinning", action="store_true",
+                   help="cpu target: the same for the vocoder's ONNX Runtime sessions (off by default: "
+                        "results/vocoder_spinning.md)")
     lim = p.add_argument_group("request rules, sequence limits, admission target, chunk solving and deadlines "
                                "(cfm_solver parameters; s3flow.engine.settings)")
     for name, value in SolverSettings.names().items():
@@ -160,7 +163,7 @@ def settings_of(args: argparse.Namespace) -> RepositorySettings:
                         solver_instances=args.solver_instances, estimator_instances=args.estimator_instances,
                         encoder_instances=args.encoder_instances, admission_batching=args.admission_batching)
     return RepositorySettings(target=args.target, solver=solver, batching=batching, ort_threads=args.ort_threads,
-                              encoder_spinning=args.encoder_spinning,
+                              encoder_spinning=args.encoder_spinning, vocoder_spinning=args.vocoder_spinning,
                               gpu_backend=args.gpu_backend, torch_dtype=args.torch_dtype, scheduling=args.scheduling,
                               vocoder_backend=args.vocoder_backend, triton_idle_grace_s=args.triton_idle_grace_s,
                               voices=VoiceSettings(args.voice_dir, args.max_voices, args.max_voice_bytes),

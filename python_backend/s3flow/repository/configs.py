@@ -154,7 +154,7 @@ def vocoder_config(n_feats: int, s: RepositorySettings, stream, source) -> Model
     add_tensors(config, VOCODER_INPUTS, VOCODER_OUTPUTS, n_feats=n_feats)
     add_instances(config, 1, gpu=backend == "torch" and s.target == "gpu")
     set_parameters(config, {"n_feats": n_feats, "vocoder_backend": backend, "intra_op_threads": s.ort_threads,
-                            "warmup": s.warmup, **_fields(stream), **_fields(limits), **_fields(source)})
+                            "allow_spinning": "true" if s.vocoder_spinning else "false", "warmup": s.warmup, **_fields(stream), **_fields(limits), **_fields(source)})
     return config
 
 

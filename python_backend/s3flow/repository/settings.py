@@ -110,6 +110,10 @@ class RepositorySettings:
     #: called once per chunk between estimator calls, a spinning pool burned 1.1 s of CPU over six streams alone
     #: against 0.08 s of work, C and a stream alone unchanged within noise (results/encoder_spinning.md)
     encoder_spinning: bool = False
+    #: the same for the vocoder's two ONNX Runtime sessions (called once per chunk answer on token2wav): spinning,
+    #: they burned 3.65 s of CPU over six streams alone against 1.47 s, and token2wav's C was 0.79x (5.41 against 6.81
+    #: s of audio per s; results/vocoder_spinning.md)
+    vocoder_spinning: bool = False
     torch_threads: int = 1                  # the solver's own torch work is small
     gpu_backend: Literal["tensorrt", "torch"] = "tensorrt"  # gpu target: TensorRT plans or torch on CUDA
     #: gpu_backend torch: the estimator's compute dtype (fp32, bf16 or fp16; the encoder stays fp32)

@@ -40,13 +40,13 @@ class OnnxVocoder:
 
     The sessions are the estimator's (``s3flow.runtime.ort.OrtModel``: one place for the session settings, the
     memory pattern off among them), without its graph rewrite (Mish and attention: the vocoder has neither).
-    ``threads``: intra-op threads, 0 = ONNX Runtime's default.
+    ``threads``: intra-op threads, 0 = ONNX Runtime's default; ``spinning``: idle pool threads spin for work.
     """
 
-    def __init__(self, directory, threads: int = 0):
+    def __init__(self, directory, threads: int = 0, spinning: bool = True):
         from s3flow.runtime.ort import OrtModel, OrtSettings   # here: the torch backend never loads onnxruntime
 
-        settings = OrtSettings(threads=threads, rewrite=False)
+        settings = OrtSettings(threads=threads, spinning=spinning, rewrite=False)
         models = []
         for name in GRAPH_FILES:
             path = Path(directory) / name
@@ -77,11 +77,12 @@ def vocoder_backend_for(target: str, requested: str = "auto") -> str:
 
 @dataclass(frozen=True)
 class VocoderRunnerSettings:
-    """How the ``vocoder`` model runs its two networks: the ``vocoder_backend`` and ``intra_op_threads``
-    config parameters and the instance's placement (``KIND_GPU`` -> ``cuda:<device id>``)."""
+    """How the ``vocoder`` model runs its two networks: the ``vocoder_backend``, ``intra_op_threads`` and
+    ``allow_spinning`` config parameters and the instance's placement (``KIND_GPU`` -> ``cuda:<device id>``)."""
     backend: str = "onnx"
     device: str = "cpu"
     threads: int = 0                    # ONNX Runtime intra-op / torch CPU threads; 0: the library's default
+    spinning: bool = True               # ONNX Runtime: idle pool threads spin for work
 
     @classmethod
     def from_args(cls, params: dict, instance_kind: str = "CPU", device_id: Union[int, str] = 0
@@ -94,18 +95,21 @@ class VocoderRunnerSettings:
         except ValueError:
             raise ValueError(f"parameter intra_op_threads must be an integer, "
                              f"got {params.get('intra_op_threads')!r}") from None
+        spinning = str(params.get("allow_spinning", "true")).lower()
+        if spinning not in ("true", "false"):
+            raise ValueError(f"parameter allow_spinning must be true or false, got {params.get('allow_spinning')!r}")
         device = instance_device(instance_kind, device_id)
         if backend == "onnx" and device != "cpu":
             raise ValueError("vocoder_backend onnx runs ONNX Runtime on the CPU: give it a KIND_CPU instance "
                              "group, or use vocoder_backend torch on the GPU")
-        return cls(backend=backend, device=device, threads=threads)
+        return cls(backend=backend, device=device, threads=threads, spinning=spinning == "true")
 
 
 def open_vocoder_runner(directory: Union[str, Path], settings: VocoderRunnerSettings):
     """The ``f0`` / ``decode`` callables over a model version folder: ``f0.onnx`` + ``decoder.onnx``
     (onnx) or ``hift.safetensors`` (torch, on ``settings.device``)."""
     if settings.backend == "onnx":
-        return OnnxVocoder(directory, threads=settings.threads)
+        return OnnxVocoder(directory, threads=settings.threads, spinning=settings.spinning)
     if settings.backend != "torch":
         raise ValueError(f"vocoder backend must be one of {VOCODER_BACKENDS}, got {settings.backend!r}")
     path = Path(directory) / VOCODER_WEIGHTS_FILE

@@ -3,8 +3,9 @@
 A change to the server (a scheduler, a loop, a hop) is judged against the code before it in the same run: this
 host's noise moves C by 10-15 % from one run to the next, more than most changes do. The other checkout is any
 git checkout with its own ``.venv`` (``git worktree add /tmp/before <commit> && make -C /tmp/before setup``);
-each round starts one server from each (``fifo`` by default, the trained small teacher, ``token2mel``, the
-admission step on with its capacity check off, so every START is taken as in ``s3flow_tools.measure.qos``), each
+each round starts one server from each (``fifo`` by default, the trained small teacher and vocoder, ``token2mel``
+unless ``--model token2wav``, the admission step on with its capacity check off, so every START is taken as in
+``s3flow_tools.measure.qos``), each
 checkout's own code serving (a server's python models import the package installed in the venv that starts it),
 and measures
 
@@ -50,7 +51,8 @@ ROOT = Path(__file__).resolve().parents[3]
 FIXED_TOKENS = 40
 
 
-def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list[str] = ()) -> dict:
+def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list[str] = (),
+             model: str = "token2mel") -> dict:
     """This checkout's server (the caller: the checkout's own python): its figures."""
     from s3flow_contract.tensors import FRAMES_PER_SECOND
     from s3flow.repository import cli as build_repository
@@ -66,46 +68,47 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list
 
     def cpu_by_model(pids: dict) -> dict:
         used: dict = {}
-        for pid, model in pids.items():
+        for pid, stub in pids.items():
             t = psutil.Process(pid).cpu_times()
-            used[model] = used.get(model, 0.0) + t.user + t.system
+            used[stub] = used.get(stub, 0.0) + t.user + t.system
         return used
 
     out = {"alone_first_s": [], "alone_wall_per_audio": [], "fixed_s": [], "c": [], "ready_s": []}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         if build_repository.main(["--checkpoint", str(TRAINED / "teacher.safetensors"), "--output", str(repo),
+                                  "--vocoder-checkpoint", str(TRAINED / "vocoder.safetensors"),
                                   "--no-voice", "--utilization-target", "0", *MODES[scheduling], *flags]) != 0:
             raise SystemExit("building the repository failed")
         t0 = time.monotonic()
         with TritonServer(repo, log_file=Path(tmp) / "server.log") as server:
             out["ready_s"].append(time.monotonic() - t0)
-            for pid, model in sorted(stubs(server.pid).items()):
-                out.setdefault(f"stub_mib:{model}", []).append(rss_mb(pid))
+            for pid, stub in sorted(stubs(server.pid).items()):
+                out.setdefault(f"stub_mib:{stub}", []).append(rss_mb(pid))
             wait_priced(f"127.0.0.1:{server.metrics_port}")   # its calibration must not share the cores with a stream
-            streams(server.grpc_url, "token2mel", utterances(2), 0.0)   # warm the client path
+            streams(server.grpc_url, model, utterances(2), 0.0)   # warm the client path
             pids = stubs(server.pid)
             cpu_before = cpu_by_model(pids)
             for k in range(alone):
-                [r], wall = streams(server.grpc_url, "token2mel", utterances(1, offset=k), 0.0)
+                [r], wall = streams(server.grpc_url, model, utterances(1, offset=k), 0.0)
                 if r.error is not None:
                     raise SystemExit(f"a stream failed: {r.error}")
                 out["alone_first_s"].append(r.first_chunk_s)
                 out["alone_wall_per_audio"].append(wall / (r.mel.shape[1] / FRAMES_PER_SECOND))
-            for model, seconds in cpu_by_model(pids).items():
-                out.setdefault(f"cpu_s:{model}", []).append(seconds - cpu_before[model])
+            for stub, seconds in cpu_by_model(pids).items():
+                out.setdefault(f"cpu_s:{stub}", []).append(seconds - cpu_before[stub])
             for k in range(alone):   # a chunk's fixed cost: 2 T(2 steps) - T(4 steps) of one chunk (module docstring)
                 [u] = utterances(1, offset=k)
                 u = dataclasses.replace(u, speech_tokens=u.speech_tokens[:FIXED_TOKENS], chunks=[FIXED_TOKENS])
                 answered = {}
                 for steps in (2, 4):
-                    [r], _ = streams(server.grpc_url, "token2mel", [dataclasses.replace(u, n_timesteps=steps)], 0.0)
+                    [r], _ = streams(server.grpc_url, model, [dataclasses.replace(u, n_timesteps=steps)], 0.0)
                     if r.error is not None:
                         raise SystemExit(f"a one-chunk utterance failed: {r.error}")
                     answered[steps] = r.first_chunk_s
                 out["fixed_s"].append(2 * answered[2] - answered[4])
             for _ in range(c_runs):
-                results, wall = streams(server.grpc_url, "token2mel", utterances(at_once), 0.0)
+                results, wall = streams(server.grpc_url, model, utterances(at_once), 0.0)
                 if any(r.error is not None for r in results):
                     raise SystemExit("a stream failed at saturation")
                 out["c"].append(sum(r.mel.shape[1] for r in results) / FRAMES_PER_SECOND / wall)
@@ -116,7 +119,7 @@ def run_side(checkout: Path, args, flags: str = "") -> dict:
     """``one_side`` run by ``checkout``'s own python, in it, its repository built with ``flags``."""
     cmd = [str(checkout / ".venv" / "bin" / "python"), "-m", "s3flow_tools.measure.ab", "--one-side",
            "--scheduling", args.scheduling, "--alone", str(args.alone), "--at-once", str(args.at_once),
-           "--c-runs", str(args.c_runs)] + ([f"--flags={flags}"] if flags else [])
+           "--c-runs", str(args.c_runs), "--model", args.model] + ([f"--flags={flags}"] if flags else [])
     cmd[1:3] = [str(Path(__file__).resolve())]   # measured alike: this checkout's measuring code, its served code
     run = subprocess.run(cmd, cwd=checkout, capture_output=True, text=True)
     lines = [line for line in run.stdout.splitlines() if line.startswith("AB ")]
@@ -131,6 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--label", default="this checkout", help="(default: %(default)s)")
     p.add_argument("--other-label", default="the other checkout", help="(default: %(default)s)")
     p.add_argument("--scheduling", default="fifo", choices=("fifo", "deadline", "fewer"), help="(default: %(default)s)")
+    p.add_argument("--model", default="token2mel", choices=("token2mel", "token2wav"), help="(default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="servers per checkout, alternating (default: %(default)s)")
     p.add_argument("--alone", type=int, default=8, help="streams alone per server (default: %(default)s)")
     p.add_argument("--at-once", type=int, default=16, help="streams that measure C (default: %(default)s)")
@@ -142,7 +146,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.one_side:
         print("AB " + json.dumps(one_side(args.scheduling, args.alone, args.at_once, args.c_runs,
-                                          shlex.split(args.flags))), flush=True)
+                                          shlex.split(args.flags), args.model)), flush=True)
         return 0
     if args.other is None or not (args.other / ".venv" / "bin" / "python").is_file():
         p.error("--other: a checkout with its own .venv (make setup in it)")
@@ -166,10 +170,11 @@ def main(argv=None) -> int:
 
     lines = [f"# {args.label} against {args.other_label}", "",
              f"Made by `python -m s3flow_tools.measure.ab --other {args.other} --scheduling {args.scheduling} "
+             f"{f'--model {args.model} ' if args.model != 'token2mel' else ''}"
              f"--rounds {args.rounds}"
              f"{f' --flags={chr(34)}{args.flags}{chr(34)}' if args.flags else ''}"
              f"{f' --other-flags={chr(34)}{args.other_flags}{chr(34)}' if args.other_flags else ''}` on {', '.join(f'{k} {v}' for k, v in machine().items())}: the trained small "
-             f"teacher (10 guided steps), `token2mel`, the admission step on with its capacity check off, "
+             f"teacher (10 guided steps), `{args.model}`, the admission step on with its capacity check off, "
              f"`{args.scheduling}`; {args.rounds} servers "
              f"from each checkout, alternating; per server {args.alone} held-out sentences alone, as many one-chunk "
              f"utterances of their first {FIXED_TOKENS} tokens at 2 and 4 steps, then "
