@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 from s3flow_contract.tensors import FRAMES_PER_SECOND, TOKENS_PER_SECOND
@@ -202,15 +202,8 @@ class Work:
     skipped_key_row_frames: float = 0.0
 
     def add(self, other: "Work") -> None:
-        self.row_frames += other.row_frames
-        self.steps += other.steps
-        self.chunks += other.chunks
-        self.encoder_tokens += other.encoder_tokens
-        self.frames += other.frames
-        self.skipped_row_frames += other.skipped_row_frames
-        self.skipped_steps += other.skipped_steps
-        self.key_row_frames += other.key_row_frames
-        self.skipped_key_row_frames += other.skipped_key_row_frames
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def full(self) -> "Work":
         """The same chunks at their streams' full step counts."""
@@ -228,10 +221,8 @@ class Work:
                     self.frames, key_row_frames=self.key_row_frames * nfe_ratio)
 
     def minus(self, other: "Work") -> "Work":
-        """This work less ``other`` (at full steps both)."""
-        return Work(self.row_frames - other.row_frames, self.steps - other.steps, self.chunks - other.chunks,
-                    self.encoder_tokens - other.encoder_tokens, self.frames - other.frames,
-                    key_row_frames=self.key_row_frames - other.key_row_frames)
+        """This work less ``other``."""
+        return Work(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
     def part(self, f: float) -> "Work":
         """``f`` of this work (whole calls and chunks rounded)."""

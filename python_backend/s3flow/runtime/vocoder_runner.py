@@ -23,6 +23,7 @@ from typing import Union
 import numpy as np
 
 from s3flow_contract import tensors as contract
+from s3flow.protocol import parameter_bool
 from s3flow.runtime.devices import instance_device
 
 #: Tensor names of the two exported graphs (from the contract).
@@ -95,14 +96,12 @@ class VocoderRunnerSettings:
         except ValueError:
             raise ValueError(f"parameter intra_op_threads must be an integer, "
                              f"got {params.get('intra_op_threads')!r}") from None
-        spinning = str(params.get("allow_spinning", "true")).lower()
-        if spinning not in ("true", "false"):
-            raise ValueError(f"parameter allow_spinning must be true or false, got {params.get('allow_spinning')!r}")
+        spinning = parameter_bool("allow_spinning", str(params.get("allow_spinning") or "true"))
         device = instance_device(instance_kind, device_id)
         if backend == "onnx" and device != "cpu":
             raise ValueError("vocoder_backend onnx runs ONNX Runtime on the CPU: give it a KIND_CPU instance "
                              "group, or use vocoder_backend torch on the GPU")
-        return cls(backend=backend, device=device, threads=threads, spinning=spinning == "true")
+        return cls(backend=backend, device=device, threads=threads, spinning=spinning)
 
 
 def open_vocoder_runner(directory: Union[str, Path], settings: VocoderRunnerSettings):

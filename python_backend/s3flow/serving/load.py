@@ -62,11 +62,7 @@ VOCODER_OVERLAP = 0.5
 
 
 def _work(w: Work) -> list:
-    return [w.row_frames, w.steps, w.chunks, w.encoder_tokens, w.frames, w.key_row_frames]
-
-
-def _unwork(v: list) -> Work:
-    return Work(*v[:5], key_row_frames=v[5])
+    return list(dataclasses.astuple(w))
 
 
 @dataclass
@@ -131,9 +127,9 @@ class LoadReport:
     def from_json(cls, text: str) -> "LoadReport":
         d = json.loads(text)
         return cls(kind=d["kind"], costs=Costs(**d["costs"]),
-                   streams={int(k): _unwork(v) for k, v in d["streams"].items()},
+                   streams={int(k): Work(*v) for k, v in d["streams"].items()},
                    waiting=[int(c) for c in d["waiting"]],
-                   planned=None if d["planned"] is None else Plan([_unwork(w) for w in d["planned"]["chunks"]],
+                   planned=None if d["planned"] is None else Plan([Work(*w) for w in d["planned"]["chunks"]],
                                                                   int(d["planned"]["expected_frames"]),
                                                                   float(d["planned"]["start_buffer_s"])),
                    planned_steps=int(d["planned_steps"]), planned_rows=int(d["planned_rows"]),
@@ -421,8 +417,7 @@ class ServerLoad:
             share = r.costs.share(len(left) + pending + 1)   # the START asking shares the calls too
             for c, f in left.items():
                 work = r.streams.get(c, Work())
-                later = Work(work.row_frames, work.steps, work.chunks, work.encoder_tokens, work.frames,
-                             key_row_frames=work.key_row_frames)
+                later = dataclasses.replace(work)
                 later.add(r.planned.window(f, ahead * FRAMES_PER_SECOND))
                 load += r.stream_demand(later, share, capacity) * (factor if c in vocoded else 1.0)
             if pending and r is entry:
