@@ -224,3 +224,29 @@ def test_a_stream_by_a_held_voice_is_priced_as_its_plan_without_the_prompt():
                               [dataclasses.replace(u, voice_id=None)], [0.0], rules=s.solver.rules)
     assert again.first_chunk_s < by_prompt.first_chunk_s
     assert again.mel.shape[1] == again.frames_expected
+
+
+def test_the_qos_check_judges_a_cell_by_its_runs_median_and_shows_the_servers_own_spread():
+    """results/qos.md's cell-by-cell check: a cell of 4 or more streams is within when the simulator's p95 is within
+    25 % of the median of the server's runs (and its streams that ran dry within one); each run's p95 is shown with
+    the farthest from the median; the order against FIFO is judged only where every run of one mode is below every
+    run of the other."""
+    from s3flow_tools.measure.qos import _simulator_check
+
+    def run(label, mode, n, first_s, sim_s, dry=0, sim_dry=0):
+        return {"label": label, "mode": mode, "n": n, "first": [first_s] * n, "dry": dry, "sim": ([sim_s] * n, sim_dry)}
+
+    rows = [run("steady", "fifo", 6, x, 0.50) for x in (0.40, 0.50, 0.60)]           # sim at the median
+    rows += [run("steady", "fewer", 6, x, 0.30) for x in (0.30, 0.31, 0.32)]          # apart: order judged, right
+    rows += [run("wild", "fifo", 8, x, 0.30) for x in (0.30, 0.50, 1.00)]             # -40 %, runs +-100 %
+    rows += [run("wild", "fewer", 8, x, 0.90) for x in (0.40, 0.60, 0.70)]            # overlaps FIFO's runs
+    rows += [run("alone", "fifo", 1, 0.15, 0.90)]                                     # one stream: not judged
+    text = "\n".join(_simulator_check(rows, ["fifo", "fewer"]))
+    assert "| steady | fifo | 6 | 500 / 500 | +0 % | 400 500 600 (±20 %) | 0 / 0 | yes |" in text
+    assert "| steady | fewer | 6 | 310 / 300 | -3 % | 300 310 320 (±3 %) | 0 / 0 | yes |" in text
+    assert "| wild | fifo | 8 | 500 / 300 | -40 % | 300 500 1000 (±100 %) | 0 / 0 | no |" in text
+    assert "| alone | fifo | 1 |" in text and text.count("| - |") == 1
+    assert ("Within the target: 2 of 4 cells of 4 or more streams. The server's own runs spread wider than 25 % from "
+            "their median in 2 of them; of those, the simulator's error is within that spread in 1.") in text
+    assert "as the server's: 1 of the 1 cells where every run of one is below every run of the other (1 of 2 overlap)" \
+        in text
