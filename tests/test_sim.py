@@ -145,6 +145,22 @@ def test_near_saturation_least_slack_keeps_players_fed_where_fifo_lets_some_run_
     assert dry["fifo"] > 0 and dry["deadline"] < dry["fifo"]
 
 
+def test_the_simulator_counts_the_chunks_its_loops_give_fewer_steps():
+    """What the server counts in ``s3flow_fewer_steps_chunks_total``, the simulator counts too: none at full steps
+    (``min_steps`` 0) or under FIFO; some, and no more than the chunks answered, where late chunks may be given
+    fewer (twice the overload above: at 6x the costs least slack needs none)."""
+    us, at = utterances(12, seconds=4.0), [0.05 * k for k in range(12)]
+    counted = {}
+    for scheduling, min_steps in (("fifo", 4), ("deadline", 0), ("deadline", 4)):
+        s = settings(scheduling, min_steps=min_steps)
+        server = VirtualServer(s, COSTS.scaled(12.0), n_feats=80)
+        results = run_streams(server, us, at, rules=s.solver.rules)
+        counted[(scheduling, min_steps)] = (server.fewer_steps_chunks, sum(len(r.chunk_frames) for r in results))
+    assert counted[("fifo", 4)][0] == counted[("deadline", 0)][0] == 0
+    fewer, chunks = counted[("deadline", 4)]
+    assert 0 < fewer <= chunks, counted
+
+
 def test_a_slot_frees_when_its_end_is_answered_not_when_it_is_taken():
     """Triton frees a sequence's slot when its END is answered: a START arriving while another stream's END is
     still being solved goes to the other (idle) instance, and is answered as soon as a stream alone."""
@@ -234,7 +250,7 @@ def test_the_qos_check_judges_a_cell_by_its_runs_median_and_shows_the_servers_ow
     from s3flow_tools.measure.qos import _simulator_check
 
     def run(label, mode, n, first_s, sim_s, dry=0, sim_dry=0):
-        return {"label": label, "mode": mode, "n": n, "first": [first_s] * n, "dry": dry, "sim": ([sim_s] * n, sim_dry)}
+        return {"label": label, "mode": mode, "n": n, "first": [first_s] * n, "dry": dry, "sim": ([sim_s] * n, sim_dry, 0)}
 
     rows = [run("steady", "fifo", 6, x, 0.50) for x in (0.40, 0.50, 0.60)]           # sim at the median
     rows += [run("steady", "fewer", 6, x, 0.30) for x in (0.30, 0.31, 0.32)]          # apart: order judged, right

@@ -119,12 +119,13 @@ def simulate(rows: list, mode: str, settings, saved, at_once: int, c_server: flo
                                pricing=Pricing.of(alone), loaded=Pricing.of(saved))
         spread = 0.0 if "at once" in r["label"] or r["n"] == 1 else 2.0
         return run_streams(server, utterances(r["n"], offset=r["offset"]), starts(r["n"], spread),
-                           rules=settings.solver.rules)
+                           rules=settings.solver.rules), server.fewer_steps_chunks
 
     for r in mine:
-        results = run(r)
-        r["sim"] = ([x.first_chunk_s for x in results], sum(x.playback_stalls(BUFFER_S)[0] > 0 for x in results))
-    burst = run({"label": "at once", "n": at_once, "offset": 0})
+        results, fewer = run(r)
+        r["sim"] = ([x.first_chunk_s for x in results], sum(x.playback_stalls(BUFFER_S)[0] > 0 for x in results),
+                    fewer)
+    burst, _ = run({"label": "at once", "n": at_once, "offset": 0})
     c_sim = sum(x.mel.shape[1] for x in burst) / FRAMES_PER_SECOND / max(x.wall_s for x in burst)
     return {"alone": alone, "loaded": saved, "c": c_sim, "c_server": c_server}
 
@@ -132,9 +133,9 @@ def simulate(rows: list, mode: str, settings, saved, at_once: int, c_server: flo
 def _simulated(r: dict) -> str:
     if "sim" not in r:
         return "-"
-    first, dry = r["sim"]
+    first, dry, fewer = r["sim"]
     p95, served = np.percentile(first, 95), np.percentile(r["first"], 95)
-    return f"{1000 * p95:.0f} ms ({100 * (p95 / served - 1):+.0f} %), {dry} / {r['n']}"
+    return f"{1000 * p95:.0f} ms ({100 * (p95 / served - 1):+.0f} %), {dry} / {r['n']}, {fewer}"
 
 
 def _simulator_note(sims: dict) -> str:
@@ -297,7 +298,7 @@ def main(argv=None) -> int:
         "",
         f"| load | scheduling | streams | first {'audio' if args.model == 'token2wav' else 'mel'} p50 / p95 (ms) | ran dry, no buffer | ran dry, {BUFFER_S} s "
         f"buffer | stall s p95 ({BUFFER_S} s) | server underruns | chunks at fewer steps | ESTOI | "
-        f"simulator: first answer p95 (error), ran dry ({BUFFER_S} s) |",
+        f"simulator: first answer p95 (error), ran dry ({BUFFER_S} s), chunks at fewer steps |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:

@@ -53,6 +53,7 @@ from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.playback import PlaybackSettings
 from s3flow.engine.step_loop import Done, StepLoop
 from s3flow.engine.chunk import ChunkResult
+from s3flow.engine.observer import Observer
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import ChunkRequest, RequestError
 from s3flow.repository.settings import RepositorySettings
@@ -141,6 +142,16 @@ class _Waiting:
     inputs: Optional[frozenset] = field(compare=False, default=None)   # the names it carries (None: any batch)
 
 
+class _Counts(Observer):
+    """What the server's ``s3flow_fewer_steps_chunks_total`` counts, of one instance."""
+
+    def __init__(self):
+        self.fewer_steps_chunks = 0
+
+    def fewer_steps(self, corr_id, full: int, steps: int) -> None:
+        self.fewer_steps_chunks += 1
+
+
 class _Instance:
     """One solver instance: its engine, its loop, its queue and its own clock."""
 
@@ -154,9 +165,10 @@ class _Instance:
         solver, deadlines = settings.solver, settings.solver.deadlines
         table = SequenceTable(solver.sequences, clock=lambda: self.now,
                               playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
+        self.counts = _Counts()
         self.engine = StreamingEngine(PricedEncoder(n_feats, self.meter), PricedEstimator(self.meter),
                                       n_feats=n_feats, meanflow=meanflow, solving=solver.solving,
-                                      limits=solver.sequences, table=table)
+                                      limits=solver.sequences, table=table, observer=self.counts)
         self.stepping = settings.scheduling == "deadline"
         self.loop = StepLoop(self.engine, policy="deadline", budget=deadlines.budget(), costs=lambda: costs,
                              min_steps=deadlines.min_steps, timer=lambda: self.now) if self.stepping else None
@@ -288,6 +300,11 @@ class VirtualServer:
                           for _ in range(settings.batching.solver_instances)]
         self._home: dict[int, _Instance] = {}
         self._order = itertools.count()
+
+    @property
+    def fewer_steps_chunks(self) -> int:
+        """Chunks the instances gave fewer Euler steps than their stream's (the server's counter of that name)."""
+        return sum(i.counts.fewer_steps_chunks for i in self.instances)
 
     def _others_busy(self, instance: "_Instance", at: float) -> float:
         """The share of the instances other than ``instance`` at work at ``at`` (busy until after it)."""
