@@ -161,6 +161,26 @@ def test_the_simulator_counts_the_chunks_its_loops_give_fewer_steps():
     assert 0 < fewer <= chunks, counted
 
 
+def test_the_step_loop_decides_by_what_its_instance_measures_not_by_the_price_it_started_from():
+    """As the server's loop decides by its instance's ``CapacityModel`` (restored from the last server's price,
+    then moved by every timed call), so does the simulator's: started from a price twelve times too low, its
+    instance measures the calls' real prices on the virtual clock and gives late chunks fewer steps as one started
+    from the right price does, where deciding by the price it started from would never judge a chunk late."""
+    us, at = utterances(12, seconds=4.0), [0.05 * k for k in range(12)]
+    s = settings("deadline", min_steps=4)
+    dear = COSTS.scaled(12.0)
+    fewer = {}
+    for start in ("right", "low"):
+        server = VirtualServer(s, dear if start == "right" else COSTS, n_feats=80, pricing=Pricing.of(dear))
+        run_streams(server, us, at, rules=s.solver.rules)
+        fewer[start] = server.fewer_steps_chunks
+        measured = server.instances[0].capacity.costs()
+        assert measured.est_per_unit == pytest.approx(dear.est_per_unit, rel=0.05), (start, measured)
+        assert measured.est_fixed == pytest.approx(dear.est_fixed, rel=0.05), (start, measured)
+    # (only the decisions before its first call is timed are by the price it started from)
+    assert fewer["right"] > 0 and abs(fewer["low"] - fewer["right"]) <= 2, fewer
+
+
 def test_a_slot_frees_when_its_end_is_answered_not_when_it_is_taken():
     """Triton frees a sequence's slot when its END is answered: a START arriving while another stream's END is
     still being solved goes to the other (idle) instance, and is answered as soon as a stream alone."""

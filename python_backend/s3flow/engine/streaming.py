@@ -83,8 +83,10 @@ class StreamingEngine:
     def __init__(self, encode: EncodeFn, estimator, *, n_feats: int, meanflow: bool,
                  solving: ChunkSolving = ChunkSolving(), limits: SequenceLimits = SequenceLimits(),
                  observer: Observer = NO_OBSERVER, bucket_ratio: float = 0.0,
-                 table: Optional[SequenceTable] = None, snapshots: Optional[SolverSnapshots] = None):
-        """``snapshots``: makes and restores the streams' snapshots (default: none given or taken)."""
+                 table: Optional[SequenceTable] = None, snapshots: Optional[SolverSnapshots] = None,
+                 timer: Callable[[], float] = time.perf_counter):
+        """``snapshots``: makes and restores the streams' snapshots (default: none given or taken); ``timer``: what
+        the network calls reported to the observer are timed by (the simulator's: its virtual clock)."""
         check_bucket_ratio(bucket_ratio)
         self.bucket_ratio = float(bucket_ratio)
         self.encode, self.estimator = encode, estimator
@@ -107,7 +109,8 @@ class StreamingEngine:
         self.prompt_pass_frames = 0      # ... of them, the voices' prompt passes'
         self.snapshots = snapshots or SolverSnapshots(None, solving, n_feats, meanflow)
         #: the loop a batch of chunks is solved whole in (``run``; the ``fifo`` scheduling's)
-        self.whole = StepLoop(self, policy="whole", bucket_ratio=self.bucket_ratio)
+        self.timer = timer
+        self.whole = StepLoop(self, policy="whole", bucket_ratio=self.bucket_ratio, timer=timer)
 
     # -- admission -------------------------------------------------------------------------------
     def admit(self, corr_id, req: ChunkRequest, tenant: str = "") -> Chunk | ChunkResult:
@@ -282,9 +285,9 @@ class StreamingEngine:
         for i, c in enumerate(chunks):
             tokens[i, :c.encoder_tokens.size] = torch.from_numpy(c.encoder_tokens)
         emb = torch.from_numpy(np.stack([c.state.speaker_embedding for c in chunks]))
-        t0 = time.perf_counter()
+        t0 = self.timer()
         mu, _, spks = self.encode(tokens, token_len, emb)
-        self.observer.encoder_timed(tokens.numel(), time.perf_counter() - t0)
+        self.observer.encoder_timed(tokens.numel(), self.timer() - t0)
         lengths = torch.tensor([c.frames for c in chunks], dtype=torch.int64)
         cond = condition(mu.float(), spks.float(), lengths, [torch.from_numpy(c.prefix_mel) for c in chunks])
         dev = mu.device  # GPU hosts: the encoder's output is on the GPU; the solve stays there

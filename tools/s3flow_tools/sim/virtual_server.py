@@ -25,7 +25,10 @@ What Triton does around the solver is modelled as it is configured (``Repository
   behind a START waited a whole execute more, 0.9-1.2 s at 1 C spread over 2 s);
 * ``deadline``: each instance's loop runs one iteration at a time (``StepLoop.run_once``: least slack first
   within the step budget, late chunks given fewer steps); a chunk joins at the iteration after it arrives and is
-  answered at the end of the iteration that made its last step.
+  answered at the end of the iteration that made its last step. The loop decides by what its instance measures,
+  as the server's does: a ``CapacityModel`` starting from the costs given (the price the server's instances
+  restore at their start) and timing every call on the virtual clock, so its slack and its fewer steps follow the
+  calls' prices as they change with the load.
 
 Instances run side by side, each on its own clock, an execute (or an iteration) taken whole when it begins. On
 shared cores they slow each other: an execute is priced between the prices alone and those at load (``loaded``)
@@ -47,13 +50,13 @@ from typing import Callable, Optional
 
 import torch
 
-from s3flow.engine.capacity import Costs
+from s3flow.engine.capacity import DUTY_PRIOR, CapacityModel, Costs
 from s3flow.engine.planning import ZeroEstimator
 from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.playback import PlaybackSettings
 from s3flow.engine.step_loop import Done, StepLoop
 from s3flow.engine.chunk import ChunkResult
-from s3flow.engine.observer import Observer
+from s3flow.engine.observer import Observer, Observers
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.protocol import ChunkRequest, RequestError
 from s3flow.repository.settings import RepositorySettings
@@ -81,10 +84,16 @@ class _Meter:
         self.sums[0] += seconds
         self.sums[1] += seconds if loaded is alone else price(loaded)
 
-    def take(self, loaded_share: float) -> float:
-        """The seconds, ``loaded_share`` of the way from the prices alone to those at load."""
-        (alone, loaded), self.sums = self.sums, [0.0, 0.0]
+    def pending(self, loaded_share: float) -> float:
+        """The seconds charged since the last ``take``, ``loaded_share`` of the way from the prices alone to those
+        at load."""
+        alone, loaded = self.sums
         return alone + loaded_share * (loaded - alone)
+
+    def take(self, loaded_share: float) -> float:
+        """``pending``, and the count starts again."""
+        seconds, self.sums = self.pending(loaded_share), [0.0, 0.0]
+        return seconds
 
 
 @dataclass(frozen=True)
@@ -165,19 +174,33 @@ class _Instance:
         solver, deadlines = settings.solver, settings.solver.deadlines
         table = SequenceTable(solver.sequences, clock=lambda: self.now,
                               playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
+        self.stepping = settings.scheduling == "deadline"
+        # what the instance measures of its calls, as the server's (s3flow.serving.solver_instance): from the
+        # costs given, every call timed on the virtual clock; the step loop decides by it
+        rows_per_stream = 1 if meanflow or not solver.solving.default_guidance_rate else 2
+        self.capacity = CapacityModel(max(1, deadlines.max_step_rows // rows_per_stream) if self.stepping
+                                      else settings.batching.max_batch_size, clock=self.clock)
+        self.capacity.restore({"estimator": [costs.est_fixed, costs.est_per_unit, costs.est_per_key],
+                               "encoder": [costs.enc_fixed, costs.enc_per_unit], "correction": 1.0,
+                               "duty": DUTY_PRIOR, "served": True, "capacity": None})
         self.counts = _Counts()
         self.engine = StreamingEngine(PricedEncoder(n_feats, self.meter), PricedEstimator(self.meter),
                                       n_feats=n_feats, meanflow=meanflow, solving=solver.solving,
-                                      limits=solver.sequences, table=table, observer=self.counts)
-        self.stepping = settings.scheduling == "deadline"
-        self.loop = StepLoop(self.engine, policy="deadline", budget=deadlines.budget(), costs=lambda: costs,
-                             min_steps=deadlines.min_steps, timer=lambda: self.now) if self.stepping else None
+                                      limits=solver.sequences, table=table, observer=Observers(self.counts,
+                                                                                              self.capacity),
+                                      timer=self.clock)
+        self.loop = StepLoop(self.engine, policy="deadline", budget=deadlines.budget(), costs=self.capacity.costs,
+                             min_steps=deadlines.min_steps, timer=self.clock) if self.stepping else None
         self.host, self.max_batch = host, settings.batching.max_batch_size
         self.queue_delay_s = settings.batching.max_queue_delay_us * 1e-6
         self.waiting: list[_Waiting] = []
         #: the sequences it holds: corr_id -> when its slot frees (its END answered; inf while it lives)
         self.held: dict[int, float] = {}
         self._done: list[Done] = []          # the deadline loop's answers (its callbacks) since the last iteration
+
+    def clock(self) -> float:
+        """The instance's time, the calls charged since it last moved included (what a call is timed by)."""
+        return self.now + self.meter.pending(self.loaded_share)
 
     def next_action(self) -> Optional[float]:
         """When the instance next does something of its own accord (None: it waits for a request)."""
@@ -197,7 +220,11 @@ class _Instance:
         began = self.now
         self.loaded_share = self.others_busy(self, began)
         try:
-            return self._iterate() if self.stepping else self._execute()
+            if self.stepping:
+                return self._iterate()   # (the loop reports its iteration's time to the capacity model)
+            answers = self._execute()
+            self.capacity.worked(self.now - began, len(self.engine.sequences))   # as the server's execute
+            return answers
         finally:
             self.busy_s += self.now - began
 
