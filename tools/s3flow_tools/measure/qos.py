@@ -23,7 +23,8 @@ On each server:
    recordings (their mel vocoded by the trained vocoder, after the server has stopped).
 
 Beside each cell, the simulator (``s3flow_tools.sim``: the server's own solver code on a virtual clock) on the same
-load, the same sentences at the same start times, priced from the same server (``simulate``: an instance alone by
+load, the same sentences started when the server's streams began (measured: "at once" spreads over some 30 ms on
+two cores, and which START finds its instance idle decides its steps), priced from the same server (``simulate``: an instance alone by
 its 1-stream cells' chunk latencies, at load by the costs the instances saved at their close); every other cell
 is its prediction: first answer p95 and streams that ran dry, and its error against the server's (``token2mel``
 only: the simulator has no vocoder). Exits non-zero when a stream fails.
@@ -80,21 +81,25 @@ def estoi(rows: list) -> None:
                                     for h, m in zip(r.pop("held"), r.pop("mels"))]))
 
 
-def streams(url: str, model: str, utts: list[Utterance], spread_s: float) -> tuple[list, float]:
-    """Start one client per utterance, evenly over ``spread_s``; their results and the wall time of all."""
-    results, at = [None] * len(utts), starts(len(utts), spread_s)
+def streams(url: str, model: str, utts: list[Utterance], spread_s: float) -> tuple[list, float, list]:
+    """Start one client per utterance, evenly over ``spread_s``; their results, the wall time of all and when each
+    began streaming (seconds after the first was due: "at once" is not at once on two cores, and which START gets in
+    first decides how many steps it is given)."""
+    results, at, began = [None] * len(utts), starts(len(utts), spread_s), [0.0] * len(utts)
     t0 = time.monotonic()
 
     def one(k):
         time.sleep(max(0.0, t0 + at[k] - time.monotonic()))
-        [results[k]] = StreamingClient(url, model, timeout_s=300).synthesize([utts[k]])
+        client = StreamingClient(url, model, timeout_s=300)
+        began[k] = time.monotonic() - t0
+        [results[k]] = client.synthesize([utts[k]])
 
     threads = [threading.Thread(target=one, args=(k,)) for k in range(len(utts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return results, time.monotonic() - t0
+    return results, time.monotonic() - t0, began
 
 
 def starts(n: int, spread_s: float) -> list[float]:
@@ -103,8 +108,8 @@ def starts(n: int, spread_s: float) -> list[float]:
 
 
 def simulate(rows: list, mode: str, settings, saved, at_once: int, c_server: float) -> dict:
-    """The simulator beside each of ``mode``'s rows (``r["sim"]``: first answers and streams that ran dry, on the
-    same sentences at the same start times). An instance working alone is priced by the 1-stream rows' chunk
+    """The simulator beside each of ``mode``'s rows (``r["sim"]``: first answers, streams that ran dry and chunks
+    given fewer steps, on the same sentences started when the server's began, ``r["began"]``). An instance working alone is priced by the 1-stream rows' chunk
     latencies (``fit_alone``: a part per estimator call and a part per row-frame; the encoder as ``saved``; the
     transit ``TRANSIT_S``), one working beside the other at load by ``saved``, what the instances measured (saved at
     their close). What it was run with."""
@@ -118,7 +123,8 @@ def simulate(rows: list, mode: str, settings, saved, at_once: int, c_server: flo
         server = VirtualServer(settings, saved, HostCosts(transit_s=TRANSIT_S), n_feats=80,
                                pricing=Pricing.of(alone), loaded=Pricing.of(saved))
         spread = 0.0 if "at once" in r["label"] or r["n"] == 1 else 2.0
-        return run_streams(server, utterances(r["n"], offset=r["offset"]), starts(r["n"], spread),
+        at = r.get("began") or starts(r["n"], spread)   # when the server's streams began, where measured
+        return run_streams(server, utterances(r["n"], offset=r["offset"]), [t - min(at) for t in at],
                            rules=settings.solver.rules), server.fewer_steps_chunks
 
     for r in mine:
@@ -255,7 +261,7 @@ def main(argv=None) -> int:
             with TritonServer(repo, log_file=Path(tmp) / f"{mode}.log") as server:
                 wait_priced(f"127.0.0.1:{server.metrics_port}", args.model)   # its calibration: not beside a stream
                 streams(server.grpc_url, args.model, utterances(2), 0.0)   # warm the client path
-                results, wall = streams(server.grpc_url, args.model, utterances(args.at_once), 0.0)
+                results, wall, _ = streams(server.grpc_url, args.model, utterances(args.at_once), 0.0)
                 cs[mode] = sum(r.mel.shape[1] for r in results) / FRAMES_PER_SECOND / wall
                 print(f"{mode}: C = {cs[mode]:.2f} s of audio per second", flush=True)
                 c = cs["fifo"]
@@ -265,10 +271,11 @@ def main(argv=None) -> int:
                 for label, n, spread in plan:
                     for run in range(args.runs):
                         before, cut = underruns(server), fewer_steps(server)
-                        results, _ = streams(server.grpc_url, args.model, utterances(n, offset=7 * run), spread)
+                        results, _, began = streams(server.grpc_url, args.model, utterances(n, offset=7 * run),
+                                                    spread)
                         rows.append(row(label, mode, results, underruns(server) - before, args.model,
                                         fewer_steps(server) - cut, held(n, offset=7 * run)))
-                        rows[-1]["offset"] = 7 * run
+                        rows[-1].update(offset=7 * run, began=began)
                         r = rows[-1]
                         print(f"  {label} run {run + 1}: {n} streams, first audio p95 "
                               f"{1000 * np.percentile(r['first'], 95):.0f} ms, dry {r['dry0']}/{r['dry']} of {n}",
