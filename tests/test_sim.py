@@ -270,7 +270,8 @@ def test_the_qos_check_judges_a_cell_by_its_runs_median_and_shows_the_servers_ow
     from s3flow_tools.measure.qos import _simulator_check
 
     def run(label, mode, n, first_s, sim_s, dry=0, sim_dry=0):
-        return {"label": label, "mode": mode, "n": n, "first": [first_s] * n, "dry": dry, "sim": ([sim_s] * n, sim_dry, 0)}
+        return {"label": label, "mode": mode, "n": n, "first": [first_s] * n, "dry": dry,
+                "sim": ([sim_s] * n, sim_dry, 0)}
 
     rows = [run("steady", "fifo", 6, x, 0.50) for x in (0.40, 0.50, 0.60)]           # sim at the median
     rows += [run("steady", "fewer", 6, x, 0.30) for x in (0.30, 0.31, 0.32)]          # apart: order judged, right

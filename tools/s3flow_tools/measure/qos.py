@@ -24,10 +24,11 @@ On each server:
 
 Beside each cell, the simulator (``s3flow_tools.sim``: the server's own solver code on a virtual clock) on the same
 load, the same sentences started when the server's streams began (measured: "at once" spreads over some 30 ms on
-two cores, and which START finds its instance idle decides its steps), priced from the same server (``simulate``: an instance alone by
-its 1-stream cells' chunk latencies, at load by the costs the instances saved at their close); every other cell
-is its prediction: first answer p95 and streams that ran dry, and its error against the server's (``token2mel``
-only: the simulator has no vocoder). Exits non-zero when a stream fails.
+two cores, and which START finds its instance idle decides its steps), priced from the same server (``simulate``:
+an instance alone by its 1-stream cells' chunk latencies, at load by the costs the instances saved at their
+close); every other cell is its prediction: first answer p95, streams that ran dry and chunks given fewer steps,
+and its error against the server's (``token2mel`` only: the simulator has no vocoder). Exits non-zero when a stream
+fails.
 """
 from __future__ import annotations
 
@@ -109,10 +110,10 @@ def starts(n: int, spread_s: float) -> list[float]:
 
 def simulate(rows: list, mode: str, settings, saved, at_once: int, c_server: float) -> dict:
     """The simulator beside each of ``mode``'s rows (``r["sim"]``: first answers, streams that ran dry and chunks
-    given fewer steps, on the same sentences started when the server's began, ``r["began"]``). An instance working alone is priced by the 1-stream rows' chunk
-    latencies (``fit_alone``: a part per estimator call and a part per row-frame; the encoder as ``saved``; the
-    transit ``TRANSIT_S``), one working beside the other at load by ``saved``, what the instances measured (saved at
-    their close). What it was run with."""
+    given fewer steps, on the same sentences started when the server's began, ``r["began"]``). An instance working
+    alone is priced by the 1-stream rows' chunk latencies (``fit_alone``: a part per estimator call and a part per
+    row-frame; the encoder as ``saved``; the transit ``TRANSIT_S``), one working beside the other at load by
+    ``saved``, what the instances measured (saved at their close). What it was run with."""
     mine = [r for r in rows if r["mode"] == mode]
     delay = settings.batching.max_queue_delay_us * 1e-6
     points = [(work, latency) for r in mine if r["n"] == 1
@@ -191,8 +192,10 @@ def _simulator_check(rows: list, modes: list) -> list[str]:
         ok = "-" if n < 4 else ("yes" if abs(sim / served - 1) <= 0.25 and abs(sim_dry - dry) <= 1 else "no")
         if n >= 4:
             judged.append((ok == "yes", spread <= 0.25, abs(sim / served - 1) <= spread))
-        out.append(f"| {label} | {mode} | {n} | {1000 * served:.0f} / {1000 * sim:.0f} | {100 * (sim / served - 1):+.0f} % "
-                   f"| {' '.join(f'{1000 * x:.0f}' for x in each)} (±{100 * spread:.0f} %) | {dry:g} / {sim_dry:g} | {ok} |")
+        runs_ms = " ".join(f"{1000 * x:.0f}" for x in each)
+        out.append(f"| {label} | {mode} | {n} | {1000 * served:.0f} / {1000 * sim:.0f} | "
+                   f"{100 * (sim / served - 1):+.0f} % | {runs_ms} (±{100 * spread:.0f} %) | {dry:g} / {sim_dry:g} | "
+                   f"{ok} |")
     if judged:
         wide = [j for j in judged if not j[1]]
         out += ["", f"Within the target: {sum(j[0] for j in judged)} of {len(judged)} cells of 4 or more streams. The "
