@@ -220,11 +220,7 @@ class _Instance:
         began = self.now
         self.loaded_share = self.others_busy(self, began)
         try:
-            if self.stepping:
-                return self._iterate()   # (the loop reports its iteration's time to the capacity model)
-            answers = self._execute()
-            self.capacity.worked(self.now - began, len(self.engine.sequences))   # as the server's execute
-            return answers
+            return self._iterate() if self.stepping else self._execute()
         finally:
             self.busy_s += self.now - began
 
@@ -257,7 +253,9 @@ class _Instance:
         steps_before = self.engine.whole.steps
         done = self.engine.solve([c for _, c in chunks]) if chunks else []
         steps = self.engine.whole.steps - steps_before
-        self.now += self._calls() + self.host.chunk_s * len(batch) + self.host.step_s * steps
+        began, self.now = self.now, self.now + self._calls() + self.host.chunk_s * len(batch) + self.host.step_s * steps
+        # what the server's execute reports to its capacity model: its calls and its Python, not the vocoder's
+        self.capacity.worked(self.now - began, len(self.engine.sequences))
         outcomes = [self._outcome(d) for d in done]
         self._vocode(outcomes)
         answers += [(self.now, w.corr_id, o) for (w, _), o in zip(chunks, outcomes)]
@@ -269,14 +267,20 @@ class _Instance:
         answers: list = []
         arrived = [w for w in self.waiting if w.arrived <= self.now]
         self.waiting = [w for w in self.waiting if w.arrived > self.now]
+        taken = 0
         for w in sorted(arrived):
             chunk = self._admit(w, answers)
             if chunk is not None:
                 self.loop.submit(chunk, lambda d: self._done.append(d))
                 self.now += self.host.chunk_s
+                taken += 1
         steps_before = self.loop.steps
-        self.loop.run_once()
-        self.now += self._calls() + self.host.step_s * (self.loop.steps - steps_before)
+        self.loop.run_once()   # (reports the time of its calls to the capacity model: ``worked``)
+        steps_s = self.host.step_s * (self.loop.steps - steps_before)
+        self.now += self._calls() + steps_s
+        host_s = self.host.chunk_s * taken + steps_s
+        if host_s > 0:   # ... and the host's Python around them, as the server's iteration time holds it
+            self.capacity.worked(host_s, len(self.engine.sequences))
         done, self._done = self._done, []
         outcomes = [self._outcome(d) for d in done]
         self._vocode(outcomes)
@@ -313,8 +317,9 @@ class VirtualServer:
 
     def __init__(self, settings: RepositorySettings, costs: Costs, host: HostCosts = HostCosts(), *, n_feats: int,
                  meanflow: bool = False, pricing: Optional[Pricing] = None, loaded: Optional[Pricing] = None):
-        """``costs``: what the instances decide by (the step loop's slack and fewer steps, as the server's measured
-        costs); ``pricing``: what the calls take on an instance working alone (default: the same costs);
+        """``costs``: the price the instances start from (a server's instances restore the last one's), what their
+        step loops decide by until their own calls are timed (then by what they measure, as the server's);
+        ``pricing``: what the calls take on an instance working alone (default: the same costs);
         ``loaded``: what they take while every other instance works too (instances share the host's cores: the CPU
         layout's 2 solvers carry 1.42x one, not 2x, results/layout.md). An execute (or an iteration) is priced
         between the two by the share of the other instances busy when it begins (default: ``pricing`` always)."""
