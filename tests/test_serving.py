@@ -88,6 +88,8 @@ def test_four_streams_at_once_equal_each_alone_and_are_batched(served):
     requests, executions = after[0] - before[0], after[1] - before[1]
     assert requests == sum(len(u.chunks) for u in utts)
     assert executions < requests, f"oldest strategy never batched: {requests} requests in {executions} executions"
+    ids = {r.corr_id for r in together}
+    assert len(ids) == 4 and 0 not in ids, f"each result names the sequence id its server knew it by: {ids}"
     for u, got in zip(utts, together):
         [alone] = client.synthesize([u])
         np.testing.assert_allclose(got.mel, alone.mel, atol=5e-4, rtol=0)

@@ -121,6 +121,9 @@ class StreamResult:
     #: audio would have run dry, and for how long in all
     stalls: int = 0
     stall_s: float = 0.0
+    #: the correlation id the server knew the utterance by (its last, after resumes): what its logs, traces and
+    #: records name it by
+    corr_id: int = 0
 
     @property
     def first_chunk_s(self) -> float:
@@ -229,7 +232,7 @@ class StreamingClient:
                             retries=s.retries, admitted_after_s=s.admitted_after, error_after_s=s.error_after,
                             resumes=s.resumes,
                             replayed_frames=s.replayed_frames, replayed_chunks=s.replayed_chunks,
-                            replay_max_diff=s.replay_max_diff)
+                            replay_max_diff=s.replay_max_diff, corr_id=int(s.corr_id or 0))
 
 
 def save_mel_png(mel: np.ndarray, path, title: str = "", truth: Optional[np.ndarray] = None) -> None:

@@ -9,8 +9,10 @@ Repositories of the trained small model (``checkpoints/trained``: teacher, 10 gu
 repository defaults but for the scheduling (``--modes``: ``fifo``; ``deadline``, every chunk at its full steps,
 ``--min-steps 0``; ``fewer``, the deadline scheduler giving late chunks fewer steps, ``--min-steps`` its default;
 ``kept``, FIFO with every frame solved once, ``--keep-solved 2``),
-served one after the other on this host (``token2mel`` by default), admission off (every load is offered whole:
-what each scheduling does with more than it can carry; the admission section is ``s3flow_tools.measure.admission``'s).
+served one after the other on this host (``token2mel`` by default), admission's capacity check off (every load is
+offered whole: what each scheduling does with more than it can carry; the admission section is
+``s3flow_tools.measure.admission``'s); its step stays, as it marks when each START arrived (the simulator's streams
+start then).
 On each server:
 
 1. **C**, the saturation throughput: ``--at-once`` streams of held-out sentences started together, seconds of
@@ -37,6 +39,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -46,6 +49,7 @@ from s3flow_contract.tensors import FRAMES_PER_SECOND
 from s3flow.repository import cli as build_repository
 from s3flow.server.metrics_reader import metric_sum, read_metrics, wait_priced
 from s3flow.server.triton_server import TritonServer
+from s3flow.serving.arrivals import ArrivalMarks
 from s3flow_client import StreamingClient, Utterance
 from s3flow_tools.bench.report import machine
 from s3flow_tools.sim.price import chunk_work, fit_alone, served_costs
@@ -82,11 +86,14 @@ def estoi(rows: list) -> None:
                                     for h, m in zip(r.pop("held"), r.pop("mels"))]))
 
 
-def streams(url: str, model: str, utts: list[Utterance], spread_s: float) -> tuple[list, float, list]:
+def streams(url: str, model: str, utts: list[Utterance], spread_s: float,
+            server_pid: Optional[int] = None) -> tuple[list, float, list]:
     """Start one client per utterance, evenly over ``spread_s``; their results, the wall time of all and when each
-    sent the START the server took (seconds after the first was due: its thread's start, then the client's own
-    ``admitted_after_s``, its stream opened: "at once" is not at once on two cores, and which START gets in first
-    decides how many steps it is given)."""
+    START arrived (seconds after the first): at the server (``server_pid``'s admission marks each START it lets
+    through, ``s3flow.serving.arrivals``) where it marked all of them, else as this client saw them go (its thread's
+    start and the client's own ``admitted_after_s``). "At once" is not at once on two cores (the clients' threads
+    and streams open one after another), and which START finds its instance idle decides how many steps it is
+    given."""
     results, at, began = [None] * len(utts), starts(len(utts), spread_s), [0.0] * len(utts)
     t0 = time.monotonic()
 
@@ -102,7 +109,26 @@ def streams(url: str, model: str, utts: list[Utterance], spread_s: float) -> tup
     for t in threads:
         t.join()
     wall = time.monotonic() - t0
+    marked = start_marks(server_pid, [r.corr_id if r is not None else 0 for r in results])
+    if marked is not None:
+        return results, wall, [t - min(marked) for t in marked]
     return results, wall, [b + (r.admitted_after_s if r is not None else 0.0) for b, r in zip(began, results)]
+
+
+def start_marks(server_pid: Optional[int], corr_ids: list[int]) -> Optional[list[float]]:
+    """When the server's admission let each of ``corr_ids``' STARTs through (wall clock); None unless it marked
+    every one (no admission step, an id it never saw)."""
+    if server_pid is None:
+        return None
+    folder = ArrivalMarks.default_folder("starts", server_pid)
+    if not folder.is_dir():
+        return None
+    marks = ArrivalMarks(folder)
+    try:
+        times = [marks.peek(c) for c in corr_ids]
+    finally:
+        marks.table.close()
+    return None if any(t is None for t in times) else times
 
 
 def starts(n: int, spread_s: float) -> list[float]:
@@ -261,7 +287,8 @@ def main(argv=None) -> int:
         for mode in modes:
             repo = Path(tmp) / mode
             flags = ["--checkpoint", str(TRAINED / "teacher.safetensors"), "--vocoder-checkpoint",
-                     str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice", "--no-admission",
+                     str(TRAINED / "vocoder.safetensors"), "--output", str(repo), "--no-voice",
+                     "--utilization-target", "0",
                      *MODES[mode], *(args.deadline_flags.split() if mode in ("deadline", "fewer") else [])]
             if build_repository.main(flags) != 0:
                 raise SystemExit("building the repository failed")
@@ -279,7 +306,7 @@ def main(argv=None) -> int:
                     for run in range(args.runs):
                         before, cut = underruns(server), fewer_steps(server)
                         results, _, began = streams(server.grpc_url, args.model, utterances(n, offset=7 * run),
-                                                    spread)
+                                                    spread, server.pid)
                         rows.append(row(label, mode, results, underruns(server) - before, args.model,
                                         fewer_steps(server) - cut, held(n, offset=7 * run)))
                         rows[-1].update(offset=7 * run, began=began)
@@ -297,8 +324,8 @@ def main(argv=None) -> int:
         f"Made by `python -m s3flow_tools.measure.qos` on {', '.join(f'{k} {v}' for k, v in machine().items())}: "
         f"the trained "
         f"small teacher (10 guided steps), `{args.model}`, held-out sentences of 3-6 s with their own prompts, the "
-        f"client's chunk schedule, each stream its own `StreamingClient`, admission off; the servers one after the "
-        f"other, "
+        f"client's chunk schedule, each stream its own `StreamingClient`, admission's capacity check off (its step "
+        f"marks each START's arrival, where the simulator starts its streams); the servers one after the other, "
         f"{args.runs} run(s) of each load, every run reported.",
         "",
         f"Saturation throughput C ({args.at_once} streams at once), s of audio per second: **FIFO "
