@@ -132,7 +132,7 @@ def stateless_config(name: str, n_feats: int, meanflow: bool, settings: Reposito
     else:
         config, params = _python(name, 0), {"intra_op_threads": s.ort_threads}
         if name == ENCODER_MODEL:
-            params["allow_spinning"] = "true" if s.encoder_spinning else "false"
+            params["allow_spinning"] = s.encoder_spinning
     add_tensors(config, inputs, outputs, n_feats=n_feats)
     add_instances(config, instances, gpu=s.target == "gpu")
     if name == ESTIMATOR_MODEL and s.graphs_by_call:
@@ -154,7 +154,8 @@ def vocoder_config(n_feats: int, s: RepositorySettings, stream, source) -> Model
     add_tensors(config, VOCODER_INPUTS, VOCODER_OUTPUTS, n_feats=n_feats)
     add_instances(config, 1, gpu=backend == "torch" and s.target == "gpu")
     set_parameters(config, {"n_feats": n_feats, "vocoder_backend": backend, "intra_op_threads": s.ort_threads,
-                            "allow_spinning": "true" if s.vocoder_spinning else "false", "warmup": s.warmup, **_fields(stream), **_fields(limits), **_fields(source)})
+                            "allow_spinning": s.vocoder_spinning, "warmup": s.warmup,
+                            **_fields(stream), **_fields(limits), **_fields(source)})
     return config
 
 

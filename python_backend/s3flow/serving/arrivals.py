@@ -110,6 +110,10 @@ class ArrivalMarks:
         m = self._live(corr_id)
         return None if m is None or m.count <= 0 else (m.count, m.time)
 
+    def close(self) -> None:
+        """Let go of the table's mapping (a reader done with it; the writers keep theirs for the server's life)."""
+        self.table.close()
+
     def take(self, corr_id: int) -> Optional[float]:
         """The latest mark's time (wall clock), the mark taken (no one reads it again); None when there is none."""
         m = self._live(corr_id)

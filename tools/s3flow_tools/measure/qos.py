@@ -127,7 +127,7 @@ def start_marks(server_pid: Optional[int], corr_ids: list[int]) -> Optional[list
     try:
         times = [marks.peek(c) for c in corr_ids]
     finally:
-        marks.table.close()
+        marks.close()
     return None if any(t is None for t in times) else times
 
 
