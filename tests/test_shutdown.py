@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from s3flow.model.flow import FlowConfig
 from s3flow.model.vocoder import VocoderConfig, random_vocoder
 from s3flow.repository.generator import write_repository
 from s3flow.repository.settings import RepositorySettings
-from s3flow.server.leftovers import REGION_MIN_AGE_S, SHM
+from s3flow.server.leftovers import PYTHON_ENV_PARENT, PYTHON_ENV_PREFIX, REGION_MIN_AGE_S, SHM, remove_stale_temp
 from s3flow.server.processes import is_running, log_tail, read_cmdline, tree_pids
 from s3flow.server.triton_server import TritonServer
 from s3flow.serving.records import SERVER_FOLDERS
@@ -109,6 +111,12 @@ def ours() -> set[str]:
     return {p.name for p in SHM.iterdir() if p.name.startswith(("s3flow-", "s3flow_"))} if SHM.is_dir() else set()
 
 
+def in_temp() -> set[str]:
+    """The drain-marker folders of our servers and the python backend's environment folders (``/tmp``)."""
+    return {p.name for p in Path(tempfile.gettempdir()).glob("s3flow-drain-*")} | \
+        {p.name for p in PYTHON_ENV_PARENT.glob(PYTHON_ENV_PREFIX + "*")}
+
+
 def test_stop_after_abandoned_killed_and_naming_clients_is_a_quick_sigterm(repo, tmp_path):
     with TritonServer(repo, log_file=tmp_path / "server.log") as server:
         misuse(server.grpc_url)
@@ -182,9 +190,11 @@ def test_the_drain_supervisor_stops_quickly_after_an_abandoned_stream(repo, tmp_
 
 
 def test_a_server_leaves_nothing_in_dev_shm_and_a_new_one_sweeps_what_dead_ones_left(repo, tmp_path):
-    before = ours()
+    before, temp_before = ours(), in_temp()
     dead = subprocess.Popen(["true"])
     dead.wait()
+    stale_drain = Path(tempfile.gettempdir()) / f"s3flow-drain-{dead.pid}-abc123"   # a launcher long gone
+    (stale_drain / "draining").parent.mkdir()
     stale_folder = SHM / f"s3flow-seen-{dead.pid}"       # a server with that PID is gone
     stale_folder.mkdir()
     (stale_folder / "7").write_text("1.0\n")
@@ -201,6 +211,9 @@ def test_a_server_leaves_nothing_in_dev_shm_and_a_new_one_sweeps_what_dead_ones_
         with TritonServer(repo, log_file=tmp_path / "server.log") as server:
             assert not stale_folder.exists() and not stale_voices.exists()
             assert not stale_region.exists() and young_region.exists()
+            assert not stale_drain.exists()
+            made = in_temp() - temp_before
+            assert server.drain_file.parent.name in made and any(n.startswith(PYTHON_ENV_PREFIX) for n in made), made
             [r] = StreamingClient(server.grpc_url, "token2wav").synthesize([utterance(5)])
             assert r.error is None
             during = ours() - before
@@ -211,6 +224,7 @@ def test_a_server_leaves_nothing_in_dev_shm_and_a_new_one_sweeps_what_dead_ones_
     finally:
         young_region.unlink(missing_ok=True)
     assert ours() - before == set(), f"left behind: {sorted(ours() - before)}"
+    assert in_temp() - temp_before == set(), f"left behind in the temp folder: {sorted(in_temp() - temp_before)}"
 
 
 def test_a_server_killed_alone_takes_its_stubs_with_it_and_the_next_start_sweeps_its_folders(repo, tmp_path):
@@ -218,13 +232,16 @@ def test_a_server_killed_alone_takes_its_stubs_with_it_and_the_next_start_sweeps
     busy): every python stub and its watch go within seconds (the stub's own check, ``kill(pid, 0)``, still sees
     the zombie alive: before ``s3flow.serving.parent_watch`` 5 of 5 stubs were alive 30 s later; with a watch
     thread in the stub, a stub whose metrics thread waited on the dead server holding the GIL lived on)."""
-    before = ours()
+    before, temp_before = ours(), in_temp()
     server = TritonServer(repo, log_file=tmp_path / "killed.log").start()
     server.wait_ready()
+    envs = {n for n in in_temp() - temp_before if n.startswith(PYTHON_ENV_PREFIX)}
+    assert envs, "the python backend made its environment folder"
     [r] = StreamingClient(server.grpc_url, "token2wav").synthesize([utterance(6)])
     below = tree_pids(server.pid)[1:]   # the stubs and their watches
     stubs = [p for p in below if "triton_python_backend_stub" in " ".join(read_cmdline(p) or [])]
     assert len(stubs) >= 5, f"expected a stub per model, got {below}"
+    killed_started = psutil.Process(server.pid).create_time()
     os.kill(server.pid, signal.SIGKILL)
     t0 = time.monotonic()
     while any(is_running(p) for p in below) and time.monotonic() - t0 < STUBS_EXIT_WITHIN_S:
@@ -237,9 +254,51 @@ def test_a_server_killed_alone_takes_its_stubs_with_it_and_the_next_start_sweeps
     assert not left_alive, f"alive {STUBS_EXIT_WITHIN_S} s after their server's SIGKILL: {left_alive}"
     left = ours() - before
     assert any(name.endswith(f"-{server.pid}") for name in left), "a killed server leaves its folders"
+    assert envs <= in_temp(), "a killed server leaves the python backend's environment folder"
+    older = wait_for_older_servers_to_end(killed_started)   # (an earlier module's server may still be stopping)
     with TritonServer(repo, log_file=tmp_path / "next.log"):
         assert not any(name.endswith(f"-{server.pid}") for name in ours())
+        if not older:   # the sweep spares what a server that runs may own: one older than the killed one would
+            assert not envs & in_temp(), "the next start swept it (made before every running tritonserver started)"
     server.stop()
+    assert server.drain_file.parent.name not in in_temp()
+
+
+def wait_for_older_servers_to_end(started: float, within_s: float = STOP_WORST_CASE_S) -> list[int]:
+    """Wait (bounded) until no tritonserver that started before ``started`` runs; returns those still running."""
+    until = time.monotonic() + within_s
+    while True:
+        older = [p.pid for p in psutil.process_iter(["name", "create_time"])
+                 if p.info["name"] == "tritonserver" and p.info["create_time"] < started]
+        if not older or time.monotonic() > until:
+            return older
+        time.sleep(0.5)
+
+
+def test_the_temp_sweep_keeps_what_a_running_launcher_or_server_may_own(tmp_path):
+    """A drain folder goes only when its launcher is gone; a ``python_env_*`` folder only when it was made before
+    every running tritonserver started (a ``sleep`` named tritonserver stands for one started between the two)."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"s3flow-drain-{dead.pid}-x1").mkdir()
+    (tmp_path / f"s3flow-drain-{os.getpid()}-x2").mkdir()
+    (tmp_path / "s3flow-drain-notapid").mkdir()
+    envs = tmp_path / "envs"
+    (envs / f"{PYTHON_ENV_PREFIX}old" / "0").mkdir(parents=True)
+    time.sleep(1.2)   # psutil's start times count from the boot second, cut to the whole second: up to 1 s early
+    shutil.copy("/bin/sleep", tmp_path / "tritonserver")
+    server = subprocess.Popen([str(tmp_path / "tritonserver"), "30"])
+    try:
+        time.sleep(0.05)
+        (envs / f"{PYTHON_ENV_PREFIX}young").mkdir()
+        removed = remove_stale_temp(tmp_path, envs)
+    finally:
+        server.kill()
+        server.wait()
+    assert sorted(removed) == [f"{PYTHON_ENV_PREFIX}old", f"s3flow-drain-{dead.pid}-x1"], removed
+    assert {p.name for p in tmp_path.glob("s3flow-drain-*")} == {"s3flow-drain-notapid",
+                                                                 f"s3flow-drain-{os.getpid()}-x2"}
+    assert [p.name for p in envs.iterdir()] == [f"{PYTHON_ENV_PREFIX}young"]
 
 
 def test_a_server_stopped_while_its_stubs_still_load_takes_them_with_it(repo, tmp_path):

@@ -9,11 +9,19 @@ server that exits cleanly removes its regions but not our folders, and one that 
   ``scripts/server.py stop``): one server's folders;
 * :func:`remove_stale` (``TritonServer.start``, the supervisor): the folders of PIDs that no longer run, and the
   ``s3flow_*`` regions that no process maps.
+
+Two more live in the temp folder (``/tmp``). ``TritonServer`` keeps its drain marker in a folder of its own,
+``s3flow-drain-<launcher pid>-<random>`` (:func:`new_drain_file`), removed at its stop (:func:`remove_drain_file`).
+The python backend makes ``python_env_<random>`` as it loads and removes it at a clean exit only: a killed server
+leaves it. :func:`remove_stale` sweeps both: drain folders whose launcher no longer runs, and ``python_env_*``
+folders made before every tritonserver that runs now started (no running server can own them).
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +37,14 @@ REGION_MIN_AGE_S = 60.0
 #: folders older servers made that no record has now ("live": the live counts, in the load reports since)
 RETIRED_FOLDERS = ("live",)
 _FOLDER = re.compile(r"^s3flow-(?:" + "|".join(SERVER_FOLDERS + RETIRED_FOLDERS) + r")-(\d+)$")
+#: ``TritonServer``'s drain-marker folders in the temp folder, named by the launching process
+DRAIN_PREFIX = "s3flow-drain-"
+_DRAIN_FOLDER = re.compile(r"^" + DRAIN_PREFIX + r"(\d+)-\w+$")
+#: the python backend's folder for packed environments (python_backend src/pb_env.cc: ``/tmp/python_env_XXXXXX``)
+PYTHON_ENV_PREFIX = "python_env_"
+PYTHON_ENV_PARENT = Path("/tmp")
+#: the name of the Triton server binary (its processes own the ``python_env_*`` folders)
+TRITONSERVER = "tritonserver"
 
 
 def server_folders(server_pid: int) -> list[Path]:
@@ -44,6 +60,50 @@ def remove_server_files(server_pid: int) -> int:
             shutil.rmtree(folder, ignore_errors=True)
             gone += 1
     return gone
+
+
+def new_drain_file() -> Path:
+    """A drain-marker path in a new folder of its own, named by this (the launching) process."""
+    return Path(tempfile.mkdtemp(prefix=f"{DRAIN_PREFIX}{os.getpid()}-")) / "draining"
+
+
+def remove_drain_file(drain_file: Path) -> None:
+    """The drain marker's folder and what is in it (the marker, its healing twin)."""
+    shutil.rmtree(drain_file.parent, ignore_errors=True)
+
+
+def _oldest_tritonserver_start() -> float | None:
+    """When the longest-running tritonserver process started (None when none runs). psutil counts from the boot
+    time in whole seconds (/proc/stat's btime, cut): up to 1 s early, the safe side here."""
+    starts = []
+    for proc in psutil.process_iter(["name", "create_time"]):
+        if proc.info["name"] == TRITONSERVER and proc.info["create_time"] is not None:
+            starts.append(proc.info["create_time"])
+    return min(starts, default=None)
+
+
+def remove_stale_temp(temp: Path | None = None, envs: Path = PYTHON_ENV_PARENT) -> list[str]:
+    """Remove the drain folders whose launcher no longer runs and the backend's ``python_env_*`` folders that no
+    running tritonserver can own (made before the oldest of them started); returns the names removed."""
+    removed = []
+    temp = Path(tempfile.gettempdir()) if temp is None else temp
+    if temp.is_dir():
+        for entry in temp.iterdir():
+            m = _DRAIN_FOLDER.match(entry.name)
+            if m and entry.is_dir() and not psutil.pid_exists(int(m.group(1))):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+    if envs.is_dir():
+        oldest = _oldest_tritonserver_start()
+        for entry in envs.glob(PYTHON_ENV_PREFIX + "*"):
+            try:
+                made = entry.stat().st_ctime
+            except OSError:
+                continue
+            if entry.is_dir() and (oldest is None or made < oldest):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+    return removed
 
 
 def _mapped_regions() -> set[str]:
@@ -66,12 +126,12 @@ def _age_s(path: Path) -> float:
         return 0.0
 
 
-def remove_stale(shm: Path = SHM) -> list[str]:
-    """Remove the per-server folders of servers that no longer run and our regions that nobody maps; returns the
-    names removed."""
+def remove_stale(shm: Path = SHM, temp: Path | None = None, envs: Path = PYTHON_ENV_PARENT) -> list[str]:
+    """Remove the per-server folders of servers that no longer run, our regions that nobody maps, and what
+    :func:`remove_stale_temp` sweeps; returns the names removed."""
+    removed, mapped = remove_stale_temp(temp, envs), None
     if not shm.is_dir():
-        return []
-    removed, mapped = [], None
+        return removed
     for entry in shm.iterdir():
         m = _FOLDER.match(entry.name)
         if m and entry.is_dir() and not psutil.pid_exists(int(m.group(1))):

@@ -41,7 +41,7 @@ from s3flow.server.access import ADMIN_KEY_ENV, ServerTls, admin_headers, restri
 from s3flow.server.drain import close
 from s3flow.serving.draining import DRAIN_FILE_ENV
 from s3flow.server.healing import StubWatch
-from s3flow.server.leftovers import remove_server_files, remove_stale
+from s3flow.server.leftovers import new_drain_file, remove_drain_file, remove_server_files, remove_stale
 from s3flow.server.processes import (free_port, has_nvidia_gpu, is_running, kill, log_tail, port_open, read_cmdline,
                                       read_environ, stop_pid, tree_rss_bytes)
 from s3flow.server.install import (TritonPaths, TritonServerError, check_venv, default_venv,
@@ -153,7 +153,7 @@ class TritonServer:
         self.access_flags = (restricted_api_flags(admin_key) if admin_key is not None else []) + \
             (tls.flags() if tls is not None else []) + (tenant_flags() if tenants else [])
         # supervised (drain_s): the supervisor drains and closes on SIGTERM; else stop() closes before SIGTERM
-        self.drain_file = pathlib.Path(tempfile.mkdtemp(prefix="s3flow-drain-")) / "draining"
+        self.drain_file = new_drain_file()   # (its folder goes at stop; one a dead launcher left, at a start)
         self.shm_prefix = f"s3flow_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.process: subprocess.Popen | None = None
         self._log_handle = None
@@ -274,7 +274,8 @@ class TritonServer:
         self.healer = None   # a new process: its stubs are watched once it is ready
         if self.venv is not None:
             check_venv(self.venv)
-        remove_stale()   # what servers long gone left in /dev/shm
+        remove_stale()   # what servers long gone left in /dev/shm and the temp folder
+        self.drain_file.parent.mkdir(exist_ok=True)   # (a start after a stop)
         chosen: set[int] = {p for p in self._fixed_ports.values() if p is not None}
         for name, fixed in self._fixed_ports.items():
             port = fixed
@@ -363,7 +364,7 @@ class TritonServer:
         Unsupervised, the python models first drop what they hold and free Triton's sequence slots
         (``s3flow.server.drain.close``), so that the shutdown has no open sequence to wait for. Returns the exit
         code (None if never started). Also removes this server's files from ``/dev/shm`` (its folders, and the
-        python-backend regions a kill left behind).
+        python-backend regions a kill left behind) and its drain marker's folder from the temp folder.
         """
         if self.process is None:
             return None
@@ -383,8 +384,12 @@ class TritonServer:
         return self.process.returncode
 
     def _cleanup_shm(self) -> None:
-        """This server's folders and any python-backend region a kill left (``s3flow.server.leftovers``)."""
+        """This server's folders, its drain marker's, and any python-backend region or environment folder a kill
+        left (``s3flow.server.leftovers``)."""
         remove_server_files(self.process.pid)
+        remove_drain_file(self.drain_file)
+        if self.process.returncode is not None and self.process.returncode < 0:   # killed: no backend cleaned up
+            remove_stale()
         for leftover in pathlib.Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             try:
                 leftover.unlink()
