@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +34,7 @@ def test_the_perf_analyzer_model_analyzer_runs_drops_bls_composing_models_and_ke
 def test_model_analyzer_completes_a_small_search_of_the_solver_and_its_composing_models(tmp_path):
     assert model_analyzer.version(), "Model Analyzer is not installed: make model-analyzer"
     out = tmp_path / "model_analyzer.md"
+    temp_before = set(Path(tempfile.gettempdir()).iterdir())
     # (the repository's own configuration is measured first at 2 x instances x max batch size streams: one of each
     # model and batches of 2 keep that at 4)
     assert model_analyzer.main(["profile", "--max-concurrency", "1", "--max-instances", "1", "--max-batch-size", "1",
@@ -43,3 +46,6 @@ def test_model_analyzer_completes_a_small_search_of_the_solver_and_its_composing
     assert ("1", "1", "1", "1") in configs, f"the search did not visit one instance each: {rows}"
     assert len(configs) >= 2, f"one configuration only: {rows}"
     assert all(float(r[5]) > 0 for r in rows), rows
+    left = [p for p in set(Path(tempfile.gettempdir()).iterdir()) - temp_before
+            if p.is_file() and b"GRPCInferenceService" in p.read_bytes()]   # (its servers' logs: triton_output_path)
+    assert not left, f"Model Analyzer's servers left their logs in the temp folder: {left}"

@@ -139,6 +139,7 @@ def config(repo: Path, work: Path, input_data: Path, search: Search, window_requ
         "checkpoint_directory": str(work / "checkpoints"),
         "triton_launch_mode": "local",
         "triton_server_path": str(server.paths.binary),
+        "triton_output_path": str(work / "tritonserver.log"),   # (else a temp file its exit leaves behind)
         "triton_server_flags": {"backend_directory": flags["backend-directory"], "allow_gpu_metrics": False},
         "triton_server_environment": {k: env[k] for k in ("LD_LIBRARY_PATH", "PATH", "VIRTUAL_ENV",
                                                            "MALLOC_MMAP_THRESHOLD_") if k in env},

@@ -23,6 +23,7 @@ import re
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -63,8 +64,9 @@ def remove_server_files(server_pid: int) -> int:
 
 
 def new_drain_file() -> Path:
-    """A drain-marker path in a new folder of its own, named by this (the launching) process."""
-    return Path(tempfile.mkdtemp(prefix=f"{DRAIN_PREFIX}{os.getpid()}-")) / "draining"
+    """A drain-marker path in a folder of its own, named by this (the launching) process; the server's start makes
+    the folder (one never started leaves none)."""
+    return Path(tempfile.gettempdir()) / f"{DRAIN_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}" / "draining"
 
 
 def remove_drain_file(drain_file: Path) -> None:

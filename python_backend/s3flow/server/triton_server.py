@@ -153,7 +153,7 @@ class TritonServer:
         self.access_flags = (restricted_api_flags(admin_key) if admin_key is not None else []) + \
             (tls.flags() if tls is not None else []) + (tenant_flags() if tenants else [])
         # supervised (drain_s): the supervisor drains and closes on SIGTERM; else stop() closes before SIGTERM
-        self.drain_file = new_drain_file()   # (its folder goes at stop; one a dead launcher left, at a start)
+        self.drain_file = new_drain_file()   # (its folder: made at start, gone at stop; a dead launcher's, swept)
         self.shm_prefix = f"s3flow_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         self.process: subprocess.Popen | None = None
         self._log_handle = None
@@ -275,7 +275,7 @@ class TritonServer:
         if self.venv is not None:
             check_venv(self.venv)
         remove_stale()   # what servers long gone left in /dev/shm and the temp folder
-        self.drain_file.parent.mkdir(exist_ok=True)   # (a start after a stop)
+        self.drain_file.parent.mkdir(mode=0o700, exist_ok=True)
         chosen: set[int] = {p for p in self._fixed_ports.values() if p is not None}
         for name, fixed in self._fixed_ports.items():
             port = fixed
