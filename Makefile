@@ -29,8 +29,12 @@ demo: setup $(if $(TEXT),espeak)
 	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS) $(if $(MEANFLOW),--meanflow) $(if $(VOICE),--voice) \
 	  $(if $(TEXT),--text "$(TEXT)" --speaker $(or $(SPEAKER),0))
 
+# two pytest workers, a module each at a time (pytest-xdist), one torch/OpenMP thread each: one pytest process
+# kept one of 2 cores busy (13.8 CPU minutes in 14.5), and two workers of two threads each oversubscribed them
+# (README, Tests)
+TEST_WORKERS ?= 2
 test: setup espeak perf-analyzer model-analyzer prometheus
-	$(PYTHON) -m pytest -q -rs --durations=20
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q -rs --durations=20 -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup
 	$(PYTHON) -m pytest -q -m "not server and not fullsize"

@@ -21,6 +21,21 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def torch_threads_restored():
+    """Every module starts on torch's default thread count, whatever an earlier one (or a tool it ran in process)
+    set: some compare in-process results bit for bit with a subprocess's, which runs on the default, and under
+    ``pytest -n`` a worker's module order is not the file order."""
+    import torch
+
+    _TORCH_DEFAULT.setdefault("threads", torch.get_num_threads())   # (read before any module set it)
+    torch.set_num_threads(_TORCH_DEFAULT["threads"])
+    yield
+
+
+_TORCH_DEFAULT: dict = {}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_instance_layout():
     """The suite's repositories run one solver and one estimator instance unless a test names its layout: each

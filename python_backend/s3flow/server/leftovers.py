@@ -74,17 +74,17 @@ def remove_drain_file(drain_file: Path) -> None:
     shutil.rmtree(drain_file.parent, ignore_errors=True)
 
 
-def _oldest_tritonserver_start() -> float | None:
-    """When the longest-running tritonserver process started (None when none runs). psutil counts from the boot
+def _oldest_start(name: str = TRITONSERVER) -> float | None:
+    """When the longest-running process of this name started (None when none runs). psutil counts from the boot
     time in whole seconds (/proc/stat's btime, cut): up to 1 s early, the safe side here."""
     starts = []
     for proc in psutil.process_iter(["name", "create_time"]):
-        if proc.info["name"] == TRITONSERVER and proc.info["create_time"] is not None:
+        if proc.info["name"] == name and proc.info["create_time"] is not None:
             starts.append(proc.info["create_time"])
     return min(starts, default=None)
 
 
-def remove_stale_temp(temp: Path | None = None, envs: Path = PYTHON_ENV_PARENT) -> list[str]:
+def remove_stale_temp(temp: Path | None = None, envs: Path = PYTHON_ENV_PARENT, server_name: str = TRITONSERVER) -> list[str]:
     """Remove the drain folders whose launcher no longer runs and the backend's ``python_env_*`` folders that no
     running tritonserver can own (made before the oldest of them started); returns the names removed."""
     removed = []
@@ -96,7 +96,7 @@ def remove_stale_temp(temp: Path | None = None, envs: Path = PYTHON_ENV_PARENT) 
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry.name)
     if envs.is_dir():
-        oldest = _oldest_tritonserver_start()
+        oldest = _oldest_start(server_name)
         for entry in envs.glob(PYTHON_ENV_PREFIX + "*"):
             try:
                 made = entry.stat().st_ctime
