@@ -6,15 +6,13 @@ and saves; the next of that name is priced before its first request, with what t
 """
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 
 from test_solver_instance import Slots, chunk, flow, records  # noqa: F401 (fixtures)
 from helpers import torch_encoder
-from s3flow.engine.capacity import CapacityModel, Work
+from s3flow.engine.capacity import DUTY_PRIOR, CapacityModel, Costs, Work
 from s3flow.model.flow import TorchEstimator
 from s3flow.repository.configs import solver_config
 from s3flow.repository.settings import RepositorySettings
@@ -117,3 +115,13 @@ def test_a_restored_price_is_the_prior_until_served_work_measures_its_own():
     model.calibrated(1.0, Work(row_frames=1000, steps=4, chunks=2, encoder_tokens=50, frames=100), 4)
     assert model.prior_correction == 1.5, "a calibration does not replace a correction measured from served work"
     assert model.capacity() is None, "no served work here yet"
+
+
+def test_a_model_started_from_a_price_given_prices_by_it_until_its_own_calls_are_timed():
+    costs = Costs(est_fixed=0.004, est_per_unit=5e-5, enc_fixed=0.001, enc_per_unit=3e-5, max_batch=4,
+                  est_per_key=2e-5)
+    model = CapacityModel(max_batch=4)
+    model.start_from(costs)
+    assert model.costs() == costs and model.duty == DUTY_PRIOR and model.prior_capacity is None
+    model.estimator_timed(2, 100, 0.5)
+    assert model.costs().est_fixed != costs.est_fixed, "its own timed call replaces the price given"

@@ -402,6 +402,13 @@ class CapacityModel(Observer):
             self.prior_capacity = float(state["capacity"]) if state.get("capacity") else None
             self._served_prior = bool(state.get("served"))
 
+    def start_from(self, costs: Costs) -> None:
+        """Start from a price known beforehand (``restore`` of it as served work's, correction 1): what the
+        simulator's instances begin with (``s3flow_tools.sim.virtual_server``)."""
+        self.restore({"estimator": [costs.est_fixed, costs.est_per_unit, costs.est_per_key],
+                      "encoder": [costs.enc_fixed, costs.enc_per_unit], "correction": 1.0,
+                      "duty": self.duty_prior, "served": True, "capacity": None})
+
     @property
     def correction(self) -> Optional[float]:
         """Busy time over priced work in the window; None before there is any."""

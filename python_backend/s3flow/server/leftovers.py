@@ -1,4 +1,5 @@
-"""What a server leaves in ``/dev/shm``, and removing it: at its stop, and at the next start for servers long gone.
+"""What a server leaves in ``/dev/shm`` and the temp folder, and removing it: at its stop, and at the next start for
+servers long gone.
 
 A server's python models share small per-server folders, named by the server's PID (the models' parent):
 ``s3flow-<name>-<pid>`` (``s3flow.serving.records``: one folder per record); the python backend maps its shared-memory regions there as well, named
@@ -84,7 +85,8 @@ def _oldest_start(name: str = TRITONSERVER) -> float | None:
     return min(starts, default=None)
 
 
-def remove_stale_temp(temp: Path | None = None, envs: Path = PYTHON_ENV_PARENT, server_name: str = TRITONSERVER) -> list[str]:
+def remove_stale_temp(temp: Path | None = None, envs: Path = PYTHON_ENV_PARENT,
+                      server_name: str = TRITONSERVER) -> list[str]:
     """Remove the drain folders whose launcher no longer runs and the backend's ``python_env_*`` folders that no
     running tritonserver can own (made before the oldest of them started); returns the names removed."""
     removed = []

@@ -380,10 +380,10 @@ class TritonServer:
                 kill(self.process.pid, kill_group=True)
                 self.process.wait(10)
         self._close_log()
-        self._cleanup_shm()
+        self._remove_files()
         return self.process.returncode
 
-    def _cleanup_shm(self) -> None:
+    def _remove_files(self) -> None:
         """This server's folders, its drain marker's, and any python-backend region or environment folder a kill
         left (``s3flow.server.leftovers``)."""
         remove_server_files(self.process.pid)

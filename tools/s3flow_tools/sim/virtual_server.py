@@ -50,7 +50,7 @@ from typing import Callable, Optional
 
 import torch
 
-from s3flow.engine.capacity import DUTY_PRIOR, CapacityModel, Costs
+from s3flow.engine.capacity import CapacityModel, Costs
 from s3flow.engine.planning import ZeroEstimator
 from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.playback import PlaybackSettings
@@ -180,9 +180,7 @@ class _Instance:
         rows_per_stream = 1 if meanflow or not solver.solving.default_guidance_rate else 2
         self.capacity = CapacityModel(max(1, deadlines.max_step_rows // rows_per_stream) if self.stepping
                                       else settings.batching.max_batch_size, clock=self.clock)
-        self.capacity.restore({"estimator": [costs.est_fixed, costs.est_per_unit, costs.est_per_key],
-                               "encoder": [costs.enc_fixed, costs.enc_per_unit], "correction": 1.0,
-                               "duty": DUTY_PRIOR, "served": True, "capacity": None})
+        self.capacity.start_from(costs)
         self.counts = _Counts()
         self.engine = StreamingEngine(PricedEncoder(n_feats, self.meter), PricedEstimator(self.meter),
                                       n_feats=n_feats, meanflow=meanflow, solving=solver.solving,
