@@ -41,7 +41,8 @@ from s3flow.server.access import ADMIN_KEY_ENV, ServerTls, admin_headers, restri
 from s3flow.server.drain import close
 from s3flow.serving.draining import DRAIN_FILE_ENV
 from s3flow.server.healing import StubWatch
-from s3flow.server.leftovers import new_drain_file, remove_drain_file, remove_server_files, remove_stale
+from s3flow.server.leftovers import (DRAIN_PREFIX, new_drain_file, remove_drain_file, remove_server_files,
+                                     remove_stale)
 from s3flow.server.processes import (free_port, has_nvidia_gpu, is_running, kill, log_tail, port_open, read_cmdline,
                                       read_environ, stop_pid, tree_rss_bytes)
 from s3flow.server.install import (TritonPaths, TritonServerError, check_venv, default_venv,
@@ -502,11 +503,13 @@ def stop_server_pid(pid: int, timeout: float = 30.0) -> bool:
     """Stop a tritonserver by PID that this process did not start (``scripts/server.py stop``), as
     :meth:`TritonServer.stop` does: its models drop what they hold and free the sequence slots first (its drain
     file and metrics port read from its environment and command line), then SIGTERM, SIGKILL after ``timeout``;
-    then its ``/dev/shm`` folders go. True if it exited on SIGTERM."""
+    then its ``/dev/shm`` folders and its drain marker's folder go. True if it exited on SIGTERM."""
     argv, drain_file = read_cmdline(pid) or [], read_environ(pid).get(DRAIN_FILE_ENV, "")
     flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     if drain_file and "metrics-port" in flags:
         close(drain_file, f"{flags.get('metrics-address', '127.0.0.1')}:{flags['metrics-port']}", log=lambda _: None)
     graceful = stop_pid(pid, timeout=timeout)
     remove_server_files(pid)
+    if drain_file and pathlib.Path(drain_file).parent.name.startswith(DRAIN_PREFIX):   # (a TritonServer's own)
+        remove_drain_file(pathlib.Path(drain_file))
     return graceful
