@@ -90,7 +90,7 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list
             pids = stubs(server.pid)
             cpu_before = cpu_by_model(pids)
             for k in range(alone):
-                [r], wall, _ = streams(server.grpc_url, model, utterances(1, offset=k), 0.0)
+                [r], wall = streams(server.grpc_url, model, utterances(1, offset=k), 0.0)
                 if r.error is not None:
                     raise SystemExit(f"a stream failed: {r.error}")
                 out["alone_first_s"].append(r.first_chunk_s)
@@ -102,13 +102,13 @@ def one_side(scheduling: str, alone: int, at_once: int, c_runs: int, flags: list
                 u = dataclasses.replace(u, speech_tokens=u.speech_tokens[:FIXED_TOKENS], chunks=[FIXED_TOKENS])
                 answered = {}
                 for steps in (2, 4):
-                    [r], _, _ = streams(server.grpc_url, model, [dataclasses.replace(u, n_timesteps=steps)], 0.0)
+                    [r], _ = streams(server.grpc_url, model, [dataclasses.replace(u, n_timesteps=steps)], 0.0)
                     if r.error is not None:
                         raise SystemExit(f"a one-chunk utterance failed: {r.error}")
                     answered[steps] = r.first_chunk_s
                 out["fixed_s"].append(2 * answered[2] - answered[4])
             for _ in range(c_runs):
-                results, wall, _ = streams(server.grpc_url, model, utterances(at_once), 0.0)
+                results, wall = streams(server.grpc_url, model, utterances(at_once), 0.0)
                 if any(r.error is not None for r in results):
                     raise SystemExit("a stream failed at saturation")
                 out["c"].append(sum(r.mel.shape[1] for r in results) / FRAMES_PER_SECOND / wall)

@@ -71,12 +71,12 @@ def measure_server(url: str, alone: int, at_once: int, c_runs: int) -> dict:
         streams(url, model, utterances(2), 0.0)   # warm this ensemble's path
         firsts, cs = [], []
         for k in range(alone):
-            [r], _, _ = streams(url, model, utterances(1, offset=k), 0.0)
+            [r], _ = streams(url, model, utterances(1, offset=k), 0.0)
             if r.error is not None:
                 raise SystemExit(f"{model}: a stream alone failed: {r.error}")
             firsts.append(r.first_audio_s if model == "token2wav" else r.first_chunk_s)
         for _ in range(c_runs):
-            results, wall, _ = streams(url, model, utterances(at_once), 0.0)
+            results, wall = streams(url, model, utterances(at_once), 0.0)
             bad = [r.error for r in results if r.error is not None]
             if bad:
                 raise SystemExit(f"{model}: {len(bad)} of {at_once} streams failed at saturation: {bad[0]}")

@@ -86,40 +86,28 @@ def estoi(rows: list) -> None:
                                     for h, m in zip(r.pop("held"), r.pop("mels"))]))
 
 
-def streams(url: str, model: str, utts: list[Utterance], spread_s: float,
-            server_pid: Optional[int] = None) -> tuple[list, float, list]:
-    """Start one client per utterance, evenly over ``spread_s``; their results, the wall time of all and when each
-    START arrived (seconds after the first): at the server (``server_pid``'s admission marks each START it lets
-    through, ``s3flow.serving.arrivals``) where it marked all of them, else as this client saw them go (its thread's
-    start and the client's own ``admitted_after_s``). "At once" is not at once on two cores (the clients' threads
-    and streams open one after another), and which START finds its instance idle decides how many steps it is
-    given."""
-    results, at, began = [None] * len(utts), starts(len(utts), spread_s), [0.0] * len(utts)
+def streams(url: str, model: str, utts: list[Utterance], spread_s: float) -> tuple[list, float]:
+    """Start one client per utterance, evenly over ``spread_s``; their results and the wall time of all. When each
+    START reached the server is :func:`start_marks`' to say ("at once" is not at once on two cores: the clients'
+    threads and streams open one after another, and which START finds its instance idle decides its steps)."""
+    results, at = [None] * len(utts), starts(len(utts), spread_s)
     t0 = time.monotonic()
 
     def one(k):
         time.sleep(max(0.0, t0 + at[k] - time.monotonic()))
-        client = StreamingClient(url, model, timeout_s=300)
-        began[k] = time.monotonic() - t0
-        [results[k]] = client.synthesize([utts[k]])
+        [results[k]] = StreamingClient(url, model, timeout_s=300).synthesize([utts[k]])
 
     threads = [threading.Thread(target=one, args=(k,)) for k in range(len(utts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.monotonic() - t0
-    marked = start_marks(server_pid, [r.corr_id if r is not None else 0 for r in results])
-    if marked is not None:
-        return results, wall, [t - min(marked) for t in marked]
-    return results, wall, [b + (r.admitted_after_s if r is not None else 0.0) for b, r in zip(began, results)]
+    return results, time.monotonic() - t0
 
 
-def start_marks(server_pid: Optional[int], corr_ids: list[int]) -> Optional[list[float]]:
+def start_marks(server_pid: int, corr_ids: list[int]) -> Optional[list[float]]:
     """When the server's admission let each of ``corr_ids``' STARTs through (wall clock); None unless it marked
     every one (no admission step, an id it never saw)."""
-    if server_pid is None:
-        return None
     folder = ArrivalMarks.default_folder("starts", server_pid)
     if not folder.is_dir():
         return None
@@ -129,6 +117,16 @@ def start_marks(server_pid: Optional[int], corr_ids: list[int]) -> Optional[list
     finally:
         marks.close()
     return None if any(t is None for t in times) else times
+
+
+def began_at(server_pid: int, results: list) -> list[float]:
+    """When each stream's START reached the server, in seconds after the first (:func:`start_marks`); all at 0
+    (said so) where the server did not mark every one."""
+    marked = start_marks(server_pid, [r.corr_id if r is not None else 0 for r in results])
+    if marked is None:
+        print("  (the server did not mark every START: the simulator starts these streams at once)", flush=True)
+        return [0.0] * len(results)
+    return [t - min(marked) for t in marked]
 
 
 def starts(n: int, spread_s: float) -> list[float]:
@@ -295,7 +293,7 @@ def main(argv=None) -> int:
             with TritonServer(repo, log_file=Path(tmp) / f"{mode}.log") as server:
                 wait_priced(f"127.0.0.1:{server.metrics_port}", args.model)   # its calibration: not beside a stream
                 streams(server.grpc_url, args.model, utterances(2), 0.0)   # warm the client path
-                results, wall, _ = streams(server.grpc_url, args.model, utterances(args.at_once), 0.0)
+                results, wall = streams(server.grpc_url, args.model, utterances(args.at_once), 0.0)
                 cs[mode] = sum(r.mel.shape[1] for r in results) / FRAMES_PER_SECOND / wall
                 print(f"{mode}: C = {cs[mode]:.2f} s of audio per second", flush=True)
                 c = cs["fifo"]
@@ -305,8 +303,8 @@ def main(argv=None) -> int:
                 for label, n, spread in plan:
                     for run in range(args.runs):
                         before, cut = underruns(server), fewer_steps(server)
-                        results, _, began = streams(server.grpc_url, args.model, utterances(n, offset=7 * run),
-                                                    spread, server.pid)
+                        results, _ = streams(server.grpc_url, args.model, utterances(n, offset=7 * run), spread)
+                        began = began_at(server.pid, results)
                         rows.append(row(label, mode, results, underruns(server) - before, args.model,
                                         fewer_steps(server) - cut, held(n, offset=7 * run)))
                         rows[-1].update(offset=7 * run, began=began)
