@@ -33,7 +33,9 @@ TOLERANCE = 1e-3
 def repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("failover")
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=4))
-    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, idle_timeout_s=5.0),
+    # no pricing at admission (utilization_target 0): a loaded host's price refused the resumed utterances on
+    # both servers (two pytest workers); capacity has its own tests
+    settings = RepositorySettings(solver=SolverSettings.of(max_steps=20, idle_timeout_s=5.0, utilization_target=0.0),
                                   batching=Batching(max_queue_delay_us=2000), ort_threads=1)
     write_repository(root / "repo", flow, settings)
     return root / "repo"
@@ -113,9 +115,8 @@ def test_a_drained_server_finishes_its_utterances_and_sends_new_ones_elsewhere(r
         code = a.process.wait(60)
         stopped = time.monotonic() - late["t"]
     check_complete(results, undisturbed)
-    # the utterances in flight finished on A: the only moves are STARTs A's admission answered busy before the
-    # drain (a burst on a server whose solver had not priced its work yet is judged by it, issue 48)
-    assert all("disposition=busy" in m for r in results for m in r.resumes), [r.resumes for r in results]
+    # the utterances in flight finished on A: none moved (admission prices nothing here, so none was refused busy)
+    assert not any(r.resumes for r in results), [r.resumes for r in results]
     assert code == 0 and stopped < 60               # then A stopped by itself, well inside the deadline
     assert late["ready_during_drain"] is False and late["live"] > 0
     got = late["result"]

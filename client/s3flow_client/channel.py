@@ -8,6 +8,7 @@ authenticates them, or the admin key of Triton's restricted API categories (docs
 from __future__ import annotations
 
 import queue
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -66,9 +67,23 @@ class ServerStream:
         self.client.async_stream_infer(model, infer_inputs(tensors), request_id=request_id, sequence_id=corr_id,
                                        sequence_start=start, sequence_end=end, outputs=requested_outputs(outputs))
 
-    def close(self) -> None:
+    def close(self, graceful: bool = False, wait_s: float = 5.0) -> None:
+        """End the stream. ``graceful`` (nothing is awaited on it): half-close it, as a plain tritonclient
+        ``stop_stream()`` does, and let the server end it; a server that has not within ``wait_s`` is cancelled.
+        Otherwise cancel at once: the requests still in flight are given up.
+
+        Why not always cancel: Triton 2.51's gRPC frontend (the CPU server here; fixed in 2.57) could leave a
+        cancelled stream's request unreleased when the cancellation crossed that request's last response on its
+        way out: the ensemble it named then never unloaded, and the server's SIGTERM waited its whole exit timeout
+        and ended in SIGKILL (seen in 2 of 3 two-worker runs of tests/test_faults.py)."""
         self.alive = False
         try:
+            if graceful:
+                closer = threading.Thread(target=self.client.stop_stream, name="s3flow-stream-close", daemon=True)
+                closer.start()
+                closer.join(wait_s)
+                if not closer.is_alive():
+                    return
             self.client.stop_stream(cancel_requests=True)  # joins the response thread
         finally:
             self.client.close()

@@ -388,8 +388,9 @@ class Run:
             self.wait_cleanups()
         finally:
             for conn in self.conns.values():
-                if conn.alive:
-                    conn.close()
+                if conn.alive:   # gracefully where nothing on it awaits an answer (ServerStream.close)
+                    conn.close(graceful=not self.cleanups and not any(
+                        s.in_flight and s.conn is conn for s in self.streams))
             for s in self.streams:
                 if not s.done:
                     s.error, s.done = s.error or f"{s.where()}: the client closed", True
