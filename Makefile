@@ -29,11 +29,11 @@ demo: setup $(if $(TEXT),espeak)
 	$(PYTHON) scripts/demo.py --size $(SIZE) --seconds $(SECONDS) $(if $(MEANFLOW),--meanflow) $(if $(VOICE),--voice) \
 	  $(if $(TEXT),--text "$(TEXT)" --speaker $(or $(SPEAKER),0))
 
-# TEST_WORKERS=2: two pytest workers, a module each at a time (pytest-xdist), one torch/OpenMP thread each: 8-9
-# minutes against 13-15 in one process on 2 cores, but 2 of 6 such runs ended with a server that did not stop on
-# SIGTERM (an ensemble left live for Triton's 30 s exit timeout; README, Tests): one process stays the default
-TEST_WORKERS ?= 1
-PARALLEL = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+# Two pytest workers by default, a module each at a time (pytest-xdist), one torch/OpenMP thread each: the suite
+# sleeps and waits on servers as much as it computes, and one process kept only one of the 2 cores busy.
+# The longest modules go first (tests/conftest.py, SLOWEST_FIRST). TEST_WORKERS=1: one process (README, Tests)
+TEST_WORKERS ?= 2
+PARALLEL = $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: setup espeak perf-analyzer model-analyzer prometheus
 	$(if $(PARALLEL),OMP_NUM_THREADS=1 )$(PYTHON) -m pytest -q -rs --durations=20 $(PARALLEL)
 

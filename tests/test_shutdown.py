@@ -24,6 +24,7 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 
+from s3flow.engine.settings import SolverSettings
 from s3flow.model.checkpoint import load_flow
 from s3flow.model.random_checkpoint import write_random_checkpoint
 from s3flow.model.flow import FlowConfig
@@ -56,7 +57,10 @@ pytestmark = pytest.mark.server
 def repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("shutdown")
     flow = load_flow(write_random_checkpoint(root / "ckpt.safetensors", FlowConfig.small(), seed=5))
-    write_repository(root / "repo", flow, RepositorySettings(ort_threads=1), vocoder=random_vocoder(VocoderConfig.small(), seed=2))
+    # no pricing at admission (utilization_target 0): a loaded host's price (another pytest worker beside it) refused
+    # the streams these stops are about as busy
+    settings = RepositorySettings(solver=SolverSettings.of(utilization_target=0.0), ort_threads=1)
+    write_repository(root / "repo", flow, settings, vocoder=random_vocoder(VocoderConfig.small(), seed=2))
     return root / "repo"
 
 
