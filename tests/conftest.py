@@ -11,9 +11,10 @@ import pytest  # noqa: E402
 #: The modules that take longest, longest first (seconds summed over their tests under two workers on 2 cores,
 #: 2026-12-06: healing 115, model_analyzer 111, vocoder 100, perf_analyzer 92, shutdown 84, training 79, faults 70,
 #: resume 66, gpu_path 61, overload 52, triton_server 49, estimator 43 of 1,542 in all); the rest keep file order.
-#: ``make test`` runs ``pytest -n 2 --dist loadfile --no-loadscope-reorder``: a worker takes the next module in this
-#: order when it is done, so the long ones go early and the end is short ones on both workers (xdist's own order,
-#: most tests first, left Model Analyzer's one two-minute test for last, alone: 50 s of one idle worker).
+#: ``make test`` runs ``pytest -n 2 --dist loadfile --no-loadscope-reorder``: xdist hands a worker the next module
+#: in this order when the one it runs is nearly done (2 tests or fewer left), so the long ones go early and the
+#: end is short ones on both workers (xdist's own order, most tests first, left Model Analyzer's single 111 s test
+#: for last, alone: about 50 s of one idle worker).
 SLOWEST_FIRST = ("test_healing", "test_model_analyzer", "test_vocoder", "test_perf_analyzer", "test_shutdown",
                  "test_training", "test_faults", "test_resume", "test_gpu_path", "test_overload", "test_triton_server",
                  "test_estimator")

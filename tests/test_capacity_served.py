@@ -93,7 +93,8 @@ def test_a_start_over_capacity_is_refused_busy_at_admission_to_a_plain_client(se
     names token2mel's or token2wav's stream."""
     events = queue.Queue()
     client = server.client()
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    # a deadline: the half-close at the end waits for the server to end the stream
+    client.start_stream(callback=lambda result, error: events.put((result, error)), stream_timeout=300)
     models = ["token2mel", "token2wav"] * 4
     answers = []
     try:

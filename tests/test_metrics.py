@@ -341,13 +341,13 @@ def test_vocoder_calibration_prices_its_pushes_and_keeps_a_saved_price():
     assert saved.prior_capacity == 3.0
     sealed = []   # the snapshot a served push seals after each chunk but the END: timed with its push
 
-    def seal(state):
+    def seal(state):   # (0.1 s: at 0.02 s a loaded host's jitter priced the sealed pushes above the plain ones once)
         sealed.append(state)
-        time.sleep(0.02)
+        time.sleep(0.1)
     sealing = CapacityModel(max_batch=1, duty_prior=None)
     with_seal = calibrate_vocoder(stream, sealing, seal=seal)
     assert len(sealed) == with_seal.chunks - 1
-    assert with_seal.seconds >= 0.02 * len(sealed), "the seal is timed with its push"
+    assert with_seal.seconds >= 0.1 * len(sealed), "the seal is timed with its push"
     assert sealing.prior_capacity < model.prior_capacity
 
 

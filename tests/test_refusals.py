@@ -58,7 +58,8 @@ def send_refused(server, make, first_id: int) -> list:
     """REFUSED STARTs on one raw stream (never ended); the error of each."""
     events = queue.Queue()
     client = server.client()
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    # a deadline: the half-close at the end waits for the server to end the stream
+    client.start_stream(callback=lambda result, error: events.put((result, error)), stream_timeout=300)
     answers = []
     try:
         for k in range(REFUSED):

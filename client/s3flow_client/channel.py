@@ -69,21 +69,28 @@ class ServerStream:
 
     def close(self, graceful: bool = False, wait_s: float = 5.0) -> None:
         """End the stream. ``graceful`` (nothing is awaited on it): half-close it, as a plain tritonclient
-        ``stop_stream()`` does, and let the server end it; a server that has not within ``wait_s`` is cancelled.
-        Otherwise cancel at once: the requests still in flight are given up.
+        ``stop_stream()`` does, and let the server end it; a server that has not within ``wait_s`` has the call
+        cancelled. Otherwise cancel at once: the requests still in flight are given up.
 
         Why not always cancel: Triton 2.51's gRPC frontend (the CPU server here; fixed in 2.57) could leave a
         cancelled stream's request unreleased when the cancellation crossed that request's last response on its
         way out: the ensemble it named then never unloaded, and the server's SIGTERM waited its whole exit timeout
-        and ended in SIGKILL (seen in 2 of 3 two-worker runs of tests/test_faults.py)."""
+        and ended in SIGKILL (seen in 2 of 3 two-worker runs of tests/test_faults.py and tests/test_vocoder.py)."""
         self.alive = False
-        try:
-            if graceful:
-                closer = threading.Thread(target=self.client.stop_stream, name="s3flow-stream-close", daemon=True)
-                closer.start()
-                closer.join(wait_s)
-                if not closer.is_alive():
-                    return
-            self.client.stop_stream(cancel_requests=True)  # joins the response thread
-        finally:
+        if not graceful:
+            try:
+                self.client.stop_stream(cancel_requests=True)  # joins the response thread
+            finally:
+                self.client.close()
+            return
+        # one thread in tritonclient's stop_stream (its close takes no lock): the half-close's; a server that keeps
+        # the stream open has the call under it cancelled, which ends the response thread the half-close waits on
+        call = getattr(getattr(self.client, "_stream", None), "_response_iterator", None)
+        closer = threading.Thread(target=self.client.stop_stream, name="s3flow-stream-close", daemon=True)
+        closer.start()
+        closer.join(wait_s)
+        if closer.is_alive() and call is not None:
+            call.cancel()
+            closer.join(wait_s)
+        if not closer.is_alive():   # (else its stream's own deadline ends it: a second close would race it)
             self.client.close()

@@ -65,7 +65,8 @@ def refused_then_first_chunk(server, refused: int) -> tuple[float, float]:
                          speaker_embedding=u.speaker_embedding)
     events = queue.Queue()
     client = server.client()
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    # a deadline: the half-close at the end waits for the server to end the stream
+    client.start_stream(callback=lambda result, error: events.put((result, error)), stream_timeout=300)
     t0 = time.perf_counter()
     for k in range(refused):
         client.async_stream_infer("token2mel", infer_inputs(bad), sequence_id=10_000_000 + k, sequence_start=True)
