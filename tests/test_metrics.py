@@ -68,15 +68,13 @@ def test_book_observes_each_answered_chunk_and_each_euler_step(meanflow, rate, p
     engine = _engine(meanflow, observer=book)
     steps = 3
     # execute 1: two sequences start together (one batch); execute 2: one goes on, one ends
-    t0 = book.begin()
     first = engine.run([engine.admit(1, _request(True, False, 12, steps, rate)),
                         engine.admit(2, _request(True, False, 20, steps, rate, seed=1))])
-    assert book.end(t0) == 2
+    assert book.flush(0.01) == 2
     calls_after_first = engine.estimator_calls
-    t0 = book.begin()
     second = engine.run([engine.admit(1, _request(False, False, 8, steps)),
                          engine.admit(2, _request(False, True, 4, steps))])
-    assert book.end(t0) == 2
+    assert book.flush(0.01) == 2
 
     frames = [r.mel.shape[1] for r in first + second]
     assert rec.values("s3flow_chunk_frames") == frames == [2 * 12 - 6, 2 * 20 - 6, 8 * 2, 4 * 2 + 6]
@@ -100,14 +98,13 @@ def _table_and_book(start_buffer_s: float):
 
     def answer(at: float, *chunks):
         now[0] = at
-        t0 = book.begin()
         for corr_id, start, frames in chunks:
             if start:
                 table.begin(corr_id, object())
             else:
                 table.serve(corr_id)
             book.chunk_answered(corr_id, start, 2, frames, table.commit(corr_id, end=False, frames=frames))
-        book.end(t0)
+        book.flush(0.0)
 
     return table, rec, answer
 
@@ -166,10 +163,9 @@ def test_book_observes_nothing_for_a_failed_run_and_counts_drops_by_reason():
         raise RuntimeError("estimator away")
 
     engine = _engine(observer=book, estimate=broken)
-    t0 = book.begin()
     with pytest.raises(RuntimeError):
         engine.run([engine.admit(1, _request(True, False, 12, 2))])
-    assert book.end(t0) == 0
+    assert book.flush(0.0) == 0
     assert [n for n, _, _ in rec.seen] == ["s3flow_step_batch_size"], "the step was tried, no chunk answered"
     # drops reach the book as the engine's observer, by reason: from the engine's sequence table (an idle
     # eviction, the clock far ahead) and as the session reports them (a failed chunk's "error")

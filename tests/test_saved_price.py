@@ -47,8 +47,8 @@ def test_an_instance_that_served_leaves_its_price_and_the_next_is_priced_before_
     try:
         assert not LoadBoard(LoadBoard.default_folder()).read().known, "nothing saved, no calibration: unpriced"
         for k in range(200):   # served work, until its busy time measures a capacity
-            first.handle([chunk(1000 + k, 0, 10, start=True), chunk(2000 + k, 0, 14, start=True)])
-            first.handle([chunk(1000 + k, 10, 30, end=True), chunk(2000 + k, 14, 30, end=True)])
+            first.submit([chunk(1000 + k, 0, 10, start=True), chunk(2000 + k, 0, 14, start=True)])
+            first.submit([chunk(1000 + k, 10, 30, end=True), chunk(2000 + k, 14, 30, end=True)])
             if first.capacity.capacity() is not None:
                 break
         measured = first.capacity.state()

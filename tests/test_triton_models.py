@@ -22,6 +22,7 @@ from s3flow.model.solver import EstimatorInputs
 from s3flow.protocol import RequestError
 from s3flow.repository import model_config as mc
 from s3flow.serving import responses
+from s3flow.serving.incoming import Outcome
 from s3flow.serving.triton_models import (base, bls, cfm_solver, metric_api, onnx_model, torch_model, voice_encoder_model,
                                          vocoder_model)
 
@@ -73,11 +74,16 @@ class Request(dict):
     def requested_output_names(self):
         return list(self.outputs)
 
+    def get_response_sender(self):
+        """The stand-in of the request's response sender: ``self.sent`` records (response, flags)."""
+        self.sent = getattr(self, "sent", [])
+        return types.SimpleNamespace(send=lambda response, flags=0: self.sent.append((response, flags)))
+
 
 def FakePbUtils():  # noqa: N802 (a module stand-in)
     return types.SimpleNamespace(
         TritonModelException=TritonModelException, TritonError=TritonError, InferenceResponse=Response,
-        Tensor=Tensor, Logger=types.SimpleNamespace(**{f"log_{kind}": lambda message: None for kind in ("info", "warn", "error", "verbose")}),
+        Tensor=Tensor, TRITONSERVER_RESPONSE_COMPLETE_FINAL=1, Logger=types.SimpleNamespace(**{f"log_{kind}": lambda message: None for kind in ("info", "warn", "error", "verbose")}),
         get_input_tensor_by_name=lambda request, name: Tensor(name, request[name]) if name in request else None)
 
 
@@ -212,14 +218,18 @@ def test_the_solver_reads_every_request_tensor_of_the_contract():
                       CORRID=np.array([[9]], np.uint64))
     request.is_cancelled = lambda: False
     request.params = '{"s3flow-tenant": "acme"}'
-    incoming = model._incoming(request)
+    incoming = model._incoming(request, 1.5)
     assert (incoming.corr_id, incoming.start, incoming.end, incoming.tenant) == (9, True, False, "acme")
     assert sorted(incoming.inputs) == sorted(contract.names(contract.REQUEST))
+    assert incoming.arrived == 1.5
     assert not incoming.to_vocoder, "token2mel asks for no seed: its answers end at the client"
+    incoming.send(Outcome())
+    [(response, flags)] = request.sent
+    assert flags == 1 and response.error is None, "its one answer goes out through its sender, COMPLETE_FINAL"
     request.outputs = ("mel", "frame_offset", "seed")
-    assert model._incoming(request).to_vocoder, "token2wav's solver step passes the seed on to the vocoder"
+    assert model._incoming(request, 0.0).to_vocoder, "token2wav's solver step passes the seed on to the vocoder"
     request.params = '{"s3flow-tenant": "not a tenant"}'   # called directly, past admission: owns no voice
-    assert model._incoming(request).tenant == "!invalid"
+    assert model._incoming(request, 0.0).tenant == "!invalid"
 
 
 class _BlsRequest:

@@ -86,11 +86,11 @@ them all sits the wire contract, a distribution of its own (``contract/``, numpy
     - ``slots``: giving Triton back a dropped sequence's slot
 
   - ``solver_instance``: one solver instance around its engine, without Triton: built from its parameters, its
-    two ways in, what it keeps in step with the other processes
+    one way in and one way out (each request answered through its sender; fifo solves a batch whole, deadline
+    queues each sequence's chunks on the step loop's thread), what it keeps in step with the other processes
   - ``vocoder_instance``: the same for one vocoder instance
   - ``session``: the solver's session: a batch of requests in, one outcome each, the failure table
   - ``local_stream``: one utterance streamed in process through the session (evaluation, benchmarks)
-  - ``step_service``: the stepped solver's request side around the step loop
   - ``vocoder_session``: the vocoder's session: one request in, one outcome out
   - ``voice_registry``: speaker prompts stored once under a voice id
   - ``voice_service``: what the ``voice_encoder`` model does with one request

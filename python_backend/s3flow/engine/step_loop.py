@@ -25,7 +25,7 @@ Each iteration:
 4. a chunk whose last step is made is committed (``StreamingEngine.commit``: its state changes now, after success)
    and answered with its result.
 
-The one outcome of a chunk (:class:`Done`) is its result, or its failure's cause with the chunk already rolled
+The one outcome of a chunk (its :class:`Flight`, handed back answered) is its result, or its failure's cause with the chunk already rolled
 back (``SequenceTable.rollback``: a START's new state goes, a later chunk's state is as before it): the caller
 only maps causes to answers. The step cost the slack and the fewer steps use is the instance's measurement of its
 work (``costs``: ``s3flow.engine.capacity.CapacityModel.costs``, what admission and the gauge price with too); each
@@ -54,7 +54,7 @@ import numpy as np
 from s3flow.engine.capacity import Costs
 from s3flow.engine.chunk import Chunk, ChunkResult
 from s3flow.engine.observer import Observer
-from s3flow.engine.scheduler import Candidate, Policy, StepBudget, pick, steps_in_time
+from s3flow.engine.scheduler import Policy, StepBudget, pick, steps_in_time
 from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.stepping import RowSolve, StepBatch
 
@@ -83,22 +83,41 @@ class StepCancelled(RuntimeError):
     """The chunk's request was cancelled by its client before its last step."""
 
 
-@dataclass
-class Done:
-    """A chunk's one outcome: ``result`` (committed), or ``cause`` (failed; rolled back already)."""
+@dataclass(eq=False)
+class Flight:
+    """A chunk in the loop, from its submission to its one outcome: what the policy reads of it (the fields of
+    ``s3flow.engine.scheduler.Candidate``: its arrival, its stream's deadline, its steps left, rows, frames and
+    cached frames), its solve, and once answered ``result`` (committed) or ``cause`` (failed; rolled back
+    already). ``on_done`` gets the flight itself."""
     chunk: Chunk
-    result: Optional[ChunkResult] = None
-    cause: Optional[BaseException] = None
-
-
-@dataclass
-class _InFlight:
-    chunk: Chunk
-    on_done: Callable[[Done], None]
+    on_done: Callable[["Flight"], None]
     is_cancelled: Callable[[], bool]
     arrival: float
     solve: Optional[RowSolve] = None
-    probed: float = float("-inf")   # when its cancellation probe was last asked (the loop's timer)
+    deadline: float = float("inf")   # its stream's, as read for the step being picked
+    probed: float = float("-inf")    # when its cancellation probe was last asked (the loop's timer)
+    result: Optional[ChunkResult] = None
+    cause: Optional[BaseException] = None
+
+    @property
+    def steps_left(self) -> int:
+        return self.solve.steps - self.solve.step
+
+    @property
+    def rows(self) -> int:
+        return self.solve.rows
+
+    @property
+    def frames(self) -> int:
+        return self.solve.frames
+
+    @property
+    def past(self) -> int:
+        return self.solve.past_frames
+
+    def answer(self, result: Optional[ChunkResult] = None, cause: Optional[BaseException] = None) -> None:
+        self.result, self.cause = result, cause
+        self.on_done(self)
 
 
 #: how often a chunk in flight asks whether its request was cancelled (seconds; and before its first step)
@@ -123,8 +142,8 @@ class StepLoop:
         self.cancel_check_s = cancel_check_s
         self.clock = engine.sequences.clock          # the streams' deadlines are on the table's clock
         self.costs, self.min_steps, self.bucket_ratio = costs, int(min_steps), float(bucket_ratio)
-        self._new: list[_InFlight] = []        # submitted (any thread), not yet prepared
-        self._solving: list[_InFlight] = []    # the loop's own (one thread runs it)
+        self._new: list[Flight] = []        # submitted (any thread), not yet prepared
+        self._solving: list[Flight] = []    # the loop's own (one thread runs it)
         self._batch: Optional[StepBatch] = None   # the last step's, kept while the rows stay the same
         self._lock = threading.Lock()
         self.steps = 0
@@ -137,27 +156,27 @@ class StepLoop:
     def __len__(self) -> int:
         return len(self._new) + len(self._solving)
 
-    def submit(self, chunk: Chunk, on_done: Callable[[Done], None],
-               is_cancelled: Callable[[], bool] = never_cancelled) -> None:
-        """An admitted chunk joins at the next step. Any thread."""
-        now = self.clock()
+    def submit(self, chunk: Chunk, on_done: Callable[[Flight], None],
+               is_cancelled: Callable[[], bool] = never_cancelled) -> Flight:
+        """An admitted chunk joins at the next step; ``on_done`` gets its flight once answered. Any thread."""
+        flight = Flight(chunk, on_done, is_cancelled, self.clock())
         with self._lock:
-            self._new.append(_InFlight(chunk, on_done, is_cancelled, now))
+            self._new.append(flight)
+        return flight
 
-    def solve(self, chunks: Sequence[Chunk], is_cancelled: Callable[[], bool] = never_cancelled) -> list[Done]:
+    def solve(self, chunks: Sequence[Chunk], is_cancelled: Callable[[], bool] = never_cancelled) -> list[Flight]:
         """Submit ``chunks`` and run the loop on this thread until every one is answered (the ``fifo`` solver's
         batch; what it runs is not reported as ``worked``: the caller times its own); their outcomes, in order."""
-        done: list[Optional[Done]] = [None] * len(chunks)
-        for k, c in enumerate(chunks):
-            self.submit(c, lambda d, k=k: done.__setitem__(k, d), is_cancelled)
+        answered: list[Flight] = []
+        flights = [self.submit(c, answered.append, is_cancelled) for c in chunks]
         try:
-            while any(d is None for d in done):
+            while len(answered) < len(flights):
                 self._iterate()
         except Exception as exc:   # a bug of the loop itself: nothing admitted may stay in flight
             with self._lock:
-                flights, self._new, self._solving, self._batch = self._new + self._solving, [], [], None
-            self._fail(flights, exc, solving=False)
-        return done
+                left, self._new, self._solving, self._batch = self._new + self._solving, [], [], None
+            self._fail(left, exc, solving=False)
+        return flights
 
     def step_cost(self) -> Callable[[int, int, int], float]:
         """Seconds of one step of ``rows`` estimator rows over ``frames`` padded frames reading ``past`` cached
@@ -180,15 +199,14 @@ class StepLoop:
         if not self._solving:
             return answered
         now, cost = self.clock(), self.step_cost()
-        table = self.engine.sequences
-        cands = [Candidate(f, f.arrival, table.deadline(f.chunk.corr_id), f.solve.steps - f.solve.step,
-                           f.solve.rows, f.solve.frames, f.solve.past_frames) for f in self._solving]
-        picked = pick(cands, now, self.budget, cost, self.policy, self.bucket_ratio)
-        chosen = [c.key for c in picked]
+        deadline = self.engine.sequences.deadline
+        for f in self._solving:
+            f.deadline = deadline(f.chunk.corr_id)
+        chosen = pick(self._solving, now, self.budget, cost, self.policy, self.bucket_ratio)
         batch = self._batch_of([f.solve for f in chosen])
         if self.min_steps:   # a chunk the budget leaves out of some steps waits those too: its share of them
-            share = sum(c.rows for c in cands) / max(1, batch.rows)
-            self._fewer_steps(picked, now, cost(batch.rows, batch.frames, batch.past_frames) * max(1.0, share))
+            share = sum(f.rows for f in self._solving) / max(1, batch.rows)
+            self._fewer_steps(chosen, now, cost(batch.rows, batch.frames, batch.past_frames) * max(1.0, share))
         try:
             self._step(batch, len(chosen))
         except Exception as exc:
@@ -241,7 +259,7 @@ class StepLoop:
         asked: dict[int, bool] = {}
         now = self.timer()
 
-        def cancelled(f: _InFlight) -> bool:
+        def cancelled(f: Flight) -> bool:
             if now - f.probed < self.cancel_check_s:
                 return False
             f.probed = now
@@ -253,20 +271,20 @@ class StepLoop:
         gone = [f for f in self._solving if cancelled(f)]
         return self._fail(gone, StepCancelled("cancelled by the client before its last Euler step")) if gone else 0
 
-    def _fewer_steps(self, picked: list[Candidate], now: float, step_s: float) -> None:
+    def _fewer_steps(self, picked: list[Flight], now: float, step_s: float) -> None:
         """Each picked chunk about to make its first step (its request did not name its steps) gets the steps
         that meet its deadline at ``step_s`` a step of its own (this step's cost, times the rows in flight over the
         step's: where the budget cannot carry every chunk at once, each waits through the others' steps too; the
         H200 projection at 256 streams never judged a chunk late by this step's cost alone), at least
         ``min_steps``."""
-        for c in picked:
-            f: _InFlight = c.key
+        for f in picked:
             if f.solve.step or f.chunk.pinned or f.chunk.past is not None:   # (a cache is of its grid)
                 continue
-            k = steps_in_time(c, now, step_s, self.min_steps)
-            if k < c.steps_left:
+            k = steps_in_time(f, now, step_s, self.min_steps)
+            if k < f.steps_left:
+                full = f.steps_left
                 self.engine.fewer_steps(f.chunk, f.solve, k)
-                self.engine.observer.fewer_steps(f.chunk.corr_id, c.steps_left, k)
+                self.engine.observer.fewer_steps(f.chunk.corr_id, full, k)
 
     def _prepare_new(self) -> int:
         with self._lock:
@@ -286,17 +304,17 @@ class StepLoop:
             self._solving += new
         return 0
 
-    def _commit(self, f: _InFlight) -> int:
+    def _commit(self, f: Flight) -> int:
         try:
             result = self.engine.commit(f.chunk, f.solve.x.float().cpu().numpy(), f.solve.recorded)
         except Exception as exc:   # a bug while committing: the state cannot be trusted, the sequence ends
             self.engine.sequences.end(f.chunk.corr_id, "error")
-            f.on_done(Done(f.chunk, cause=exc))
+            f.answer(cause=exc)
             return 1
-        f.on_done(Done(f.chunk, result=result))
+        f.answer(result)
         return 1
 
-    def _fail(self, flights: list[_InFlight], cause: BaseException, solving: bool = True) -> int:
+    def _fail(self, flights: list[Flight], cause: BaseException, solving: bool = True) -> int:
         for f in flights:
             if solving:
                 with self._lock:
@@ -304,5 +322,5 @@ class StepLoop:
                         self._solving.remove(f)
             c = f.chunk
             self.engine.sequences.rollback(c.corr_id, c.replaced, started=c.started)
-            f.on_done(Done(c, cause=cause))
+            f.answer(cause=cause)
         return len(flights)

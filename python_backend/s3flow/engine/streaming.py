@@ -66,7 +66,7 @@ from s3flow.engine.sequences import SequenceLimits, SequenceTable
 from s3flow.engine.settings import ChunkSolving
 from s3flow.engine.scheduler import check_bucket_ratio
 from s3flow.engine.solver_snapshot import SolverSnapshots, prompt_digest
-from s3flow.engine.step_loop import Done, StepLoop, never_cancelled
+from s3flow.engine.step_loop import Flight, StepLoop, never_cancelled
 from s3flow.engine.reuse import REUSE_MODES, StreamCache
 from s3flow.engine.stepping import RowSolve, StepCaches
 from s3flow.engine.voice_prompts import PROMPT_PASS_SEED, VoicePrompts
@@ -272,8 +272,9 @@ class StreamingEngine:
             raise failed[0]
         return [d.result for d in done]
 
-    def solve(self, chunks: list[Chunk], is_cancelled: Callable[[], bool] = never_cancelled) -> list[Done]:
-        """:meth:`run`'s outcomes, one per chunk (``s3flow.engine.step_loop.Done``), nothing raised."""
+    def solve(self, chunks: list[Chunk], is_cancelled: Callable[[], bool] = never_cancelled) -> list[Flight]:
+        """:meth:`run`'s outcomes, one per chunk (its ``s3flow.engine.step_loop.Flight``, answered), nothing
+        raised."""
         return self.whole.solve(chunks, is_cancelled)
 
     def prepare(self, chunks: list[Chunk]) -> list[RowSolve]:

@@ -128,7 +128,7 @@ class RepositorySettings:
     triton_idle_grace_s: Optional[float] = None
     #: how cfm_solver serves chunks: "fifo" (Triton's oldest batcher hands it batches of chunks, each solved whole
     #: in one execute) or "deadline" (its own loop, answering through response senders, runs one Euler step at a time over the chunks of
-    #: many streams, most urgent first; s3flow.engine.step_loop, s3flow.serving.step_service)
+    #: many streams, most urgent first; s3flow.engine.step_loop, s3flow.serving.solver_instance)
     scheduling: Literal["fifo", "deadline"] = "fifo"
 
     def __post_init__(self):

@@ -43,7 +43,8 @@ class Closing(ServerBusy):
 
 @dataclass
 class Incoming:
-    """One request as the model received it: controls, input tensors, and a cancellation probe."""
+    """One request as the model received it: controls, input tensors, a cancellation probe, and the way its one
+    answer goes out (``send``: the model's response sender; None where the caller takes the outcome itself)."""
     corr_id: int
     start: bool
     end: bool
@@ -52,6 +53,8 @@ class Incoming:
     tenant: str = ""                                   # whose voices a START may name (docs/security.md)
     is_cancelled: Callable[[], bool] = field(default=lambda: False)
     to_vocoder: bool = False                           # its answer goes on to the vocoder (token2wav)
+    send: Optional[Callable[["Outcome"], None]] = None
+    arrived: float = 0.0                               # when execute took it (the solver's book's clock)
 
 
 @dataclass

@@ -58,9 +58,8 @@ Example::
 
     book = SolverBook(publish=lambda name, value, labels: ...)
     engine = StreamingEngine(..., observer=book)   # the engine reports steps, answered chunks, drops
-    t0 = book.begin()
     engine.run(chunks)                  # (inside SolverSession.handle)
-    book.end(t0)                        # chunk latencies of the chunks that were answered
+    book.flush(seconds)                 # the answered chunks, each taken ``seconds`` from arrival to answer
 """
 from __future__ import annotations
 
@@ -153,7 +152,7 @@ Publish = Callable[[Family, float, dict], None]
 
 class SolverBook(Observer):
     """What the solver observes: an engine ``Observer`` (``s3flow.engine.observer``) that publishes the engine's
-    reports, plus the latency of the chunks it answered (their ``execute`` time, or arrival to answer). It keeps
+    reports, plus the latency of the chunks it answered (arrival to answer). It keeps
     no book of the streams: each answer's lead comes with it from the sequence table (``Delivered``).
 
     ``publish(family, value, labels)`` receives each observation (histograms) or increment (the counter);
@@ -181,21 +180,11 @@ class SolverBook(Observer):
         self.publish(DROPPED, 1, {"reason": reason})
         self.on_drop(corr_id, reason)
 
-    # -- around execute --------------------------------------------------------------------------------
-    def begin(self) -> float:
-        """Call at the start of ``execute``; returns the start time for :meth:`end`."""
-        self._pending = []
-        return self.clock()
-
-    def end(self, started: float) -> int:
-        """Call when ``execute``'s responses are ready: publish each answered chunk's latency (its batch's
-        time in ``execute``), NFE and frames. Returns the number of chunks observed."""
-        return self.flush(self.clock() - started)
-
+    # -- as answers go out ------------------------------------------------------------------------------
     def flush(self, seconds: float) -> int:
-        """Publish the chunks answered since the last call with latency ``seconds`` (the stepped solver: each
-        chunk's time from its arrival in ``execute`` to its answer, one at a time), and each one's lead (after a
-        stream's first answer) and first underrun."""
+        """Publish the chunks answered since the last call with latency ``seconds`` (each chunk's time from its
+        arrival in ``execute`` to its answer: fifo's batch all at once, deadline's one at a time), and each one's
+        lead (after a stream's first answer) and first underrun."""
         for new, n, frames, delivered in self._pending:
             self.publish(CHUNK_SECONDS, seconds, {})
             if new:

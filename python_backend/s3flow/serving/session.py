@@ -52,7 +52,7 @@ from s3flow.engine.snapshot import SnapshotError
 from s3flow.protocol import RequestError, RequestRules, ServerBusy
 from s3flow.serving.incoming import (Closing, Draining, Incoming, Outcome, failed_outcome, naming_sequence,
                                      parse_incoming, refused)
-from s3flow.engine.step_loop import Done, StepCancelled
+from s3flow.engine.step_loop import Flight, StepCancelled
 from s3flow.engine.chunk import Chunk, ChunkResult
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.serving.responses import CANCELLED, INTERNAL, UNAVAILABLE
@@ -154,8 +154,8 @@ class SolverSession:
         return failed_outcome(c.corr_id, f"{self.name}: sequence {c.corr_id}: {type(exc).__name__}: {exc}; "
                                   f"the sequence is ended", INTERNAL, Disposition.FAIL)
 
-    def done(self, d: Done, is_cancelled: Callable[[], bool] = lambda: False) -> Outcome:
-        """The answer to a chunk the step loop finished (``s3flow.engine.step_loop.Done``)."""
+    def done(self, d: Flight, is_cancelled: Callable[[], bool] = lambda: False) -> Outcome:
+        """The answer to a chunk the step loop finished (its ``s3flow.engine.step_loop.Flight``, answered)."""
         if d.cause is not None:
             return self.failed(d.chunk, d.cause)
         if not d.chunk.finalize and is_cancelled():

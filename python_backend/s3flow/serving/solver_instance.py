@@ -1,34 +1,41 @@
-"""One ``cfm_solver`` instance around its engine, without Triton: what it is built of, and its two ways in.
+"""One ``cfm_solver`` instance around its engine, without Triton: what it is built of, its one way in and one way out.
 
-The python model (``s3flow.serving.triton_models.cfm_solver``) turns tensors into :class:`Incoming` requests and
-outcomes into responses, and gives this class what only the stub has: the encoder and estimator over BLS, the
-metrics' publisher, the slot release (``slots.SlotRelease``) and its logger. Everything else is here:
+The python model (``s3flow.serving.triton_models.cfm_solver``) turns each request into an :class:`Incoming` whose
+``send`` makes and sends its response, and gives this class what only the stub has: the encoder and estimator over
+BLS, the metrics' publisher, the slot release (``slots.SlotRelease``) and its logger. Everything else is here:
 
 * **built once from the parameters**: the settings (``SolverSettings``, the scheduling mode beside them), the
   sequence table (the one owner of the streams' life, lead and work) with the observers that keep the other
   processes in step, the capacity model, the engine, the warm-up, the calibration, the voices, the session;
-* **fifo** (:meth:`handle`): one ``execute``'s batch, solved whole on the caller's thread through the one loop
-  (``s3flow.engine.step_loop``);
-* **deadline** (:meth:`submit`): each request queued on its sequence (``s3flow.serving.step_service``) and answered
-  through its ``send`` from the step loop's thread;
+* **one way in** (:meth:`submit`: one ``execute``'s requests) and **one way out** (each request answered exactly
+  once through its ``send``, by :meth:`_answer`), whichever the scheduling:
+
+  - ``fifo``: the batch solved whole on the caller's thread through the one loop (``s3flow.engine.step_loop``),
+    then each answered;
+  - ``deadline``: each request queued on its sequence, served in order: its head chunk is admitted
+    (``SolverSession.admit``: validated, its state in flight) and submitted to the step loop, which runs on this
+    instance's thread and hands the chunk's flight back here (:meth:`_done`) when it is answered; then the
+    sequence's next chunk is admitted. Triton's sequence batcher may send a sequence's next chunk while the
+    previous one is still being solved (``execute`` returns at once), so the queue keeps a sequence's chunks in
+    order; a sequence with chunks queued counts as in flight for the idle reaper (Triton's idle window counts
+    from a request's arrival, not from our queue). :meth:`close` answers every chunk not yet in the loop with
+    ``resume`` and lets the loop finish the rest;
 * **kept in step with the other processes** (``s3flow.serving.records``): the requests admission counted and this
   instance took (``OnTheWay``), the answers it sent on to the vocoder (``Delivery``), the sequences it dropped
   (``gone``: admission answers their late chunks; their Triton slots freed), and its load report when its streams change
   and at most every second else (live ids, cap, recent ENDs, each stream's work, the costs and capacity).
 
-Example (what the model's ``setup`` and ``execute`` do)::
+Example (what the model's ``setup``, ``execute`` and ``finalize`` do)::
 
     solver = SolverInstance(params, "cfm_solver", "cfm_solver_0", encoder, estimator, metrics.publish, slots)
-    started = solver.book.begin()
-    outcomes = solver.handle(batch)            # fifo
-    ...                                        # responses
-    solver.book.end(started)
-    solver.close()                             # finalize()
+    solver.submit([Incoming(7, start=True, end=False, inputs=tensors, send=respond, arrived=solver.book.clock())])
+    solver.close()
 """
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Optional
+from collections import deque
+from typing import Callable, Optional
 
 from s3flow.engine.capacity import CapacityModel
 from s3flow.engine.observer import Observers
@@ -36,7 +43,7 @@ from s3flow.engine.playback import PlaybackSettings
 from s3flow.engine.sequences import SequenceTable, releases_slot
 from s3flow.engine.settings import SolverSettings
 from s3flow.engine.solver_snapshot import SolverSnapshots
-from s3flow.engine.step_loop import StepLoop
+from s3flow.engine.step_loop import Flight, StepLoop
 from s3flow.engine.streaming import StreamingEngine
 from s3flow.serving.arrivals import ArrivalMarks, Delivery, OnTheWay
 from s3flow.serving.calibration import Calibration, planned_start
@@ -47,10 +54,11 @@ from s3flow.serving.keys import snapshot_key
 from s3flow.serving.load import InstanceLoad, LoadBoard
 from s3flow.serving.metrics import CAPACITY, LIVE, UTILIZATION, VOICE_PROMPTS, Publish, SolverBook
 from s3flow.serving.reaper import IdleReaper
-from s3flow.serving.incoming import Incoming, Outcome
+from s3flow.serving.incoming import Incoming, Outcome, failed_outcome
+from s3flow.serving.responses import INTERNAL, UNAVAILABLE
 from s3flow.serving.session import SolverSession
-from s3flow.serving.step_service import SteppedSolver
 from s3flow.serving.saved_price import SavedPrice
+from s3flow_contract.answers import Disposition
 from s3flow.serving.warmup import warm_up_solver
 
 #: After a batch that made this many frames, give the freed heap back (s3flow.serving.heap).
@@ -64,7 +72,7 @@ VOCODERS_READ_EVERY_S = 0.25
 #: how often at most the load report is written while the streams held stay the same (a START, an END or a drop
 #: writes it at once): admission prices a stream a second behind its work at worst (as the vocoder's)
 PUBLISH_EVERY_S = 1.0
-#: the solver's two schedulings (the repository's choice: ``deadline`` answers through response senders)
+#: the solver's two schedulings (the repository's choice)
 SCHEDULINGS = ("fifo", "deadline")
 
 
@@ -73,7 +81,7 @@ class SolverInstance:
     ``send``); ``log(level, message)``: its logger."""
 
     def __init__(self, params: Params, name: str, instance: str, encoder, estimator, publish: Publish, slots,
-                 queue_delay_s: float = 0.0, decoupled: bool = False, batch_size: int = 1,
+                 queue_delay_s: float = 0.0, batch_size: int = 1,
                  log: Callable[[str, str], None] = lambda level, message: None, instances: int = 1,
                  saved: Optional[SavedPrice] = None):
         """``instances``: the model's instance count (each publishes its share of the server's utilization);
@@ -85,9 +93,6 @@ class SolverInstance:
         self.scheduling = p.str("scheduling", "fifo")
         if self.scheduling not in SCHEDULINGS:
             raise ValueError(f"scheduling must be one of {SCHEDULINGS}, got {self.scheduling!r}")
-        if decoupled and self.scheduling == "fifo":   # (deadline answers through senders, decoupled or not)
-            raise ValueError("scheduling 'fifo' answers from execute(): not with model_transaction_policy "
-                             "{ decoupled: true }")
         stepping = self.scheduling == "deadline"
         self.n_feats, self.meanflow = p.int("n_feats"), p.bool("meanflow")
         deadlines = self.settings.deadlines
@@ -101,7 +106,10 @@ class SolverInstance:
         self.delivery = Delivery(ArrivalMarks(ArrivalMarks.default_folder("vocoded")),
                                  idle_s=self.settings.sequences.idle_timeout_s, vocoders_since=self._vocoders_since,
                                  vocoder_free_at=self._vocoder_free_at, slack_s=ARRIVAL_SLACK_S)
-        self.stepped: Optional[SteppedSolver] = None
+        self.loop: Optional[StepLoop] = None          # deadline: the step loop, on its own thread
+        self._queues: dict[int, deque[Incoming]] = {}  # deadline: each sequence's requests, its head in the loop
+        self._cond = threading.Condition()
+        self._intake_closed = False
         table = SequenceTable(self.settings.sequences, Observers(self.book, self.on_the_way, self.delivery),
                               pending=self._pending, playback=PlaybackSettings(deadlines.start_buffer_s, deadlines.first_audio_s))
         # what the server can carry (s3flow.engine.capacity): every call timed, for admission and the step loop
@@ -137,10 +145,12 @@ class SolverInstance:
             voices = VoiceRegistry.from_params(p).get
         self.session = SolverSession(engine, self.settings.rules, name=name, draining=draining_probe(),
                                      voices=voices, closing=self.closing)
+        self._thread: Optional[threading.Thread] = None
         if stepping:
-            loop = StepLoop(engine, policy="deadline", budget=deadlines.budget(), costs=self.capacity.costs,
-                            min_steps=deadlines.min_steps)
-            self.stepped = SteppedSolver(self.session, loop, name, log=lambda m: log("error", m))
+            self.loop = StepLoop(engine, policy="deadline", budget=deadlines.budget(), costs=self.capacity.costs,
+                                 min_steps=deadlines.min_steps)
+            self._thread = threading.Thread(target=self._run, name=f"{name}-step-loop", daemon=True)
+            self._thread.start()
         self.publish()   # admission (the ensembles' first step) refuses STARTs when the instances are full
         self.reaper = IdleReaper(self.session.evict_idle, self.settings.sequences.idle_timeout_s, name,
                                  on_evicted=self.publish, then=self._free_slots, log=lambda m: log("error", m))
@@ -149,42 +159,119 @@ class SolverInstance:
     def table(self) -> SequenceTable:
         return self.session.engine.sequences
 
-    # -- fifo: a batch, solved whole ---------------------------------------------------------------------
-    def handle(self, batch: list[Incoming]) -> list[Outcome]:
-        """One ``execute``'s requests (not the model's own slot-release ENDs), solved whole: one outcome each.
-        Its busy time is the capacity's; the outcomes' chunks are counted for the metrics when ``book.end`` is
-        called (once the responses are made)."""
+    # -- the one way in, the one way out ---------------------------------------------------------------
+    def submit(self, batch: list[Incoming]) -> None:
+        """One ``execute``'s requests (not the model's own slot-release ENDs), each answered exactly once through
+        its ``send`` (module docstring): ``fifo`` solves them whole on this thread first, ``deadline`` queues them
+        and returns."""
+        if any(i.send is None for i in batch):
+            raise ValueError("every request submitted needs its send (the way its answer goes out)")
         self.set_up.set()
-        started = self.book.clock()
         self._taking(batch)
+        if self.loop is None:
+            try:
+                outcomes = self._solve_whole(batch)
+            except Exception as exc:   # a bug: every request still gets its one answer
+                outcomes = [failed_outcome(i.corr_id, f"{self.name}: sequence {i.corr_id}: {type(exc).__name__}: "
+                                                      f"{exc}", INTERNAL, Disposition.FAIL) for i in batch]
+            for i, o in zip(batch, outcomes):
+                self._answer(i, o)
+            return
+        with self._cond:
+            for incoming in batch:
+                if self._intake_closed:
+                    self._answer(incoming, self._closed(incoming))
+                    continue
+                q = self._queues.setdefault(incoming.corr_id, deque())
+                q.append(incoming)
+                if len(q) == 1:
+                    self._admit_head(incoming.corr_id)
+            self._cond.notify_all()
+        self._took(batch)   # (queued here: _pending covers them)
+
+    def _answer(self, incoming: Incoming, o: Outcome) -> None:
+        """A request's one answer goes out: counted for ``Delivery`` where it goes on to the vocoder, sent, its
+        chunk's seconds from arrival to answer published (``s3flow_chunk_seconds``), the load report updated."""
+        if o.result is not None and not incoming.end and incoming.to_vocoder:
+            self.delivery.answered(incoming.corr_id, incoming.start)
+        incoming.send(o)
+        self.book.flush(self.book.clock() - incoming.arrived)
+        self.publish()
+
+    # -- fifo: a batch, solved whole ---------------------------------------------------------------------
+    def _solve_whole(self, batch: list[Incoming]) -> list[Outcome]:
+        """The batch solved whole (``SolverSession.handle``): one outcome each; its busy time is the capacity's."""
+        started = self.book.clock()
         try:
             outcomes = self.session.handle(batch)
         finally:
             self.capacity.worked(self.book.clock() - started, len(self.table))
             self._took(batch)
-        for i, o in zip(batch, outcomes):
-            self._answered(i, o)
         if sum(o.result.mel.shape[1] for o in outcomes if o.result is not None) >= TRIM_AFTER_FRAMES:
             trim_heap()
         return outcomes
 
-    # -- deadline: each request answered in its own time ------------------------------------------------
-    def submit(self, batch: Iterable[tuple[Incoming, Callable[[Outcome], None], float]]) -> None:
-        """One ``execute``'s requests, each (incoming, ``send`` its outcome, its arrival on the book's clock): queued
-        on its sequence and answered from the step loop's thread (``s3flow.serving.step_service``)."""
-        self.set_up.set()
-        batch = list(batch)
-        self._taking([i for i, _, _ in batch])
-        for incoming, send, arrived in batch:
-            self.stepped.submit(incoming, reply=lambda o, i=incoming, send=send, arrived=arrived:
-                                self._reply(i, o, send, arrived))
-        self._took([i for i, _, _ in batch])   # (queued in step_service: has_queued covers them)
+    # -- deadline: each sequence's requests in order, through the step loop -----------------------------
+    def _admit_head(self, corr_id) -> None:
+        """Admit the sequence's head chunk into the loop; answer and pop the refused ones (lock held)."""
+        q = self._queues[corr_id]
+        while q:
+            incoming = q[0]
+            chunk, answered = self.session.admit(incoming)
+            if chunk is not None:
+                self.loop.submit(chunk, on_done=self._done, is_cancelled=incoming.is_cancelled)
+                return
+            q.popleft()
+            self._answer(incoming, answered)   # refused, or a chunk sent again answered again
+        del self._queues[corr_id]
 
-    def _reply(self, incoming: Incoming, o: Outcome, send: Callable[[Outcome], None], arrived: float) -> None:
-        self._answered(incoming, o)
-        send(o)
-        self.book.flush(self.book.clock() - arrived)   # s3flow_chunk_seconds: arrival to answer
-        self.publish()
+    def _done(self, flight: Flight) -> None:
+        """The step loop answered a sequence's head chunk (its thread): answer its request, admit the next."""
+        corr_id = flight.chunk.corr_id
+        with self._cond:
+            incoming = self._queues[corr_id][0]
+        outcome = self.session.done(flight, incoming.is_cancelled)
+        self._answer(incoming, outcome)
+        with self._cond:
+            q = self._queues.get(corr_id)
+            if not q or q[0] is not incoming:
+                return
+            q.popleft()
+            if outcome.answer is not None and outcome.answer.disposition == Disposition.RETRY:
+                # the sequence is as before the failed chunk: the chunks sent after it must not overtake it
+                while q:
+                    later = q.popleft()
+                    self._answer(later, failed_outcome(
+                        corr_id, f"{self.name}: sequence {corr_id}: an earlier chunk of this sequence failed "
+                                 f"and must be sent again first; then send this one again", UNAVAILABLE,
+                        Disposition.RETRY))
+            if q and not self._intake_closed:
+                self._admit_head(corr_id)
+            elif not q:
+                del self._queues[corr_id]
+
+    def _run(self) -> None:
+        """The step loop's thread: an iteration while chunks are in the loop, until closed and empty."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self.loop.busy or self._intake_closed)
+                if self._intake_closed and not self.loop.busy:
+                    return
+            try:
+                self.loop.run_once()
+            except Exception as exc:   # a bug of the loop itself: log it, keep serving
+                self.log("error", f"{self.name}: step loop: {type(exc).__name__}: {exc}")
+
+    def _closed(self, incoming: Incoming) -> Outcome:
+        return failed_outcome(incoming.corr_id, f"{self.name}: sequence {incoming.corr_id}: the model is unloading; "
+                                                f"resume the utterance on another server", UNAVAILABLE,
+                              Disposition.RESUME)
+
+    def _has_queued(self, corr_id) -> bool:
+        """Whether the sequence has a chunk queued here or in the loop (deadline). Read without the lock: the
+        sequence table asks under its own lock, which the queue's holder takes to admit a chunk (the other order
+        would deadlock); a chunk being queued is counted by ``on_the_way`` from ``_taking`` on."""
+        return bool(self._queues.get(corr_id))
 
     # -- in step with the other processes ---------------------------------------------------------------
     def _taking(self, batch: list[Incoming]) -> None:
@@ -199,11 +286,6 @@ class SolverInstance:
         self.on_the_way.picked_up([(i.corr_id, i.start) for i in batch if i.ready])
         self.on_the_way.free()
         self.publish()
-
-    def _answered(self, incoming: Incoming, o: Outcome) -> None:
-        """A chunk's answer goes out: one that goes on to the vocoder is counted for ``Delivery``."""
-        if o.result is not None and not incoming.end and incoming.to_vocoder:
-            self.delivery.answered(incoming.corr_id, incoming.start)
 
     def _vocoders_since(self) -> Optional[float]:
         """When the vocoder instances serving now were made (their load reports; None: none reports yet)."""
@@ -223,8 +305,7 @@ class SolverInstance:
     def _pending(self, corr_id) -> bool:
         """A chunk of the sequence is on its way (in Triton's queue), queued in the stepped path, or its last
         answer is still on its way to its client (through the vocoder)."""
-        return (self.on_the_way.pending(corr_id) or self.delivery.pending(corr_id)
-                or (self.stepped is not None and self.stepped.has_queued(corr_id)))
+        return self.on_the_way.pending(corr_id) or self.delivery.pending(corr_id) or self._has_queued(corr_id)
 
     def publish(self, force: bool = False) -> None:
         """The live count and load to the metrics and to admission (the load report). Execute, the step loop and
@@ -284,8 +365,19 @@ class SolverInstance:
             self.calibration.stop()
         if self.saved is not None:
             self.saved.keep(self.capacity)
-        if self.stepped is not None:
-            self.stepped.close()
+        self._close_intake()
         self.reaper.stop()
         self.session = None
         self.load.remove()
+
+    def _close_intake(self, timeout_s: float = 30.0) -> None:
+        """Take nothing more; answer the chunks not yet in the loop with ``resume``; let the loop finish."""
+        with self._cond:
+            self._intake_closed = True
+            for q in self._queues.values():
+                while len(q) > 1:   # the head is in the loop
+                    later = q.pop()
+                    self._answer(later, self._closed(later))
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)

@@ -54,7 +54,7 @@ from s3flow.engine.capacity import CapacityModel, Costs
 from s3flow.engine.planning import ZeroEstimator
 from s3flow.engine.sequences import SequenceTable
 from s3flow.engine.playback import PlaybackSettings
-from s3flow.engine.step_loop import Done, StepLoop
+from s3flow.engine.step_loop import Flight, StepLoop
 from s3flow.engine.chunk import ChunkResult
 from s3flow.engine.observer import Observer, Observers
 from s3flow.engine.streaming import StreamingEngine
@@ -194,7 +194,7 @@ class _Instance:
         self.waiting: list[_Waiting] = []
         #: the sequences it holds: corr_id -> when its slot frees (its END answered; inf while it lives)
         self.held: dict[int, float] = {}
-        self._done: list[Done] = []          # the deadline loop's answers (its callbacks) since the last iteration
+        self._done: list[Flight] = []        # the deadline loop's answers (its callbacks) since the last iteration
 
     def clock(self) -> float:
         """The instance's time, the calls charged since it last moved included (what a call is timed by)."""
@@ -301,7 +301,7 @@ class _Instance:
         return seconds
 
     @staticmethod
-    def _outcome(d: Done):
+    def _outcome(d: Flight):
         return d.result if d.result is not None else d.cause
 
     def _forget_ended(self, chunks) -> None:

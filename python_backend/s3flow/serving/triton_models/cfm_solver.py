@@ -1,10 +1,12 @@
 """The ``cfm_solver`` python-backend model: the Triton side of the streaming solver.
 
 Sequence batching (strategy ``oldest``) routes every chunk of an utterance (one correlation id) here; the control
-inputs START / END / READY / CORRID arrive as tensors. Two schedulings (the ``scheduling`` parameter): ``fifo``,
-each ``execute`` solving its batch of chunks whole, or ``deadline``: ``execute`` queues each request and
-returns, and the step loop answers it through its response sender (docs/scheduling.md). Both run the one solving
-loop (``s3flow.engine.step_loop``). The encoder and the estimator are separate Triton models reached by BLS
+inputs START / END / READY / CORRID arrive as tensors. Every request is answered through its response sender
+(COMPLETE_FINAL; not decoupled: the python backend, since 24.06, lets a model answer so either way, and unary
+``ModelInfer`` still reaches it), in one of two schedulings (the ``scheduling`` parameter): ``fifo``, each
+``execute`` solving its batch of chunks whole before it returns, or ``deadline``: ``execute`` queues each request
+and returns, and the step loop answers it (docs/scheduling.md). Both run the one solving loop
+(``s3flow.engine.step_loop``). The encoder and the estimator are separate Triton models reached by BLS
 (``bls``), so the same repository runs ONNX Runtime models on CPU hosts and TensorRT plans on GPU hosts.
 
 Everything but the stub's own is ``s3flow.serving.solver_instance.SolverInstance`` (its settings, engine, session,
@@ -60,18 +62,18 @@ class TritonPythonModel(TritonModel):
         tokens = by_name(REQUEST)["speech_tokens"]
         slots = SlotRelease(self.name, lambda: [pb_utils.Tensor(tokens.name, np.zeros((1, 0), tokens.np_dtype))],
                             log=self.logger.log_verbose)
-        decoupled = bool(self.config.get("model_transaction_policy", {}).get("decoupled", False))
         instances = sum(int(g.get("count", 1)) for g in self.config.get("instance_group", [])) or 1
         saved = SavedPrice.beside(self.args["model_repository"], instance, device_name(self.instance_kind, device_id),
                                   log=self.logger.log_warn) if p.bool("keep_price", True) else None
         self.solver = SolverInstance(p, self.name, instance, self.encoder, self.estimator, self.metrics.publish, slots,
-                                     self.queue_delay_s, decoupled, int(self.config.get("max_batch_size", 1)),
+                                     self.queue_delay_s, int(self.config.get("max_batch_size", 1)),
                                      log=self._log, instances=instances, saved=saved)
 
     def _log(self, level: str, message: str) -> None:
         getattr(self.logger, f"log_{level}")(message)
 
-    def _incoming(self, request) -> Incoming:
+    def _incoming(self, request, arrived: float) -> Incoming:
+        """The request as the solver takes it, its ``send`` making and sending its one response."""
         c = read_controls(request)
         # the ensembles' first step (admission) refused a bad tenant already; called directly, a bad one owns no
         # voice (the sentinel cannot be a tenant's name)
@@ -79,35 +81,35 @@ class TritonPythonModel(TritonModel):
             tenant = tenant_of(request.parameters()) if c.start else ""
         except RequestError:
             tenant = "!invalid"
-        return Incoming(corr_id=c.corr_id, start=c.start, end=c.end, inputs=input_arrays(request, REQUEST),
-                        ready=c.ready, is_cancelled=request.is_cancelled, tenant=tenant,
-                        to_vocoder=_SEED.name in request.requested_output_names())
+        incoming = Incoming(corr_id=c.corr_id, start=c.start, end=c.end, inputs=input_arrays(request, REQUEST),
+                            ready=c.ready, is_cancelled=request.is_cancelled, tenant=tenant,
+                            to_vocoder=_SEED.name in request.requested_output_names(), arrived=arrived)
+        sender = request.get_response_sender()
+        incoming.send = lambda o: sender.send(self._response(o, incoming), flags=getattr(pb_utils, _FINAL))
+        return incoming
 
     def _own(self, incoming: Incoming, request) -> bool:
         """An empty slot of the direct strategy, or the END our slot release sent (``slots``): answered empty."""
         return not incoming.ready or self.solver.slots.is_release(incoming.corr_id, incoming.end, request.parameters())
 
     def execute(self, requests):
-        incoming = [self._incoming(r) for r in requests]
-        own = [self._own(i, r) for i, r in zip(incoming, requests)]
-        theirs = [(i, r) for i, r, mine in zip(incoming, requests, own) if not mine]
-        if self.solver.stepped is not None:   # deadline: each answered through its sender, from the step loop
-            for request in (r for r, mine in zip(requests, own) if mine):
-                request.get_response_sender().send(empty_response(), flags=getattr(pb_utils, _FINAL))
-            self.solver.submit((i, self._sender(i, r), self.solver.book.clock()) for i, r in theirs)
-            return None
-        started = self.solver.book.begin()
-        trace = getattr(requests[0], "trace", None)   # Triton's tracing on: the BLS calls are its first request's
+        """Each request answered through its sender: the model's own at once (empty), the rest by the solver."""
+        arrived = self.solver.book.clock()
+        theirs, traced = [], None
+        for request in requests:
+            incoming = self._incoming(request, arrived)
+            if self._own(incoming, request):
+                incoming.send(Outcome())
+            else:
+                theirs.append(incoming)
+                traced = traced or request
+        # Triton's tracing on: fifo's BLS calls are those of the first request the solver takes (made on this
+        # thread before any of its answers goes: a call under a finished request's trace crashes tritonserver)
+        trace = getattr(traced, "trace", None)
         trace = trace() if trace is not None else None
         with self.encoder.traced(trace), self.estimator.traced(trace):
-            handled = iter(self.solver.handle([i for i, _ in theirs]))
-        responses = [empty_response() if mine else self._response(next(handled), i) for i, mine in zip(incoming, own)]
-        self.solver.book.end(started)  # s3flow_chunk_seconds etc. of the chunks answered
-        return responses
-
-    def _sender(self, incoming: Incoming, request):
-        sender = request.get_response_sender()
-        return lambda o: sender.send(self._response(o, incoming), flags=getattr(pb_utils, _FINAL))
+            self.solver.submit(theirs)
+        return None
 
     def _response(self, o: Outcome, incoming: Incoming):
         if o.error is not None:
