@@ -223,9 +223,12 @@ def test_the_solver_reads_every_request_tensor_of_the_contract():
     assert sorted(incoming.inputs) == sorted(contract.names(contract.REQUEST))
     assert incoming.arrived == 1.5
     assert not incoming.to_vocoder, "token2mel asks for no seed: its answers end at the client"
-    incoming.send(Outcome())
+    model._sender(request, incoming)(Outcome())
     [(response, flags)] = request.sent
-    assert flags == 1 and response.error is None, "its one answer goes out through its sender, COMPLETE_FINAL"
+    assert flags == 1 and response.error is None, "deadline: its one answer goes through its sender, COMPLETE_FINAL"
+    responses = [None, None]
+    model._collector(responses, 1, incoming)(Outcome())
+    assert responses[0] is None and responses[1].error is None, "fifo: its answer fills its place in execute's list"
     request.outputs = ("mel", "frame_offset", "seed")
     assert model._incoming(request, 0.0).to_vocoder, "token2wav's solver step passes the seed on to the vocoder"
     request.params = '{"s3flow-tenant": "not a tenant"}'   # called directly, past admission: owns no voice

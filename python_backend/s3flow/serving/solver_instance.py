@@ -1,7 +1,8 @@
 """One ``cfm_solver`` instance around its engine, without Triton: what it is built of, its one way in and one way out.
 
 The python model (``s3flow.serving.triton_models.cfm_solver``) turns each request into an :class:`Incoming` whose
-``send`` makes and sends its response, and gives this class what only the stub has: the encoder and estimator over
+``send`` makes its response and hands it to Triton (``fifo``: in the list ``execute`` returns; ``deadline``:
+through the request's response sender), and gives this class what only the stub has: the encoder and estimator over
 BLS, the metrics' publisher, the slot release (``slots.SlotRelease``) and its logger. Everything else is here:
 
 * **built once from the parameters**: the settings (``SolverSettings``, the scheduling mode beside them), the

@@ -1,12 +1,13 @@
 """The ``cfm_solver`` python-backend model: the Triton side of the streaming solver.
 
 Sequence batching (strategy ``oldest``) routes every chunk of an utterance (one correlation id) here; the control
-inputs START / END / READY / CORRID arrive as tensors. Every request is answered through its response sender
-(COMPLETE_FINAL; not decoupled: the python backend, since 24.06, lets a model answer so either way, and unary
-``ModelInfer`` still reaches it), in one of two schedulings (the ``scheduling`` parameter): ``fifo``, each
-``execute`` solving its batch of chunks whole before it returns, or ``deadline``: ``execute`` queues each request
-and returns, and the step loop answers it (docs/scheduling.md). Both run the one solving loop
-(``s3flow.engine.step_loop``). The encoder and the estimator are separate Triton models reached by BLS
+inputs START / END / READY / CORRID arrive as tensors. The solver answers each request once through the ``send`` it
+is handed in with, and the scheduling (the ``scheduling`` parameter) decides where a send goes: ``fifo``, each
+``execute`` solving its batch of chunks whole, collects the responses and returns them (one message back to
+Triton for the batch: answering each through its response sender cost a round trip more per chunk); ``deadline``,
+``execute`` queuing each request and returning, sends each through the request's response sender from the step
+loop (COMPLETE_FINAL; not decoupled: the python backend, since 24.06, lets a model answer so either way, and unary
+``ModelInfer`` still reaches it; docs/scheduling.md). Both run the one solving loop (``s3flow.engine.step_loop``). The encoder and the estimator are separate Triton models reached by BLS
 (``bls``), so the same repository runs ONNX Runtime models on CPU hosts and TensorRT plans on GPU hosts.
 
 Everything but the stub's own is ``s3flow.serving.solver_instance.SolverInstance`` (its settings, engine, session,
@@ -73,7 +74,7 @@ class TritonPythonModel(TritonModel):
         getattr(self.logger, f"log_{level}")(message)
 
     def _incoming(self, request, arrived: float) -> Incoming:
-        """The request as the solver takes it, its ``send`` making and sending its one response."""
+        """The request as the solver takes it (its ``send`` is the scheduling's: :meth:`execute`)."""
         c = read_controls(request)
         # the ensembles' first step (admission) refused a bad tenant already; called directly, a bad one owns no
         # voice (the sentinel cannot be a tenant's name)
@@ -81,35 +82,45 @@ class TritonPythonModel(TritonModel):
             tenant = tenant_of(request.parameters()) if c.start else ""
         except RequestError:
             tenant = "!invalid"
-        incoming = Incoming(corr_id=c.corr_id, start=c.start, end=c.end, inputs=input_arrays(request, REQUEST),
-                            ready=c.ready, is_cancelled=request.is_cancelled, tenant=tenant,
-                            to_vocoder=_SEED.name in request.requested_output_names(), arrived=arrived)
+        return Incoming(corr_id=c.corr_id, start=c.start, end=c.end, inputs=input_arrays(request, REQUEST),
+                        ready=c.ready, is_cancelled=request.is_cancelled, tenant=tenant,
+                        to_vocoder=_SEED.name in request.requested_output_names(), arrived=arrived)
+
+    def _sender(self, request, incoming: Incoming):
+        """A send through the request's response sender (``deadline``)."""
         sender = request.get_response_sender()
-        incoming.send = lambda o: sender.send(self._response(o, incoming), flags=getattr(pb_utils, _FINAL))
-        return incoming
+        return lambda o: sender.send(self._response(o, incoming), flags=getattr(pb_utils, _FINAL))
+
+    def _collector(self, responses: list, k: int, incoming: Incoming):
+        """A send into ``responses[k]``, returned from ``execute`` (``fifo``)."""
+        return lambda o: responses.__setitem__(k, self._response(o, incoming))
 
     def _own(self, incoming: Incoming, request) -> bool:
         """An empty slot of the direct strategy, or the END our slot release sent (``slots``): answered empty."""
         return not incoming.ready or self.solver.slots.is_release(incoming.corr_id, incoming.end, request.parameters())
 
     def execute(self, requests):
-        """Each request answered through its sender: the model's own at once (empty), the rest by the solver."""
+        """Each request answered once through its send: the model's own at once (empty), the rest by the solver;
+        ``fifo``'s sends fill the responses returned, ``deadline``'s go through the response senders."""
         arrived = self.solver.book.clock()
+        fifo = self.solver.loop is None
+        responses = [None] * len(requests)
         theirs, traced = [], None
-        for request in requests:
+        for k, request in enumerate(requests):
             incoming = self._incoming(request, arrived)
+            incoming.send = self._collector(responses, k, incoming) if fifo else self._sender(request, incoming)
             if self._own(incoming, request):
                 incoming.send(Outcome())
             else:
                 theirs.append(incoming)
                 traced = traced or request
-        # Triton's tracing on: fifo's BLS calls are those of the first request the solver takes (made on this
-        # thread before any of its answers goes: a call under a finished request's trace crashes tritonserver)
+        # Triton's tracing on: fifo's BLS calls are those of the first request the solver takes (a call under a
+        # finished request's trace crashed tritonserver: the model's own are answered at once under deadline)
         trace = getattr(traced, "trace", None)
         trace = trace() if trace is not None else None
         with self.encoder.traced(trace), self.estimator.traced(trace):
             self.solver.submit(theirs)
-        return None
+        return responses if fifo else None
 
     def _response(self, o: Outcome, incoming: Incoming):
         if o.error is not None:
