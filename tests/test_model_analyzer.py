@@ -36,9 +36,11 @@ def test_model_analyzer_completes_a_small_search_of_the_solver_and_its_composing
     out = tmp_path / "model_analyzer.md"
     temp_before = set(Path(tempfile.gettempdir()).iterdir())
     # (the repository's own configuration is measured first at 2 x instances x max batch size streams: one of each
-    # model and batches of 2 keep that at 4)
+    # model and batches of 2 keep that at 4; windows stable within 100 %: the test is that the search completes and
+    # measures, and at 50 % a loaded host's noise made Model Analyzer measure again and again: 103-253 s under two
+    # pytest workers, 84 s alone)
     assert model_analyzer.main(["profile", "--max-concurrency", "1", "--max-instances", "1", "--max-batch-size", "1",
-                                "--window-requests", "8", "--stability-percentage", "50", "--no-compare", "--no-concurrency-sweep", "--out", str(out), "--timeout-s", "480",
+                                "--window-requests", "8", "--stability-percentage", "100", "--no-compare", "--no-concurrency-sweep", "--out", str(out), "--timeout-s", "480",
                                 "--build=--solver-instances 1 --estimator-instances 1 --max-batch-size 2"]) == 0
     rows = re.findall(r"^\| (\d) solver, (\d) encoder, (\d) estimator instances, max batch (\d+) \| (\d+) \| "
                       r"([\d.]+) \| (\d+) \|$", out.read_text(), re.M)
