@@ -205,9 +205,10 @@ class Delivery(Observer):
     (``vocoded`` counts: the vocoder counts its answers from each START). The solver instance counts what it sent
     on (:meth:`answered`); an Observer of its sequence table, a stream's count goes with its state.
 
-    An answer never vocoded is on its way no more when the vocoder that holds the stream has been seen free
-    ``slack_s`` after it was sent (``vocoder_free_at``, from the vocoder's load report: a free instance takes what
-    is queued for it; the ensemble drops an answer whose client went, its request cancelled), or when it was sent
+    An answer never vocoded is on its way no more when the vocoder that holds the stream has been seen with nothing
+    queued for it ``slack_s`` after it was sent (``vocoder_free_at``, from the vocoder's load report: the start of a
+    batch smaller than its max, or an idle spell, ``VocoderInstance.free_at``; the ensemble drops an answer whose
+    client went, its request cancelled), or when it was sent
     before the vocoder serving now was made (``vocoders_since``: it died with its stub), or ``max_transit_s`` on.
     """
 

@@ -45,14 +45,18 @@ from s3flow.serving.warmup import calibrate_vocoder, warm_up_vocoder
 READ_EVERY_S, PENDING_EVERY_S = 1.0, 0.25
 #: how long the calibration waits for the solver instances' own (they load the same cores), and how often it looks
 CALIBRATION_WAIT_S, CALIBRATION_POLL_S = 30.0, 0.1
+#: how long an instance that finished a batch must stay without one before it counts as free with nothing queued
+#: (Triton hands an idle instance what is queued for it at once, queue delay 0: milliseconds, more on a starved host)
+DISPATCH_S = 0.25
 
 
 class VocoderInstance(Observer):
     """One vocoder instance (module docstring); the observer of its table's drops."""
 
     def __init__(self, params: Params, name: str, instance: str, stream: VocoderStream, publish: Publish, slots,
-                 log: Callable[[str, str], None] = lambda level, message: None, saved=None):
-        """``saved``: its ``s3flow.serving.saved_price.SavedPrice`` (None: keeps none), read now, written at close."""
+                 log: Callable[[str, str], None] = lambda level, message: None, saved=None, max_batch: int = 1):
+        """``saved``: its ``s3flow.serving.saved_price.SavedPrice`` (None: keeps none), read now, written at close;
+        ``max_batch``: the model's ``max_batch_size`` (a batch smaller than it took everything queued)."""
         self.name, self.stream, self.publish_metric, self.slots, self.log = name, stream, publish, slots, log
         # its share of the device for admission by capacity (s3flow.serving.load): every push timed, one call each
         model = CapacityModel(max_batch=1, duty_prior=None)
@@ -71,9 +75,10 @@ class VocoderInstance(Observer):
         # every answer counted (one vocoder instance: the sole writer keeps its counts in memory)
         self.vocoded = ArrivalMarks(ArrivalMarks.default_folder("vocoded"))
         self.awaiting_audio: dict[int, float] = {}   # corr id -> START arrival (wall clock), until its first sound
-        # when it was last seen free (its report's ``free_at``): now between batches, else the last batch's end
-        # (the reaper's thread publishes while a batch runs too)
-        self.busy, self.last_free = False, time.time()
+        # when it was last seen with nothing queued for it (its report's ``free_at``, :meth:`free_at`)
+        self.max_batch = max(1, int(max_batch))
+        self.busy, self.drained_at = False, time.time()
+        self.batch_ended = self.drained_at
         if params.bool("warmup", True):  # s3flow.serving.warmup: a throw-away state, no table entry
             log("info", warm_up_vocoder(stream).describe())
         self.publish()
@@ -112,17 +117,32 @@ class VocoderInstance(Observer):
             return b""
         return snapshots.make(state, snapshots.key.seal(BOUND_TO, pack({}, {})))
 
-    def batch(self, requests: Callable[[], list]) -> list:
-        """One ``execute``: idle streams evicted first, ``requests()`` (each through :meth:`handle`), then one
-        report of the load (it reads every instance's report: once per batch, not per request)."""
+    def batch(self, requests: Callable[[], list], count: int = 1) -> list:
+        """One ``execute`` of ``count`` requests: idle streams evicted first, ``requests()`` (each through
+        :meth:`handle`), then one report of the load (it reads every instance's report: once per batch, not per
+        request)."""
+        began = time.time()
         self.table.evict_idle()
         self.busy = True
+        if count < self.max_batch:   # Triton's batcher (queue delay 0) took all it held, one request a stream
+            self.drained_at = began
         try:
             with self.device:
                 return requests()
         finally:
-            self.busy, self.last_free = False, time.time()
+            self.busy, self.batch_ended = False, time.time()
             self.publish()
+
+    def free_at(self) -> float:
+        """When it was last seen with nothing queued for it: now, once it has been without a batch ``DISPATCH_S``;
+        else the start of its last batch smaller than its max batch. Not the end of its last batch: with more
+        streams' answers queued than one batch takes, it runs batch after batch and is free between them with
+        answers still queued (an answer the solver sent on then looked dropped on its way, and its stream went
+        idle while it waited: 2 of 32 token2wav streams at overload under two pytest workers)."""
+        now = time.time()
+        if not self.busy and now - self.batch_ended >= DISPATCH_S:
+            return now
+        return self.drained_at
 
     def handle(self, r: VocoderIncoming) -> VocoderOutcome:
         """One request (not the model's own slot-release END): its outcome; the stream's client hears of it now."""
@@ -166,7 +186,7 @@ class VocoderInstance(Observer):
         every ``READ_EVERY_S`` (admission's vocoder stage and ``Delivery`` read it; a second late moves neither
         much: ``Delivery`` frees a stream whose answer was dropped up to a second later)."""
         works = self.table.works()
-        load = self.load.publish(works, free_at=self.last_free if self.busy else time.time())
+        load = self.load.publish(works, free_at=self.free_at())
         if load is None:
             return
         self.publish_metric(VOCODER_LIVE, len(works), {})

@@ -55,7 +55,8 @@ class TritonPythonModel(TritonModel):
                                   device_name(self.instance_kind, self.device_id), log=self.logger.log_warn,
                                   models=VOCODER_PRICED) if p.bool("keep_price", True) else None
         self.vocoder = VocoderInstance(p, self.name, instance, stream, self.metrics.publish, slots,
-                                       log=lambda level, m: getattr(self.logger, f"log_{level}")(m), saved=saved)
+                                       log=lambda level, m: getattr(self.logger, f"log_{level}")(m), saved=saved,
+                                       max_batch=int(self.config.get("max_batch_size", 1)))
 
     def _empty_end(self) -> list:
         """The inputs of the END that frees a dropped stream's slot (``SlotRelease``)."""
@@ -63,7 +64,7 @@ class TritonPythonModel(TritonModel):
                 pb_utils.Tensor(_FRAME_OFFSET, np.zeros((1, 1), np.int64))]
 
     def execute(self, requests):
-        return self.vocoder.batch(lambda: super(TritonPythonModel, self).execute(requests))
+        return self.vocoder.batch(lambda: super(TritonPythonModel, self).execute(requests), len(requests))
 
     def respond(self, request):
         c = read_controls(request)
