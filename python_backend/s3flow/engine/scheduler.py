@@ -2,7 +2,8 @@
 
 The mechanism (``s3flow.engine.stepping``: one estimator call over the rows of any in-flight solves; the loop,
 ``s3flow.engine.step_loop``) lets every step carry a different set of chunks. This module only chooses the set,
-from what it is told of each chunk in flight (a :class:`Candidate`) and a cost per step; it knows nothing of
+from what it is told of each chunk in flight (a :class:`Candidate`, or anything with its fields: the step loop hands
+it its flights) and a cost per step; it knows nothing of
 tensors, Triton or how a step is run (as vLLM's scheduler sits beside its engine and workers). The served solver
 and the simulator (``s3flow_tools.sim``, the step loop itself on a virtual clock) run the same :func:`pick`.
 

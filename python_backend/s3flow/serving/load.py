@@ -94,8 +94,9 @@ class LoadReport:
     #: when the writer's instance was made (wall clock): a vocoder made after a solver's answer was sent on never
     #: got that answer (its stub died with it and was reloaded, ``s3flow.serving.arrivals.Delivery``)
     started: float = 0.0
-    #: a vocoder's: the last time it was seen free, between batches (wall clock; 0: never): an answer the solver
-    #: sent on well before then reached it or never will (its client cancelled it in the ensemble: ``Delivery``)
+    #: a vocoder's: the last time it was seen with nothing queued for it (``VocoderInstance.free_at``; wall clock;
+    #: 0: never): an answer the solver sent on well before then reached it or never will (its client cancelled it in
+    #: the ensemble: ``Delivery``)
     free_at: float = 0.0
 
     #: what prices an instance's work (the rest is its own streams and life)
