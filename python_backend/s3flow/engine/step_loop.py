@@ -27,11 +27,11 @@ Each iteration:
 
 The one outcome of a chunk (its :class:`Flight`, handed back answered) is its result, or its failure's cause with
 the chunk already rolled back (``SequenceTable.rollback``: a START's new state goes, a later chunk's state is as
-before it): the caller only maps causes to answers. The step cost the slack and the fewer steps use is the instance's measurement of its
-work (``costs``: ``s3flow.engine.capacity.CapacityModel.costs``, what admission and the gauge price with too); each
-stream's deadline is its playback clock's, kept by the engine's sequence table (``s3flow.engine.playback``), and
-"now" is the table's clock. Whoever drives the loop reports its busy time (``worked``): the deadline thread per
-iteration, the ``fifo`` solver per ``execute``.
+before it): the caller only maps causes to answers. The step cost the slack and the fewer steps use is the
+instance's measurement of its work (``costs``: ``s3flow.engine.capacity.CapacityModel.costs``, what admission and
+the gauge price with too); each stream's deadline is its playback clock's, kept by the engine's sequence table
+(``s3flow.engine.playback``), and "now" is the table's clock. Whoever drives the loop reports its busy time
+(``worked``): the deadline thread per iteration, the ``fifo`` solver per ``execute``.
 
 Example (what a test or the solver's thread does)::
 

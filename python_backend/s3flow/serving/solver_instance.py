@@ -175,8 +175,8 @@ class SolverInstance:
             except Exception as exc:   # a bug: every request still gets its one answer
                 outcomes = [failed_outcome(i.corr_id, f"{self.name}: sequence {i.corr_id}: {type(exc).__name__}: "
                                                       f"{exc}", INTERNAL, Disposition.FAIL) for i in batch]
-            for i, o in zip(batch, outcomes):
-                self._answer(i, o)
+            for i, o in zip(batch, outcomes):   # (the load went out when the batch was solved: _took)
+                self._answer(i, o, publish=False)
             return
         with self._cond:
             for incoming in batch:
@@ -190,14 +190,16 @@ class SolverInstance:
             self._cond.notify_all()
         self._took(batch)   # (queued here: _pending covers them)
 
-    def _answer(self, incoming: Incoming, o: Outcome) -> None:
+    def _answer(self, incoming: Incoming, o: Outcome, publish: bool = True) -> None:
         """A request's one answer goes out: counted for ``Delivery`` where it goes on to the vocoder, sent, its
-        chunk's seconds from arrival to answer published (``s3flow_chunk_seconds``), the load report updated."""
+        chunk's seconds from arrival to answer published (``s3flow_chunk_seconds``), the load report updated
+        (``publish``)."""
         if o.result is not None and not incoming.end and incoming.to_vocoder:
             self.delivery.answered(incoming.corr_id, incoming.start)
         incoming.send(o)
         self.book.flush(self.book.clock() - incoming.arrived)
-        self.publish()
+        if publish:
+            self.publish()
 
     # -- fifo: a batch, solved whole ---------------------------------------------------------------------
     def _solve_whole(self, batch: list[Incoming]) -> list[Outcome]:

@@ -14,7 +14,7 @@ in a thread once the solver instances have priced their work, between two served
 Example (what the model does)::
 
     vocoder = VocoderInstance(params, "vocoder", "vocoder_0", stream, metrics.publish, slots)
-    responses = vocoder.batch(lambda: [answer(r) for r in requests])   # answer: vocoder.handle(VocoderIncoming(...))
+    responses = vocoder.batch(lambda: [answer(r) for r in requests], len(requests))   # answer: vocoder.handle(...)
     vocoder.close()
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ class VocoderInstance(Observer):
             return b""
         return snapshots.make(state, snapshots.key.seal(BOUND_TO, pack({}, {})))
 
-    def batch(self, requests: Callable[[], list], count: int = 1) -> list:
+    def batch(self, requests: Callable[[], list], count: int) -> list:
         """One ``execute`` of ``count`` requests: idle streams evicted first, ``requests()`` (each through
         :meth:`handle`), then one report of the load (it reads every instance's report: once per batch, not per
         request)."""
