@@ -120,7 +120,9 @@ def test_load_test_help_has_a_runnable_example():
 def test_memory_comes_back_after_a_long_utterance(server):
     """One 1,490-token utterance sent as one chunk (the largest request the limits allow) once raised the
     server from 0.83 to 1.75 GiB for good (ONNX Runtime's arena and memory-pattern cache, glibc's heap).
-    Bound: within 10 % of the level before it, measured over the server and its stubs."""
+    Bound: within 15 % of the level before it, measured over the server and its stubs (2026-12-07, on the code
+    before and after issue 49's serving object alike: 1.09-1.107x here, where 10 % had held on earlier hosts; the
+    regression it guards against was 2.1x)."""
     from s3flow_client import StreamingClient
     from s3flow_client.demo import demo_utterance
 
@@ -138,4 +140,4 @@ def test_memory_comes_back_after_a_long_utterance(server):
     client.synthesize(short)
     after = server.rss_bytes()
     print(f"\nserver + stubs: {before / 2**30:.3f} GiB before, {after / 2**30:.3f} GiB after a 1,490-token chunk")
-    assert after <= 1.10 * before
+    assert after <= 1.15 * before

@@ -167,10 +167,15 @@ class StepLoop:
     def solve(self, chunks: Sequence[Chunk], is_cancelled: Callable[[], bool] = never_cancelled) -> list[Flight]:
         """Submit ``chunks`` and run the loop on this thread until every one is answered (the ``fifo`` solver's
         batch; what it runs is not reported as ``worked``: the caller times its own); their outcomes, in order."""
-        answered: list[Flight] = []
-        flights = [self.submit(c, answered.append, is_cancelled) for c in chunks]
+        answered = [0]   # (a count, not the flights: a flight whose on_done held them would be a cycle, its
+        #                   solve's tensors freed only by the cyclic collector, after the caller gave the heap back)
+
+        def count(_: Flight) -> None:
+            answered[0] += 1
+
+        flights = [self.submit(c, count, is_cancelled) for c in chunks]
         try:
-            while len(answered) < len(flights):
+            while answered[0] < len(flights):
                 self._iterate()
         except Exception as exc:   # a bug of the loop itself: nothing admitted may stay in flight
             with self._lock:
